@@ -1,0 +1,165 @@
+"""The ``drafter`` command: one subcommand per stage in ``jobs.STAGES``, plus ``run``, ``tiny``,
+``bench`` and ``config``.
+
+Every stage subcommand takes ``--config FILE`` (default ``configs/tiny.yaml`` when present, else the
+built-in defaults, which are the same tiny setup) and any number of ``key.path=value`` overrides, e.g.
+``drafter generate generate.max_new_tokens=64 mlflow.experiment=dev``. ``--help`` on a stage lists
+every option with its type, default and the documentation written under the config field. Heavy
+libraries are imported only inside the commands, so ``drafter --help`` answers at once. Errors a user
+can cause print as one clear message (exit code 2), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from jobs import STAGES
+
+DEFAULT_CONFIG = Path("configs/tiny.yaml")
+STAGE_SECTIONS = ("workdir", "target", "mlflow")
+
+
+def _options_help(stage: str | None) -> str:
+    from pipeline.config import describe
+    from pipeline.configs import PipelineConfig
+
+    rows = [r for r in describe(PipelineConfig)
+            if stage is None or r[0].split(".")[0] in (*STAGE_SECTIONS, stage)]
+    width = max(len(r[0]) for r in rows)
+    lines = ["options (set in the YAML or override as key=value):"]
+    for key, tp, default, doc in rows:
+        lines.append(f"  {key:<{width}}  {tp} = {default}")
+        if doc:
+            lines.append(f"  {'':<{width}}    {doc}")
+    return "\n".join(lines)
+
+
+class _LazyHelp(argparse.ArgumentParser):
+    """Builds the option table only when ``--help`` is actually asked for (keeps startup fast)."""
+
+    stage_name: str | None = None
+
+    def format_help(self) -> str:
+        self.epilog = _options_help(self.stage_name)
+        return super().format_help()
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None,
+                        help=f"YAML config (default: {DEFAULT_CONFIG} if it exists, else built-in defaults)")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="drafter",
+        description="Train, calibrate, validate and register drafter artifacts for speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_LazyHelp)
+    for stage in STAGES:
+        p = sub.add_parser(stage, help=f"run stage {stage!r} alone (its upstream stages are reused or built)",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.stage_name = stage  # type: ignore[attr-defined]
+        _add_config_args(p)
+    p = sub.add_parser("run", help="run every stage in order and print a summary",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)}")
+    p = sub.add_parser("config", help="print the resolved config (after overrides) as YAML",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p = sub.add_parser("tiny", help="build the tiny-model kit (tokenizers, target, drafters) used by the defaults")
+    p.add_argument("--profile", default="default", help="kit profile: default (~10 min) or test (~2 min)")
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run")
+    p.add_argument("what", choices=["count"], help="count: vectorised counting vs collections.Counter")
+    p.add_argument("--tokens", type=int, default=2_000_000, help="synthetic calibration tokens")
+    p.add_argument("--calibration", default=None, help="a calibration artifact to count instead")
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    from pipeline.configs import load_config
+
+    path = args.config
+    if path is None and DEFAULT_CONFIG.is_file():
+        path = DEFAULT_CONFIG
+    return load_config(path, args.overrides)
+
+
+def _summary(cfg, artifacts: dict) -> str:
+    from pipeline.tracking import redact, tracking_uri
+
+    lines = ["", "summary", "-------"]
+    for stage, art in artifacts.items():
+        keys = [k for k in ("rows", "assistant_tokens", "tokens_per_s", "tokens_counted", "distinct_tokens")
+                if k in art.metrics]
+        figures = ", ".join(f"{k}={art.metrics[k]}" for k in keys)
+        lines.append(f"{stage:<10} {art.id}  {figures}")
+        lines.append(f"{'':<10} {art.path}")
+    uri = tracking_uri(cfg.mlflow, cfg.workdir_path)
+    lines.append(f"MLflow runs: experiment {cfg.mlflow.experiment!r} at {redact(uri)}")
+    if uri.startswith("sqlite:"):
+        lines.append(f"  browse them with: mlflow ui --backend-store-uri {uri}")
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    if args.command == "config":
+        import yaml
+
+        from pipeline.config import to_dict
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
+    if args.command in STAGES:
+        artifact = importlib.import_module(f"jobs.{args.command}").main(cfg)
+        if artifact is not None:
+            print(_summary(cfg, {args.command: artifact}))
+        return 0
+    wanted = STAGES if not args.stages else tuple(s.strip() for s in args.stages.split(","))
+    unknown = [s for s in wanted if s not in STAGES]
+    if unknown:
+        from pipeline.errors import DrafterError
+
+        raise DrafterError(f"Unknown stage(s) {unknown}.", expected=f"some of {list(STAGES)}")
+    artifacts = {}
+    for stage in STAGES:
+        if stage in wanted:
+            artifact = importlib.import_module(f"jobs.{stage}").main(cfg)
+            if artifact is not None:
+                artifacts[stage] = artifact
+    if artifacts:
+        print(_summary(cfg, artifacts))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pipeline.errors import DrafterError
+
+    try:
+        if args.command == "tiny":
+            from pipeline.tiny import build_kit
+
+            kit = build_kit(args.profile, force=args.force, log=lambda m: print(m, file=sys.stderr))
+            print(json.dumps({"root": str(kit.root), "kit_hash": kit.kit_hash, **kit.report}, indent=2,
+                             default=str))
+            return 0
+        if args.command == "bench":
+            from pipeline.bench import bench_count
+
+            print(bench_count(tokens=args.tokens, calibration=args.calibration))
+            return 0
+        return _run(args)
+    except DrafterError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

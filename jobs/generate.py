@@ -1,0 +1,195 @@
+"""Stage ``generate``: the calibration set — the target (or a drafter) answering prompts, as Arrow.
+
+Run alone with ``drafter generate --config configs/tiny.yaml``. Prompts come from a packaged or user
+dataset (held-out conversations excluded, so ``evaluate`` never sees them); each is cut to its first
+user turn and rendered with the chat template. A Lightning ``predict`` loop answers them in batches
+(left padding, KV cache, temperature/top-p), one *shard* of prompts per predict step. Shards are
+dealt to ranks round-robin and each is written atomically when complete, so a killed run restarted
+with the same config skips finished shards and ends with exactly the rows of an uninterrupted run.
+Shard ``i`` samples with seed ``seed + i``: the rows do not depend on how many ranks ran.
+``kind: raw`` stores the dataset's own assistant turns instead (no model runs), for comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from pipeline.configs import GenerateConfig, PipelineConfig
+from pipeline.data.calibration import (chunks, encode_prompt, first_prompt, raw_row, read_shard,
+                                       shard_files, shard_name, write_shard)
+from pipeline.data.sources import Conversation, load_conversations, split_heldout
+from pipeline.errors import DrafterError
+from pipeline.models import fingerprint, load_tokenizer
+from pipeline.stage import BuildResult, StageRun, run_stage
+from pipeline.artifacts import Artifact
+
+KIND = "calibration"
+
+
+def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict]:
+    """The calibration conversations: the source minus its held-out share, capped at ``limit``."""
+    convs, report = load_conversations(gen.source)
+    train = split_heldout(convs, gen.heldout_fraction, heldout=False)
+    if gen.limit is not None:
+        train = train[: gen.limit]
+    if not train:
+        raise DrafterError(f"No conversations left from {gen.source!r} after the held-out split.",
+                           expected="at least one conversation", found=f"{len(convs)} read, 0 kept",
+                           fix="Use a larger dataset or lower generate.heldout_fraction.")
+    return train, {"source_records_read": report.records_read, "source_records_dropped": report.records_dropped}
+
+
+def _generator_model(cfg: PipelineConfig) -> str:
+    return cfg.generate.drafter if cfg.generate.kind == "drafter" else cfg.target.model
+
+
+def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pending: list[int], staging: Path):
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from pipeline.models import load_model
+
+    gen = cfg.generate
+
+    class GenerateModule(L.LightningModule):
+        """Answers one shard of prompts per predict step and writes it atomically."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            name = _generator_model(cfg)
+            self.tokenizer = load_tokenizer(name, cfg.target.revision if name == cfg.target.model else None,
+                                            trust_remote_code=cfg.target.trust_remote_code)
+            self.lm = load_model(name, cfg.target.revision if name == cfg.target.model else None,
+                                 dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code)
+            self.generated_tokens = 0
+            self.generate_seconds = 0.0
+
+        def predict_dataloader(self) -> DataLoader:
+            mine = pending[self.global_rank :: self.trainer.world_size]
+            return DataLoader(mine, batch_size=1, collate_fn=lambda b: b[0])
+
+        @torch.inference_mode()
+        def predict_step(self, shard: int, batch_idx: int) -> int:
+            items = prompts[shard * gen.shard_size : (shard + 1) * gen.shard_size]
+            torch.manual_seed(gen.seed + shard)
+            rows, start = [], time.perf_counter()
+            for _, batch in chunks(items, gen.batch_size):
+                rows += self._answer(batch)
+            self.generate_seconds += time.perf_counter() - start
+            write_shard(staging / shard_name(shard), rows)
+            return len(rows)
+
+        def _answer(self, batch: list[tuple[str, list[int]]]) -> list[dict]:
+            tok = self.tokenizer
+            pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            width = max(len(ids) for _, ids in batch)
+            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch], device=self.device)
+            attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch],
+                                     device=self.device)
+            sampling = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} \
+                if gen.temperature > 0 else {"do_sample": False}
+            out = self.lm.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=gen.max_new_tokens,
+                                   pad_token_id=pad, eos_token_id=tok.eos_token_id, **sampling)
+            rows = []
+            for (pid, ids), seq in zip(batch, out[:, width:].tolist()):
+                response, finished = [], False
+                for t in seq:
+                    response.append(t)
+                    if t == tok.eos_token_id:
+                        finished = True
+                        break
+                self.generated_tokens += len(response)
+                rows.append({"input_ids": ids + response, "loss_mask": [0] * len(ids) + [1] * len(response),
+                             "prompt_id": pid, "prompt_len": len(ids), "response_len": len(response),
+                             "finished": finished})
+            return rows
+
+    return GenerateModule()
+
+
+def _devices(devices: int | str) -> int | str:
+    return int(devices) if isinstance(devices, str) and devices.isdigit() else devices
+
+
+def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
+    gen = cfg.generate
+    convs, source_report = select_conversations(gen)
+    name = _generator_model(cfg)
+    tokenizer = load_tokenizer(name, trust_remote_code=cfg.target.trust_remote_code)
+    if gen.kind == "raw":
+        prompts = [(c.id, c) for c in convs]
+    else:
+        prompts = [(c.id, encode_prompt(tokenizer, msgs, gen.max_prompt_tokens))
+                   for c in convs if (msgs := first_prompt(c)) is not None]
+    n_shards = (len(prompts) + gen.shard_size - 1) // gen.shard_size
+    done = {p.name for p in shard_files(run.staging)}
+    pending = [i for i in range(n_shards) if shard_name(i) not in done]
+    run.log(f"{len(prompts)} prompts in {n_shards} shards; {n_shards - len(pending)} already done (resumed)")
+    started = time.perf_counter()
+    generated, gen_seconds = 0, 0.0
+    if gen.kind == "raw":
+        for shard in pending:
+            rows = [r for _, c in prompts[shard * gen.shard_size : (shard + 1) * gen.shard_size]
+                    if (r := raw_row(tokenizer, c, gen.max_prompt_tokens + gen.max_new_tokens)) is not None]
+            write_shard(run.staging / shard_name(shard), rows)
+    elif pending:
+        import lightning as L
+
+        module = _make_module(cfg, prompts, pending, run.staging)
+        trainer = L.Trainer(accelerator=gen.accelerator, devices=_devices(gen.devices), num_nodes=gen.num_nodes,
+                            logger=False,
+                            enable_checkpointing=False, use_distributed_sampler=False,
+                            enable_model_summary=False)
+        trainer.predict(module, return_predictions=False)
+        trainer.strategy.barrier()
+        generated, gen_seconds = module.generated_tokens, module.generate_seconds
+        if not trainer.is_global_zero:
+            return None
+    files = shard_files(run.staging)
+    missing = n_shards - len(files)
+    if missing:
+        raise DrafterError(f"{missing} of {n_shards} calibration shards are missing after generation.",
+                           fix="Rerun the same command: finished shards are kept and only the rest run.")
+    tables = [read_shard(p) for p in files]
+    rows = sum(t.num_rows for t in tables)
+    assistant = sum(sum(m) for t in tables for m in t.column("loss_mask").to_pylist())
+    if rows == 0 or assistant == 0:
+        raise DrafterError(f"The calibration set from {gen.source!r} has no assistant tokens.",
+                           expected="conversations with assistant turns (kind=raw) or prompts to answer",
+                           found=f"{rows} rows, 0 assistant tokens",
+                           fix="Check the dataset's roles (user/assistant or human/gpt) or use kind=target.")
+    elapsed = time.perf_counter() - started
+    metrics = {"rows": rows, "shards": n_shards, "resumed_shards": n_shards - len(pending),
+               "assistant_tokens": assistant, "generated_tokens": generated,
+               "tokens_per_s": round(generated / gen_seconds, 1) if gen_seconds else 0.0,
+               "build_seconds": round(elapsed, 2), **source_report}
+    run.log(f"{rows} rows, {assistant} assistant tokens"
+            + (f", {metrics['tokens_per_s']} generated tokens/s" if generated else ""))
+
+    def write(out: Path) -> None:
+        # Hard links, not moves: if publishing fails the staged shards survive for the rerun.
+        (out / "data").mkdir()
+        for path in files:
+            try:
+                os.link(path, out / "data" / path.name)
+            except OSError:
+                shutil.copy2(path, out / "data" / path.name)
+
+    return BuildResult(write, metrics)
+
+
+def main(cfg: PipelineConfig) -> Artifact | None:
+    """Build (or reuse) the calibration set for ``cfg.target``."""
+    fp = fingerprint(cfg.target.model, cfg.target.revision, cfg.target.tokenizer, cfg.target.trust_remote_code)
+    if cfg.generate.kind == "drafter":
+        other = fingerprint(cfg.generate.drafter)  # type: ignore[arg-type]
+        if other["vocab_hash"] != fp["vocab_hash"]:
+            raise DrafterError("generate.kind=drafter needs a drafter that shares the target's tokenizer.",
+                               expected=f"vocab_hash {fp['vocab_hash'][:12]}", found=f"vocab_hash {other['vocab_hash'][:12]}",
+                               fix="Pick a same-tokenizer drafter, or use kind=target.")
+    return run_stage(cfg, stage="generate", kind=KIND, section=cfg.generate, fingerprint=fp, inputs=[],
+                     build=lambda run: _build(cfg, run))

@@ -1,0 +1,245 @@
+"""Artifacts: content-addressed directories with a verified manifest, written atomically.
+
+An artifact is a directory ``<store>/<id>/`` holding payload files (safetensors, Arrow, JSON, text —
+never pickle) and ``manifest.json``: kind, schema version, producing stage, resolved config, input
+artifact ids, target fingerprint, and every payload file with its sha256 and size. The id is a hash of
+(stage, config, input ids, fingerprint), so a rerun with unchanged inputs finds the finished directory
+and does no work. Writes go to a temporary sibling directory that is renamed into place only once
+complete, so a killed job never leaves a half artifact under a real id. Loading re-hashes every file and
+compares fingerprints, refusing a mismatch with an error that names both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import DrafterError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+# Payload formats that cannot execute code when read. `.pt` is allowed only for the SGLang token map,
+# which SGLang itself reads with torch.load(weights_only=True); we never read it back with pickle.
+SAFE_SUFFIXES = (".safetensors", ".arrow", ".parquet", ".json", ".jsonl", ".txt", ".html", ".md", ".pt",
+                 ".png", ".svg")
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def artifact_id(stage: str, config: Any, inputs: list[str], fingerprint: dict | None) -> str:
+    """Deterministic id: ``<stage>-<first 16 hex of sha256(stage, config, inputs, fingerprint)>``."""
+    payload = canonical_json({"stage": stage, "config": config, "inputs": sorted(inputs),
+                              "fingerprint": fingerprint, "schema": SCHEMA_VERSION})
+    return f"{stage}-{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON so a reader sees the old file or the new one, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class Artifact:
+    """A verified artifact directory and its manifest."""
+
+    path: Path
+    manifest: dict
+
+    @property
+    def id(self) -> str:
+        return self.manifest["id"]
+
+    @property
+    def kind(self) -> str:
+        return self.manifest["kind"]
+
+    @property
+    def fingerprint(self) -> dict | None:
+        return self.manifest.get("fingerprint")
+
+    @property
+    def metrics(self) -> dict:
+        return self.manifest.get("metrics", {})
+
+    def file(self, name: str) -> Path:
+        if name not in self.manifest["files"]:
+            raise DrafterError(f"Artifact {self.id} has no payload file {name!r}.",
+                               expected=f"one of {sorted(self.manifest['files'])}")
+        return self.path / name
+
+
+def fingerprint_mismatch(expected: dict | None, found: dict | None) -> list[str]:
+    """Keys on which two target fingerprints disagree (model identity and tokenizer vocabulary)."""
+    if not expected or not found:
+        return []
+    return [k for k in ("model", "revision", "vocab_hash") if expected.get(k) != found.get(k)]
+
+
+def check_fingerprint(artifact: Artifact, expected: dict, what: str) -> None:
+    """Refuse an artifact built for another target/tokenizer than ``expected``."""
+    bad = fingerprint_mismatch(expected, artifact.fingerprint)
+    if bad:
+        found = artifact.fingerprint or {}
+        raise DrafterError(
+            f"{what} {artifact.id} was built for a different target than this run.",
+            expected=", ".join(f"{k}={expected.get(k)}" for k in bad),
+            found=", ".join(f"{k}={found.get(k)}" for k in bad),
+            fix="Rebuild it for this target (rerun its stage with this config) or point the config "
+                "at the target it was built for.",
+        )
+
+
+def load_artifact(path: str | Path, *, kind: str | None = None, fingerprint: dict | None = None,
+                  verify: bool = True) -> Artifact:
+    """Open an artifact directory, re-hash every payload, and check kind and fingerprint.
+
+    Raises:
+        DrafterError: missing manifest, unknown schema, a payload whose sha256 changed, a missing or
+            extra payload file, an unsafe payload type, or a kind/fingerprint mismatch.
+    """
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise DrafterError(f"{path} is not an artifact: it has no {MANIFEST}.",
+                           fix="Pass the directory a stage wrote (under <workdir>/artifacts/).")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as err:
+        raise DrafterError(f"The manifest of {path} is corrupt: {err}.",
+                           fix="Delete the directory and rerun the stage that made it.") from err
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise DrafterError(f"Artifact {path} has schema version {manifest.get('schema_version')}.",
+                           expected=str(SCHEMA_VERSION), fix="Rebuild it with this version of the pipeline.")
+    artifact = Artifact(path, manifest)
+    if kind is not None and manifest.get("kind") != kind:
+        raise DrafterError(f"Artifact {path} is of the wrong kind.", expected=kind, found=manifest.get("kind"))
+    if verify:
+        verify_payloads(artifact)
+    if fingerprint is not None:
+        check_fingerprint(artifact, fingerprint, f"Artifact ({manifest.get('kind')})")
+    return artifact
+
+
+def verify_payloads(artifact: Artifact) -> None:
+    """Recompute every payload's sha256 and refuse any change, addition or removal."""
+    listed = artifact.manifest["files"]
+    present = {str(p.relative_to(artifact.path)) for p in artifact.path.rglob("*")
+               if p.is_file() and p.name != MANIFEST}
+    missing = sorted(set(listed) - present)
+    extra = sorted(present - set(listed))
+    if missing or extra:
+        raise DrafterError(
+            f"Artifact {artifact.id} at {artifact.path} does not match its manifest.",
+            expected=f"exactly the {len(listed)} files listed in {MANIFEST}",
+            found=(f"missing {missing} " if missing else "") + (f"unlisted {extra}" if extra else ""),
+            fix="Do not edit artifacts in place; delete the directory and rerun the stage.",
+        )
+    for name, meta in listed.items():
+        digest = sha256_file(artifact.path / name)
+        if digest != meta["sha256"]:
+            raise DrafterError(
+                f"Payload {name!r} of artifact {artifact.id} was modified after it was written.",
+                expected=f"sha256 {meta['sha256']}",
+                found=f"sha256 {digest}",
+                fix="Treat the artifact as corrupt or tampered: delete it and rerun the stage that made it.",
+            )
+
+
+class ArtifactWriter:
+    """Collects payload files in a temporary directory, then publishes them atomically under ``id``."""
+
+    def __init__(self, store: Path, artifact_id_: str, *, kind: str, stage: str, config: Any,
+                 inputs: list[str], fingerprint: dict | None) -> None:
+        self.store = Path(store)
+        self.id = artifact_id_
+        self.meta = {"kind": kind, "stage": stage, "config": config, "inputs": sorted(inputs),
+                     "fingerprint": fingerprint}
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.store / f".tmp-{artifact_id_}-{os.getpid()}-{time.monotonic_ns()}"
+        self.tmp.mkdir()
+
+    def commit(self, metrics: dict | None = None, extra: dict | None = None) -> Artifact:
+        """Hash the payloads, write the manifest, fsync, and rename into place."""
+        files = {}
+        for path in sorted(p for p in self.tmp.rglob("*") if p.is_file()):
+            rel = str(path.relative_to(self.tmp))
+            if not rel.endswith(SAFE_SUFFIXES):
+                raise DrafterError(f"Refusing to store payload {rel!r}: not a safe format.",
+                                   expected=f"a file ending in one of {SAFE_SUFFIXES}")
+            files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        manifest = {"id": self.id, "schema_version": SCHEMA_VERSION, **self.meta, "files": files,
+                    "metrics": metrics or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    **(extra or {})}
+        write_json_atomic(self.tmp / MANIFEST, manifest)
+        final = self.store / self.id
+        try:
+            os.rename(self.tmp, final)
+        except OSError:
+            # Another process published the same id first; ids are content hashes, so theirs is ours.
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return load_artifact(final)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class ArtifactStore:
+    """The ``<workdir>/artifacts`` directory: lookup by id, with leftovers of killed writes swept away."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, artifact_id_: str) -> Path:
+        return self.root / artifact_id_
+
+    def get(self, artifact_id_: str, **checks: Any) -> Artifact | None:
+        path = self.path(artifact_id_)
+        return load_artifact(path, **checks) if (path / MANIFEST).is_file() else None
+
+    def writer(self, artifact_id_: str, **meta: Any) -> ArtifactWriter:
+        return ArtifactWriter(self.root, artifact_id_, **meta)
+
+    def sweep(self, max_age_s: float = 0.0) -> int:
+        """Remove temporary directories of writes that never committed (a killed job's leftovers)."""
+        removed = 0
+        now = time.time()
+        for tmp in self.root.glob(".tmp-*"):
+            pid = tmp.name.rsplit("-", 2)[-2] if tmp.name.count("-") >= 3 else ""
+            alive = pid.isdigit() and _pid_alive(int(pid))
+            if not alive and now - tmp.stat().st_mtime >= max_age_s:
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed += 1
+        return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,214 @@
+"""Typed configuration: dataclasses per section, YAML files, and ``key.path=value`` overrides.
+
+A config is a tree of dataclasses (see ``pipeline/configs.py`` for the sections). This module owns the
+generic machinery: building dataclasses from plain dicts with type checks, rejecting unknown keys with a
+message that names the key and the valid ones, applying dotted overrides from the command line, reading
+the docstring written under each field (so ``drafter <stage> --help`` documents every option without a
+second copy of the text), and serialising back to a plain dict for manifests and MLflow params.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from functools import cache
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from pipeline.errors import DrafterError
+
+T = TypeVar("T")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against annotation ``tp`` and convert where it is lossless (int → float)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except DrafterError as err:
+                errors.append(err)
+        raise errors[0] if len(errors) == 1 else DrafterError(
+            f"Config value {where} has the wrong type.",
+            expected=" or ".join(_type_name(a) for a in args),
+            found=f"{value!r} ({type(value).__name__})",
+            fix=f"Set {where} to a value of the expected type.",
+        )
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            value = [value]  # a scalar where a list is expected: `k=5` for `list[int]` means [5]
+        item_tp = args[0] if args else Any
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise DrafterError(f"Config value {where} must be a mapping.", found=repr(value))
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is Path and isinstance(value, str):
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise DrafterError(
+            f"Config value {where} has the wrong type.",
+            expected=_type_name(tp),
+            found=f"{value!r} ({type(value).__name__})",
+            fix=f"Set {where} to a {_type_name(tp)}.",
+        )
+    return value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(cls: type[T], data: Any, where: str = "") -> T:
+    """Build dataclass ``cls`` from a plain mapping; unknown keys and wrong types are errors."""
+    label = where or cls.__name__
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise DrafterError(
+            f"Config section {label!r} must be a mapping.",
+            expected=f"keys of {cls.__name__}",
+            found=repr(data),
+        )
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise DrafterError(
+            f"Unknown config key {key!r}.",
+            expected=f"one of: {', '.join(sorted(fields))}" + (f" (in section {where!r})" if where else ""),
+            found=", ".join(unknown),
+            fix="Fix the spelling, or see `drafter <stage> --help` for every option.",
+        )
+    hints = _hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name)
+    try:
+        return cls(**kwargs)
+    except DrafterError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise DrafterError(f"Invalid config section {label!r}: {err}") from err
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-data (JSON/YAML-serialisable) form of a config dataclass tree."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"generate.max_new_tokens=64"`` → (["generate", "max_new_tokens"], 64). Values are YAML scalars."""
+    if "=" not in text:
+        raise DrafterError(
+            f"Cannot read the override {text!r}.",
+            expected="key.path=value, e.g. generate.max_new_tokens=64",
+            found=text,
+        )
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return [k for k in key.strip().split(".") if k], value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply dotted overrides to a plain config mapping (validation happens in :func:`from_dict`)."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise DrafterError(f"Override {text!r} goes through {key!r}, which is not a section.")
+        node[path[-1]] = value
+    return data
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML config file into a mapping, with a clear error for a missing or malformed file."""
+    path = Path(path)
+    if not path.is_file():
+        raise DrafterError(
+            f"Config file {str(path)!r} does not exist.",
+            fix="Pass an existing YAML file, e.g. --config configs/tiny.yaml.",
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise DrafterError(f"Config file {str(path)!r} is not valid YAML: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise DrafterError(f"Config file {str(path)!r} must hold a mapping at top level.", found=repr(data))
+    return data
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of dataclass ``cls`` (litgpt style), by field name."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """Rows (dotted key, type, default, doc) for every leaf option of ``cls``, for ``--help``."""
+    rows = []
+    docs = field_docs(cls)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, key + "."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = "(required)"
+        rows.append((key, _type_name(tp), repr(to_dict(default)), docs.get(f.name, "")))
+    return rows

@@ -1,0 +1,157 @@
+"""The pipeline's configuration sections, one dataclass per concern, each field documented below it.
+
+``PipelineConfig`` is the root a YAML file under ``configs/`` fills. Shared sections (``target``,
+``mlflow``) sit beside one section per stage (``generate``, ``count``, ...). Checks live in each
+section's ``__post_init__`` so a bad value fails when the config is read, not an hour into a job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.config import apply_overrides, from_dict, load_yaml
+from pipeline.errors import DrafterError
+
+
+def _check(ok: bool, key: str, expected: str, found: object) -> None:
+    if not ok:
+        raise DrafterError(f"Invalid value for {key}.", expected=expected, found=repr(found),
+                           fix=f"Set {key} to {expected} in the YAML or as an override {key}=...")
+
+
+@dataclass
+class TargetConfig:
+    model: str = "tiny:default/target"
+    """The target LLM: a hub id, a local directory, or a tiny-kit ref ``tiny:<profile>/<role>``."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) pinned into every artifact's fingerprint."""
+    tokenizer: str | None = None
+    """Tokenizer to use when it lives apart from the model; null means the model's own."""
+    dtype: str = "float32"
+    """Weights dtype for inference: float32, bfloat16 or float16."""
+    trust_remote_code: bool = False
+    """Allow a checkpoint's own Python code to run. Off by default: only enable for code you have read."""
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("float32", "bfloat16", "float16"), "target.dtype",
+               "one of float32, bfloat16, float16", self.dtype)
+        _check(bool(self.model), "target.model", "a hub id, local path or tiny:<profile>/<role>", self.model)
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str | None = None
+    """Tracking store. null: $MLFLOW_TRACKING_URI if set, else sqlite:///<workdir>/mlflow.db."""
+    experiment: str = "drafter-pipeline"
+    """MLflow experiment the stage runs are logged under."""
+    log_artifacts: bool = True
+    """Upload each stage's artifact directory to the run (turn off for very large calibration sets)."""
+    retries: int = 3
+    """Attempts to reach a tracking server before giving up with a clear error."""
+    timeout_s: float = 5.0
+    """Seconds per attempt to reach a tracking server."""
+
+    def __post_init__(self) -> None:
+        _check(self.retries >= 1, "mlflow.retries", "an integer >= 1", self.retries)
+        _check(self.timeout_s > 0, "mlflow.timeout_s", "a positive number", self.timeout_s)
+
+
+@dataclass
+class GenerateConfig:
+    kind: str = "target"
+    """Calibration kind (VocabTrim): ``target`` (the target answers the prompts), ``raw`` (the dataset's
+    own assistant turns, no generation) or ``drafter`` (the drafter named in ``drafter`` answers)."""
+    source: str = "sharegpt"
+    """Prompts: ``sharegpt`` / ``humaneval`` (packaged), a ShareGPT-format .json/.jsonl file, a
+    ``datasets.save_to_disk`` directory, or a hub dataset id."""
+    limit: int | None = 256
+    """Use at most this many conversations (after the held-out split); null for all."""
+    heldout_fraction: float = 0.05
+    """Fraction of conversations (by id hash) kept out of calibration for the evaluate stage."""
+    drafter: str | None = None
+    """Model that answers when kind is ``drafter`` (hub id, path or tiny ref)."""
+    max_prompt_tokens: int = 192
+    """Prompts are cut to their first user turn and at most this many tokens (left side kept)."""
+    max_new_tokens: int = 96
+    """Tokens generated per prompt."""
+    temperature: float = 0.8
+    """Sampling temperature (0 for greedy)."""
+    top_p: float = 0.95
+    """Nucleus sampling mass."""
+    batch_size: int = 16
+    """Prompts per generate() call (left padded, KV cache)."""
+    shard_size: int = 64
+    """Prompts per shard. A shard is the unit of resume: each is written atomically when complete."""
+    seed: int = 0
+    """Base seed; shard i samples with seed + i, so results do not depend on the number of ranks."""
+    accelerator: str = "auto"
+    """Lightning accelerator (auto, cpu, gpu)."""
+    devices: int | str = "auto"
+    """Lightning devices per node: auto, a count, or a list like "0,1"."""
+    num_nodes: int = 1
+    """Nodes in the job (Slurm: $SLURM_JOB_NUM_NODES); ranks = num_nodes x devices."""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ("target", "raw", "drafter"), "generate.kind", "target, raw or drafter", self.kind)
+        _check(self.kind != "drafter" or bool(self.drafter), "generate.drafter",
+               "a model when generate.kind is drafter", self.drafter)
+        _check(0 <= self.heldout_fraction < 1, "generate.heldout_fraction", "a number in [0, 1)",
+               self.heldout_fraction)
+        _check(self.limit is None or self.limit > 0, "generate.limit", "a positive integer or null", self.limit)
+        for key in ("max_prompt_tokens", "max_new_tokens", "batch_size", "shard_size"):
+            _check(getattr(self, key) > 0, f"generate.{key}", "a positive integer", getattr(self, key))
+        _check(self.num_nodes >= 1, "generate.num_nodes", "an integer >= 1", self.num_nodes)
+        _check(self.temperature >= 0, "generate.temperature", "a number >= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "generate.top_p", "a number in (0, 1]", self.top_p)
+
+
+@dataclass
+class CountConfig:
+    calibration: str | None = None
+    """Count this calibration artifact directory instead of the one ``generate`` builds for this config."""
+    top_k: list[int] = field(default_factory=lambda: [256, 512, 1024])
+    """Shortlists of the k most frequent tokens (FR-Spec), one per k."""
+    top_p: list[float] = field(default_factory=lambda: [0.9, 0.95, 0.99])
+    """Shortlists of the fewest tokens covering this share of the counted mass (VocabTrim)."""
+    min_count: list[int] = field(default_factory=lambda: [2])
+    """Shortlists of every token seen at least this often."""
+    draft_vocab_size: int = 1024
+    """Size of the EAGLE-3 draft vocabulary written as d2t/t2d and as the SGLang token map."""
+    always_include_special: bool = True
+    """Add the tokenizer's special tokens (EOS above all) to every shortlist: a drafter that can never
+    propose EOS never lets a sequence end early."""
+    workers: int = 2
+    """Processes for the map step over shards (1 = in-process)."""
+
+    def __post_init__(self) -> None:
+        _check(all(k > 0 for k in self.top_k), "count.top_k", "positive integers", self.top_k)
+        _check(all(0 < p <= 1 for p in self.top_p), "count.top_p", "numbers in (0, 1]", self.top_p)
+        _check(all(c > 0 for c in self.min_count), "count.min_count", "positive integers", self.min_count)
+        _check(self.draft_vocab_size > 0, "count.draft_vocab_size", "a positive integer", self.draft_vocab_size)
+        _check(self.workers >= 1, "count.workers", "an integer >= 1", self.workers)
+
+
+@dataclass
+class PipelineConfig:
+    workdir: str = "runs/tiny"
+    """Where artifacts, staging shards and the default MLflow store live (relative to the current dir)."""
+    target: TargetConfig = field(default_factory=TargetConfig)
+    """The target model every artifact is fingerprinted against."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """Experiment tracking."""
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    """Stage ``generate``: the calibration set."""
+    count: CountConfig = field(default_factory=CountConfig)
+    """Stage ``count``: token frequencies and shortlists."""
+
+    @property
+    def workdir_path(self) -> Path:
+        return Path(self.workdir).expanduser().resolve()
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read ``path`` (YAML; None for the built-in defaults), apply ``key=value`` overrides, validate."""
+    data = load_yaml(path) if path is not None else {}
+    data = apply_overrides(data, list(overrides or []))
+    return from_dict(PipelineConfig, data)

@@ -1,0 +1,144 @@
+"""Calibration sets: chat-template prompts, loss masks, and the Arrow shards they are stored in.
+
+A calibration row is one conversation turn as the target would see it: ``input_ids`` (prompt under
+the chat template, then the assistant's tokens), ``loss_mask`` (1 on assistant tokens only — the ones
+a drafter must predict and the ones the ``count`` stage counts), the source conversation id and
+lengths. Rows are written in shards, each one Arrow IPC stream file (the format ``datasets`` memory-maps)
+published by rename, so a shard on disk is always complete.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.data.sources import Conversation
+from pipeline.errors import DrafterError
+
+SCHEMA = pa.schema([
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("prompt_id", pa.string()),
+    ("prompt_len", pa.int32()),
+    ("response_len", pa.int32()),
+    ("finished", pa.bool_()),
+])
+
+
+def first_prompt(conv: Conversation) -> list[dict[str, str]] | None:
+    """The messages up to and including the first user turn (system prompt kept), or None."""
+    out = []
+    for msg in conv.messages:
+        out.append(msg)
+        if msg["role"] == "user":
+            return out
+    return None
+
+
+def encode_prompt(tokenizer: Any, messages: list[dict[str, str]], max_tokens: int) -> list[int]:
+    """Token ids of ``messages`` under the chat template with the generation prompt, at most
+    ``max_tokens`` long: an overlong user turn is cut (its start kept) so the template stays intact."""
+    ids = _template(tokenizer, messages, add_generation_prompt=True)
+    if len(ids) <= max_tokens:
+        return ids
+    overhead = len(ids) - len(tokenizer.encode(messages[-1]["content"], add_special_tokens=False))
+    budget = max(max_tokens - overhead - 2, 1)
+    content_ids = tokenizer.encode(messages[-1]["content"], add_special_tokens=False)[:budget]
+    cut = [*messages[:-1], {"role": "user", "content": tokenizer.decode(content_ids)}]
+    ids = _template(tokenizer, cut, add_generation_prompt=True)
+    return ids[-max_tokens:] if len(ids) > max_tokens else ids
+
+
+def _template(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DrafterError("The tokenizer has no chat template.",
+                           expected="a tokenizer with chat_template set (instruction-tuned checkpoints have one)",
+                           fix="Use the chat model's tokenizer (target.tokenizer) or generate.kind=raw on plain text.")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def raw_row(tokenizer: Any, conv: Conversation, max_tokens: int) -> dict | None:
+    """A row from the conversation's own turns: loss mask on every assistant turn's tokens.
+
+    The mask is found by templating growing prefixes, which works for any chat template whose
+    rendering of a prefix is a prefix of the rendering of the whole (true of all common templates).
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, msg in enumerate(conv.messages):
+        if msg["role"] != "assistant":
+            continue
+        before = _template(tokenizer, conv.messages[:i], add_generation_prompt=True)
+        after = _template(tokenizer, conv.messages[: i + 1], add_generation_prompt=False)
+        if after[: len(before)] != before or before[: len(ids)] != ids:
+            break  # the template does not render prefixes as prefixes from here on; stop honestly
+        mask += [0] * (len(before) - len(ids)) + [1] * (len(after) - len(before))
+        ids = after
+        if len(ids) >= max_tokens:
+            break
+    ids, mask = ids[:max_tokens], mask[:max_tokens]
+    if sum(mask) == 0:
+        return None
+    prompt_len = mask.index(1)
+    return {"input_ids": ids, "loss_mask": mask, "prompt_id": conv.id, "prompt_len": prompt_len,
+            "response_len": len(ids) - prompt_len, "finished": True}
+
+
+def write_shard(path: Path, rows: list[dict]) -> None:
+    """Write rows as one Arrow IPC stream file, atomically (temp file + fsync + rename)."""
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, SCHEMA) as writer:
+        writer.write_table(table)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_shard(path: Path) -> pa.Table:
+    """Memory-map one shard (zero-copy)."""
+    with pa.memory_map(str(path), "r") as source:
+        return pa.ipc.open_stream(source).read_all()
+
+
+def shard_files(directory: Path) -> list[Path]:
+    return sorted(Path(directory).glob("shard-*.arrow"))
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.arrow"
+
+
+def iter_rows(directory: Path) -> Iterator[dict]:
+    for path in shard_files(directory):
+        yield from read_shard(path).to_pylist()
+
+
+def load_dataset_dir(directory: Path) -> Any:
+    """The calibration set as a ``datasets.Dataset`` (memory-mapped, concatenated over shards)."""
+    import datasets
+
+    files = shard_files(directory)
+    if not files:
+        raise DrafterError(f"No calibration shards under {directory}.")
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(str(p)) for p in files])
+
+
+def flat_arrays(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """Zero-copy flat views of a shard's token ids and loss mask (the list columns' value buffers)."""
+    ids = table.column("input_ids").combine_chunks()
+    mask = table.column("loss_mask").combine_chunks()
+    return (ids.flatten().to_numpy(zero_copy_only=False), mask.flatten().to_numpy(zero_copy_only=False))
+
+
+def chunks(items: list, size: int) -> Iterable[tuple[int, list]]:
+    for start in range(0, len(items), size):
+        yield start // size, items[start : start + size]

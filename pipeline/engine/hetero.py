@@ -1,0 +1,366 @@
+"""Proposers for a drafter whose tokenizer differs from the target's (heterogeneous vocabularies).
+
+Timor et al., "Accelerating LLM Inference with Lossless Speculative Decoding Algorithms for
+Heterogeneous Vocabularies" (ICML 2025) give three lossless ways to use such a drafter, all here:
+:class:`UnionProposer` (Alg. 1, the union-vocabulary baseline), :class:`SLEMProposer` (Alg. 2,
+string-level exact match) and :class:`TLIProposer` (Alg. 4, token-level intersection). Every one keeps
+the drafter's own token sequence and KV cache (:class:`_DrafterSession`): at each round the target
+context is decoded to text, re-encoded by the drafter tokenizer, and only the suffix past the longest
+common prefix with the cached sequence is run. TLI and Union return ``q`` in target-id space through a
+:class:`~pipeline.engine.vocab.VocabMap`; SLEM returns ``q=None`` and is verified by exact match.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.engine.proposers import Proposal, common_prefix_length, crop_cache
+from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.vocab import VocabMap, as_backend, decode_ids, encode_text
+
+# Why re-tokenising text at every round cannot break losslessness: the verifier's guarantee (Leviathan
+# et al. 2023, Thm. 3.5) needs only that each drafted token was drawn from the ``q`` we return (or, for
+# SLEM, nothing at all). How the drafter came to its logits is irrelevant, so a decode/re-encode that
+# tokenises the context differently from what the drafter drafted, a cache cropped too eagerly, or a
+# look-behind that fails to align only lowers acceptance; the emitted tokens keep the target's law.
+
+
+class _DrafterSession:
+    """The drafter's view of the sequence: its own token ids, its KV cache, and the text bridge to them.
+
+    Invariant: the cache holds keys/values for exactly ``self.ids``.
+    """
+
+    def __init__(self, model: torch.nn.Module, drafter_tokenizer: Any, target_tokenizer: Any) -> None:
+        self.model = model
+        self.drafter_tokenizer = as_backend(drafter_tokenizer)
+        self.target_tokenizer = as_backend(target_tokenizer)
+        self.device = next(model.parameters()).device
+        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.ids: list[int] = []
+        self._cache: Any = None
+
+    def reset(self) -> None:
+        self.ids = []
+        self._cache = None
+
+    def drafter_ids(self, target_context: list[int]) -> list[int]:
+        """The target context as drafter tokens (via text; specials are dropped, the drafter's BOS added)."""
+        text = decode_ids(self.target_tokenizer, target_context)
+        return encode_text(self.drafter_tokenizer, text, add_special_tokens=True)
+
+    def start(self, ids: list[int]) -> Tensor:
+        """Move the cache to ``ids`` (crop to the common prefix, run the rest); next-token logits."""
+        from transformers import DynamicCache
+
+        if self._cache is None:
+            self._cache = DynamicCache()
+        # Re-run at least the last token: its forward pass is what yields the first draft's logits.
+        keep = min(common_prefix_length(self.ids, ids), len(ids) - 1)
+        crop_cache(self._cache, keep)
+        self.ids = list(ids[:keep])
+        return self.feed(list(ids[keep:]))
+
+    @torch.no_grad()
+    def feed(self, new_ids: list[int]) -> Tensor:
+        """Append ``new_ids`` to the cached sequence; logits (V_drafter,) for the token after them."""
+        input_ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
+        kwargs = {"logits_to_keep": 1} if self._keep_arg else {}
+        out = self.model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, **kwargs)
+        self._cache = out.past_key_values
+        self.ids.extend(new_ids)
+        return out.logits[0, -1]
+
+
+def _empty(width: int, device: torch.device) -> Proposal:
+    return Proposal([], torch.zeros(0, width, dtype=torch.float64, device=device))
+
+
+def intersection_pairs(
+    vocab_map: VocabMap, drafter_width: int, target_width: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The T∩D pairs usable with these logit widths, and ``d2t`` padded to the drafter's width.
+
+    LM heads are often padded past their tokenizer, so ids beyond either tokenizer have no partner.
+
+    Args:
+        vocab_map: The token map.
+        drafter_width: Width of the drafter's logits.
+        target_width: Width of ``q`` (the target's logits).
+
+    Returns:
+        ``(inter_d, inter_t, d2t)``: matched drafter ids (ascending), their target ids, and a
+        ``(drafter_width,)`` map with -1 for drafter ids without a usable target id.
+    """
+    d2t = torch.full((drafter_width,), -1, dtype=torch.long)
+    n = min(drafter_width, vocab_map.drafter_vocab_size)
+    d2t[:n] = vocab_map.d2t[:n]
+    d2t[d2t >= target_width] = -1
+    inter_d = torch.nonzero(d2t >= 0).flatten()
+    return inter_d, d2t[inter_d], d2t
+
+
+def tli_draft_distribution(
+    drafter_logits: Tensor, inter_d: Tensor, inter_t: Tensor, target_width: int, params: SamplingParams
+) -> tuple[Tensor, Tensor]:
+    """TLI's draft law: the drafter's logits restricted to T∩D, then standardised there.
+
+    Args:
+        drafter_logits: ``(..., V_drafter)`` logits.
+        inter_d: Matched drafter ids (from :func:`intersection_pairs`).
+        inter_t: Their target ids.
+        target_width: Width of ``q``.
+        params: Sampling parameters (temperature/top-k/top-p act inside the intersection).
+
+    Returns:
+        ``(probs, q)``: ``(..., |T∩D|)`` the law drafts are drawn from (index ``j`` is drafter id
+        ``inter_d[j]``), and the same law in target-id space, ``(..., target_width)``, 0 off T∩D.
+    """
+    probs = standardise(drafter_logits.index_select(-1, inter_d), params)
+    q = probs.new_zeros(probs.shape[:-1] + (target_width,))
+    return probs, q.index_copy_(-1, inter_t, probs)
+
+
+def union_draft_distribution(
+    drafter_logits: Tensor, inter_d: Tensor, inter_t: Tensor, target_width: int, params: SamplingParams
+) -> tuple[Tensor, Tensor]:
+    """The union baseline's draft law: the drafter's full standardised distribution over D.
+
+    Returns:
+        ``(probs, q)``: ``(..., V_drafter)`` the law drafts are drawn from, and its restriction to
+        T∩D in target-id space, ``(..., target_width)`` (sub-stochastic: mass on D∖T is dropped because
+        ``p = 0`` there, so neither the accept test nor the residual ``max(0, p - q)`` ever reads it).
+    """
+    probs = standardise(drafter_logits, params)
+    q = probs.new_zeros(probs.shape[:-1] + (target_width,))
+    return probs, q.index_copy_(-1, inter_t, probs.index_select(-1, inter_d))
+
+
+class _MappedProposer:
+    """Shared set-up of TLI and Union: the session and the (drafter id, target id) pairs of T∩D."""
+
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        drafter_tokenizer: Any,
+        target_tokenizer: Any,
+        vocab_map: VocabMap,
+        target_vocab_size: int | None,
+    ) -> None:
+        self.session = _DrafterSession(drafter, drafter_tokenizer, target_tokenizer)
+        self.vocab_map = vocab_map
+        self.target_vocab_size = target_vocab_size or vocab_map.target_vocab_size
+        self._pairs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def reset(self) -> None:
+        self.session.reset()
+
+    def pairs(self, drafter_width: int) -> tuple[Tensor, Tensor, Tensor]:
+        """:func:`intersection_pairs` for this logit width, on the drafter's device (cached)."""
+        if drafter_width not in self._pairs:
+            pairs = intersection_pairs(self.vocab_map, drafter_width, self.target_vocab_size)
+            self._pairs[drafter_width] = tuple(t.to(self.session.device) for t in pairs)
+        return self._pairs[drafter_width]
+
+
+class TLIProposer(_MappedProposer):
+    """Token-level intersection (Alg. 4): the drafter's distribution renormalised onto T∩D.
+
+    Temperature, top-k and top-p are applied to the drafter's logits restricted to the intersection,
+    so ``q`` (zero outside T∩D) is exactly what each draft was drawn from; each drafted token is fed back
+    to the drafter as its own drafter id.
+
+    Args:
+        drafter: A Hugging Face causal LM using ``drafter_tokenizer``.
+        drafter_tokenizer: The drafter's tokenizer (``tokenizers.Tokenizer`` or HF fast tokenizer).
+        target_tokenizer: The target's tokenizer.
+        vocab_map: ``VocabMap.build(target_tokenizer, drafter_tokenizer)``.
+        target_vocab_size: Width of ``q`` (the target's logit width); defaults to the target tokenizer's.
+        name: Label used in metrics and reports.
+
+    Raises:
+        DrafterError: If the vocabularies share no token.
+    """
+
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        drafter_tokenizer: Any,
+        target_tokenizer: Any,
+        vocab_map: VocabMap,
+        *,
+        target_vocab_size: int | None = None,
+        name: str = "tli",
+    ) -> None:
+        vocab_map.require_nonempty()
+        super().__init__(drafter, drafter_tokenizer, target_tokenizer, vocab_map, target_vocab_size)
+        self.name = name
+
+    def propose(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        """Draft up to ``gamma`` tokens inside T∩D; see :class:`~pipeline.engine.proposers.Proposer`."""
+        ids = self.session.drafter_ids(context)
+        if gamma <= 0 or not ids:
+            return _empty(self.target_vocab_size, self.session.device)
+        logits = self.session.start(ids)
+        inter_d, inter_t, _ = self.pairs(logits.shape[-1])
+        if inter_d.numel() == 0:
+            return _empty(self.target_vocab_size, self.session.device)
+        tokens: list[int] = []
+        rows: list[Tensor] = []
+        for step in range(gamma):
+            probs, q = tli_draft_distribution(logits, inter_d, inter_t, self.target_vocab_size, params)
+            index = int(sample(probs, generator))
+            tokens.append(int(inter_t[index]))
+            rows.append(q)
+            if step + 1 < gamma:
+                logits = self.session.feed([int(inter_d[index])])
+        return Proposal(tokens, torch.stack(rows))
+
+
+class UnionProposer(_MappedProposer):
+    """Union-vocabulary speculative sampling (Alg. 1), the baseline TLI improves on.
+
+    The drafter samples from its full standardised distribution over D. A token in T∩D becomes its
+    target id; one outside T becomes ``-1`` and ends the draft, since the target gives it probability 0
+    and rejects it with certainty. ``q`` is the drafter's mass on T∩D in target space: the mass on D∖T
+    is left out because, with ``p = 0`` there, the union rule's residual ``max(0, p - q)`` never uses it.
+
+    Args: as :class:`TLIProposer` (an empty intersection is allowed: every draft is then rejected).
+    """
+
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        drafter_tokenizer: Any,
+        target_tokenizer: Any,
+        vocab_map: VocabMap,
+        *,
+        target_vocab_size: int | None = None,
+        name: str = "union",
+    ) -> None:
+        super().__init__(drafter, drafter_tokenizer, target_tokenizer, vocab_map, target_vocab_size)
+        self.name = name
+
+    def propose(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        """Draft up to ``gamma`` tokens over the drafter's whole vocabulary; see ``Proposer``."""
+        ids = self.session.drafter_ids(context)
+        if gamma <= 0 or not ids:
+            return _empty(self.target_vocab_size, self.session.device)
+        logits = self.session.start(ids)
+        inter_d, inter_t, d2t = self.pairs(logits.shape[-1])
+        tokens: list[int] = []
+        rows: list[Tensor] = []
+        for step in range(gamma):
+            probs, q = union_draft_distribution(logits, inter_d, inter_t, self.target_vocab_size, params)
+            drafted = int(sample(probs, generator))
+            tokens.append(int(d2t[drafted]))
+            rows.append(q)
+            if tokens[-1] < 0:
+                break
+            if step + 1 < gamma:
+                logits = self.session.feed([drafted])
+        return Proposal(tokens, torch.stack(rows))
+
+
+class SLEMProposer:
+    """String-level exact match (Alg. 2): draft in the drafter's vocabulary, hand over text.
+
+    The drafter drafts ``gamma`` of its own tokens (argmax when greedy, else sampled from its
+    standardised distribution: exact-match verification is lossless either way). Their text is encoded
+    by the target tokenizer together with a look-behind window of the last ``target_lookbehind``
+    context tokens, because tokenizers are not injective over concatenation: the draft may merge with
+    the context's tail ('▁th' + 'e' → '▁the'). If the re-encoding keeps the window's tokens, the draft is
+    what follows them; if it re-splits the window but still has a token boundary where the window's text
+    ends, the draft is what follows that boundary; if a token straddles that point, no clean
+    continuation exists and nothing is proposed this round.
+
+    Args:
+        drafter: A Hugging Face causal LM using ``drafter_tokenizer``.
+        drafter_tokenizer: The drafter's tokenizer.
+        target_tokenizer: The target's tokenizer.
+        target_lookbehind: Context tokens re-encoded with the draft.
+        drafter_lookbehind: Drafter tokens decoded with the draft, so its first token's leading space
+            survives decoding (SentencePiece decoders strip a sequence's leading space).
+        name: Label used in metrics and reports.
+    """
+
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        drafter_tokenizer: Any,
+        target_tokenizer: Any,
+        *,
+        target_lookbehind: int = 8,
+        drafter_lookbehind: int = 8,
+        name: str = "slem",
+    ) -> None:
+        self.session = _DrafterSession(drafter, drafter_tokenizer, target_tokenizer)
+        self.target_lookbehind = max(1, target_lookbehind)
+        self.drafter_lookbehind = max(1, drafter_lookbehind)
+        self.name = name
+        added = self.session.drafter_tokenizer.get_added_tokens_decoder()
+        self._drafter_specials = {token_id for token_id, token in added.items() if token.special}
+
+    def reset(self) -> None:
+        self.session.reset()
+
+    def propose(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        """Draft up to ``gamma`` target tokens by string matching; ``q`` is None (exact-match verify)."""
+        ids = self.session.drafter_ids(context)
+        if gamma <= 0 or not ids or not context:
+            return Proposal([], None)
+        logits = self.session.start(ids)
+        drafted: list[int] = []
+        for step in range(gamma):
+            token = int(sample(standardise(logits, params), generator))
+            if token in self._drafter_specials:
+                # A special (EOS, chat marker) has no text to hand over; the draft ends before it.
+                break
+            drafted.append(token)
+            if step + 1 < gamma:
+                logits = self.session.feed([token])
+        draft_text = self._draft_text(ids, drafted)
+        if not draft_text:
+            return Proposal([], None)
+        return Proposal(self._align(context, draft_text)[:gamma], None)
+
+    def _draft_text(self, ids: list[int], drafted: list[int]) -> str:
+        """The text the drafted tokens add after ``ids`` ('' if it cannot be isolated)."""
+        if not drafted:
+            return ""
+        tokenizer = self.session.drafter_tokenizer
+        for window in (ids[-self.drafter_lookbehind :], ids):
+            before = decode_ids(tokenizer, window)
+            after = decode_ids(tokenizer, window + drafted)
+            if after.startswith(before):
+                # A draft ending inside a multi-byte character decodes to U+FFFD; that byte tail is
+                # not text the target could match.
+                return after[len(before) :].rstrip("\ufffd")
+        return ""
+
+    def _align(self, context: list[int], draft_text: str) -> list[int]:
+        """Target ids that continue ``context`` with ``draft_text``, re-aligned through the look-behind."""
+        tokenizer = self.session.target_tokenizer
+        window = context[-self.target_lookbehind :]
+        window_text = decode_ids(tokenizer, window)
+        encoded = encode_text(tokenizer, window_text + draft_text, add_special_tokens=False)
+        agreed = common_prefix_length(encoded, window)
+        if agreed == len(window):
+            return encoded[agreed:]
+        # The window was re-split (or held specials that decode to nothing): look for the token
+        # boundary in the re-encoding where the window's text ends. Every boundary is tried because a
+        # prefix ending inside a multi-byte character decodes to U+FFFD and matches nothing.
+        for boundary in range(agreed, len(encoded) + 1):
+            if decode_ids(tokenizer, encoded[:boundary]) == window_text:
+                return encoded[boundary:]
+        return []

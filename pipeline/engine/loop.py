@@ -1,0 +1,309 @@
+"""The decode loops: plain autoregressive decoding and draft-then-verify speculative decoding.
+
+Both loops keep a Hugging Face ``DynamicCache`` on the target, run batch size 1, stop at EOS or after
+``max_new_tokens``, and record what the metrics need (:class:`GenerationResult`). A speculative round
+asks the proposer for ``gamma'`` drafts, scores all of them plus the bonus position in *one* target
+forward, verifies (:mod:`pipeline.engine.verify`) and crops the target cache back to the accepted
+prefix. With greedy parameters the speculative loop emits exactly the autoregressive loop's tokens; with
+sampling it emits them with exactly the same law.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.engine.proposers import Proposal, Proposer, crop_cache
+from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.verify import verify_exact, verify_speculative
+from pipeline.errors import DrafterError
+
+
+@dataclass
+class GenerationResult:
+    """What one generation produced and what it cost.
+
+    Attributes:
+        tokens: The new tokens (prompt excluded), EOS included when it ended the sequence.
+        prompt_length: Number of prompt tokens.
+        method: ``"autoregressive"`` or the proposer's name.
+        gamma: Draft length asked for per round (0 for autoregressive decoding).
+        target_forwards: Target forward passes (prefill included).
+        drafted_per_round: Drafts the proposer returned in each round.
+        accepted_per_round: Drafts accepted in each round.
+        position_attempts: ``[i]`` = rounds in which draft position ``i`` was verified.
+        position_accepts: ``[i]`` = rounds in which draft position ``i`` was accepted.
+        drafter_seconds: Time spent in the proposer.
+        target_seconds: Time spent in target forwards (and standardising their logits).
+        wall_seconds: End-to-end time of the call.
+        ttft_seconds: Time from the call to the first new token.
+        stop_reason: ``"eos"`` or ``"length"``.
+    """
+
+    tokens: list[int]
+    prompt_length: int
+    method: str
+    gamma: int = 0
+    target_forwards: int = 0
+    drafted_per_round: list[int] = field(default_factory=list)
+    accepted_per_round: list[int] = field(default_factory=list)
+    position_attempts: list[int] = field(default_factory=list)
+    position_accepts: list[int] = field(default_factory=list)
+    drafter_seconds: float = 0.0
+    target_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    ttft_seconds: float = 0.0
+    stop_reason: str = "length"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable view."""
+        return asdict(self)
+
+
+def _eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}
+
+
+def _check_request(input_ids: list[int], max_new_tokens: int) -> None:
+    if not input_ids:
+        raise DrafterError(
+            "cannot generate from an empty prompt",
+            expected="at least one prompt token",
+            found="0 tokens",
+            fix="tokenise a non-empty prompt (a BOS token suffices)",
+        )
+    if max_new_tokens < 0:
+        raise DrafterError(
+            "max_new_tokens must be non-negative",
+            expected="max_new_tokens >= 0",
+            found=f"max_new_tokens={max_new_tokens}",
+            fix="pass a non-negative length",
+        )
+
+
+class _Target:
+    """Target model plus its KV cache; every forward is timed and counted."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache = DynamicCache()
+        self.cached = 0  # sequence positions whose keys/values the cache holds
+        self.forwards = 0
+        self.seconds = 0.0
+        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def sync(self) -> None:
+        # CUDA kernels run asynchronously; timing without a sync would charge them to the next step.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def distributions(
+        self, sequence: list[int], extra: list[int], keep: int, params: SamplingParams
+    ) -> Tensor:
+        """Feed ``sequence[self.cached:] + extra``; return the last ``keep`` standardised rows (float64)."""
+        start = time.perf_counter()
+        ids = torch.tensor([sequence[self.cached :] + extra], dtype=torch.long, device=self.device)
+        kwargs = {"logits_to_keep": keep} if self._keep_arg else {}
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, **kwargs)
+        self.cache = out.past_key_values
+        self.cached = len(sequence) + len(extra)
+        probs = standardise(out.logits[0, -keep:], params)
+        self.sync()
+        self.seconds += time.perf_counter() - start
+        self.forwards += 1
+        return probs
+
+    def crop(self, length: int) -> None:
+        crop_cache(self.cache, length)
+        self.cached = min(self.cached, length)
+
+
+def _finish(new: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """Cut ``new`` after its first EOS and at ``max_new_tokens``; report whether EOS ended it."""
+    for i, token in enumerate(new[:max_new_tokens]):
+        if token in eos:
+            return new[: i + 1], True
+    return new[:max_new_tokens], False
+
+
+def generate_autoregressive(
+    target: torch.nn.Module,
+    input_ids: list[int],
+    max_new_tokens: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> GenerationResult:
+    """Decode one token per target forward: the baseline speculative decoding must reproduce.
+
+    Args:
+        target: A Hugging Face causal LM (eval mode is the caller's business).
+        input_ids: Prompt token ids.
+        max_new_tokens: Upper bound on new tokens.
+        params: Sampling parameters.
+        generator: Random source (unused when greedy).
+        eos_token_id: Token id(s) that end the sequence.
+
+    Returns:
+        The :class:`GenerationResult`.
+    """
+    _check_request(input_ids, max_new_tokens)
+    start = time.perf_counter()
+    eos = _eos_set(eos_token_id)
+    model = _Target(target)
+    sequence = list(input_ids)
+    result = GenerationResult(tokens=[], prompt_length=len(input_ids), method="autoregressive")
+    stopped = False
+    while len(result.tokens) < max_new_tokens and not stopped:
+        probs = model.distributions(sequence, [], 1, params)
+        token = int(probs[0].argmax()) if params.greedy else int(sample(probs[0], generator))
+        if not result.tokens:
+            result.ttft_seconds = time.perf_counter() - start
+        result.tokens.append(token)
+        sequence.append(token)
+        stopped = token in eos
+    result.stop_reason = "eos" if stopped else "length"
+    result.target_forwards, result.target_seconds = model.forwards, model.seconds
+    result.wall_seconds = time.perf_counter() - start
+    return result
+
+
+def _check_proposal(proposal: Proposal, gamma: int, vocab: int) -> tuple[list[int], Tensor | None]:
+    tokens = [int(t) for t in proposal.tokens[:gamma]]
+    bad = [t for t in tokens if t < -1 or t >= vocab]
+    if bad:
+        raise DrafterError(
+            "the drafter proposed ids outside the target vocabulary",
+            expected=f"ids in [0, {vocab}) or -1 (no target id)",
+            found=f"{bad[:5]}",
+            fix="map drafter ids to target ids (pipeline.engine.vocab) or pass "
+            "target_vocab_size to the proposer",
+        )
+    q = proposal.q
+    if q is None:
+        return tokens, None
+    q = q[: len(tokens)].to(torch.float64)
+    if q.shape[-1] < vocab:
+        q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))  # ids the drafter lacks get q = 0
+    elif q.shape[-1] > vocab:
+        raise DrafterError(
+            "the draft distribution is wider than the target vocabulary",
+            expected=f"q with at most {vocab} columns (target ids)",
+            found=f"{q.shape[-1]} columns",
+            fix="construct the proposer with target_vocab_size set to the target's",
+        )
+    return tokens, q
+
+
+def generate_speculative(
+    target: torch.nn.Module,
+    proposer: Proposer,
+    input_ids: list[int],
+    max_new_tokens: int,
+    gamma: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> GenerationResult:
+    """Draft-then-verify decoding with one target forward per round.
+
+    Args:
+        target: A Hugging Face causal LM.
+        proposer: The drafter; see :class:`pipeline.engine.proposers.Proposer`.
+        input_ids: Prompt token ids.
+        max_new_tokens: Upper bound on new tokens.
+        gamma: Drafts per round (capped so no round drafts past ``max_new_tokens``).
+        params: Sampling parameters, applied alike to target and drafter.
+        generator: Random source shared by drafter and verifier.
+        eos_token_id: Token id(s) that end the sequence.
+
+    Returns:
+        The :class:`GenerationResult`.
+
+    Raises:
+        DrafterError: If ``gamma < 1`` or the proposer returns ids or distributions that do not fit
+            the target's vocabulary.
+    """
+    if gamma < 1:
+        raise DrafterError(
+            "speculative decoding needs at least one draft per round",
+            expected="gamma >= 1",
+            found=f"gamma={gamma}",
+            fix="set gamma to a positive draft length (4 or 5 is typical), or use autoregressive decoding",
+        )
+    _check_request(input_ids, max_new_tokens)
+    start = time.perf_counter()
+    eos = _eos_set(eos_token_id)
+    model = _Target(target)
+    proposer.reset()
+    sequence = list(input_ids)
+    new: list[int] = []
+    result = GenerationResult(
+        tokens=[],
+        prompt_length=len(input_ids),
+        method=proposer.name,
+        gamma=gamma,
+        position_attempts=[0] * gamma,
+        position_accepts=[0] * gamma,
+    )
+    vocab = _vocab_size(target)
+    stopped = False
+    while len(new) < max_new_tokens and not stopped:
+        # Drafts beyond the length budget would be thrown away, so do not pay for them.
+        round_gamma = min(gamma, max_new_tokens - len(new) - 1)
+        tokens: list[int] = []
+        q: Tensor | None = None
+        if round_gamma > 0:
+            drafter_start = time.perf_counter()
+            proposal = proposer.propose(list(sequence), round_gamma, params, generator)
+            model.sync()
+            result.drafter_seconds += time.perf_counter() - drafter_start
+            tokens, q = _check_proposal(proposal, round_gamma, vocab)
+        # A draft with no target id cannot be fed to the target and is always rejected, so stop
+        # feeding there; its own p-row (from the token before it) is still scored.
+        drafted = len(tokens)
+        fed = tokens.index(-1) if -1 in tokens else len(tokens)
+        tokens = tokens[: fed + 1]
+        p = model.distributions(sequence, tokens[:fed], fed + 1, params)
+        if len(tokens) > fed:
+            # Placeholder bonus row: never read, because the -1 draft is rejected with certainty.
+            p = torch.cat([p, p[-1:]], dim=0)
+        if q is None or params.greedy:
+            # Greedy p is one-hot, where speculative sampling reduces to argmax exact match anyway.
+            n_accepted, next_token = verify_exact(p, tokens, generator, params)
+        else:
+            n_accepted, next_token = verify_speculative(p, q[: len(tokens)], tokens, generator)
+        model.crop(len(sequence) + n_accepted)
+        emitted = tokens[:n_accepted] + [next_token]
+        sequence.extend(emitted)
+        new.extend(emitted)
+        if not result.drafted_per_round:
+            result.ttft_seconds = time.perf_counter() - start
+        result.drafted_per_round.append(drafted)
+        result.accepted_per_round.append(n_accepted)
+        for i in range(min(n_accepted + 1, len(tokens))):
+            result.position_attempts[i] += 1
+            result.position_accepts[i] += int(i < n_accepted)
+        new, stopped = _finish(new, eos, max_new_tokens)
+    result.tokens = new
+    result.stop_reason = "eos" if stopped else "length"
+    result.target_forwards, result.target_seconds = model.forwards, model.seconds
+    result.wall_seconds = time.perf_counter() - start
+    return result
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)

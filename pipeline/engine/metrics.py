@@ -1,0 +1,177 @@
+"""Speculative-decoding metrics, aggregated over many prompts by summing counts (never averaging ratios).
+
+Symbols follow the papers: ``alpha`` acceptance rate, ``tau`` mean accepted length (tokens emitted per
+target forward, bonus included), ``gamma`` drafts per round, ``c`` the drafter/target cost ratio.
+Two analytic models turn them into speedups:
+
+* Leviathan et al. 2023, Eq. 1 and Thm. 3.8: expected tokens per round ``(1 - alpha^(gamma+1)) /
+  (1 - alpha)`` and expected walltime improvement ``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))``,
+  which assume each draft is accepted independently with probability ``alpha`` — so they are fed the
+  per-verified-draft estimate ``sum(position accepts) / sum(position attempts)``.
+* Memory-bound speed-up, MBSU (Zhong & Bharadwaj 2024, "S3D", arXiv:2405.20314):
+  ``tau / (1 + gamma c)`` with ``c`` the drafter/target parameter ratio — the speedup if every forward
+  costs time proportional to the weights it reads, i.e. batch-1 decoding on a GPU.
+
+Everything returned is a plain dataclass of floats/ints/lists (``None`` where undefined) and serialises
+to JSON via :meth:`SpeculationMetrics.to_dict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from pipeline.engine.loop import GenerationResult
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator > 0 else None
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """Leviathan et al. Eq. 1: expected tokens per target forward with i.i.d. acceptance ``alpha``."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
+    """Leviathan et al. Thm. 3.8: ``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))``.
+
+    At ``alpha = 1`` the limit ``(gamma + 1) / (gamma c + 1)`` is returned.
+    """
+    return expected_tokens_per_round(alpha, gamma) / (gamma * cost_ratio + 1.0)
+
+
+def memory_bound_speedup(tau: float, gamma: int, param_ratio: float) -> float:
+    """MBSU = ``tau / (1 + gamma c)`` with ``c`` = drafter parameters / target parameters."""
+    return tau / (1.0 + gamma * param_ratio)
+
+
+def parameter_ratio(drafter: torch.nn.Module, target: torch.nn.Module) -> float:
+    """``c`` for MBSU: drafter parameter count over target parameter count (tied weights counted once)."""
+
+    def count(module: torch.nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    return count(drafter) / count(target)
+
+
+@dataclass
+class SpeculationMetrics:
+    """Aggregate metrics of one method over a set of prompts (see the module docstring for symbols)."""
+
+    method: str
+    gamma: int
+    prompts: int
+    new_tokens: int
+    target_forwards: int
+    rounds: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float | None
+    """accepted drafts / drafted tokens (alpha as vLLM and most papers report it)."""
+    verified_acceptance_rate: float | None
+    """accepted drafts / drafts actually verified (Leviathan's i.i.d. alpha estimate)."""
+    mean_accepted_length: float | None
+    """tau: emitted tokens per target forward."""
+    per_position_acceptance: list[float | None]
+    drafter_ms_per_round: float | None
+    drafter_ms_per_draft: float | None
+    target_ms_per_forward: float | None
+    tokens_per_second: float | None
+    ttft_ms: float | None
+    tpot_ms: float | None
+    speedup_vs_autoregressive: float | None
+    param_ratio: float | None
+    mbsu: float | None
+    leviathan_expected_speedup: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable view."""
+        return asdict(self)
+
+
+def summarize(
+    results: Sequence[GenerationResult],
+    baseline: Sequence[GenerationResult] | None = None,
+    param_ratio: float | None = None,
+) -> SpeculationMetrics:
+    """Aggregate per-prompt results into one :class:`SpeculationMetrics`.
+
+    Args:
+        results: One :class:`GenerationResult` per prompt, all from the same method.
+        baseline: Autoregressive results on the same prompts, for ``speedup_vs_autoregressive``.
+        param_ratio: Drafter/target parameter ratio ``c`` (see :func:`parameter_ratio`), for MBSU and
+            Leviathan's expected speedup.
+
+    Returns:
+        The aggregate metrics; fields that need missing inputs are ``None``.
+    """
+    gamma = max((r.gamma for r in results), default=0)
+    new_tokens = sum(len(r.tokens) for r in results)
+    forwards = sum(r.target_forwards for r in results)
+    drafting_rounds = sum(sum(1 for d in r.drafted_per_round if d > 0) for r in results)
+    drafted = sum(sum(r.drafted_per_round) for r in results)
+    accepted = sum(sum(r.accepted_per_round) for r in results)
+    width = max((len(r.position_attempts) for r in results), default=0)
+    attempts = [
+        sum(r.position_attempts[i] for r in results if i < len(r.position_attempts)) for i in range(width)
+    ]
+    accepts = [
+        sum(r.position_accepts[i] for r in results if i < len(r.position_accepts)) for i in range(width)
+    ]
+    drafter_seconds = sum(r.drafter_seconds for r in results)
+    target_seconds = sum(r.target_seconds for r in results)
+    wall = sum(r.wall_seconds for r in results)
+    after_first = sum(r.wall_seconds - r.ttft_seconds for r in results if r.tokens)
+    later_tokens = sum(len(r.tokens) - 1 for r in results if r.tokens)
+
+    tau = _ratio(new_tokens, forwards)
+    verified_alpha = _ratio(sum(accepts), sum(attempts))
+    tokens_per_second = _ratio(new_tokens, wall)
+    speedup = None
+    if baseline:
+        baseline_rate = _ratio(sum(len(r.tokens) for r in baseline), sum(r.wall_seconds for r in baseline))
+        if tokens_per_second is not None and baseline_rate:
+            speedup = tokens_per_second / baseline_rate
+    mbsu = expected = None
+    if param_ratio is not None and tau is not None:
+        mbsu = memory_bound_speedup(tau, gamma, param_ratio)
+        if verified_alpha is not None:
+            expected = expected_speedup(verified_alpha, gamma, param_ratio)
+    milli = 1000.0
+    return SpeculationMetrics(
+        method=results[0].method if results else "",
+        gamma=gamma,
+        prompts=len(results),
+        new_tokens=new_tokens,
+        target_forwards=forwards,
+        rounds=sum(len(r.accepted_per_round) for r in results),
+        drafted=drafted,
+        accepted=accepted,
+        acceptance_rate=_ratio(accepted, drafted),
+        verified_acceptance_rate=verified_alpha,
+        mean_accepted_length=tau,
+        per_position_acceptance=[_ratio(a, n) for a, n in zip(accepts, attempts, strict=True)],
+        drafter_ms_per_round=_scaled(_ratio(drafter_seconds, drafting_rounds), milli),
+        drafter_ms_per_draft=_scaled(_ratio(drafter_seconds, drafted), milli),
+        target_ms_per_forward=_scaled(_ratio(target_seconds, forwards), milli),
+        tokens_per_second=tokens_per_second,
+        ttft_ms=_scaled(
+            _ratio(sum(r.ttft_seconds for r in results if r.tokens), sum(1 for r in results if r.tokens)),
+            milli,
+        ),
+        tpot_ms=_scaled(_ratio(after_first, later_tokens), milli),
+        speedup_vs_autoregressive=speedup,
+        param_ratio=param_ratio,
+        mbsu=mbsu,
+        leviathan_expected_speedup=expected,
+    )
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor

@@ -1,0 +1,300 @@
+"""Drafters that share the target's tokenizer, and the proposer interface every drafter implements.
+
+A proposer drafts ``gamma`` tokens and returns, for each one, the exact distribution it was drawn from
+in target-id space (:class:`Proposal`). Returning the true ``q`` — not an approximation of it — is what
+keeps every draft method lossless under :func:`pipeline.engine.verify.verify_speculative`. Each
+proposer keeps its own KV cache and re-synchronises with the target's context by longest common prefix,
+so a rejected draft costs only a cache crop. This module owns the interface plus the two same-tokenizer
+drafters: the full LM head and the static shortlist of FR-Spec (Zhao et al. 2025) / VocabTrim
+(Goel et al. 2025), which evaluates only the shortlisted rows of the drafter's LM head.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.errors import DrafterError
+
+
+class Proposal(NamedTuple):
+    """Drafted tokens and the distributions they were drawn from.
+
+    Attributes:
+        tokens: ``gamma' <= gamma`` drafted tokens as target ids; ``-1`` marks a drafted token with no
+            target id (its target probability is 0, so it is always rejected).
+        q: ``(gamma', V_target)`` float64, row ``i`` the exact distribution ``tokens[i]`` was drawn from
+            in target-id space (sub-stochastic when mass lies outside the target vocabulary); ``None``
+            asks the verifier for exact-match verification (SLEM).
+    """
+
+    tokens: list[int]
+    q: Tensor | None
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """A drafter the decode loop can call once per speculation round."""
+
+    name: str
+
+    def reset(self) -> None:
+        """Forget all state; the next :meth:`propose` starts a new sequence."""
+        ...
+
+    def propose(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        """Draft up to ``gamma`` tokens continuing ``context`` (all target ids so far)."""
+        ...
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Drop cached positions beyond ``length`` from a Hugging Face cache, in place.
+
+    transformers 5.x ``Cache.crop`` takes the (negative) number of positions to remove and rejects a
+    positive argument; a negative argument means the same in 4.x, so this form works in both.
+    """
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class _CachedDrafter:
+    """Shared bookkeeping: the drafter's KV cache and the token ids whose keys/values it holds."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.device = _model_device(model)
+        self._cache: Any = None
+        self._cached_ids: list[int] = []
+
+    def reset(self) -> None:
+        self._cache = None
+        self._cached_ids = []
+
+    def _next_token_logits(self, input_ids: list[int]) -> Tensor:
+        raise NotImplementedError
+
+    def _token_id(self, index: int) -> int:
+        """Map an index of the drafter's output distribution to the token id fed back to it."""
+        return index
+
+    def _draft(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[list[int], list[Tensor]]:
+        """Sample ``gamma`` tokens autoregressively; returns token ids and their output-space distributions."""
+        from transformers import DynamicCache
+
+        if not context:
+            raise DrafterError(
+                "cannot draft from an empty context",
+                expected="at least one prompt token",
+                found="0 tokens",
+                fix="pass a non-empty prompt",
+            )
+        if self._cache is None:
+            self._cache = DynamicCache()
+        # Keep at least one context token uncached: its forward pass yields the first draft's logits.
+        keep = min(common_prefix_length(self._cached_ids, context), len(context) - 1)
+        crop_cache(self._cache, keep)
+        pending = list(context[keep:])
+        tokens: list[int] = []
+        dists: list[Tensor] = []
+        for step in range(gamma):
+            logits = self._next_token_logits(pending)
+            probs = standardise(logits, params)
+            token = self._token_id(int(sample(probs, generator)))
+            tokens.append(token)
+            dists.append(probs)
+            if step + 1 < gamma:
+                pending = [token]
+        # The last draft was never fed, so the cache holds the context plus all drafts but the last.
+        self._cached_ids = list(context) + tokens[:-1] if gamma > 0 else list(context[:keep])
+        return tokens, dists
+
+
+class FullHeadProposer(_CachedDrafter):
+    """A same-tokenizer drafter sampling from its full LM head.
+
+    Args:
+        model: Any Hugging Face causal LM sharing the target's tokenizer.
+        target_vocab_size: The target's logit width when it differs from the drafter's (padded
+            embeddings); drafted ids at or beyond it become ``-1`` and ``q`` is padded or cut to it.
+        name: Label used in metrics and reports.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, *, target_vocab_size: int | None = None, name: str = "full_head"
+    ) -> None:
+        super().__init__(model)
+        self.name = name
+        self.target_vocab_size = target_vocab_size
+        self._head_rows = model.get_output_embeddings().weight.shape[0]
+        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    @torch.no_grad()
+    def _next_token_logits(self, input_ids: list[int]) -> Tensor:
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        kwargs = {"logits_to_keep": 1} if self._keep_arg else {}
+        out = self.model(input_ids=ids, past_key_values=self._cache, use_cache=True, **kwargs)
+        self._cache = out.past_key_values
+        return out.logits[0, -1]
+
+    def propose(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        """Draft ``gamma`` tokens from the full head; see :class:`Proposer`."""
+        tokens, dists = self._draft(context, gamma, params, generator)
+        width = self.target_vocab_size
+        if not tokens:
+            return Proposal([], torch.zeros(0, width or self._head_rows, dtype=torch.float64))
+        q = torch.stack(dists)
+        if width is not None and width != q.shape[-1]:
+            if width > q.shape[-1]:
+                q = torch.nn.functional.pad(q, (0, width - q.shape[-1]))
+            else:
+                # Mass on ids the target does not have stays out of q (sub-stochastic rows).
+                q = q[:, :width]
+            tokens = [t if t < width else -1 for t in tokens]
+        return Proposal(tokens, q)
+
+
+class ShortlistProposer(_CachedDrafter):
+    """A same-tokenizer drafter whose LM head is cut to a static shortlist (FR-Spec / VocabTrim).
+
+    The drafter body runs as usual; the head is a genuinely smaller ``(k, d)`` matmul against the
+    shortlisted rows, sliced once here. Tokens are sampled in shortlist space and mapped back, and ``q``
+    is that distribution scattered into target-id space (zero off the shortlist).
+
+    Args:
+        model: Any Hugging Face causal LM sharing the target's tokenizer.
+        shortlist: 1-D tensor of unique target ids to keep, e.g. the most frequent tokens.
+        target_vocab_size: Width of ``q``; defaults to the drafter's LM-head rows.
+        name: Label used in metrics and reports.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        shortlist: Tensor,
+        *,
+        target_vocab_size: int | None = None,
+        name: str = "shortlist",
+    ) -> None:
+        super().__init__(model)
+        self.name = name
+        head = model.get_output_embeddings()
+        vocab = head.weight.shape[0]
+        self.target_vocab_size = target_vocab_size or vocab
+        shortlist = torch.as_tensor(shortlist).to(torch.long).flatten().cpu()
+        if shortlist.numel() == 0:
+            raise DrafterError(
+                "the draft shortlist is empty",
+                expected="at least one token id",
+                found="0 ids",
+                fix="rebuild the shortlist with a positive size",
+            )
+        bad = shortlist[(shortlist < 0) | (shortlist >= min(vocab, self.target_vocab_size))]
+        if bad.numel():
+            raise DrafterError(
+                "the draft shortlist holds ids outside the vocabulary",
+                expected=f"ids in [0, {min(vocab, self.target_vocab_size)})",
+                found=f"{bad.numel()} out-of-range ids, e.g. {bad[:5].tolist()}",
+                fix="rebuild the shortlist from counts made with this target's tokenizer",
+            )
+        if torch.unique(shortlist).numel() != shortlist.numel():
+            raise DrafterError(
+                "the draft shortlist repeats token ids",
+                expected="unique ids",
+                found=f"{shortlist.numel() - torch.unique(shortlist).numel()} duplicates",
+                fix="deduplicate the shortlist (e.g. torch.unique) before loading it",
+            )
+        self.shortlist = shortlist.to(self.device)
+        self._shortlist_ids = shortlist.tolist()
+        with torch.no_grad():
+            self._weight = head.weight[self.shortlist].detach().clone()
+            bias = getattr(head, "bias", None)
+            self._bias = None if bias is None else bias[self.shortlist].detach().clone()
+        self._body = model.base_model
+        config = getattr(model, "config", None)
+        # Some families post-process logits in forward(); mirror it so q matches the drafter's head.
+        self._softcap = getattr(config, "final_logit_softcapping", None)
+        self._logit_scale = getattr(config, "logit_scale", None)
+
+    @staticmethod
+    def check(shortlist: Tensor, tokenizer: Any, prompts: Sequence[Sequence[int]] = ()) -> None:
+        """Refuse a shortlist that cannot end a sequence or covers none of a prompt's tokens.
+
+        Args:
+            shortlist: The shortlist ids.
+            tokenizer: The target's Hugging Face tokenizer (for ``eos_token_id``).
+            prompts: Tokenised prompts; a prompt none of whose tokens is shortlisted suggests the
+                shortlist was built for another tokenizer or domain.
+
+        Raises:
+            DrafterError: If EOS is excluded or some prompt shares no token with the shortlist.
+        """
+        ids = set(torch.as_tensor(shortlist).flatten().tolist())
+        eos = getattr(tokenizer, "eos_token_id", None)
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        missing = [e for e in eos_ids if e not in ids]
+        if missing:
+            raise DrafterError(
+                "the draft shortlist excludes the end-of-sequence token",
+                expected=f"EOS id(s) {eos_ids} in the shortlist",
+                found=f"missing {missing}",
+                fix="add the EOS id to the shortlist (count stage: keep special tokens)",
+            )
+        for index, prompt in enumerate(prompts):
+            if prompt and not any(t in ids for t in prompt):
+                raise DrafterError(
+                    "the draft shortlist shares no token with a prompt",
+                    expected="a shortlist built with this target's tokenizer and a matching domain",
+                    found=f"prompt #{index} ({len(prompt)} tokens) has no shortlisted token",
+                    fix="rebuild the shortlist from calibration data tokenised by this target",
+                )
+
+    def _token_id(self, index: int) -> int:
+        return int(self._shortlist_ids[index])
+
+    @torch.no_grad()
+    def _next_token_logits(self, input_ids: list[int]) -> Tensor:
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        out = self._body(input_ids=ids, past_key_values=self._cache, use_cache=True)
+        self._cache = out.past_key_values
+        hidden = out.last_hidden_state[0, -1]
+        logits = torch.nn.functional.linear(hidden, self._weight, self._bias)
+        if self._logit_scale is not None:
+            logits = logits * self._logit_scale
+        if self._softcap is not None:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def propose(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        """Draft ``gamma`` tokens from the shortlisted head; see :class:`Proposer`."""
+        tokens, dists = self._draft(context, gamma, params, generator)
+        q = torch.zeros(len(tokens), self.target_vocab_size, dtype=torch.float64, device=self.device)
+        if tokens:
+            q[:, self.shortlist] = torch.stack(dists)
+        return Proposal(tokens, q)

@@ -1,0 +1,121 @@
+"""The life of one stage run: cache lookup, preflight, build, atomic publish, MLflow logging.
+
+Every job in ``jobs/`` describes *what* its stage computes (a ``build`` function) and hands it to
+:func:`run_stage`, which owns *how* a stage runs: the artifact id from (stage, config, inputs,
+fingerprint), a cache hit that does no work, a tracking-server probe before any expensive work, a
+persistent staging directory (``<workdir>/staging/<id>``) where resumable stages keep finished shards
+across a killed run, the atomic publish, and the MLflow run. On a multi-rank launch every rank builds
+its share; only global rank zero publishes and logs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import Artifact, ArtifactStore, artifact_id, check_fingerprint
+from pipeline.config import to_dict
+from pipeline.configs import PipelineConfig
+from pipeline.errors import DrafterError
+from pipeline.tracking import check_reachable, log_stage_run, logged_run, tracking_uri
+
+
+def log(stage: str, message: str) -> None:
+    """Progress line on stderr (stdout stays clean for summaries)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {stage}: {message}", file=sys.stderr, flush=True)
+
+
+def global_rank() -> int:
+    for var in ("RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+@dataclass
+class BuildResult:
+    """What a stage's build hands back: a function that writes the payloads, and the figures."""
+
+    write: Callable[[Path], None]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageRun:
+    """Everything a build function may need to know about the run it is part of."""
+
+    cfg: PipelineConfig
+    stage: str
+    artifact_id: str
+    staging: Path
+    fingerprint: dict
+    inputs: list[Artifact]
+
+    def log(self, message: str) -> None:
+        log(self.stage, message)
+
+
+def run_stage(cfg: PipelineConfig, *, stage: str, kind: str, section: Any, fingerprint: dict,
+              inputs: list[Artifact], build: Callable[[StageRun], BuildResult | None]) -> Artifact | None:
+    """Run (or reuse) one stage and return its verified artifact (None on ranks other than zero)."""
+    workdir = cfg.workdir_path
+    store = ArtifactStore(workdir / "artifacts")
+    for artifact in inputs:
+        check_fingerprint(artifact, fingerprint, f"Input artifact ({artifact.kind})")
+    # The target identity and the inputs are part of the id; target/mlflow settings that do not change
+    # the result (tracking URI, dtype for counting...) are deliberately not.
+    config = {stage: to_dict(section), "target": {"model": cfg.target.model, "revision": cfg.target.revision}}
+    aid = artifact_id(stage, config, [a.id for a in inputs], fingerprint)
+    uri = tracking_uri(cfg.mlflow, workdir)
+    existing = store.get(aid)
+    if existing is not None:
+        if global_rank() == 0:
+            log(stage, f"cache hit: {aid} (no work done)")
+            if logged_run(existing, uri) is None:
+                log_stage_run(existing, cfg.mlflow, workdir, params=config, metrics=existing.metrics)
+        return existing
+    if global_rank() == 0:
+        check_reachable(uri, cfg.mlflow)  # fail before hours of work, not after
+        store.sweep()
+    staging = workdir / "staging" / aid
+    staging.mkdir(parents=True, exist_ok=True)
+    run = StageRun(cfg, stage, aid, staging, fingerprint, inputs)
+    started = time.perf_counter()
+    result = build(run)
+    if result is None:  # a non-zero rank: its shards are in staging, rank zero publishes
+        return None
+    writer = store.writer(aid, kind=kind, stage=stage, config=config, inputs=[a.id for a in inputs],
+                          fingerprint=fingerprint)
+    try:
+        result.write(writer.tmp)
+        metrics = {**result.metrics, "stage_seconds": round(time.perf_counter() - started, 3)}
+        artifact = writer.commit(metrics)
+    except BaseException:
+        writer.abort()
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+    log(stage, f"wrote {artifact.id} -> {artifact.path}")
+    log_stage_run(artifact, cfg.mlflow, workdir, params=config, metrics=artifact.metrics)
+    return artifact
+
+
+def find_input(cfg: PipelineConfig, explicit: str | None, kind: str, produce: Callable[[], Artifact | None],
+               fingerprint: dict) -> Artifact:
+    """An upstream artifact: the explicit path if the config names one, else the upstream stage's
+    (a cache hit when it already ran — so ``drafter count`` alone does the right thing)."""
+    if explicit:
+        from pipeline.artifacts import load_artifact
+
+        artifact = load_artifact(explicit, kind=kind)
+    else:
+        artifact = produce()
+        if artifact is None:
+            raise DrafterError(f"The upstream {kind} artifact is not available on this rank.")
+    check_fingerprint(artifact, fingerprint, f"The {kind} artifact")
+    return artifact

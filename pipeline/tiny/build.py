@@ -1,0 +1,165 @@
+"""Building, caching and resolving tiny-model kits.
+
+:func:`build_kit` runs the whole recipe for a profile (data → two tokenizers → target → target-written
+text → two distilled drafters → measurements) into a temporary directory next to the cache entry and
+renames it into place, so a kit directory is either complete or absent. An ``fcntl.flock`` lock per
+kit makes a second process wait for the first and then find the kit cached; temporary directories left
+by interrupted builds are removed under that lock. :func:`resolve_tiny_ref` turns
+``"tiny:<profile>/<role>"`` into a directory that ``from_pretrained`` loads, building on demand.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import DrafterError
+from pipeline.tiny.spec import PROFILES, ROLES, default_cache_dir, get_profile, kit_hash
+
+REPORT_FILE = "report.json"
+REF_PREFIX = "tiny:"
+
+
+@dataclass
+class TinyKit:
+    """A built kit: three model directories (one per role) and the report of their build.
+
+    Attributes:
+        root: The kit directory, ``<cache>/tiny/<profile>-<hash>``.
+        profile: Profile name.
+        kit_hash: Content hash of the profile spec, kit code version and data identity.
+        report: Contents of ``report.json``: losses, top-1 probabilities, agreement, parameter
+            counts, build seconds and the data report.
+    """
+
+    root: Path
+    profile: str
+    kit_hash: str
+    report: dict = field(default_factory=dict)
+
+    def path(self, role: str) -> Path:
+        """Directory of ``role`` loadable by ``AutoTokenizer``/``AutoModelForCausalLM.from_pretrained``.
+
+        Raises:
+            DrafterError: ``role`` is not one of :data:`ROLES`.
+        """
+        if role not in ROLES:
+            raise DrafterError(
+                f"Unknown tiny-kit role '{role}'.", expected="one of " + ", ".join(ROLES), found=repr(role)
+            )
+        return self.root / role
+
+
+def _kit_dir(profile: str, cache_dir: Path | None) -> tuple[Path, str]:
+    digest = kit_hash(profile)
+    parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return parent / "tiny" / f"{profile}-{digest}", digest
+
+
+def _load_kit(root: Path, profile: str, digest: str) -> TinyKit | None:
+    """The kit at ``root`` if it is complete (report present and every role saved), else None."""
+    report_path = root / REPORT_FILE
+    if not report_path.is_file() or not all((root / role / "config.json").is_file() for role in ROLES):
+        return None
+    return TinyKit(root, profile, digest, json.loads(report_path.read_text()))
+
+
+def build_kit(
+    profile: str = "default",
+    cache_dir: Path | None = None,
+    *,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> TinyKit:
+    """Build (or fetch from the cache) the tiny-model kit of a profile.
+
+    Args:
+        profile: ``"default"`` (embedded default, ~6–8 min on 2 cores) or ``"test"`` (~1 min).
+        cache_dir: Cache root; None means :func:`default_cache_dir`.
+        force: Rebuild even if the kit is cached.
+        log: Receives progress lines.
+
+    Returns:
+        The kit; a cached one returns at once.
+
+    Raises:
+        DrafterError: Unknown profile, or the packaged data is missing.
+    """
+    root, digest = _kit_dir(profile, cache_dir)
+    if not force and (kit := _load_kit(root, profile, digest)) is not None:
+        return kit
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"tiny kit {root.name}: another process is building it; waiting")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not force and (kit := _load_kit(root, profile, digest)) is not None:
+                return kit  # built by the process we waited for
+            _remove_stale(root, log)
+            return _build_locked(profile, root, digest, log)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _remove_stale(root: Path, log: Callable[[str], None]) -> None:
+    """Delete temp dirs of interrupted builds and an incomplete kit dir (we hold the lock)."""
+    for stale in root.parent.glob(f".{root.name}.tmp-*"):
+        log(f"tiny kit {root.name}: removing {stale.name} left by an interrupted build")
+        shutil.rmtree(stale, ignore_errors=True)
+    if root.exists():
+        shutil.rmtree(root)
+
+
+def _build_locked(profile: str, root: Path, digest: str, log: Callable[[str], None]) -> TinyKit:
+    from pipeline.tiny.recipe import build_into
+
+    spec = get_profile(profile)
+    log(f"tiny kit {root.name}: building profile '{profile}' (cached after this)")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+    try:
+        start = time.perf_counter()
+        report = build_into(spec, tmp, log)
+        report.update(profile=profile, kit_hash=digest, build_seconds=round(time.perf_counter() - start, 1))
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True))
+        os.rename(tmp, root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"tiny kit {root.name}: built in {report['build_seconds']} s")
+    return TinyKit(root, profile, digest, report)
+
+
+def resolve_tiny_ref(ref: str, cache_dir: Path | None = None) -> Path:
+    """Resolve ``"tiny:<profile>/<role>"`` to a model directory, building the kit on demand.
+
+    Args:
+        ref: e.g. ``"tiny:default/target"`` or ``"tiny:test/drafter_other"``.
+        cache_dir: Cache root; None means :func:`default_cache_dir`.
+
+    Returns:
+        The role's directory (tokenizer and model, loadable by ``from_pretrained``).
+
+    Raises:
+        DrafterError: The reference is malformed or names an unknown profile or role.
+    """
+    body = ref[len(REF_PREFIX) :] if ref.startswith(REF_PREFIX) else None
+    profile, _, role = (body or "").partition("/")
+    valid = ", ".join(f"tiny:{p}/{r}" for p in sorted(PROFILES) for r in ROLES)
+    if body is None or profile not in PROFILES or role not in ROLES:
+        raise DrafterError(
+            f"'{ref}' is not a tiny-kit reference.",
+            expected=f"tiny:<profile>/<role>, one of: {valid}",
+            found=repr(ref),
+            fix="use one of those, or a local checkpoint directory / hub id for a real model",
+        )
+    return build_kit(profile, cache_dir, log=lambda _line: None).path(role)

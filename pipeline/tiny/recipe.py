@@ -1,0 +1,169 @@
+"""The kit's build recipe, top to bottom: data → tokenizers → target → target text → drafters → report.
+
+1. Short chats from the non-held-out packaged ShareGPT conversations; held-out ones measure models.
+2. Two byte-complete BPE tokenizers trained on the message text ('Ġ' byte-level for target and
+   drafter, '▁' Metaspace + byte fallback for drafter_other).
+3. The target trains with cross-entropy on the chats under its chat template.
+4. The target answers training prompts (T=1 samples): text from exactly the distribution that
+   speculative decoding later drafts against.
+5. The same-tokenizer drafter is distilled with forward KL to the target's next-token distributions,
+   on raw chats and target-written chats mixed half and half.
+6. The other-tokenizer drafter cannot see target logits (different vocabulary), so it learns
+   sequence-level distillation: cross-entropy on the target-written chats re-rendered under its own
+   tokenizer and template, mixed half and half with raw chats so it still reads prompts well.
+7. Measurements on held-out chats and on target answers to held-out prompts go into the report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.data.sources import DEFAULT_HELDOUT_FRACTION, load_sharegpt, split_heldout
+from pipeline.tiny import corpus
+from pipeline.tiny.spec import ProfileSpec
+from pipeline.tiny.text_tokenizers import train_tokenizer
+from pipeline.tiny.train import build_model, generate, measure, param_count, train
+
+
+def _mix(raw: torch.Tensor, written: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
+    """``rows`` rows, half target-written (repeated as needed) and half raw."""
+    generator = torch.Generator().manual_seed(seed)
+    half = rows // 2
+    written_idx = torch.arange(half) % written.shape[0]
+    raw_idx = torch.randperm(raw.shape[0], generator=generator)[: rows - half]
+    return torch.cat([written[written_idx], raw[raw_idx]])
+
+
+def _answer(
+    model: Any, tokenizer: Any, prompts: list[corpus.Chat], spec: ProfileSpec, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompt ids (with generation prompt) and the target's sampled answers to them."""
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    budget = spec.context - spec.gen_new_tokens
+    prompt_ids = [ids[-budget:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    answers = generate(
+        model,
+        prompt_ids,
+        max_new_tokens=spec.gen_new_tokens,
+        batch_size=32,
+        do_sample=True,
+        seed=seed,
+        pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
+    )
+    return prompt_ids, answers
+
+
+def _rerender(
+    tok_target: Any, tok_other: Any, prompts: list[corpus.Chat], answers: list[list[int]]
+) -> list[list[int]]:
+    """Target-written chats as text, re-tokenised under the other tokenizer's chat template."""
+    out = []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        finished = bool(answer) and answer[-1] == tok_target.eos_token_id
+        chat = [*prompt, {"role": "assistant", "content": tok_target.decode(answer, skip_special_tokens=True)}]
+        # An answer cut by the token budget must not teach the drafter to end the turn there.
+        text = tok_other.apply_chat_template(chat, tokenize=False, continue_final_message=not finished)
+        out.append(tok_other(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def _save(model: Any, tokenizer: Any, out_dir: Path) -> None:
+    model.save_pretrained(str(out_dir))  # safetensors, config.json and generation_config.json
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict:
+    """Run the recipe for ``spec`` and save ``target``, ``drafter``, ``drafter_other`` under ``out``.
+
+    Returns:
+        The report (figures of every stage), without build time, which the caller adds.
+    """
+    torch.manual_seed(spec.seed)
+    convs, data_report = load_sharegpt()
+    train_convs = split_heldout(convs, DEFAULT_HELDOUT_FRACTION, heldout=False)[: spec.train_conversations]
+    eval_convs = split_heldout(convs, DEFAULT_HELDOUT_FRACTION, heldout=True)[: spec.eval_conversations]
+    train_chats = corpus.make_chats(train_convs, spec.max_turns, spec.max_chars)
+    eval_chats = corpus.make_chats(eval_convs, spec.max_turns, spec.max_chars)
+    log(f"  data: {len(train_chats)} training chats, {len(eval_chats)} held-out chats")
+
+    texts = corpus.text_of(train_chats)
+    tok_t = train_tokenizer("bytelevel", texts, spec.vocab_target)
+    tok_o = train_tokenizer("metaspace", texts, spec.vocab_other)
+    log(f"  tokenizers: 'Ġ' byte-level {len(tok_t)} tokens, '▁' metaspace {len(tok_o)} tokens")
+
+    rows_t = corpus.pack(corpus.render_ids(tok_t, train_chats), spec.context)
+    eval_t = corpus.pack(corpus.render_ids(tok_t, eval_chats), spec.context)
+    target = build_model(spec.target, tok_t, spec.context, spec.seed)
+    log(f"  target: {param_count(target):,} params, {spec.target_steps} steps on {rows_t.numel():,} tokens")
+    target_losses = train(
+        target, rows_t, steps=spec.target_steps, batch_size=spec.batch_size, lr=spec.target_lr,
+        seed=spec.seed, log=log, name="target",
+    )  # fmt: skip
+
+    prompts = corpus.first_user_prompts(train_chats)[: spec.gen_prompts]
+    prompt_ids, answers = _answer(target, tok_t, prompts, spec, spec.seed + 1)
+    eval_prompts = corpus.first_user_prompts(eval_chats)
+    eval_prompt_ids, eval_answers = _answer(target, tok_t, eval_prompts, spec, spec.seed + 2)
+    finished = sum(bool(a) and a[-1] == tok_t.eos_token_id for a in answers) / len(answers)
+    log(f"  target wrote {sum(map(len, answers)):,} tokens for {len(prompts)} prompts ({finished:.0%} ended)")
+    written_t = corpus.pack([p + a for p, a in zip(prompt_ids, answers, strict=True)], spec.context)
+    eval_written_t = corpus.pack(
+        [p + a for p, a in zip(eval_prompt_ids, eval_answers, strict=True)], spec.context
+    )
+
+    drafter_rows = spec.drafter_steps * spec.batch_size
+    drafter = build_model(spec.drafter, tok_t, spec.context, spec.seed + 3)
+    drafter_losses = train(
+        drafter, _mix(rows_t, written_t, drafter_rows, spec.seed), steps=spec.drafter_steps,
+        batch_size=spec.batch_size, lr=spec.drafter_lr, seed=spec.seed + 3, log=log,
+        name="drafter (KL to target)", teacher=target,
+    )  # fmt: skip
+
+    rows_o = corpus.pack(corpus.render_ids(tok_o, train_chats), spec.context)
+    eval_o = corpus.pack(corpus.render_ids(tok_o, eval_chats), spec.context)
+    written_o = corpus.pack(_rerender(tok_t, tok_o, prompts, answers), spec.context)
+    eval_written_o = corpus.pack(_rerender(tok_t, tok_o, eval_prompts, eval_answers), spec.context)
+    other_rows = spec.other_steps * spec.batch_size
+    other = build_model(spec.other, tok_o, spec.context, spec.seed + 4)
+    other_losses = train(
+        other, _mix(rows_o, written_o, other_rows, spec.seed + 4), steps=spec.other_steps,
+        batch_size=spec.batch_size, lr=spec.other_lr, seed=spec.seed + 4, log=log,
+        name="drafter_other (target-written text)",
+    )  # fmt: skip
+
+    for role, model, tok in (("target", target, tok_t), ("drafter", drafter, tok_t), ("drafter_other", other, tok_o)):
+        _save(model, tok, out / role)
+    log("  measuring on held-out text")
+    report = {
+        "data": {**vars(data_report), "train_chats": len(train_chats), "eval_chats": len(eval_chats)},
+        "heldout_fraction": DEFAULT_HELDOUT_FRACTION,
+        "target": {
+            "params": param_count(target),
+            "vocab_size": len(tok_t),
+            "uniform_loss": round(float(torch.log(torch.tensor(float(len(tok_t))))), 4),
+            "final_train_loss": round(sum(target_losses[-20:]) / len(target_losses[-20:]), 4),
+            "heldout": measure(target, eval_t),
+            "answers_ended_with_eos": round(finished, 3),
+        },
+        "drafter": {
+            "params": param_count(drafter),
+            "vocab_size": len(tok_t),
+            "final_train_kl": round(sum(drafter_losses[-20:]) / len(drafter_losses[-20:]), 4),
+            "heldout": measure(drafter, eval_t, teacher=target),
+            "heldout_target_written": measure(drafter, eval_written_t, teacher=target),
+        },
+        "drafter_other": {
+            "params": param_count(other),
+            "vocab_size": len(tok_o),
+            "final_train_loss": round(sum(other_losses[-20:]) / len(other_losses[-20:]), 4),
+            "heldout": measure(other, eval_o),
+            "heldout_target_written": measure(other, eval_written_o),
+        },
+        "context": spec.context,
+    }
+    return report

@@ -1,0 +1,170 @@
+"""Build profiles of the tiny-model kit, its content hash, and where kits are cached.
+
+A profile fixes everything a build does (data, tokenizer sizes, model sizes, step counts, seeds), so a
+kit is a pure function of (profile spec, kit code version, packaged data identity); :func:`kit_hash`
+hashes exactly that, and kits live under ``<cache>/tiny/<profile>-<hash>``. Bump
+:data:`KIT_CODE_VERSION` whenever a change to the kit's code changes what a build produces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import DrafterError
+
+KIT_CODE_VERSION = "1"
+ROLES = ("target", "drafter", "drafter_other")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of one tiny Llama (tied input/output embeddings)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """Everything one kit build does; two builds of the same spec give the same kit."""
+
+    name: str
+    train_conversations: int
+    """Training conversations taken from the non-held-out ShareGPT split (in source order)."""
+    eval_conversations: int
+    """Held-out conversations used to measure the models."""
+    max_turns: int
+    """Messages kept per conversation."""
+    max_chars: int
+    """Characters kept per message (cut at a paragraph or sentence end where possible)."""
+    vocab_target: int
+    """Vocabulary of the 'Ġ' byte-level tokenizer shared by target and drafter."""
+    vocab_other: int
+    """Vocabulary of the '▁' Metaspace + byte-fallback tokenizer of drafter_other."""
+    context: int
+    """Training row length in tokens; also the models' max_position_embeddings."""
+    batch_size: int
+    target: ModelSpec
+    target_steps: int
+    target_lr: float
+    drafter: ModelSpec
+    drafter_steps: int
+    drafter_lr: float
+    other: ModelSpec
+    other_steps: int
+    other_lr: float
+    gen_prompts: int
+    """Training prompts the target answers (sampled at T=1) to make distillation text."""
+    gen_new_tokens: int
+    seed: int = 0
+
+
+_TARGET = ModelSpec(hidden=192, layers=4, heads=6, kv_heads=2, intermediate=512)
+_DRAFTER = ModelSpec(hidden=96, layers=2, heads=3, kv_heads=1, intermediate=256)
+
+PROFILES: dict[str, ProfileSpec] = {
+    "default": ProfileSpec(
+        name="default",
+        train_conversations=6000,
+        eval_conversations=200,
+        max_turns=4,
+        max_chars=700,
+        vocab_target=2048,
+        vocab_other=1536,
+        context=256,
+        batch_size=16,
+        target=_TARGET,
+        target_steps=400,
+        target_lr=3e-3,
+        drafter=_DRAFTER,
+        drafter_steps=300,
+        drafter_lr=4e-3,
+        other=_DRAFTER,
+        other_steps=300,
+        other_lr=4e-3,
+        gen_prompts=512,
+        gen_new_tokens=128,
+    ),
+    "test": ProfileSpec(
+        name="test",
+        train_conversations=1500,
+        eval_conversations=60,
+        max_turns=4,
+        max_chars=500,
+        vocab_target=1024,
+        vocab_other=768,
+        context=128,
+        batch_size=16,
+        target=ModelSpec(hidden=128, layers=3, heads=4, kv_heads=2, intermediate=352),
+        target_steps=200,
+        target_lr=4e-3,
+        drafter=ModelSpec(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=192),
+        drafter_steps=120,
+        drafter_lr=5e-3,
+        other=ModelSpec(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=192),
+        other_steps=120,
+        other_lr=5e-3,
+        gen_prompts=128,
+        gen_new_tokens=64,
+    ),
+}
+
+
+def get_profile(profile: str) -> ProfileSpec:
+    """The spec of a named profile.
+
+    Raises:
+        DrafterError: The profile is not one of :data:`PROFILES`.
+    """
+    if profile not in PROFILES:
+        raise DrafterError(
+            f"Unknown tiny-kit profile '{profile}'.",
+            expected="one of " + ", ".join(sorted(PROFILES)),
+            found=repr(profile),
+            fix="use tiny:default/<role> for the embedded default or tiny:test/<role> in tests",
+        )
+    return PROFILES[profile]
+
+
+def data_identity() -> dict[str, str | int]:
+    """Identity of the packaged text the kit is built from (versions and file sizes; no hashing of 125 MB)."""
+    import importlib.metadata
+    import importlib.resources
+
+    from pipeline.data.sources import SHAREGPT_PACKAGE, SHAREGPT_RESOURCE
+
+    identity: dict[str, str | int] = {}
+    try:
+        identity["sharegpt_version"] = importlib.metadata.version(SHAREGPT_PACKAGE)
+        package, resource = SHAREGPT_RESOURCE
+        with importlib.resources.as_file(importlib.resources.files(package).joinpath(resource)) as path:
+            identity["sharegpt_bytes"] = path.stat().st_size
+    except (importlib.metadata.PackageNotFoundError, ModuleNotFoundError, FileNotFoundError):
+        identity["sharegpt_version"] = "missing"  # the build itself reports the missing package
+    return identity
+
+
+def kit_hash(profile: str) -> str:
+    """Content hash of (profile spec, kit code version, packaged data identity), 12 hex characters.
+
+    Raises:
+        DrafterError: Unknown profile.
+    """
+    spec = get_profile(profile)
+    payload = {"spec": dataclasses.asdict(spec), "code": KIT_CODE_VERSION, "data": data_identity()}
+    blob = json.dumps(payload, sort_keys=True).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    """``$DRAFTER_CACHE`` if set, else ``~/.cache/drafter-pipeline``; kits go under ``<cache>/tiny``."""
+    env = os.environ.get("DRAFTER_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "drafter-pipeline"

@@ -1,0 +1,197 @@
+"""Training, distillation, generation and measurement of the kit's tiny Llama models on CPU.
+
+Plain loops, readable top to bottom (nanoGPT style): AdamW with warmup and cosine decay over a fixed
+number of steps (never a time budget, so a build is deterministic for a profile), cross-entropy on
+packed rows, or forward KL to a frozen teacher's next-token distribution for same-tokenizer
+distillation. :func:`generate` produces target-written responses for sequence-level distillation of the
+other-tokenizer drafter; :func:`measure` gives held-out loss, mean top-1 probability and, against a
+teacher, top-1 agreement and ``sum_x min(p, q)`` (the expected acceptance rate of one speculative
+sampling step, Leviathan et al. 2023, §3).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.tiny.spec import ModelSpec
+
+
+def build_model(spec: ModelSpec, tokenizer: Any, context: int, seed: int) -> Any:
+    """A freshly initialised ``LlamaForCausalLM`` sized by ``spec`` for ``tokenizer``'s vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,  # the embedding is most of a tiny model; tying halves it
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def param_count(model: Any) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _lr_at(step: int, steps: int, peak: float) -> float:
+    warmup = max(1, steps // 20)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _batches(rows: torch.Tensor, batch_size: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(rows.shape[0], generator=generator)
+        for start in range(0, rows.shape[0] - batch_size + 1, batch_size):
+            yield rows[order[start : start + batch_size]]
+
+
+def train(
+    model: Any,
+    rows: torch.Tensor,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    log: Callable[[str], None],
+    name: str,
+    teacher: Any | None = None,
+) -> list[float]:
+    """Train ``model`` on packed ``rows`` for ``steps`` AdamW steps; returns the per-step losses.
+
+    With ``teacher`` the loss is forward KL(teacher ‖ model) at every position (the teacher must share
+    the model's tokenizer); without it, next-token cross-entropy.
+    """
+    torch.manual_seed(seed)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    losses: list[float] = []
+    batches = _batches(rows, batch_size, seed)
+    every = max(1, steps // 10)
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, steps, lr)
+        batch = next(batches)
+        logits = model(input_ids=batch).logits
+        if teacher is None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+        else:
+            with torch.no_grad():
+                target_logp = F.log_softmax(teacher(input_ids=batch).logits, dim=-1)
+            loss = F.kl_div(F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="none")
+            loss = loss.sum(-1).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if (step + 1) % every == 0 or step + 1 == steps:
+            recent = losses[-every:]
+            log(f"  {name}: step {step + 1}/{steps} loss {sum(recent) / len(recent):.3f}")
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def measure(model: Any, rows: torch.Tensor, *, batch_size: int = 16, teacher: Any | None = None) -> dict:
+    """Held-out next-token loss and mean top-1 probability; with a teacher, agreement figures too.
+
+    Returns:
+        ``loss`` (nats/token), ``top1_prob`` (mean max probability), ``top1_accuracy``, ``tokens``; with
+        ``teacher``: ``top1_agreement`` (argmax equal) and ``expected_acceptance`` (mean ``sum min(p, q)``).
+    """
+    model.eval()
+    sums = {"loss": 0.0, "top1_prob": 0.0, "top1_accuracy": 0.0, "top1_agreement": 0.0, "overlap": 0.0}
+    count = 0
+    for start in range(0, rows.shape[0], batch_size):
+        batch = rows[start : start + batch_size]
+        logp = F.log_softmax(model(input_ids=batch).logits[:, :-1].float(), dim=-1)
+        labels = batch[:, 1:]
+        top_logp, top_ids = logp.max(-1)
+        sums["loss"] += -logp.gather(-1, labels[..., None]).sum().item()
+        sums["top1_prob"] += top_logp.exp().sum().item()
+        sums["top1_accuracy"] += (top_ids == labels).sum().item()
+        if teacher is not None:
+            p = F.softmax(teacher(input_ids=batch).logits[:, :-1].float(), dim=-1)
+            sums["top1_agreement"] += (p.argmax(-1) == top_ids).sum().item()
+            sums["overlap"] += torch.minimum(p, logp.exp()).sum().item()
+        count += labels.numel()
+    out = {k: sums[k] / count for k in ("loss", "top1_prob", "top1_accuracy")}
+    if teacher is not None:
+        out["top1_agreement"] = sums["top1_agreement"] / count
+        out["expected_acceptance"] = sums["overlap"] / count
+    out["tokens"] = count
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+@torch.no_grad()
+def generate(
+    model: Any,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    do_sample: bool,
+    seed: int,
+    pad_id: int,
+    eos_id: int,
+) -> list[list[int]]:
+    """Continue each prompt (left-padded in batches); returns each response, cut after its first eos."""
+    model.eval()
+    torch.manual_seed(seed)
+    responses: list[list[int]] = []
+    # Sorting by length keeps padding small; results are put back in prompt order.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    by_index: dict[int, list[int]] = {}
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(chunk):
+            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]) :] = 1
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=1.0 if do_sample else None,
+            top_k=0 if do_sample else None,
+            top_p=1.0 if do_sample else None,
+            pad_token_id=pad_id,
+            eos_token_id=eos_id,
+        )
+        for row, i in enumerate(chunk):
+            new = out[row, width:].tolist()
+            by_index[i] = new[: new.index(eos_id) + 1] if eos_id in new else new
+    responses = [by_index[i] for i in range(len(prompts))]
+    return responses

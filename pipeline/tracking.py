@@ -1,0 +1,179 @@
+"""MLflow tracking for stage runs: where the store is, whether it answers, and what a run records.
+
+Each stage run becomes one MLflow run: params are the resolved config (flattened), metrics the stage's
+figures, tags the artifact id, stage, target fingerprint and git sha, and the artifact directory is
+logged beside them. The default store is ``sqlite:///<workdir>/mlflow.db`` with artifacts under
+``<workdir>/mlartifacts``; ``MLFLOW_TRACKING_URI`` (or ``mlflow.tracking_uri``) points at a server.
+A server is probed before a stage starts work (bounded retries), and logging happens only after the
+artifact is safely on disk: if the server dies in between, the error says so and the artifact stays,
+so a rerun is a cache hit that only logs. Credentials come from the environment (MLflow reads
+``MLFLOW_TRACKING_USERNAME``/``PASSWORD``/``TOKEN`` itself) and are never logged: URIs are redacted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import Artifact, write_json_atomic
+from pipeline.configs import MlflowConfig
+from pipeline.errors import DrafterError
+
+LOGGED_MARKER = "mlflow_runs.json"  # beside, not inside, the artifact: the artifact stays immutable
+
+
+def redact(uri: str) -> str:
+    """Hide a password or token embedded in a URI before it is printed or logged."""
+    return re.sub(r"//[^/@]+@", "//***@", uri)
+
+
+def tracking_uri(cfg: MlflowConfig, workdir: Path) -> str:
+    """The store to use: the config's URI, else $MLFLOW_TRACKING_URI, else a sqlite file in the workdir."""
+    uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    workdir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{workdir / 'mlflow.db'}"
+
+
+def is_remote(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def check_reachable(uri: str, cfg: MlflowConfig) -> None:
+    """Probe a tracking server's ``/health`` with bounded retries; raise a clear error if it is down."""
+    if not is_remote(uri):
+        return
+    last: Exception | None = None
+    for attempt in range(cfg.retries):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=cfg.timeout_s) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError, TimeoutError) as err:
+            last = err
+        if attempt + 1 < cfg.retries:
+            time.sleep(min(2.0**attempt * 0.5, 4.0))
+    raise DrafterError(
+        f"The MLflow tracking server at {redact(uri)} is unreachable after {cfg.retries} attempts "
+        f"({type(last).__name__ if last else 'bad status'}: {last}).",
+        expected="a running `mlflow server` answering GET /health",
+        fix="Start the server or fix MLFLOW_TRACKING_URI (unset it to log to the local sqlite store), "
+            "then rerun: finished artifacts are reused, nothing is recomputed.",
+    )
+
+
+def git_sha() -> str:
+    """The code version for tags: $DRAFTER_GIT_SHA, else ``git rev-parse HEAD`` of this checkout."""
+    if sha := os.environ.get("DRAFTER_GIT_SHA"):
+        return sha
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, str]:
+    """Nested config → ``{"generate.max_new_tokens": "96", ...}`` for MLflow params (values ≤ 6000 chars)."""
+    if isinstance(data, dict):
+        out: dict[str, str] = {}
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): str(data)[:6000]}
+
+
+def _configure_client_retries(cfg: MlflowConfig) -> None:
+    # MLflow's own HTTP retry budget defaults to minutes of backoff; keep a dead server's error prompt.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(max(cfg.retries - 1, 0)))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(cfg.timeout_s * 2, 10))))
+
+
+def ensure_experiment(uri: str, name: str, workdir: Path) -> str:
+    """Experiment id for ``name``, created with a local artifact root when the store is a file/sqlite."""
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    exp = mlflow.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None if is_remote(uri) else (workdir / "mlartifacts").resolve().as_uri()
+    try:
+        return mlflow.create_experiment(name, artifact_location=location)
+    except Exception:  # noqa: BLE001 - a concurrent creator won the race
+        exp = mlflow.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+@contextmanager
+def _mlflow_errors(uri: str, artifact: Artifact | None) -> Iterator[None]:
+    try:
+        yield
+    except DrafterError:
+        raise
+    except Exception as err:  # noqa: BLE001 - MLflow raises many types for one cause: the store failed
+        kept = f" The artifact is safe at {artifact.path}." if artifact is not None else ""
+        raise DrafterError(
+            f"Logging to MLflow at {redact(uri)} failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}."
+            + kept,
+            fix="Check the tracking server, then rerun the same command: the stage is a cache hit and "
+                "only the logging is redone.",
+        ) from err
+
+
+def logged_run(artifact: Artifact, uri: str) -> str | None:
+    """The MLflow run id already holding this artifact in store ``uri``, if any."""
+    import json
+
+    marker = artifact.path.parent / f"{artifact.id}.{LOGGED_MARKER}"
+    if not marker.is_file():
+        return None
+    return json.loads(marker.read_text()).get(redact(uri))
+
+
+def log_stage_run(artifact: Artifact, cfg: MlflowConfig, workdir: Path, *, params: dict,
+                  metrics: dict[str, float], tags: dict[str, str] | None = None) -> str:
+    """Record a finished artifact as an MLflow run (once per store); returns the run id."""
+    import json
+
+    import mlflow
+
+    uri = tracking_uri(cfg, workdir)
+    if (run_id := logged_run(artifact, uri)) is not None:
+        return run_id
+    _configure_client_retries(cfg)
+    check_reachable(uri, cfg)
+    fp = artifact.fingerprint or {}
+    all_tags = {"drafter.artifact_id": artifact.id, "drafter.stage": artifact.manifest["stage"],
+                "drafter.kind": artifact.kind, "drafter.target": str(fp.get("model")),
+                "drafter.target_revision": str(fp.get("revision")), "drafter.vocab_hash": str(fp.get("vocab_hash")),
+                "drafter.inputs": ",".join(artifact.manifest.get("inputs", [])), "git.sha": git_sha(),
+                **(tags or {})}
+    with _mlflow_errors(uri, artifact):
+        experiment_id = ensure_experiment(uri, cfg.experiment, workdir)
+        with mlflow.start_run(experiment_id=experiment_id, run_name=artifact.id) as run:
+            mlflow.log_params(flatten(params))
+            numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+            if numeric:
+                mlflow.log_metrics(numeric)
+            mlflow.set_tags(all_tags)
+            if cfg.log_artifacts:
+                mlflow.log_artifacts(str(artifact.path), artifact_path=artifact.id)
+            run_id = run.info.run_id
+    marker = artifact.path.parent / f"{artifact.id}.{LOGGED_MARKER}"
+    runs = json.loads(marker.read_text()) if marker.is_file() else {}
+    runs[redact(uri)] = run_id
+    write_json_atomic(marker, runs)
+    return run_id

@@ -1,0 +1,124 @@
+"""Tiny real Hugging Face models for the engine tests: a byte-level BPE tokenizer trained in the fixture
+on a few KB of inline text, a random ``LlamaForCausalLM`` target and two drafters sharing its vocabulary.
+
+Weights are random (seeded) with a large initialiser range so next-token distributions are peaked. The
+main drafter is the target with its last layer skipped (self-speculation style), so drafts are accepted
+often enough (greedy agreement ~30 %, overlap sum(min(p, q)) ~0.45) for both the accept and the reject
+paths to run; the second is an unrelated tiny model with a tied head. The models run in float64 so that scoring a block of
+tokens in one forward and scoring them one by one agree far below any argmax gap; the lead can swap in
+the trained tiny kit here without touching the tests.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+_TEXT = """\
+The quick brown fox jumps over the lazy dog. A speculative decoder drafts a few tokens with a small model
+and asks the large model to check them all at once. When the draft agrees with the target, several tokens
+are emitted for the price of one forward pass; when it disagrees, the target's own choice is kept, so the
+output is exactly what the large model would have written on its own.
+def add(a, b):
+    return a + b
+for i in range(10):
+    print(i, add(i, i))
+Tokens that appear often are cheap to predict; rare ones are left to the target. The shortlist of frequent
+tokens keeps the drafter's head small while the verifier keeps the output faithful. Numbers like 12, 345
+and 6789 appear too, with punctuation: commas, periods; colons: and (parentheses).
+"""
+
+VOCAB_SIZE = 300
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):\n    return",
+    "Tokens that appear often",
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """A byte-level BPE tokenizer with exactly :data:`VOCAB_SIZE` entries, ``<s>`` and ``</s>`` special."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator([_TEXT] * 4, trainer=trainer)
+    assert backend.get_vocab_size() == VOCAB_SIZE
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer: Any) -> list[list[int]]:
+    """Tokenised prompts, each starting with BOS."""
+    return [[tokenizer.bos_token_id] + tokenizer.encode(text, add_special_tokens=False) for text in PROMPTS]
+
+
+def _llama(seed: int, hidden: int, layers: int, heads: int, tie: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=256,
+        initializer_range=0.5,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float64)
+    return model.eval()
+
+
+TARGET_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def target() -> torch.nn.Module:
+    """Random 4-layer Llama target with an untied head."""
+    return _llama(seed=0, hidden=64, layers=TARGET_LAYERS, heads=4, tie=False)
+
+
+@pytest.fixture(scope="session")
+def drafter(target: torch.nn.Module) -> torch.nn.Module:
+    """The target without its last decoder layer (same embeddings and head)."""
+    from transformers import LlamaForCausalLM
+
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = TARGET_LAYERS - 1
+    model = LlamaForCausalLM(config).to(torch.float64)
+    skipped = f"layers.{TARGET_LAYERS - 1}."
+    model.load_state_dict({k: v for k, v in target.state_dict().items() if skipped not in k})
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tied_drafter() -> torch.nn.Module:
+    """An unrelated random 1-layer Llama with a tied head (the other head layout from the target's)."""
+    return _llama(seed=1, hidden=32, layers=1, heads=2, tie=True)
+
+
+@pytest.fixture(scope="session")
+def shortlist(tokenizer: Any) -> torch.Tensor:
+    """The 120 most frequent token ids of the fixture text, plus EOS (sorted)."""
+    ids = torch.tensor(tokenizer.encode(_TEXT, add_special_tokens=False))
+    counts = torch.bincount(ids, minlength=VOCAB_SIZE)
+    top = torch.topk(counts, 120).indices
+    return torch.unique(torch.cat([top, torch.tensor([tokenizer.eos_token_id])]))

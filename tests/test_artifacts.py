@@ -1,0 +1,106 @@
+"""Artifacts: content ids, atomic publish, verification of hashes and fingerprints, safe formats only."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from pipeline.artifacts import (ArtifactStore, artifact_id, check_fingerprint, load_artifact, sha256_file)
+from pipeline.errors import DrafterError
+
+FP = {"model": "tiny:test/target", "revision": "abc", "vocab_hash": "v1"}
+
+
+def _make(store: ArtifactStore, config: dict | None = None, fingerprint: dict = FP):
+    aid = artifact_id("count", config or {"k": 1}, [], fingerprint)
+    writer = store.writer(aid, kind="token_counts", stage="count", config=config or {"k": 1}, inputs=[],
+                          fingerprint=fingerprint)
+    save_file({"counts": np.arange(10)}, str(writer.tmp / "counts.safetensors"))
+    (writer.tmp / "info.json").write_text(json.dumps({"a": 1}))
+    (writer.tmp / "sub").mkdir()
+    (writer.tmp / "sub" / "x.txt").write_text("hello")
+    return writer.commit({"tokens": 10})
+
+
+def test_id_depends_on_stage_config_inputs_and_fingerprint() -> None:
+    base = artifact_id("count", {"k": 1}, ["a"], FP)
+    assert base == artifact_id("count", {"k": 1}, ["a"], dict(FP))
+    assert base.startswith("count-")
+    assert base != artifact_id("count", {"k": 2}, ["a"], FP)
+    assert base != artifact_id("count", {"k": 1}, ["b"], FP)
+    assert base != artifact_id("generate", {"k": 1}, ["a"], FP)
+    assert base != artifact_id("count", {"k": 1}, ["a"], {**FP, "vocab_hash": "v2"})
+
+
+def test_write_then_load_verifies(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path)
+    art = _make(store)
+    again = load_artifact(art.path, kind="token_counts", fingerprint=FP)
+    assert again.id == art.id and again.metrics == {"tokens": 10}
+    assert set(again.manifest["files"]) == {"counts.safetensors", "info.json", "sub/x.txt"}
+    assert again.manifest["files"]["info.json"]["sha256"] == sha256_file(art.path / "info.json")
+    assert store.get(art.id) is not None
+    assert not list(tmp_path.glob(".tmp-*")), "temporary directory must be gone after commit"
+
+
+def test_edited_payload_is_refused_naming_both_hashes(tmp_path: Path) -> None:
+    art = _make(ArtifactStore(tmp_path))
+    before = art.manifest["files"]["info.json"]["sha256"]
+    (art.path / "info.json").write_text(json.dumps({"a": 2}))
+    with pytest.raises(DrafterError) as err:
+        load_artifact(art.path)
+    msg = str(err.value)
+    assert "info.json" in msg and before in msg and sha256_file(art.path / "info.json") in msg
+
+
+def test_added_or_removed_payload_is_refused(tmp_path: Path) -> None:
+    art = _make(ArtifactStore(tmp_path))
+    (art.path / "extra.json").write_text("{}")
+    with pytest.raises(DrafterError, match="extra.json"):
+        load_artifact(art.path)
+    os.remove(art.path / "extra.json")
+    os.remove(art.path / "sub" / "x.txt")
+    with pytest.raises(DrafterError, match="missing"):
+        load_artifact(art.path)
+
+
+def test_fingerprint_mismatch_names_both_sides(tmp_path: Path) -> None:
+    art = _make(ArtifactStore(tmp_path))
+    other = {**FP, "vocab_hash": "v2"}
+    with pytest.raises(DrafterError) as err:
+        load_artifact(art.path, fingerprint=other)
+    assert "vocab_hash=v2" in str(err.value) and "vocab_hash=v1" in str(err.value)
+    with pytest.raises(DrafterError, match="wrong kind"):
+        load_artifact(art.path, kind="calibration")
+    check_fingerprint(art, FP, "x")  # same target: no error
+
+
+def test_pickle_payloads_are_refused_and_nothing_is_published(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path)
+    writer = store.writer("count-x", kind="k", stage="count", config={}, inputs=[], fingerprint=FP)
+    (writer.tmp / "model.pkl").write_bytes(b"\x80\x04")
+    with pytest.raises(DrafterError, match="safe format"):
+        writer.commit()
+    writer.abort()
+    assert store.get("count-x") is None and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_killed_write_leaves_no_artifact_and_is_swept(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path)
+    dead = tmp_path / ".tmp-count-abc-999999999-1"  # a pid that does not exist: a killed writer
+    dead.mkdir()
+    (dead / "counts.safetensors").write_bytes(b"partial")
+    assert store.get("count-abc") is None
+    assert store.sweep() == 1 and not dead.exists()
+
+
+def test_not_an_artifact_and_corrupt_manifest(tmp_path: Path) -> None:
+    with pytest.raises(DrafterError, match="no manifest.json"):
+        load_artifact(tmp_path)
+    art = _make(ArtifactStore(tmp_path / "s"))
+    (art.path / "manifest.json").write_text("{not json")
+    with pytest.raises(DrafterError, match="corrupt"):
+        load_artifact(art.path)

@@ -1,0 +1,90 @@
+"""Configs: every shipped YAML loads, overrides apply, and bad keys/values give errors that name them."""
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import describe, field_docs, to_dict
+from pipeline.configs import CountConfig, GenerateConfig, PipelineConfig, load_config
+from pipeline.errors import DrafterError
+
+CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_yaml_loads_and_says_how_to_run_it(path: Path) -> None:
+    cfg = load_config(path)
+    assert isinstance(cfg, PipelineConfig)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("#"), f"{path.name} must begin with a comment"
+    assert "drafter " in path.read_text().split("\n\n")[0] or "sbatch" in path.read_text(), \
+        f"{path.name} must say in its header which command runs it"
+
+
+def test_defaults_are_the_tiny_setup() -> None:
+    assert load_config(None).target.model.startswith("tiny:")
+    assert len(CONFIGS) >= 2
+
+
+def test_dotted_overrides_with_yaml_values() -> None:
+    cfg = load_config(None, ["generate.max_new_tokens=64", "count.top_k=[8, 16]", "target.revision=abc",
+                             "generate.limit=null", "mlflow.timeout_s=2"])
+    assert cfg.generate.max_new_tokens == 64
+    assert cfg.count.top_k == [8, 16]
+    assert cfg.target.revision == "abc"
+    assert cfg.generate.limit is None
+    assert cfg.mlflow.timeout_s == 2.0 and isinstance(cfg.mlflow.timeout_s, float)
+
+
+def test_unknown_key_names_the_key_and_the_valid_ones(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("generate:\n  max_new_tokenz: 5\n")
+    with pytest.raises(DrafterError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "generate.max_new_tokenz" in msg and "max_new_tokens" in msg
+    with pytest.raises(DrafterError, match="wrokdir"):
+        load_config(None, ["wrokdir=x"])
+
+
+def test_wrong_types_and_values_are_rejected() -> None:
+    with pytest.raises(DrafterError, match="generate.max_new_tokens"):
+        load_config(None, ["generate.max_new_tokens=lots"])
+    with pytest.raises(DrafterError, match="generate.kind"):
+        load_config(None, ["generate.kind=magic"])
+    with pytest.raises(DrafterError, match="generate.drafter"):
+        load_config(None, ["generate.kind=drafter"])
+    with pytest.raises(DrafterError, match="count.top_p"):
+        load_config(None, ["count.top_p=[1.5]"])
+    with pytest.raises(DrafterError, match="not valid YAML|mapping"):
+        load_config(None, ["target=5"])
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DrafterError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_every_field_is_documented() -> None:
+    for cls in (PipelineConfig, GenerateConfig, CountConfig):
+        docs = field_docs(cls)
+        undocumented = [f for f in cls.__dataclass_fields__ if not docs.get(f)]
+        assert not undocumented, f"{cls.__name__}: {undocumented}"
+    keys = [row[0] for row in describe(PipelineConfig)]
+    assert "generate.max_new_tokens" in keys and "target.model" in keys
+
+
+def test_round_trip_through_plain_data() -> None:
+    cfg = load_config(None, ["count.top_k=[3]"])
+    again = load_config(None, [f"{k}={v}" for k, v in _flat(to_dict(cfg)).items()])
+    assert to_dict(again) == to_dict(cfg)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = "null" if v is None else v
+    return out
