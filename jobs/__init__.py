@@ -4,4 +4,4 @@
 ``drafter run`` runs them in this order. Recipes may import ``pipeline``; ``pipeline`` never imports them.
 """
 
-STAGES: tuple[str, ...] = ("generate", "count")
+STAGES: tuple[str, ...] = ("generate", "count", "evaluate")

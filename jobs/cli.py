@@ -1,5 +1,5 @@
-"""The ``drafter`` command: one subcommand per stage in ``jobs.STAGES``, plus ``run``, ``tiny``,
-``bench`` and ``config``.
+"""The ``drafter`` command: one subcommand per stage in ``jobs.STAGES``, plus ``run``, ``pull``,
+``report``, ``config``, ``tiny`` and ``bench``.
 
 Every stage subcommand takes ``--config FILE`` (default ``configs/tiny.yaml`` when present, else the
 built-in defaults, which are the same tiny setup) and any number of ``key.path=value`` overrides, e.g.
@@ -71,6 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved config (after overrides) as YAML",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(p)
+    p = sub.add_parser("pull", help="download a registered bundle (NAME@ALIAS or NAME/VERSION), verify every "
+                                    "sha256 and fingerprint, and write it to --to",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ref", help="e.g. tiny-default-target--draft-vocab@champion")
+    p.add_argument("--to", type=Path, required=True, help="destination directory (must be new or empty)")
+    p.add_argument("--expect-target", default=None,
+                   help="refuse the bundle unless it was built for this target model (name or tiny ref)")
+    _add_config_args(p)
+    p = sub.add_parser("report", help="print the evaluation table of an evaluation artifact (default: the "
+                                      "newest one in the config's workdir)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", type=Path, default=None, help="an evaluation artifact directory")
+    _add_config_args(p)
     p = sub.add_parser("tiny", help="build the tiny-model kit (tokenizers, target, drafters) used by the defaults")
     p.add_argument("--profile", default="default", help="kit profile: default (~10 min) or test (~2 min)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
@@ -95,11 +108,20 @@ def _summary(cfg, artifacts: dict) -> str:
 
     lines = ["", "summary", "-------"]
     for stage, art in artifacts.items():
-        keys = [k for k in ("rows", "assistant_tokens", "tokens_per_s", "tokens_counted", "distinct_tokens")
+        keys = [k for k in ("rows", "assistant_tokens", "tokens_per_s", "tokens_counted", "distinct_tokens",
+                            "lossless_passed", "gates_passed", "chosen.tau", "chosen.mbsu", "chosen.speedup")
                 if k in art.metrics]
         figures = ", ".join(f"{k}={art.metrics[k]}" for k in keys)
         lines.append(f"{stage:<10} {art.id}  {figures}")
         lines.append(f"{'':<10} {art.path}")
+        registration = art.path.parent / f"{art.id}.registration.json"
+        if registration.is_file():
+            reg = json.loads(registration.read_text())
+            lines.append(f"{'':<10} registered {reg['name']} version {reg['version']} aliases {reg['aliases']}"
+                         f" ({reg['reason']})")
+    if "evaluate" in artifacts:
+        lines += ["", artifacts["evaluate"].file("report.md").read_text().rstrip(),
+                  f"report: {artifacts['evaluate'].file('report.html')}"]
     uri = tracking_uri(cfg.mlflow, cfg.workdir_path)
     lines.append(f"MLflow runs: experiment {cfg.mlflow.experiment!r} at {redact(uri)}")
     if uri.startswith("sqlite:"):
@@ -107,8 +129,43 @@ def _summary(cfg, artifacts: dict) -> str:
     return "\n".join(lines)
 
 
+def _pull(args: argparse.Namespace, cfg) -> int:
+    from pipeline.registry import pull
+
+    expect = None
+    if args.expect_target:
+        from pipeline.models import fingerprint
+
+        expect = fingerprint(args.expect_target)
+    path = pull(args.ref, args.to, cfg.mlflow, cfg.workdir_path, expect_fingerprint=expect)
+    print(f"pulled {args.ref} -> {path} (every sha256 and fingerprint verified)")
+    return 0
+
+
+def _report(args: argparse.Namespace, cfg) -> int:
+    from pipeline.artifacts import load_artifact
+    from pipeline.errors import DrafterError
+
+    path = args.artifact
+    if path is None:
+        found = sorted((cfg.workdir_path / "artifacts").glob("evaluate-*/manifest.json"),
+                       key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise DrafterError(f"No evaluation artifact under {cfg.workdir_path / 'artifacts'}.",
+                               fix="Run `drafter evaluate` (or `drafter run`) first, or pass --artifact.")
+        path = found[-1].parent
+    artifact = load_artifact(path, kind="evaluation")
+    print(artifact.file("report.md").read_text(), end="")
+    print(f"\nfull report: {artifact.file('report.html')}")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     cfg = _load(args)
+    if args.command == "pull":
+        return _pull(args, cfg)
+    if args.command == "report":
+        return _report(args, cfg)
     if args.command == "config":
         import yaml
 

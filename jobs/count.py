@@ -91,13 +91,6 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
     return BuildResult(write, metrics)
 
 
-def load_shortlists(artifact: Artifact) -> dict[str, np.ndarray]:
-    """The shortlists of a count artifact, by name."""
-    from safetensors.numpy import load_file
-
-    return load_file(str(artifact.file("shortlists.safetensors")))
-
-
 def main(cfg: PipelineConfig) -> Artifact | None:
     """Count (or reuse counts of) the calibration set of ``cfg``."""
     fp = fingerprint(cfg.target.model, cfg.target.revision, cfg.target.tokenizer, cfg.target.trust_remote_code)

@@ -17,14 +17,22 @@ import shutil
 import time
 from pathlib import Path
 
+from pipeline.artifacts import Artifact
 from pipeline.configs import GenerateConfig, PipelineConfig
-from pipeline.data.calibration import (chunks, encode_prompt, first_prompt, raw_row, read_shard,
-                                       shard_files, shard_name, write_shard)
+from pipeline.data.calibration import (
+    chunks,
+    encode_prompt,
+    first_prompt,
+    raw_row,
+    read_shard,
+    shard_files,
+    shard_name,
+    write_shard,
+)
 from pipeline.data.sources import Conversation, load_conversations, split_heldout
 from pipeline.errors import DrafterError
 from pipeline.models import fingerprint, load_tokenizer
 from pipeline.stage import BuildResult, StageRun, run_stage
-from pipeline.artifacts import Artifact
 
 KIND = "calibration"
 

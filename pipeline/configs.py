@@ -132,6 +132,83 @@ class CountConfig:
         _check(self.workers >= 1, "count.workers", "an integer >= 1", self.workers)
 
 
+EVAL_METHODS = ("full", "shortlist", "tli", "union", "slem")
+
+
+@dataclass
+class EvaluateConfig:
+    tasks: list[str] = field(default_factory=lambda: ["chat", "code"])
+    """Eval tasks: ``chat`` (held-out ShareGPT conversations, never used for calibration) and ``code``
+    (HumanEval prompts)."""
+    prompts_per_task: int = 8
+    """Prompts decoded per task and method."""
+    max_prompt_tokens: int = 128
+    """Prompts are cut to this many tokens (template kept)."""
+    max_new_tokens: int = 64
+    """Tokens decoded per prompt."""
+    methods: list[str] = field(default_factory=lambda: list(EVAL_METHODS))
+    """Speculative methods besides the autoregressive baseline: full (same-tokenizer drafter, full head),
+    shortlist (its head cut to each shortlist below), tli, union, slem (different-tokenizer drafter)."""
+    gammas: list[int] = field(default_factory=lambda: [4])
+    """Draft lengths to try (each a row of the matrix)."""
+    drafter: str = "tiny:default/drafter"
+    """Drafter sharing the target's tokenizer (full head and shortlists)."""
+    drafter_other: str | None = "tiny:default/drafter_other"
+    """Drafter with a different tokenizer (TLI, Union, SLEM); null to skip those methods."""
+    shortlists: list[str] = field(default_factory=lambda: ["top_k_128", "top_k_256", "top_k_512", "top_k_1024"])
+    """Shortlists from the ``count`` artifact to evaluate, by name (``top_k_<k>``, ``top_p_<p>``, ...)."""
+    counts: str | None = None
+    """Use this count artifact directory instead of the one ``count`` builds for this config."""
+    temperature: float = 0.0
+    """Decoding temperature for the metrics (0 = greedy). Greedy equality with autoregressive decoding
+    is checked on every prompt whatever this is."""
+    top_p: float = 1.0
+    """Nucleus mass for sampled decoding (applied to both p and q)."""
+    sampling_check_samples: int = 400
+    """Draws of the first emitted token at temperature 1 per method, compared with the target's p by a
+    chi-square test (0 disables)."""
+    sampling_check_alpha: float = 1e-4
+    """The sampling check fails when its chi-square p-value falls below this."""
+    device: str = "auto"
+    """Where to decode: auto (CUDA when present), cpu or cuda."""
+    seed: int = 0
+    """Seed for sampled decoding and the sampling check."""
+    gate_tau_min: float = 1.3
+    """Gate: the registered configuration's mean accepted length tau must reach this."""
+    gate_speed_metric: str = "auto"
+    """Gate metric: speedup (measured wall-clock, meaningful on GPU), mbsu (memory-bound speedup, the
+    CPU proxy), or auto (speedup on CUDA, mbsu on CPU)."""
+    gate_speed_min: float = 1.0
+    """Gate: the speed metric of the registered configuration must reach this."""
+    primary_metric: str = "auto"
+    """Metric that decides whether a new version beats the champion (higher wins); auto = the gate's
+    speed metric."""
+    register: bool = True
+    """Register a bundle that passes its gates in the MLflow Model Registry."""
+    promote: bool = False
+    """Move alias ``champion`` to the new version even if it does not beat the current champion."""
+
+    def __post_init__(self) -> None:
+        _check(set(self.tasks) <= {"chat", "code"} and bool(self.tasks), "evaluate.tasks",
+               "a non-empty subset of [chat, code]", self.tasks)
+        _check(set(self.methods) <= set(EVAL_METHODS), "evaluate.methods", f"a subset of {list(EVAL_METHODS)}",
+               self.methods)
+        _check(bool(self.gammas) and all(g >= 1 for g in self.gammas), "evaluate.gammas",
+               "draft lengths >= 1 (gamma = 0 drafts nothing)", self.gammas)
+        for key in ("prompts_per_task", "max_prompt_tokens", "max_new_tokens"):
+            _check(getattr(self, key) > 0, f"evaluate.{key}", "a positive integer", getattr(self, key))
+        _check(self.sampling_check_samples >= 0, "evaluate.sampling_check_samples", "an integer >= 0",
+               self.sampling_check_samples)
+        _check(self.temperature >= 0, "evaluate.temperature", "a number >= 0", self.temperature)
+        _check(self.device in ("auto", "cpu", "cuda"), "evaluate.device", "auto, cpu or cuda", self.device)
+        _check(self.gate_speed_metric in ("auto", "speedup", "mbsu"), "evaluate.gate_speed_metric",
+               "auto, speedup or mbsu", self.gate_speed_metric)
+        _check(self.primary_metric in ("auto", "tau", "speedup", "mbsu"), "evaluate.primary_metric",
+               "auto, tau, speedup or mbsu", self.primary_metric)
+        _check("shortlist" not in self.methods or bool(self.shortlists), "evaluate.shortlists",
+               "at least one shortlist name when method shortlist is on", self.shortlists)
+
+
 @dataclass
 class PipelineConfig:
     workdir: str = "runs/tiny"
@@ -144,6 +221,8 @@ class PipelineConfig:
     """Stage ``generate``: the calibration set."""
     count: CountConfig = field(default_factory=CountConfig)
     """Stage ``count``: token frequencies and shortlists."""
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    """Stage ``evaluate``: speculative decoding vs autoregressive, gates, registration."""
 
     @property
     def workdir_path(self) -> Path:

@@ -100,3 +100,10 @@ def coverage(counts: np.ndarray, ids: np.ndarray) -> float:
     """Share of the counted mass a shortlist covers."""
     total = int(counts.sum())
     return float(counts[ids].sum() / total) if total else 0.0
+
+
+def load_shortlists(artifact) -> dict[str, np.ndarray]:  # noqa: ANN001 - an Artifact of kind token_counts
+    """The shortlists of a ``count`` artifact, by name (``top_k_512``, ``top_p_0.95``, ...)."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(artifact.file("shortlists.safetensors")))

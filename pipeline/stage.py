@@ -62,8 +62,12 @@ class StageRun:
 
 
 def run_stage(cfg: PipelineConfig, *, stage: str, kind: str, section: Any, fingerprint: dict,
-              inputs: list[Artifact], build: Callable[[StageRun], BuildResult | None]) -> Artifact | None:
-    """Run (or reuse) one stage and return its verified artifact (None on ranks other than zero)."""
+              inputs: list[Artifact], build: Callable[[StageRun], BuildResult | None],
+              identity: dict | None = None) -> Artifact | None:
+    """Run (or reuse) one stage and return its verified artifact (None on ranks other than zero).
+
+    ``identity`` adds what else the result depends on (e.g. the drafters' fingerprints) to the id.
+    """
     workdir = cfg.workdir_path
     store = ArtifactStore(workdir / "artifacts")
     for artifact in inputs:
@@ -71,6 +75,8 @@ def run_stage(cfg: PipelineConfig, *, stage: str, kind: str, section: Any, finge
     # The target identity and the inputs are part of the id; target/mlflow settings that do not change
     # the result (tracking URI, dtype for counting...) are deliberately not.
     config = {stage: to_dict(section), "target": {"model": cfg.target.model, "revision": cfg.target.revision}}
+    if identity:
+        config["identity"] = identity
     aid = artifact_id(stage, config, [a.id for a in inputs], fingerprint)
     uri = tracking_uri(cfg.mlflow, workdir)
     existing = store.get(aid)

@@ -38,6 +38,8 @@ class MlflowServer:
                "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
                "--artifacts-destination", (self.root / "artifacts").as_uri()]
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        # The server's background job runner (five consumer processes) is not used by the pipeline.
+        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -56,7 +58,7 @@ class MlflowServer:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, 15)
             try:
-                self.proc.wait(15)
+                self.proc.wait(3)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()

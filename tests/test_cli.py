@@ -17,7 +17,7 @@ def test_stage_subcommands_match_the_job_modules() -> None:
     assert modules == set(STAGES), "every jobs/ module is a stage listed in jobs.STAGES, and vice versa"
     choices = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
     assert set(STAGES) <= choices
-    assert {"run", "tiny", "bench", "config"} <= choices
+    assert {"run", "tiny", "bench", "config", "pull", "report"} <= choices
 
 
 def test_stage_modules_expose_main() -> None:

@@ -130,6 +130,13 @@ def union_draft_distribution(
 ) -> tuple[Tensor, Tensor]:
     """The union baseline's draft law: the drafter's full standardised distribution over D.
 
+    Args:
+        drafter_logits: ``(..., V_drafter)`` logits.
+        inter_d: Matched drafter ids (from :func:`intersection_pairs`).
+        inter_t: Their target ids.
+        target_width: Width of ``q``.
+        params: Sampling parameters (applied over the whole drafter vocabulary).
+
     Returns:
         ``(probs, q)``: ``(..., V_drafter)`` the law drafts are drawn from, and its restriction to
         T∩D in target-id space, ``(..., target_width)`` (sub-stochastic: mass on D∖T is dropped because
@@ -270,17 +277,46 @@ class UnionProposer(_MappedProposer):
         return Proposal(tokens, torch.stack(rows))
 
 
+def align_draft(target_tokenizer: Any, context: list[int], draft_text: str, lookbehind: int = 8) -> list[int]:
+    """Target ids that continue ``context`` with ``draft_text``, re-aligned through a look-behind window.
+
+    ``draft_text`` is encoded together with the text of the last ``lookbehind`` context tokens, since a
+    tokenizer is not injective over concatenation (the draft may merge with the context's tail). If the
+    encoding keeps the window's tokens, the draft is what follows them. If it re-splits the window but
+    still has a token boundary exactly where the window's text ends, the draft is what follows that
+    boundary. If a token straddles that point, no continuation of *these* context tokens spells the
+    text, and nothing is returned.
+
+    Args:
+        target_tokenizer: The target's tokenizer.
+        context: Target ids so far.
+        draft_text: Text to hand over.
+        lookbehind: Context tokens re-encoded with the draft.
+
+    Returns:
+        Target ids (possibly empty) whose text follows the window's text.
+    """
+    window = context[-max(1, lookbehind) :]
+    window_text = decode_ids(target_tokenizer, window)
+    encoded = encode_text(target_tokenizer, window_text + draft_text, add_special_tokens=False)
+    agreed = common_prefix_length(encoded, window)
+    if agreed == len(window):
+        return encoded[agreed:]
+    # Every boundary is tried: a prefix ending inside a multi-byte character decodes to U+FFFD and
+    # matches nothing, so there is no early exit.
+    for boundary in range(agreed, len(encoded) + 1):
+        if decode_ids(target_tokenizer, encoded[:boundary]) == window_text:
+            return encoded[boundary:]
+    return []
+
+
 class SLEMProposer:
     """String-level exact match (Alg. 2): draft in the drafter's vocabulary, hand over text.
 
     The drafter drafts ``gamma`` of its own tokens (argmax when greedy, else sampled from its
-    standardised distribution: exact-match verification is lossless either way). Their text is encoded
-    by the target tokenizer together with a look-behind window of the last ``target_lookbehind``
-    context tokens, because tokenizers are not injective over concatenation: the draft may merge with
-    the context's tail ('▁th' + 'e' → '▁the'). If the re-encoding keeps the window's tokens, the draft is
-    what follows them; if it re-splits the window but still has a token boundary where the window's text
-    ends, the draft is what follows that boundary; if a token straddles that point, no clean
-    continuation exists and nothing is proposed this round.
+    standardised distribution: exact-match verification is lossless either way), stopping before a
+    special token, and their text is re-encoded by the target tokenizer through :func:`align_draft`
+    (look-behind re-alignment for non-injective tokenizers). At most ``gamma`` target ids are proposed.
 
     Args:
         drafter: A Hugging Face causal LM using ``drafter_tokenizer``.
@@ -332,7 +368,8 @@ class SLEMProposer:
         draft_text = self._draft_text(ids, drafted)
         if not draft_text:
             return Proposal([], None)
-        return Proposal(self._align(context, draft_text)[:gamma], None)
+        aligned = align_draft(self.session.target_tokenizer, context, draft_text, self.target_lookbehind)
+        return Proposal(aligned[:gamma], None)
 
     def _draft_text(self, ids: list[int], drafted: list[int]) -> str:
         """The text the drafted tokens add after ``ids`` ('' if it cannot be isolated)."""
@@ -347,20 +384,3 @@ class SLEMProposer:
                 # not text the target could match.
                 return after[len(before) :].rstrip("\ufffd")
         return ""
-
-    def _align(self, context: list[int], draft_text: str) -> list[int]:
-        """Target ids that continue ``context`` with ``draft_text``, re-aligned through the look-behind."""
-        tokenizer = self.session.target_tokenizer
-        window = context[-self.target_lookbehind :]
-        window_text = decode_ids(tokenizer, window)
-        encoded = encode_text(tokenizer, window_text + draft_text, add_special_tokens=False)
-        agreed = common_prefix_length(encoded, window)
-        if agreed == len(window):
-            return encoded[agreed:]
-        # The window was re-split (or held specials that decode to nothing): look for the token
-        # boundary in the re-encoding where the window's text ends. Every boundary is tried because a
-        # prefix ending inside a multi-byte character decodes to U+FFFD and matches nothing.
-        for boundary in range(agreed, len(encoded) + 1):
-            if decode_ids(tokenizer, encoded[:boundary]) == window_text:
-                return encoded[boundary:]
-        return []

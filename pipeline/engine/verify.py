@@ -49,7 +49,9 @@ def verify_speculative(
 def verify_speculative(
     p: Tensor, q: Tensor, tokens: Tensor, generator: torch.Generator
 ) -> tuple[Tensor, Tensor]: ...
-def verify_speculative(p, q, tokens, generator):
+def verify_speculative(
+    p: Tensor, q: Tensor, tokens: list[int] | Tensor, generator: torch.Generator
+) -> tuple[int, int] | tuple[Tensor, Tensor]:
     """Speculative-sampling verification of one (or a batch of) draft blocks.
 
     Args:
@@ -63,14 +65,16 @@ def verify_speculative(p, q, tokens, generator):
 
     Returns:
         ``(n_accepted, next_token)``: how many leading drafts are accepted and the token emitted after
-        them (residual sample on rejection, bonus sample on full acceptance). Python ints for one
-        block, ``(B,)`` int64 tensors for a batch.
+        them (residual sample on rejection, bonus sample on full acceptance). Python ints when ``p``
+        is 2-D (one block), ``(B,)`` int64 tensors when it is 3-D (a batch).
     """
     p, tokens, batched = _as_batch(p, tokens)
     q = q.to(device=p.device, dtype=torch.float64)
     if not batched:
         q = q.unsqueeze(0)
     batch, gamma = tokens.shape
+    if q.shape[-2] != gamma:
+        raise ValueError(f"q needs gamma' = {gamma} rows per sequence, got {q.shape[-2]}")
     valid = tokens >= 0
     safe = tokens.clamp(min=0).unsqueeze(-1)
     p_x = p[:, :gamma].gather(-1, safe).squeeze(-1)
@@ -91,7 +95,7 @@ def verify_speculative(p, q, tokens, generator):
     p_next = p[rows, n_accepted]
     # A zero q-row after the last draft turns the residual into p_{gamma'}: one formula for both cases.
     q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
-    residual = p_next.clone()
+    residual = (p_next - q_padded[rows, n_accepted]).clamp_(min=0.0)
     # An all-zero residual needs p_i <= q_i everywhere, i.e. p_i = q_i for normalised rows; then every
     # draft with q_i(x) > 0 has p_i(x)/q_i(x) = 1 and is accepted, so rejecting at i has probability 0.
     # Falling back to p_i keeps that measure-zero case (or its float64 round-off twin) NaN-free.
@@ -111,7 +115,9 @@ def verify_exact(
 def verify_exact(
     p: Tensor, tokens: Tensor, generator: torch.Generator, params: SamplingParams
 ) -> tuple[Tensor, Tensor]: ...
-def verify_exact(p, tokens, generator, params):
+def verify_exact(
+    p: Tensor, tokens: list[int] | Tensor, generator: torch.Generator, params: SamplingParams
+) -> tuple[int, int] | tuple[Tensor, Tensor]:
     """Exact-match verification for drafts whose distribution is unknown (``Proposal.q is None``).
 
     The target draws ``y_i ~ p_i`` at every position (the argmax when greedy); drafts are accepted

@@ -114,6 +114,16 @@ class _Spelling:
     @classmethod
     def of(cls, backend: Any) -> _Spelling:
         spec = json.loads(backend.to_str())
+        model_type = (spec.get("model") or {}).get("type")
+        if model_type == "WordPiece":
+            # A WordPiece token's text depends on its neighbours ('the' gets a space unless the next
+            # token is a '##' continuation), so no per-token byte meaning exists to match on.
+            raise DrafterError(
+                "a WordPiece (BERT-style) vocabulary cannot be matched token by token",
+                expected="a BPE or Unigram tokenizer (byte-level, Metaspace/SentencePiece or plain)",
+                found=f"model type {model_type}",
+                fix="use SLEM (string-level exact match), which needs no token map",
+            )
         parts = [
             part for key in ("normalizer", "pre_tokenizer", "decoder") for part in _components(spec.get(key))
         ]
@@ -181,7 +191,7 @@ def _meanings(tokenizer: Any) -> tuple[dict[tuple[str, bytes], int], int]:
     return {key: token_id for key, (_, token_id) in best.items()}, size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq on tensors would be ambiguous; compare d2t/t2d explicitly
 class VocabMap:
     """A one-to-one map between the target and drafter tokens that mean the same bytes (T∩D).
 
@@ -317,6 +327,15 @@ class VocabMap:
                 fix="rebuild the map with this version of the pipeline",
             )
         tensors = load_file(str(tensors_path))
+        for key in ("d2t", "t2d"):
+            tensor = tensors.get(key)
+            if tensor is None or tensor.dtype != torch.int64 or tensor.dim() != 1:
+                raise DrafterError(
+                    f"vocabulary map in {directory} has a malformed '{key}' tensor",
+                    expected=f"'{key}': a 1-D int64 tensor",
+                    found="missing" if tensor is None else f"{tensor.dtype}, shape {tuple(tensor.shape)}",
+                    fix="rebuild the map with VocabMap.build(...).save(directory)",
+                )
         vocab_map = cls(
             d2t=tensors["d2t"],
             t2d=tensors["t2d"],

@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -162,4 +163,5 @@ def resolve_tiny_ref(ref: str, cache_dir: Path | None = None) -> Path:
             found=repr(ref),
             fix="use one of those, or a local checkpoint directory / hub id for a real model",
         )
-    return build_kit(profile, cache_dir, log=lambda _line: None).path(role)
+    # A first use builds the kit for minutes: say so on stderr, where it does not mix with output.
+    return build_kit(profile, cache_dir, log=lambda line: print(line, file=sys.stderr)).path(role)

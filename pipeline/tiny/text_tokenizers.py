@@ -18,6 +18,7 @@ Neither normalises text, and both save as Hugging Face fast tokenizers that
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -107,12 +108,8 @@ def _train_metaspace(texts: list[str], vocab_size: int, specials: list[str], lim
     pre = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
     draft = Tokenizer(models.BPE())
     draft.pre_tokenizer = pre
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(specials) - len(byte_tokens),
-        limit_alphabet=limit_alphabet,
-        show_progress=False,
-    )
-    draft.train_from_iterator(texts, trainer=trainer)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials) - len(byte_tokens), show_progress=False)
+    draft.train_from_iterator(_keep_alphabet(texts, limit_alphabet), trainer=trainer)
     learnt = draft.get_vocab()
     merges = draft.model.get_merges() if hasattr(draft.model, "get_merges") else _merges_of(draft)
     ordered = [*specials, *byte_tokens, *sorted(learnt, key=learnt.__getitem__)]
@@ -122,6 +119,19 @@ def _train_metaspace(texts: list[str], vocab_size: int, specials: list[str], lim
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens(specials)
     return tok
+
+
+def _keep_alphabet(texts: list[str], size: int) -> list[str]:
+    """Delete characters outside the ``size`` most frequent ones (ties broken by code point).
+
+    ``BpeTrainer(limit_alphabet=...)`` breaks frequency ties in hash order, so two builds could learn
+    different alphabets; choosing the alphabet here keeps the build deterministic. Deleted characters
+    are later spelt with byte tokens.
+    """
+    counts = Counter(ch for text in texts for ch in text)
+    keep = {ch for ch, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]}
+    drop = {ord(ch): None for ch in counts if ch not in keep}
+    return [text.translate(drop) for text in texts] if drop else texts
 
 
 def _merges_of(tok: Any) -> list[tuple[str, str]]:

@@ -122,3 +122,26 @@ def shortlist(tokenizer: Any) -> torch.Tensor:
     counts = torch.bincount(ids, minlength=VOCAB_SIZE)
     top = torch.topk(counts, 120).indices
     return torch.unique(torch.cat([top, torch.tensor([tokenizer.eos_token_id])]))
+
+
+def assert_counts_match(counts: torch.Tensor, probs: torch.Tensor, n: int, what: str) -> None:
+    """Assert multinomial counts agree with ``n * probs`` outcome by outcome.
+
+    Bound: Bernstein's inequality for a binomial count with variance ``s^2 = n p (1 - p)`` at failure
+    probability ``e^-18`` (about 1.5e-8) per side and outcome gives ``|count - n p| <= 6 + 6 sqrt(1 + s^2)``,
+    i.e. 6 sigma for large counts, and stays valid for outcomes expected only a handful of times, where
+    a bare 6-sigma normal bound would fail far too often. Outcomes with ``p = 0`` must have count 0.
+    """
+    probs = probs.to(torch.float64)
+    counts = counts.to(torch.float64)
+    expected = n * probs
+    bound = 6.0 + 6.0 * torch.sqrt(1.0 + n * probs * (1.0 - probs))
+    impossible = probs == 0
+    assert not bool((counts[impossible] > 0).any()), (
+        f"{what}: zero-probability outcome observed: {counts.tolist()}"
+    )
+    outside = (counts - expected).abs() > bound
+    assert not bool(outside.any()), (
+        f"{what}: outcomes {outside.nonzero().flatten().tolist()} have counts "
+        f"{counts[outside].tolist()}, expected {expected[outside].tolist()} (Bernstein bound)"
+    )

@@ -3,8 +3,9 @@
 Each test runs the real, batched ``verify_speculative`` / ``verify_exact`` on N = 200,000 independent
 draft blocks drawn from fixed random target rows ``p_0..p_gamma`` and draft rows ``q_0..q_{gamma-1}``
 (rows independent of the prefix, a special case of the sequential setting). Lossless verification then
-implies, and the tests assert, with a bound of 6 binomial standard deviations per count
-(two-sided false-alarm probability about 2e-9 per count):
+implies, and the tests assert, each count within 6 binomial standard deviations of its expectation
+(precisely: the Bernstein bound ``6 + 6 sqrt(1 + n p (1 - p))`` of ``conftest.assert_counts_match``,
+false-alarm probability about 3e-8 per count, valid for small expected counts too):
 
 * the token emitted at block position j, among blocks that reach j, has law ``p_j``;
 * a token with ``p_j = 0`` is never emitted at position j (exactly zero count);
@@ -22,11 +23,11 @@ import torch
 
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.verify import verify_exact, verify_speculative
+from tests.engine.conftest import assert_counts_match
 
 N = 200_000
 GAMMA = 3
 VOCAB = 12
-SIGMAS = 6.0
 
 
 def _dirichlet(
@@ -37,20 +38,6 @@ def _dirichlet(
     if zero is not None:
         weights = weights.masked_fill(zero, 0.0)
     return weights / weights.sum(-1, keepdim=True)
-
-
-def _assert_counts(counts: torch.Tensor, probs: torch.Tensor, n: int, what: str) -> None:
-    """Every count within 6 sigma of n*prob; zero-probability outcomes never observed."""
-    expected = n * probs
-    sigma = torch.sqrt(n * probs * (1 - probs))
-    impossible = probs == 0
-    assert not bool((counts[impossible] > 0).any()), (
-        f"{what}: zero-probability outcome emitted {counts.tolist()}"
-    )
-    excess = (counts - expected).abs() - SIGMAS * sigma
-    assert bool((excess[~impossible] <= 1e-9).all()), (
-        f"{what}: counts {counts.tolist()} vs expected {expected.round().tolist()} (6-sigma bound)"
-    )
 
 
 def _draw_drafts(q: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -72,7 +59,9 @@ def _check_law(
     survive = torch.cumprod(torch.cat([torch.ones(1, dtype=torch.float64), accept_probs]), 0)
     count_law = survive.clone()
     count_law[:-1] = survive[:-1] * (1 - accept_probs)
-    _assert_counts(torch.bincount(n_accepted, minlength=GAMMA + 1).double(), count_law, N, "accepted count")
+    assert_counts_match(
+        torch.bincount(n_accepted, minlength=GAMMA + 1).double(), count_law, N, "accepted count"
+    )
     for j in range(GAMMA + 1):
         reached = n_accepted >= j
         emitted = torch.where(
@@ -82,7 +71,7 @@ def _check_law(
         )
         # bincount raises on -1, so an emitted untranslatable draft would fail here too.
         counts = torch.bincount(emitted, minlength=VOCAB).double()
-        _assert_counts(counts, p[j], int(reached.sum()), f"token law at position {j}")
+        assert_counts_match(counts, p[j], int(reached.sum()), f"token law at position {j}")
 
 
 def _run_speculative(p: torch.Tensor, q: torch.Tensor, seed: int) -> None:
@@ -94,14 +83,14 @@ def _run_speculative(p: torch.Tensor, q: torch.Tensor, seed: int) -> None:
 
 
 def test_full_draft_distribution() -> None:
-    """Dense random p and q (full LM head). N = 200k blocks, gamma = 3, V = 12, 6-sigma bounds."""
+    """Dense random p and q (full LM head). N = 200k blocks, gamma = 3, V = 12, 6σ (Bernstein) bounds."""
     g = torch.Generator().manual_seed(1)
     _run_speculative(_dirichlet((GAMMA + 1, VOCAB), g), _dirichlet((GAMMA, VOCAB), g), seed=11)
 
 
 def test_shortlist_draft_with_zero_target_tokens() -> None:
     """q zero outside a 5-token shortlist; p zero on 3 tokens (top-k style), two of them shortlisted, so
-    drafts with p(x) = 0 occur and must always be rejected. N = 200k, 6-sigma bounds, zero counts exact."""
+    drafts with p(x) = 0 occur and must always be rejected. N = 200k, 6σ (Bernstein) bounds, zero counts exact."""
     g = torch.Generator().manual_seed(2)
     off_shortlist = torch.ones(VOCAB, dtype=torch.bool)
     off_shortlist[[0, 3, 4, 7, 9]] = False
@@ -114,7 +103,7 @@ def test_shortlist_draft_with_zero_target_tokens() -> None:
 
 def test_target_mass_outside_drafter_vocabulary() -> None:
     """Half the vocabulary is unknown to the drafter (q = 0) and carries most of p's mass, so rejections
-    dominate and the residual must supply those tokens. N = 200k, 6-sigma bounds."""
+    dominate and the residual must supply those tokens. N = 200k, 6σ (Bernstein) bounds."""
     g = torch.Generator().manual_seed(3)
     unknown = torch.arange(VOCAB) >= VOCAB // 2
     p = _dirichlet((GAMMA + 1, VOCAB), g)
@@ -126,7 +115,7 @@ def test_target_mass_outside_drafter_vocabulary() -> None:
 
 def test_substochastic_draft_with_untranslatable_tokens() -> None:
     """Union-style q: 30 % of the drafter's mass is on tokens with no target id (drafted as -1, always
-    rejected), so q rows sum to 0.7. N = 200k, 6-sigma bounds."""
+    rejected), so q rows sum to 0.7. N = 200k, 6σ (Bernstein) bounds."""
     g = torch.Generator().manual_seed(4)
     p = _dirichlet((GAMMA + 1, VOCAB), g)
     q = 0.7 * _dirichlet((GAMMA, VOCAB), g)
@@ -137,7 +126,7 @@ def test_substochastic_draft_with_untranslatable_tokens() -> None:
 
 def test_exact_match_verification() -> None:
     """q = None (SLEM): the target samples y_i ~ p_i and accepts while y_i equals the draft; drafts come
-    from an unrelated q with some -1 drafts. Count law uses a_i = sum p_i q_i. N = 200k, 6-sigma bounds."""
+    from an unrelated q with some -1 drafts. Count law uses a_i = sum p_i q_i. N = 200k, 6σ (Bernstein) bounds."""
     g = torch.Generator().manual_seed(5)
     p = _dirichlet((GAMMA + 1, VOCAB), g, zero=(torch.arange(VOCAB) == 2).expand(GAMMA + 1, -1))
     q = 0.9 * _dirichlet((GAMMA, VOCAB), g)
@@ -217,8 +206,8 @@ def test_standardise_filters() -> None:
 
 
 def test_sample_never_draws_zero_weight_and_follows_weights() -> None:
-    """Inverse-CDF sampler on a sub-stochastic row with zeros: N = 200k draws, 6-sigma bounds."""
+    """Inverse-CDF sampler on a sub-stochastic row with zeros: N = 200k draws, 6σ (Bernstein) bounds."""
     weights = torch.tensor([0.0, 0.3, 0.0, 0.1, 0.2, 0.0], dtype=torch.float64)
     draws = sample(weights.expand(N, -1), torch.Generator().manual_seed(9))
-    _assert_counts(torch.bincount(draws, minlength=6).double(), weights / weights.sum(), N, "sampler")
+    assert_counts_match(torch.bincount(draws, minlength=6).double(), weights / weights.sum(), N, "sampler")
     assert math.isclose(float(weights.sum()), 0.6)

@@ -223,3 +223,9 @@ def test_load_refuses_other_tokenizers_and_missing_files(
     (tmp_path / "vocab_map.safetensors").unlink()
     with pytest.raises(DrafterError, match="missing"):
         VocabMap.load(tmp_path)
+
+
+def test_wordpiece_vocabulary_is_refused_with_a_pointer_to_slem(target_tok: Tokenizer) -> None:
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "the": 1, "##s": 2}, unk_token="[UNK]"))
+    with pytest.raises(DrafterError, match="SLEM"):
+        VocabMap.build(target_tok, wordpiece)

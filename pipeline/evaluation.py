@@ -1,0 +1,239 @@
+"""The evaluation matrix behind the ``evaluate`` stage: decode, check losslessness, measure, gate.
+
+:class:`Evaluator` runs, per task, the autoregressive baseline and every configured speculative method
+(same-tokenizer drafter with its full head and with each shortlist; different-tokenizer drafter with
+TLI, Union and SLEM) for each draft length γ, on the same prompts. It records one row of metrics per
+configuration (τ, α, per-position acceptance, tokens/s, measured speedup, Leviathan's predicted
+speedup, MBSU, TTFT/TPOT) and two losslessness checks per method: greedy output equal to the
+autoregressive greedy output on every prompt, and a chi-square test of the first emitted token's
+empirical distribution at temperature 1 against the target's own p. :func:`gates` turns the rows into a
+verdict, and :func:`register_bundle` publishes a passing bundle in the MLflow Model Registry.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.artifacts import Artifact, write_json_atomic
+from pipeline.configs import PipelineConfig
+from pipeline.counting import load_shortlists
+from pipeline.engine.loop import generate_autoregressive, generate_speculative
+from pipeline.engine.metrics import parameter_ratio, summarize
+from pipeline.engine.sampling import SamplingParams, standardise
+from pipeline.errors import DrafterError
+from pipeline.models import load_model, load_tokenizer
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def shortlist_param_ratio(drafter: torch.nn.Module, target: torch.nn.Module, k: int) -> float:
+    """Drafter/target parameter ratio when the drafter's LM head is cut to ``k`` rows (its cost ``c``)."""
+    head = drafter.get_output_embeddings().weight
+    drafter_params = sum(p.numel() for p in drafter.parameters()) - head.shape[0] * head.shape[1] + k * head.shape[1]
+    return drafter_params / sum(p.numel() for p in target.parameters())
+
+
+def chi_square_first_token(counts: np.ndarray, p: np.ndarray) -> tuple[float, int]:
+    """p-value of counts ~ Multinomial(n, p): bins with expected count >= 5, the rest pooled."""
+    from scipy.stats import chisquare
+
+    n = counts.sum()
+    expected = n * p
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    if obs.size < 2:
+        return 1.0, int(obs.size)
+    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue), int(obs.size)
+
+
+class Evaluator:
+    """Runs the method × drafter × γ matrix on prepared prompts (see the module docstring)."""
+
+    def __init__(self, cfg: PipelineConfig, target: torch.nn.Module, tokenizer: Any,
+                 prompts: dict[str, list[list[int]]], counts: Artifact, device: str,
+                 log: Callable[[str], None]) -> None:
+        self.cfg, self.ev = cfg, cfg.evaluate
+        self.target, self.tokenizer, self.prompts = target, tokenizer, prompts
+        self.counts, self.device, self.log = counts, device, log
+        self.eos = tokenizer.eos_token_id
+        self.vocab = target.get_output_embeddings().weight.shape[0]
+        self.params = SamplingParams(temperature=self.ev.temperature, top_p=self.ev.top_p)
+
+    def _generator(self, offset: int = 0) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.ev.seed + offset)
+
+    def proposers(self) -> Iterator[tuple[str, str, str | None, int | None, Any, float]]:
+        """(method, drafter name, shortlist name, shortlist size, proposer, cost ratio c) per configuration."""
+        from pipeline.engine.proposers import FullHeadProposer, ShortlistProposer
+
+        ev = self.ev
+        if {"full", "shortlist"} & set(ev.methods):
+            drafter = load_model(ev.drafter, dtype=self.cfg.target.dtype, device=self.device)
+            if "full" in ev.methods:
+                yield ("full", ev.drafter, None, None, FullHeadProposer(drafter, target_vocab_size=self.vocab),
+                       parameter_ratio(drafter, self.target))
+            if "shortlist" in ev.methods:
+                lists = load_shortlists(self.counts)
+                for name in ev.shortlists:
+                    if name not in lists:
+                        raise DrafterError(f"Shortlist {name!r} is not in count artifact {self.counts.id}.",
+                                           expected=f"one of {sorted(lists)}",
+                                           fix="Fix evaluate.shortlists or add the size to count.top_k/top_p.")
+                    ids = torch.from_numpy(lists[name])
+                    all_prompts = [p for items in self.prompts.values() for p in items]
+                    ShortlistProposer.check(ids, self.tokenizer, all_prompts)
+                    yield ("shortlist", ev.drafter, name, int(ids.numel()),
+                           ShortlistProposer(drafter, ids, target_vocab_size=self.vocab, name=f"shortlist:{name}"),
+                           shortlist_param_ratio(drafter, self.target, int(ids.numel())))
+        hetero = [m for m in ("tli", "union", "slem") if m in ev.methods]
+        if hetero and ev.drafter_other:
+            from pipeline.engine.hetero import SLEMProposer, TLIProposer, UnionProposer
+            from pipeline.engine.vocab import VocabMap
+
+            other = load_model(ev.drafter_other, dtype=self.cfg.target.dtype, device=self.device)
+            other_tok = load_tokenizer(ev.drafter_other)
+            ratio = parameter_ratio(other, self.target)
+            vocab_map = VocabMap.build(self.tokenizer, other_tok)
+            self.log(f"vocabulary intersection with {ev.drafter_other}: {vocab_map.intersection_size} tokens")
+            for method in hetero:
+                if method == "tli":
+                    proposer = TLIProposer(other, other_tok, self.tokenizer, vocab_map, target_vocab_size=self.vocab)
+                elif method == "union":
+                    proposer = UnionProposer(other, other_tok, self.tokenizer, vocab_map, target_vocab_size=self.vocab)
+                else:
+                    proposer = SLEMProposer(other, other_tok, self.tokenizer)
+                yield method, ev.drafter_other, None, None, proposer, ratio
+
+    def _decode_all(self, items: list[list[int]], proposer: Any, gamma: int, params: SamplingParams,
+                    seed: int) -> list[Any]:
+        gen = self._generator(seed)
+        if proposer is None:
+            return [generate_autoregressive(self.target, p, self.ev.max_new_tokens, params, gen, self.eos) for p in items]
+        return [generate_speculative(self.target, proposer, p, self.ev.max_new_tokens, gamma, params, gen, self.eos)
+                for p in items]
+
+    def run(self) -> dict:
+        """Decode everything and return the results dict (rows + losslessness checks)."""
+        rows: list[dict] = []
+        checks: list[dict] = []
+        configs = list(self.proposers())
+        sampled = not self.params.greedy
+        # Warm up kernels and allocators so the first timed configuration is not penalised.
+        first = next(iter(self.prompts.values()))[0]
+        generate_autoregressive(self.target, first, 8, GREEDY, self._generator(), self.eos)
+        for task, items in self.prompts.items():
+            ar_greedy = self._decode_all(items, None, 0, GREEDY, 0)
+            ar = self._decode_all(items, None, 0, self.params, 1) if sampled else ar_greedy
+            rows.append(self._row(task, "ar", None, 0, None, None, summarize(ar, ar, None), True))
+            self.log(f"{task}: autoregressive {rows[-1]['tokens_per_s']:.1f} tokens/s")
+            for method, drafter, shortlist, size, proposer, ratio in configs:
+                for gamma in self.ev.gammas:
+                    greedy_runs = self._decode_all(items, proposer, gamma, GREEDY, 0)
+                    equal = all(r.tokens == a.tokens for r, a in zip(greedy_runs, ar_greedy))
+                    runs = self._decode_all(items, proposer, gamma, self.params, 1) if sampled else greedy_runs
+                    row = self._row(task, method, drafter, gamma, shortlist, size, summarize(runs, ar, ratio), equal)
+                    rows.append(row)
+                    self.log(f"{task}: {method}{':' + shortlist if shortlist else ''} γ={gamma} "
+                             f"τ={row['tau']:.2f} speedup={row['speedup']:.2f} greedy_equal={equal}")
+                    checks.append({"name": f"greedy_equal[{task}/{method}{'/' + shortlist if shortlist else ''}/γ={gamma}]",
+                                   "passed": equal,
+                                   "detail": f"{len(items)} prompts, {self.ev.max_new_tokens} tokens each"})
+        if self.ev.sampling_check_samples > 0:
+            checks += [self.sampling_check(method, shortlist, proposer)
+                       for method, _, shortlist, _, proposer, _ in configs]
+        return {"rows": rows, "lossless": {"passed": all(c["passed"] for c in checks), "checks": checks}}
+
+    def sampling_check(self, method: str, shortlist: str | None, proposer: Any) -> dict:
+        """First emitted token at temperature 1 over n draws vs the target's p (chi-square, pooled tail)."""
+        n, gamma = self.ev.sampling_check_samples, min(self.ev.gammas)
+        params = SamplingParams(temperature=1.0)
+        context = next(iter(self.prompts.values()))[0]
+        with torch.no_grad():
+            logits = self.target(torch.tensor([context], device=self.device)).logits[0, -1]
+        p = standardise(logits.float(), params).cpu().numpy()
+        counts = np.zeros(p.size, dtype=np.int64)
+        gen = self._generator(7)
+        for _ in range(n):
+            counts[generate_speculative(self.target, proposer, context, 1, gamma, params, gen, self.eos).tokens[0]] += 1
+        impossible = int(counts[p == 0].sum())
+        pvalue, bins = chi_square_first_token(counts, p)
+        passed = impossible == 0 and pvalue >= self.ev.sampling_check_alpha
+        name = f"first_token_distribution[{method}{'/' + shortlist if shortlist else ''}]"
+        return {"name": name, "passed": passed,
+                "detail": f"n={n}, γ={gamma}, chi-square p={pvalue:.3g} over {bins} bins "
+                          f"(fails below {self.ev.sampling_check_alpha}); zero-probability tokens emitted: {impossible}"}
+
+    def _row(self, task: str, method: str, drafter: str | None, gamma: int, shortlist: str | None,
+             size: int | None, m: Any, equal: bool) -> dict:
+        return {"task": task, "method": method, "drafter": drafter, "gamma": gamma, "shortlist": shortlist,
+                "shortlist_size": size, "prompts": m.prompts, "new_tokens": m.new_tokens,
+                "target_forwards": m.target_forwards, "tau": m.mean_accepted_length,
+                "acceptance_rate": m.acceptance_rate if method != "ar" else None,
+                "per_position_acceptance": m.per_position_acceptance, "tokens_per_s": m.tokens_per_second,
+                "speedup": m.speedup_vs_autoregressive, "predicted_speedup": m.leviathan_expected_speedup,
+                "mbsu": m.mbsu, "ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms,
+                "drafter_ms_per_step": m.drafter_ms_per_round, "target_ms_per_step": m.target_ms_per_forward,
+                "greedy_equal": equal}
+
+    def gates(self, results: dict, speed_key: str) -> dict:
+        """The verdict: lossless, and the best shortlist configuration reaches τ and speed minimums."""
+        ev = self.ev
+        candidates: dict[tuple, list[dict]] = {}
+        for row in results["rows"]:
+            if row["method"] == "shortlist":
+                candidates.setdefault((row["shortlist"], row["gamma"]), []).append(row)
+        checks: dict[str, dict] = {"lossless": {"passed": results["lossless"]["passed"], "value": results["lossless"]["passed"],
+                                                "threshold": True, "detail": f"{len(results['lossless']['checks'])} checks"}}
+        chosen = None
+        if candidates:
+            def mean(rows: list[dict], key: str) -> float:
+                values = [r[key] for r in rows if r.get(key) is not None]
+                return float(np.mean(values)) if values else 0.0
+
+            (name, gamma), best = max(candidates.items(), key=lambda kv: (mean(kv[1], speed_key), mean(kv[1], "tau")))
+            chosen = {"shortlist": name, "gamma": gamma, "shortlist_size": best[0]["shortlist_size"],
+                      **{k: mean(best, k) for k in ("tau", "speedup", "mbsu", "acceptance_rate", "predicted_speedup")}}
+            checks["tau_min"] = {"passed": chosen["tau"] >= ev.gate_tau_min, "value": chosen["tau"],
+                                 "threshold": ev.gate_tau_min, "detail": f"mean τ of {name}, γ={gamma} over tasks"}
+            checks[f"{speed_key}_min"] = {"passed": chosen[speed_key] >= ev.gate_speed_min, "value": chosen[speed_key],
+                                          "threshold": ev.gate_speed_min,
+                                          "detail": f"mean {speed_key} of {name}, γ={gamma} over tasks"}
+        else:
+            checks["shortlist_evaluated"] = {"passed": False, "value": False, "threshold": True,
+                                             "detail": "no shortlist configuration was evaluated: nothing to register"}
+        return {"passed": all(c["passed"] for c in checks.values()), "checks": checks, "chosen": chosen,
+                "speed_metric": speed_key}
+
+
+def register_bundle(cfg: PipelineConfig, evaluation: Artifact, counts: Artifact, fingerprint: dict) -> dict | None:
+    """Register the draft-vocabulary bundle (count artifact + evaluation report) if its gates passed."""
+    from pipeline.registry import Bundle, register, registered_name
+    from pipeline.stage import log
+
+    results = json.loads(evaluation.file("report.json").read_text())
+    gates = results["gates"]
+    if not gates["passed"]:
+        failed = [f"{name} ({c['value']} vs {c['threshold']})" for name, c in gates["checks"].items() if not c["passed"]]
+        log("evaluate", "gates failed, nothing registered: " + "; ".join(failed))
+        return None
+    chosen = gates["chosen"]
+    primary = cfg.evaluate.primary_metric if cfg.evaluate.primary_metric != "auto" else gates["speed_metric"]
+    metrics = {k: float(v) for k, v in chosen.items() if isinstance(v, (int, float)) and v is not None}
+    bundle = Bundle(name=registered_name(cfg.target.model, "draft-vocab"), artifacts=[counts, evaluation],
+                    metrics=metrics, primary_metric=primary, gates=gates, fingerprint=fingerprint)
+    result = register(bundle, cfg.mlflow, cfg.workdir_path, promote=cfg.evaluate.promote)
+    record = {"name": result.name, "version": result.version, "aliases": result.aliases,
+              "promoted": result.promoted, "reason": result.reason, "uri": result.uri,
+              "bundle_sha256": result.bundle_sha256, "run_id": result.run_id}
+    # Beside the artifact, not inside it: the artifact is immutable, registration is an event about it.
+    write_json_atomic(evaluation.path.parent / f"{evaluation.id}.registration.json", record)
+    log("evaluate", f"registered {result.name} version {result.version} with aliases {result.aliases}: {result.reason}")
+    return record

@@ -1,0 +1,149 @@
+"""Verified pulls: fetch a registered bundle by alias or version, check every byte, then publish it.
+
+``NAME@ALIAS`` is resolved to a version number once, and that exact version is downloaded through its
+``models:/NAME/VERSION`` URI, so an alias moving mid-pull cannot mix two versions. The download lands
+in a temporary sibling of the destination; it is published (renamed) only after ``bundle.json`` matches
+the version's bundle-sha256 tag, every file matches ``bundle.json``, every component re-verifies against
+its own manifest, and every fingerprint agrees with the version's tags and with the caller's target.
+A refused pull therefore leaves nothing at the destination.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.configs import MlflowConfig
+from pipeline.errors import DrafterError
+from pipeline.registry.bundle import BUNDLE_JSON, publish_dir, verify_bundle
+from pipeline.registry.store import (
+    BUNDLE_SHA,
+    FINGERPRINT,
+    READY,
+    STATUS,
+    connect,
+    error_code,
+    registry_errors,
+)
+
+_REF = re.compile(r"^(?:models:/)?(?P<name>[^/@:]+)(?:@(?P<alias>[\w-]+)|/(?P<version>\d+))$")
+
+
+def parse_ref(ref: str) -> tuple[str, str | None, str | None]:
+    """Split ``NAME@ALIAS`` or ``NAME/VERSION`` (a ``models:/`` prefix is allowed) into its parts.
+
+    Raises:
+        DrafterError: the ref has neither form.
+    """
+    match = _REF.match(ref.strip())
+    if match is None:
+        raise DrafterError(
+            f"Cannot read the model reference {ref!r}.",
+            expected="NAME@ALIAS (e.g. drafter-x-eagle@champion) or NAME/VERSION (e.g. drafter-x-eagle/3)",
+        )
+    return match["name"], match["alias"], match["version"]
+
+
+def pull(
+    ref: str, to: Path, cfg: MlflowConfig, workdir: Path, *, expect_fingerprint: dict | None = None
+) -> Path:
+    """Download a registered bundle, verify it completely, and publish it at ``to``.
+
+    Args:
+        ref: ``NAME@ALIAS`` or ``NAME/VERSION``.
+        to: Destination directory; must be new, empty, or an earlier pulled bundle (replaced).
+        cfg: MLflow settings (store, retries).
+        workdir: Pipeline workdir (locates the default sqlite store).
+        expect_fingerprint: Your target's fingerprint; every key given must match the bundle's.
+
+    Returns:
+        ``to``, holding ``bundle.json``, ``components/<id>/`` and possibly ``report/``.
+
+    Raises:
+        DrafterError: unknown model/alias/version, an incomplete version, a file or fingerprint that
+            does not match (named, with expected and found values), or an unreachable server.
+    """
+    import mlflow
+
+    name, alias, number = parse_ref(ref)
+    to = Path(to)
+    _check_destination(to)
+    uri, client = connect(cfg, workdir)
+    with registry_errors(uri, f"Resolving {ref}"):
+        version = _resolve(client, name, alias, number)
+    number = str(version.version)
+    tags = dict(version.tags)
+    if tags.get(STATUS) != READY:
+        raise DrafterError(
+            f"{name} version {number} is not a finished registration.",
+            expected=f"tag {STATUS}={READY}",
+            found=f"{STATUS}={tags.get(STATUS)}",
+            fix="Pull by alias (@champion or @candidate), or rerun register to finish it.",
+        )
+    to.parent.mkdir(parents=True, exist_ok=True)
+    tmp = to.parent / f".{to.name}.pull-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        with registry_errors(
+            uri, f"Downloading {name} version {number}", state=f" Nothing was written to {to}."
+        ):
+            mlflow.artifacts.download_artifacts(
+                f"models:/{name}/{number}", dst_path=str(tmp), tracking_uri=uri, registry_uri=uri
+            )
+        try:
+            verify_bundle(
+                tmp,
+                sha256=tags.get(BUNDLE_SHA) or "(missing tag)",
+                fingerprint=json.loads(tags.get(FINGERPRINT) or "{}"),
+                expect_fingerprint=expect_fingerprint,
+            )
+        except DrafterError as err:
+            raise DrafterError(
+                f"Refusing {name} version {number}: {err.problem} Nothing was written to {to}.",
+                expected=err.expected,
+                found=err.found,
+                fix=err.fix,
+            ) from err
+        publish_dir(tmp, to)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return to
+
+
+def _check_destination(to: Path) -> None:
+    # Checked before downloading so a bad destination costs nothing; publish_dir checks again.
+    if to.exists() and not (to.is_dir() and (not any(to.iterdir()) or (to / BUNDLE_JSON).is_file())):
+        raise DrafterError(
+            f"{to} already exists and does not hold a bundle.",
+            expected="a new or empty directory, or an earlier pulled bundle to replace",
+            fix="Choose another --to directory or remove it first.",
+        )
+
+
+def _resolve(client: Any, name: str, alias: str | None, number: str | None) -> Any:
+    try:
+        return (
+            client.get_model_version_by_alias(name, alias)
+            if alias
+            else client.get_model_version(name, number)
+        )
+    except Exception as err:
+        if error_code(err) not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+            raise
+        try:
+            model = client.get_registered_model(name)
+        except Exception:  # noqa: BLE001 - the model itself is missing
+            raise DrafterError(
+                f"There is no registered model {name!r}.",
+                fix="Check the name (drafter-<target>-<kind>) and the tracking URI.",
+            ) from err
+        what = f"alias {alias!r}" if alias else f"version {number}"
+        raise DrafterError(
+            f"Registered model {name!r} has no {what}.",
+            found=f"aliases {dict(model.aliases)}",
+            fix="Pull @champion, @candidate or an existing version number.",
+        ) from err

@@ -1,0 +1,308 @@
+"""Gated registration: a passing bundle becomes a model version; aliases are the commit point.
+
+Consumers only ever resolve ``@candidate`` and ``@champion``, so a version is first created tagged
+``drafter.status=incomplete`` together with every other tag (bundle sha256, so a rerun can find it;
+metrics, component ids, fingerprint, git sha, gate verdict), then flipped to ``ready``, and only then
+pointed at by aliases. If a step fails before ``ready`` the half-made version is deleted; if even that
+fails it stays tagged incomplete with no alias on it, and a rerun with the same bundle finishes it
+instead of adding a duplicate. ``champion`` moves only when the new version beats the current one on
+the primary metric (higher is better), when there is none, or when the caller forces it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import canonical_json
+from pipeline.configs import MlflowConfig
+from pipeline.registry.bundle import Bundle, bundle_sha256, check_registrable, read_bundle_json, write_bundle
+from pipeline.registry.store import (
+    BUNDLE_SHA,
+    CANDIDATE,
+    CHAMPION,
+    FINGERPRINT,
+    INCOMPLETE,
+    METRIC_PREFIX,
+    PRIMARY_METRIC,
+    READY,
+    STATUS,
+    connect,
+    error_code,
+    registry_errors,
+    version_by_alias,
+    versions_of_bundle,
+)
+from pipeline.tracking import ensure_experiment
+
+FAIL_POINTS = ("run", "version", "tags", "ready", "candidate")
+
+
+@dataclass
+class RegistrationResult:
+    """What :func:`register` did."""
+
+    name: str
+    """Registered model name."""
+    version: int
+    """The model version holding the bundle."""
+    aliases: list[str]
+    """Aliases that point at this version after the call."""
+    promoted: bool
+    """Whether this call moved ``champion`` to this version."""
+    reason: str
+    """Why champion moved or stayed, in words."""
+    bundle_sha256: str
+    """The bundle's identity (also the version's ``drafter.bundle_sha256`` tag)."""
+    run_id: str
+    """The MLflow run whose artifacts hold the bundle."""
+    source: str
+    """The version's source: the artifact location of the bundle."""
+    reused: bool = False
+    """True when an earlier version of the same bundle was reused or finished instead of a new one."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """The tags written on the version."""
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self.name}/{self.version}"
+
+
+def version_tags(document: dict, sha256: str) -> dict[str, str]:
+    """Model-version tags for a bundle document (everything a serving engineer filters on)."""
+    fp = document["fingerprint"]
+    kinds: dict[str, list[str]] = {}
+    for component in document["components"]:
+        kinds.setdefault(f"drafter.component.{component['kind']}", []).append(component["id"])
+    tags = {
+        BUNDLE_SHA: sha256,
+        PRIMARY_METRIC: document["primary_metric"],
+        **{f"{METRIC_PREFIX}{k}": repr(float(v)) for k, v in document["metrics"].items()},
+        "drafter.components": ",".join(c["id"] for c in document["components"]),
+        **{k: ",".join(v) for k, v in kinds.items()},
+        "drafter.target": str(fp.get("model")),
+        "drafter.target_revision": str(fp.get("revision")),
+        "drafter.vocab_hash": str(fp.get("vocab_hash")),
+        FINGERPRINT: canonical_json(fp),
+        "git.sha": str(document["git_sha"]),
+        "drafter.gates.passed": str(document["gates"].get("passed")).lower(),
+        "drafter.gates": canonical_json(document["gates"])[:100_000],
+    }
+    return tags
+
+
+def register(
+    bundle: Bundle,
+    cfg: MlflowConfig,
+    workdir: Path,
+    *,
+    promote: bool = False,
+    run_id: str | None = None,
+    _fail_after: str | None = None,
+    _skip_cleanup: bool = False,
+) -> RegistrationResult:
+    """Register a bundle that passed its gates as a new model version and move the aliases.
+
+    Args:
+        bundle: The evaluated bundle.
+        cfg: MLflow settings (store, experiment, retries).
+        workdir: Pipeline workdir (default sqlite store; temporary bundle copy).
+        promote: Make the new version champion even if it does not beat the current one.
+        run_id: Log the bundle into this existing run instead of a new run in ``cfg.experiment``.
+        _fail_after: Test only: raise after this step (one of ``FAIL_POINTS``) to simulate a store
+            that dies mid-way.
+        _skip_cleanup: Test only: behave as if deleting the half-made version failed too.
+
+    Returns:
+        The version, the aliases on it, and whether and why champion moved.
+
+    Raises:
+        DrafterError: gates failed or fingerprints disagree (nothing is written), the server is
+            unreachable, or a registry step failed (the message says what was left behind).
+    """
+    if _fail_after is not None and _fail_after not in FAIL_POINTS:
+        raise ValueError(f"_fail_after must be one of {FAIL_POINTS}, not {_fail_after!r}")
+
+    def checkpoint(step: str) -> None:
+        if _fail_after == step:
+            raise RuntimeError(f"injected failure after step {step!r}")
+
+    check_registrable(bundle)
+    workdir = Path(workdir)
+    uri, client = connect(cfg, workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".bundle-", dir=workdir) as tmp:
+        bundle_dir = write_bundle(bundle, Path(tmp) / "bundle")
+        document = read_bundle_json(bundle_dir)
+        sha = bundle_sha256(document)
+        tags = version_tags(document, sha)
+        name = bundle.name
+        with registry_errors(uri, f"Looking up {name}"):
+            earlier = versions_of_bundle(client, name, sha)
+        reused = bool(earlier)
+        if earlier:
+            # Prefer a finished version; otherwise finish the oldest incomplete one.
+            version = next((v for v in earlier if v.tags.get(STATUS) == READY), earlier[0])
+        else:
+            version = _create_version(
+                client, uri, cfg, workdir, name, bundle_dir, document, tags, run_id, checkpoint
+            )
+        number = str(version.version)
+        made_here = not reused
+        try:
+            checkpoint("version")
+            if version.tags.get(STATUS) != READY:
+                # A version made here got its tags at creation; one left by a failed run may lack some.
+                for key, value in tags.items():
+                    if version.tags.get(key) != value:
+                        client.set_model_version_tag(name, number, key, value)
+                checkpoint("tags")
+                client.set_model_version_tag(name, number, STATUS, READY)
+        except Exception as err:  # noqa: BLE001 - translated below, after cleanup
+            state = _cleanup(client, name, number, skip=_skip_cleanup or not made_here)
+            with registry_errors(
+                uri,
+                f"Registering {name} version {number}",
+                state=state,
+                fix="Check the tracking server, then rerun with the same bundle: the "
+                "incomplete version is finished, not duplicated.",
+            ):
+                raise err
+        with registry_errors(
+            uri,
+            f"Setting aliases on {name} version {number}",
+            state=f" Version {number} is complete (tagged ready) but the aliases may not point at it yet.",
+            fix="Rerun register with the same bundle: it reuses the version and sets the aliases.",
+        ):
+            checkpoint("ready")
+            promoted, reason = _champion_decision(client, name, number, bundle, promote)
+            client.set_registered_model_alias(name, CANDIDATE, number)
+            checkpoint("candidate")
+            if promoted:
+                client.set_registered_model_alias(name, CHAMPION, number)
+            aliases = sorted(
+                a for a, v in client.get_registered_model(name).aliases.items() if str(v) == number
+            )
+    return RegistrationResult(
+        name=name,
+        version=int(number),
+        aliases=aliases,
+        promoted=promoted,
+        reason=reason,
+        bundle_sha256=sha,
+        run_id=str(version.run_id),
+        source=version.source,
+        reused=reused,
+        tags=tags,
+    )
+
+
+def _create_version(
+    client: Any,
+    uri: str,
+    cfg: MlflowConfig,
+    workdir: Path,
+    name: str,
+    bundle_dir: Path,
+    document: dict,
+    tags: dict[str, str],
+    run_id: str | None,
+    checkpoint: Any,
+) -> Any:
+    """Log the bundle as run artifacts and create an ``incomplete`` version whose source is that location.
+
+    The version gets all its tags in the create call (one request instead of one per tag, each of which
+    MLflow's client doubles with a lookup), still marked incomplete until :func:`register` flips it.
+    """
+    from mlflow.entities import Metric
+
+    sha = tags[BUNDLE_SHA]
+    artifact_path = f"bundle-{sha[:16]}"
+    new_run = run_id is None
+    with registry_errors(
+        uri, f"Logging bundle {name} as run artifacts", state=" Nothing was registered yet."
+    ):
+        if new_run:
+            experiment_id = ensure_experiment(uri, cfg.experiment, workdir)
+            run = client.create_run(
+                experiment_id,
+                run_name=f"register-{name}",
+                tags={BUNDLE_SHA: sha, "drafter.registered_model": name},
+            )
+            run_id = run.info.run_id
+            step_ms = int(time.time() * 1000)
+            client.log_batch(
+                run_id, metrics=[Metric(k, float(v), step_ms, 0) for k, v in document["metrics"].items()]
+            )
+        try:
+            client.log_artifacts(run_id, str(bundle_dir), artifact_path)
+            checkpoint("run")
+        except Exception:
+            if new_run:
+                _quietly(client.set_terminated, run_id, "FAILED")
+            raise
+        if new_run:
+            client.set_terminated(run_id, "FINISHED")
+        source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+    with registry_errors(uri, f"Creating a version of {name}", state=" No version was created."):
+        try:
+            client.create_registered_model(
+                name,
+                description="Drafter bundles for speculative decoding; pull @champion (see drafter.* tags).",
+            )
+        except Exception as err:  # noqa: BLE001
+            if error_code(err) != "RESOURCE_ALREADY_EXISTS":
+                raise
+        return client.create_model_version(
+            name, source, run_id=run_id, tags={**tags, STATUS: INCOMPLETE}, await_creation_for=60
+        )
+
+
+def _champion_decision(
+    client: Any, name: str, number: str, bundle: Bundle, promote: bool
+) -> tuple[bool, str]:
+    metric = bundle.primary_metric
+    ours = float(bundle.metrics[metric])
+    current = version_by_alias(client, name, CHAMPION)
+    if current is None:
+        return True, "no champion yet"
+    if str(current.version) == number:
+        return False, f"version {number} is already champion"
+    if promote:
+        return True, f"forced (promote=True) over champion version {current.version}"
+    theirs = current.tags.get(f"{METRIC_PREFIX}{metric}")
+    if theirs is None:
+        return False, (
+            f"champion version {current.version} has no {metric} to compare with; "
+            "pass promote=True to replace it"
+        )
+    if ours > float(theirs):
+        return True, f"{metric} {ours:.6g} beats champion version {current.version} ({float(theirs):.6g})"
+    return (
+        False,
+        f"{metric} {ours:.6g} does not beat champion version {current.version} ({float(theirs):.6g})",
+    )
+
+
+def _cleanup(client: Any, name: str, number: str, *, skip: bool) -> str:
+    """Delete a half-made version; return a sentence saying what was left behind."""
+    if not skip:
+        try:
+            client.delete_model_version(name, number)
+            return f" The half-made version {number} was deleted; no alias points at it."
+        except Exception:  # noqa: BLE001 - the server may be gone; the tag below still protects consumers
+            pass
+    return (
+        f" Version {number} is left tagged {STATUS}={INCOMPLETE} and no alias points at it; "
+        "a rerun with the same bundle finishes it."
+    )
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - best effort on a path that is already failing
+        pass

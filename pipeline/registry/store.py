@@ -1,0 +1,79 @@
+"""The registry connection shared by ``register`` and ``pull``: client, error translation, tag names.
+
+A registry call starts with the same preflight as a stage run (bounded HTTP retries, a ``/health`` probe
+with a clear error for a dead server), then talks to MLflow through one ``MlflowClient`` whose tracking
+and registry URIs are the same store. Every MLflow exception is turned into a :class:`DrafterError`
+that says which step failed and what state the registry was left in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pipeline.configs import MlflowConfig
+from pipeline.errors import DrafterError
+from pipeline.tracking import _configure_client_retries, check_reachable, redact, tracking_uri
+
+# Tags written on every model version (the verdict lives on the version, per the MLOps templates).
+STATUS = "drafter.status"
+INCOMPLETE, READY = "incomplete", "ready"
+BUNDLE_SHA = "drafter.bundle_sha256"
+FINGERPRINT = "drafter.fingerprint"
+PRIMARY_METRIC = "drafter.primary_metric"
+METRIC_PREFIX = "drafter.metric."
+CANDIDATE, CHAMPION = "candidate", "champion"
+
+
+def connect(cfg: MlflowConfig, workdir: Path) -> tuple[str, Any]:
+    """Resolve the store, probe it, and return ``(uri, MlflowClient)``.
+
+    Raises:
+        DrafterError: the tracking server does not answer within ``cfg.retries`` attempts.
+    """
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(cfg, Path(workdir))
+    _configure_client_retries(cfg)
+    check_reachable(uri, cfg)
+    return uri, MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def error_code(err: BaseException) -> str:
+    """MLflow's error code (``RESOURCE_DOES_NOT_EXIST``...), or '' for other exceptions."""
+    return str(getattr(err, "error_code", "") or "")
+
+
+@contextmanager
+def registry_errors(uri: str, action: str, state: str = "", fix: str | None = None) -> Iterator[None]:
+    """Turn any MLflow failure inside the block into a DrafterError naming ``action`` and ``state``."""
+    try:
+        yield
+    except DrafterError:
+        raise
+    except Exception as err:  # noqa: BLE001 - MLflow raises many types for one cause: the store failed
+        first_line = (str(err).splitlines() or [""])[0][:300]
+        raise DrafterError(
+            f"{action} in MLflow at {redact(uri)} failed: {type(err).__name__}: {first_line}.{state}",
+            fix=fix
+            or "Check that the tracking server is running and reachable, then rerun the same command.",
+        ) from err
+
+
+def version_by_alias(client: Any, name: str, alias: str) -> Any | None:
+    """The model version ``alias`` points at, or None when the model or the alias does not exist."""
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except Exception as err:  # noqa: BLE001
+        if error_code(err) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+            return None
+        raise
+
+
+def versions_of_bundle(client: Any, name: str, sha256: str) -> list[Any]:
+    """Model versions of ``name`` already made from the bundle with this sha256, oldest first."""
+    escaped = name.replace("'", "\\'")
+    found = client.search_model_versions(f"name = '{escaped}' and tags.`{BUNDLE_SHA}` = '{sha256}'")
+    return sorted(found, key=lambda v: int(v.version))

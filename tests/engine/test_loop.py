@@ -1,0 +1,253 @@
+"""The decode loops with real Hugging Face models (fixtures in ``conftest.py``): greedy speculative
+decoding reproduces greedy autoregressive decoding token for token, sampled speculative decoding has the
+target's law, KV caches agree with no-cache recomputation, and bad inputs raise ``DrafterError``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.engine.loop import _Target, generate_autoregressive, generate_speculative
+from pipeline.engine.proposers import FullHeadProposer, Proposal, ShortlistProposer
+from pipeline.engine.sampling import SamplingParams, standardise
+from pipeline.errors import DrafterError
+from tests.engine.conftest import assert_counts_match
+
+GREEDY = SamplingParams()
+NEW_TOKENS = 32
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+class _Untranslatable:
+    """Wraps a proposer and pretends ids divisible by 7 have no target id (Union-style ``-1`` drafts):
+    their mass leaves ``q`` (rows become sub-stochastic), exactly as a cross-vocabulary drafter reports it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.name = inner, "untranslatable"
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def propose(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        tokens, q = self.inner.propose(context, gamma, params, generator)
+        q = q.clone()
+        q[:, ::7] = 0.0
+        return Proposal([-1 if t % 7 == 0 else t for t in tokens], q)
+
+
+class _ExactMatch(_Untranslatable):
+    """Wraps a proposer and hides its distributions (``q=None``), as SLEM does."""
+
+    def propose(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        return Proposal(self.inner.propose(context, gamma, params, generator).tokens, None)
+
+
+def _proposer(
+    kind: str, drafter: torch.nn.Module, tied_drafter: torch.nn.Module, shortlist: torch.Tensor
+) -> Any:
+    return {
+        "full": lambda: FullHeadProposer(drafter),
+        "shortlist": lambda: ShortlistProposer(drafter, shortlist),
+        "tied_full": lambda: FullHeadProposer(tied_drafter),
+        "tied_shortlist": lambda: ShortlistProposer(tied_drafter, shortlist),
+        "untranslatable": lambda: _Untranslatable(FullHeadProposer(drafter)),
+        "exact": lambda: _ExactMatch(FullHeadProposer(drafter)),
+    }[kind]()
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(target: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+    return [
+        generate_autoregressive(target, prompt, NEW_TOKENS, GREEDY, torch.Generator()).tokens
+        for prompt in prompts
+    ]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize(
+    "kind", ["full", "shortlist", "tied_full", "tied_shortlist", "untranslatable", "exact"]
+)
+def test_greedy_speculative_equals_autoregressive(
+    kind: str, gamma: int, target, drafter, tied_drafter, shortlist, prompts, greedy_reference
+) -> None:
+    proposer = _proposer(kind, drafter, tied_drafter, shortlist)
+    accepted = 0
+    for prompt, reference in zip(prompts, greedy_reference, strict=True):
+        result = generate_speculative(target, proposer, prompt, NEW_TOKENS, gamma, GREEDY, torch.Generator())
+        assert result.tokens == reference
+        assert len(result.tokens) == NEW_TOKENS and result.stop_reason == "length"
+        assert result.target_forwards == len(result.accepted_per_round)
+        assert sum(result.position_accepts) == sum(result.accepted_per_round)
+        assert result.position_attempts[0] == sum(1 for d in result.drafted_per_round if d > 0)
+        accepted += sum(result.accepted_per_round)
+    if kind in ("full", "shortlist", "untranslatable", "exact"):
+        assert accepted > 0, (
+            "the layer-skip drafter should get some drafts accepted, or the accept path is untested"
+        )
+
+
+def test_self_drafting_accepts_every_draft(target, prompts) -> None:
+    """Drafter = target: greedy and temperature-1 rounds accept all drafts (p = q up to float64 round-off)."""
+    gamma = 4
+    for params in (GREEDY, SamplingParams(temperature=1.0)):
+        result = generate_speculative(
+            target, FullHeadProposer(target), prompts[0], 23, gamma, params, torch.Generator().manual_seed(0)
+        )
+        assert result.accepted_per_round == result.drafted_per_round
+        assert result.drafted_per_round == [4, 4, 4, 4, 2]  # the last round is capped at the length budget
+        assert result.target_forwards == 5 and len(result.tokens) == 23
+
+
+def test_eos_stops_and_truncates(target, drafter, prompts, greedy_reference) -> None:
+    reference = greedy_reference[1]
+    eos = reference[10]
+    cut = reference.index(eos) + 1
+    for gamma in (3, 5):
+        result = generate_speculative(
+            target, FullHeadProposer(drafter), prompts[1], NEW_TOKENS, gamma, GREEDY, torch.Generator(), eos
+        )
+        assert result.tokens == reference[:cut] and result.stop_reason == "eos"
+    baseline = generate_autoregressive(target, prompts[1], NEW_TOKENS, GREEDY, torch.Generator(), [eos, -5])
+    assert baseline.tokens == reference[:cut] and baseline.stop_reason == "eos"
+
+
+@pytest.mark.parametrize("gamma", [0, -2])
+def test_non_positive_gamma_is_refused(gamma: int, target, drafter, prompts) -> None:
+    with pytest.raises(DrafterError, match="gamma"):
+        generate_speculative(
+            target, FullHeadProposer(drafter), prompts[0], 5, gamma, GREEDY, torch.Generator()
+        )
+
+
+def test_empty_prompt_is_refused(target) -> None:
+    with pytest.raises(DrafterError, match="empty prompt"):
+        generate_autoregressive(target, [], 5, GREEDY, torch.Generator())
+
+
+def _target_distribution(target: torch.nn.Module, ids: list[int], params: SamplingParams) -> torch.Tensor:
+    with torch.no_grad():
+        return standardise(target(torch.tensor([ids])).logits[0], params)
+
+
+def _first_token_counts(kind: str, params: SamplingParams, samples: int, fixtures: tuple) -> tuple:
+    target, drafter, tied_drafter, shortlist, prompt = fixtures
+    proposer = _proposer(kind, drafter, tied_drafter, shortlist)
+    generator = torch.Generator().manual_seed(42)
+    every_token = list(range(target.config.vocab_size))
+    counts = torch.zeros(target.config.vocab_size, dtype=torch.float64)
+    rejected = 0
+    for _ in range(samples):
+        # Treating every token as EOS ends the call after exactly one speculation round.
+        result = generate_speculative(target, proposer, prompt, 3, 2, params, generator, every_token)
+        assert len(result.accepted_per_round) == 1
+        counts[result.tokens[0]] += 1
+        rejected += result.accepted_per_round[0] == 0
+    return counts, rejected
+
+
+@pytest.mark.parametrize(
+    ("kind", "params", "samples"),
+    [
+        ("shortlist", SamplingParams(temperature=1.0), 1500),
+        ("untranslatable", SamplingParams(temperature=1.0, top_k=8), 1000),
+        ("exact", SamplingParams(temperature=0.8, top_p=0.9), 1000),
+    ],
+)
+def test_first_token_law_matches_target(
+    kind: str, params: SamplingParams, samples: int, target, drafter, tied_drafter, shortlist, prompts
+) -> None:
+    """Repeated one-round speculation (gamma = 2) at a fixed context through the real loop: each
+    token's count of first emissions is within 6 sigma (Bernstein, ``conftest.assert_counts_match``) of
+    samples * p, and tokens the target's top-k / top-p removed never appear. Sample sizes (1000-1500)
+    are in the parametrisation; ``test_first_token_law_20k`` repeats the first case with 20,000."""
+    prompt = prompts[2]
+    p = _target_distribution(target, prompt, params)[-1]
+    counts, rejected = _first_token_counts(
+        kind, params, samples, (target, drafter, tied_drafter, shortlist, prompt)
+    )
+    assert_counts_match(counts, p, samples, f"first token ({kind})")
+    assert 0 < rejected < samples  # both the accept and the residual paths produced first tokens
+
+
+@pytest.mark.slow
+def test_first_token_law_20k(target, drafter, tied_drafter, shortlist, prompts) -> None:
+    """As above with the shortlist drafter at temperature 1 and 20,000 samples (6 sigma, Bernstein)."""
+    params = SamplingParams(temperature=1.0)
+    p = _target_distribution(target, prompts[2], params)[-1]
+    counts, _ = _first_token_counts(
+        "shortlist", params, 20_000, (target, drafter, tied_drafter, shortlist, prompts[2])
+    )
+    assert_counts_match(counts, p, 20_000, "first token (shortlist, 20k)")
+
+
+def test_target_cache_matches_recompute(target, prompts) -> None:
+    """Prefill, score drafts, crop to a partial acceptance, score again: every row equals a no-cache
+    forward over the same sequence (float64, tolerance 1e-10)."""
+    params = SamplingParams(temperature=1.0)
+    model = _Target(target)
+    sequence = list(prompts[0])
+    drafts = [5, 17, 42, 99]
+    p = model.distributions(sequence, drafts, len(drafts) + 1, params)
+    full = _target_distribution(target, sequence + drafts, params)
+    torch.testing.assert_close(p, full[-len(drafts) - 1 :], rtol=0, atol=1e-10)
+    model.crop(len(sequence) + 2)  # two drafts accepted, then a corrected token 7
+    sequence += drafts[:2] + [7]
+    p = model.distributions(sequence, [8, 9], 3, params)
+    full = _target_distribution(target, sequence + [8, 9], params)
+    torch.testing.assert_close(p, full[-3:], rtol=0, atol=1e-10)
+    assert model.cache.get_seq_length() == len(sequence) + 2
+
+
+@pytest.mark.parametrize("kind", ["full", "shortlist"])
+def test_proposer_cache_matches_recompute(kind: str, drafter, tied_drafter, shortlist, prompts) -> None:
+    """A proposer that re-syncs by common prefix (including a diverged context) returns the same q rows
+    as a no-cache forward of the drafter over context + earlier drafts (float64, tolerance 1e-10)."""
+    params = SamplingParams(temperature=1.0)
+    proposer = _proposer(kind, drafter, tied_drafter, shortlist)
+    generator = torch.Generator().manual_seed(3)
+    contexts = [prompts[1], prompts[1] + [4, 5, 6], prompts[1][:6] + [11, 12], prompts[1][:6] + [11, 12, 13]]
+    for context in contexts:
+        tokens, q = proposer.propose(context, 3, params, generator)
+        for i, token in enumerate(tokens):
+            with torch.no_grad():
+                logits = drafter(torch.tensor([context + tokens[:i]])).logits[0, -1]
+            if kind == "shortlist":
+                expected = torch.zeros(logits.shape[-1], dtype=torch.float64)
+                expected[shortlist] = standardise(logits[shortlist], params)
+                assert token in set(shortlist.tolist())
+            else:
+                expected = standardise(logits, params)
+            torch.testing.assert_close(q[i], expected, rtol=0, atol=1e-10)
+
+
+def test_shortlist_validation(drafter, tokenizer, prompts) -> None:
+    for bad in (torch.tensor([], dtype=torch.long), torch.tensor([1, 2, 300]), torch.tensor([3, 4, 3])):
+        with pytest.raises(DrafterError):
+            ShortlistProposer(drafter, bad)
+    eos = tokenizer.eos_token_id
+    ShortlistProposer.check(torch.tensor([eos, *prompts[0]]), tokenizer, prompts[:1])
+    with pytest.raises(DrafterError, match="end-of-sequence"):
+        ShortlistProposer.check(torch.tensor([2, 3, 4]), tokenizer)
+    with pytest.raises(DrafterError, match="shares no token"):
+        ShortlistProposer.check(torch.tensor([eos, 299]), tokenizer, [[5, 6, 7]])
+
+
+def test_full_head_maps_ids_beyond_target_vocabulary(drafter, prompts) -> None:
+    """A drafter wider than the target: ids >= target width become -1 and q is cut to the target width."""
+    proposer = FullHeadProposer(drafter, target_vocab_size=150)
+    tokens, q = proposer.propose(
+        prompts[0], 5, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0)
+    )
+    assert q.shape == (5, 150)
+    assert all(t == -1 or 0 <= t < 150 for t in tokens)
+    assert bool((q.sum(-1) < 1).all())

@@ -1,0 +1,84 @@
+"""Metrics on hand-built generation results whose every aggregate is computed by hand in the comments."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pipeline.engine.loop import GenerationResult
+from pipeline.engine.metrics import (
+    expected_speedup,
+    expected_tokens_per_round,
+    memory_bound_speedup,
+    summarize,
+)
+
+
+def _speculative_results() -> list[GenerationResult]:
+    # Prompt A, gamma 3: rounds accept 2, 0, 3 of 3 drafts -> 3 + 1 + 4 = 8 tokens in 3 forwards.
+    # Position attempts: round 1 verifies 0,1,2; round 2 only 0; round 3 all -> [3, 2, 2]; accepts [2, 2, 1].
+    a = GenerationResult(
+        tokens=list(range(8)), prompt_length=5, method="shortlist", gamma=3, target_forwards=3,
+        drafted_per_round=[3, 3, 3], accepted_per_round=[2, 0, 3],
+        position_attempts=[3, 2, 2], position_accepts=[2, 2, 1],
+        drafter_seconds=0.03, target_seconds=0.06, wall_seconds=0.10, ttft_seconds=0.04,
+    )  # fmt: skip
+    # Prompt B, gamma 3: round 1 accepts 1 of 3, round 2 (capped at 1 draft) accepts it -> 2 + 2 = 4 tokens.
+    b = GenerationResult(
+        tokens=list(range(4)), prompt_length=7, method="shortlist", gamma=3, target_forwards=2,
+        drafted_per_round=[3, 1], accepted_per_round=[1, 1],
+        position_attempts=[2, 1, 0], position_accepts=[2, 0, 0],
+        drafter_seconds=0.01, target_seconds=0.04, wall_seconds=0.05, ttft_seconds=0.02,
+    )  # fmt: skip
+    return [a, b]
+
+
+def _autoregressive_results() -> list[GenerationResult]:
+    return [
+        GenerationResult(tokens=list(range(8)), prompt_length=5, method="autoregressive", target_forwards=8,
+                         wall_seconds=0.2, ttft_seconds=0.03, target_seconds=0.19),
+        GenerationResult(tokens=list(range(4)), prompt_length=7, method="autoregressive", target_forwards=4,
+                         wall_seconds=0.1, ttft_seconds=0.03, target_seconds=0.09),
+    ]  # fmt: skip
+
+
+def test_summary_sums_counts_across_prompts() -> None:
+    m = summarize(_speculative_results(), baseline=_autoregressive_results(), param_ratio=0.1)
+    assert (m.new_tokens, m.target_forwards, m.rounds, m.drafted, m.accepted) == (12, 5, 5, 13, 7)
+    assert m.acceptance_rate == pytest.approx(7 / 13)  # not the mean of 5/9 and 2/4
+    assert m.verified_acceptance_rate == pytest.approx(7 / 10)
+    assert m.mean_accepted_length == pytest.approx(12 / 5)
+    assert m.per_position_acceptance == pytest.approx([4 / 5, 2 / 3, 1 / 2])
+    assert m.drafter_ms_per_round == pytest.approx(40 / 5)
+    assert m.drafter_ms_per_draft == pytest.approx(40 / 13)
+    assert m.target_ms_per_forward == pytest.approx(100 / 5)
+    assert m.tokens_per_second == pytest.approx(12 / 0.15)
+    assert m.ttft_ms == pytest.approx(30.0)
+    assert m.tpot_ms == pytest.approx(1000 * (0.06 + 0.03) / (7 + 3))
+    assert m.speedup_vs_autoregressive == pytest.approx((12 / 0.15) / (12 / 0.3))
+    assert m.mbsu == pytest.approx(2.4 / (1 + 3 * 0.1))
+    assert m.leviathan_expected_speedup == pytest.approx((1 - 0.7**4) / (0.3 * 1.3))
+    json.dumps(m.to_dict())
+
+
+def test_autoregressive_summary_has_no_acceptance() -> None:
+    m = summarize(_autoregressive_results())
+    assert m.acceptance_rate is None and m.verified_acceptance_rate is None
+    assert m.mean_accepted_length == 1.0
+    assert m.per_position_acceptance == [] and m.mbsu is None and m.speedup_vs_autoregressive is None
+    assert m.drafter_ms_per_round is None
+    json.dumps(m.to_dict())
+
+
+def test_leviathan_formulas() -> None:
+    assert expected_tokens_per_round(0.0, 5) == 1.0
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_speedup(1.0, 4, 0.05) == pytest.approx(5 / 1.2)
+    # The alpha -> 1 limit is continuous with the closed form.
+    assert expected_speedup(1 - 1e-9, 4, 0.05) == pytest.approx(5 / 1.2, rel=1e-6)
+    assert expected_speedup(0.8, 3, 0.0) == pytest.approx((1 - 0.8**4) / 0.2)
+    assert memory_bound_speedup(3.0, 4, 0.05) == pytest.approx(2.5)
+    assert math.isclose(memory_bound_speedup(1.0, 0, 0.3), 1.0)

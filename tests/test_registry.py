@@ -1,0 +1,301 @@
+"""Gated registration and verified pulls against a real ``mlflow server`` on 127.0.0.1.
+
+One session-scoped server holds every test's registered model (each test uses its own name); the
+dead-server test starts and stops a second one. Components are small real artifacts (safetensors and
+JSON payloads) written with ``ArtifactStore``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+from safetensors.numpy import save_file
+
+from pipeline.artifacts import Artifact, ArtifactStore, artifact_id, sha256_file
+from pipeline.configs import MlflowConfig
+from pipeline.errors import DrafterError
+from pipeline.registry import (
+    Bundle,
+    bundle_sha256,
+    parse_ref,
+    pull,
+    read_bundle_json,
+    register,
+    registered_name,
+    write_bundle,
+)
+from tests.mlflow_server import MlflowServer
+
+FP = {"model": "org/target", "revision": "r1", "vocab_hash": "v" * 64, "vocab_size": 320}
+PASSED = {"passed": True, "checks": {"lossless": {"passed": True}, "speedup": {"passed": True, "min": 1.0}}}
+
+
+def _cfg(uri: str | None) -> MlflowConfig:
+    return MlflowConfig(tracking_uri=uri, experiment="registry-tests", retries=2, timeout_s=2.0)
+
+
+def _components(root: Path, fp: dict = FP, seed: int = 0) -> list[Artifact]:
+    """A count artifact (safetensors + JSON) and a drafter artifact (safetensors) for target ``fp``."""
+    store = ArtifactStore(root / "artifacts")
+    rng = np.random.default_rng(seed)
+    out = []
+    for stage, kind in (("count", "token_counts"), ("train_drafter", "drafter")):
+        config = {"seed": seed}
+        writer = store.writer(
+            artifact_id(stage, config, [], fp),
+            kind=kind,
+            stage=stage,
+            config=config,
+            inputs=[],
+            fingerprint=fp,
+        )
+        save_file(
+            {"weight": rng.standard_normal((16, 8)).astype(np.float32)},
+            str(writer.tmp / "weights.safetensors"),
+        )
+        (writer.tmp / "info.json").write_text(json.dumps({"kind": kind, "rows": 16}))
+        out.append(writer.commit())
+    return out
+
+
+def _bundle(name: str, components: list[Artifact], tau: float, **extra) -> Bundle:
+    fields = {
+        "metrics": {"tau": tau, "speedup": tau / 2, "acceptance_rate": 0.5},
+        "primary_metric": "tau",
+        "gates": PASSED,
+        "fingerprint": FP,
+        **extra,
+    }
+    return Bundle(name=name, artifacts=components, **fields)
+
+
+def _client(server: MlflowServer) -> MlflowClient:
+    return MlflowClient(tracking_uri=server.uri, registry_uri=server.uri)
+
+
+def _aliases(server: MlflowServer, name: str) -> dict[str, str]:
+    return dict(_client(server).get_registered_model(name).aliases)
+
+
+def test_registered_name_and_refs() -> None:
+    assert registered_name("meta-llama/Llama-3.1-8B", "eagle") == "drafter-meta-llama-Llama-3.1-8B-eagle"
+    assert registered_name("tiny:default/target", "count") == "drafter-tiny-default-target-count"
+    long_a, long_b = registered_name("x" * 300 + "a", "k"), registered_name("x" * 300 + "b", "k")
+    assert len(long_a) <= 200 and long_a != long_b
+    assert parse_ref("m@champion") == ("m", "champion", None)
+    assert parse_ref("models:/m/3") == ("m", None, "3")
+    with pytest.raises(DrafterError, match="NAME@ALIAS"):
+        parse_ref("m:3")
+
+
+def test_register_moves_candidate_and_champion_by_primary_metric(
+    tmp_path: Path, mlflow_server: MlflowServer
+) -> None:
+    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-aliases", "drafter")
+    components = _components(tmp_path)
+    first = register(_bundle(name, components, 2.0), cfg, tmp_path / "work")
+    assert (first.version, first.aliases, first.promoted) == (1, ["candidate", "champion"], True)
+    version = _client(mlflow_server).get_model_version(name, "1")
+    tags = version.tags
+    assert tags["drafter.status"] == "ready" and tags["drafter.bundle_sha256"] == first.bundle_sha256
+    assert float(tags["drafter.metric.tau"]) == 2.0 and tags["drafter.primary_metric"] == "tau"
+    assert tags["drafter.components"] == ",".join(sorted(a.id for a in components))
+    assert tags["drafter.component.drafter"] in tags["drafter.components"]
+    assert tags["drafter.target"] == "org/target" and tags["drafter.vocab_hash"] == FP["vocab_hash"]
+    assert json.loads(tags["drafter.fingerprint"]) == FP and tags["drafter.gates.passed"] == "true"
+    assert tags["git.sha"] and version.source == first.source and version.run_id == first.run_id
+
+    worse = register(_bundle(name, components, 1.5), cfg, tmp_path / "work")
+    assert (worse.version, worse.promoted) == (2, False) and "does not beat" in worse.reason
+    assert _aliases(mlflow_server, name) == {"candidate": "2", "champion": "1"}
+
+    better = register(_bundle(name, components, 2.5), cfg, tmp_path / "work")
+    assert (better.version, better.promoted, better.aliases) == (3, True, ["candidate", "champion"])
+
+    forced = register(_bundle(name, components, 0.5), cfg, tmp_path / "work", promote=True)
+    assert forced.promoted and "forced" in forced.reason
+    assert _aliases(mlflow_server, name) == {"candidate": "4", "champion": "4"}
+
+    # Registering an already registered bundle reuses its version instead of adding a duplicate.
+    again = register(_bundle(name, components, 2.5), cfg, tmp_path / "work")
+    assert (again.version, again.reused) == (3, True)
+    assert len(_client(mlflow_server).search_model_versions(f"name = '{name}'")) == 4
+
+
+def test_pull_round_trip_is_verified_and_identical(tmp_path: Path, mlflow_server: MlflowServer) -> None:
+    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-pull", "drafter")
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "report.json").write_text(json.dumps({"tau": 2.0}))
+    (report / "index.html").write_text("<html>tau 2.0</html>")
+    bundle = _bundle(name, _components(tmp_path), 2.0, report=report)
+    result = register(bundle, cfg, tmp_path / "work")
+
+    pulled = pull(f"{name}@champion", tmp_path / "pulled", cfg, tmp_path / "work", expect_fingerprint=FP)
+    local = write_bundle(bundle, tmp_path / "local")
+    document = read_bundle_json(pulled)
+    assert bundle_sha256(document) == result.bundle_sha256
+    assert "report/index.html" in document["files"]
+    for rel in [*document["files"], "bundle.json"]:
+        assert (pulled / rel).read_bytes() == (local / rel).read_bytes(), rel
+    for artifact in bundle.artifacts:
+        for payload in artifact.manifest["files"]:
+            assert sha256_file(pulled / "components" / artifact.id / payload) == sha256_file(
+                artifact.file(payload)
+            )
+    # A second pull over an earlier one replaces it; pulling by version number works too.
+    assert (
+        pull(f"{name}/{result.version}", tmp_path / "pulled", cfg, tmp_path / "work") == tmp_path / "pulled"
+    )
+
+    plain = mlflow.artifacts.download_artifacts(
+        f"models:/{name}@champion",
+        dst_path=str(tmp_path / "plain"),
+        tracking_uri=mlflow_server.uri,
+        registry_uri=mlflow_server.uri,
+    )
+    assert json.loads((Path(plain) / "bundle.json").read_text()) == document
+
+
+def _stored_copy(server: MlflowServer, source: str) -> Path:
+    """Where the server keeps a version's bundle: mlflow-artifacts:/<path> lives under root/artifacts."""
+    assert source.startswith("mlflow-artifacts:/")
+    return server.root / "artifacts" / source.removeprefix("mlflow-artifacts:/")
+
+
+def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server: MlflowServer) -> None:
+    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-tamper", "drafter")
+    components = _components(tmp_path)
+    result = register(_bundle(name, components, 2.0), cfg, tmp_path / "work")
+    stored = _stored_copy(mlflow_server, result.source)
+    payload = stored / "components" / components[1].id / "weights.safetensors"
+    original = payload.read_bytes()
+    payload.write_bytes(original[:-1] + bytes([original[-1] ^ 0xFF]))
+    to = tmp_path / "pulled"
+    with pytest.raises(DrafterError, match="weights.safetensors") as err:
+        pull(f"{name}@champion", to, cfg, tmp_path / "work")
+    assert components[1].manifest["files"]["weights.safetensors"]["sha256"] in str(err.value)
+    assert not to.exists() and list(tmp_path.glob(".pulled*")) == []
+
+    # bundle.json itself edited (e.g. to claim the tampered payload's hash): refused on the bundle sha.
+    payload.write_bytes(original)
+    document = json.loads((stored / "bundle.json").read_text())
+    document["metrics"]["tau"] = 9.0
+    (stored / "bundle.json").write_text(json.dumps(document))
+    with pytest.raises(DrafterError, match="bundle.json") as err:
+        pull(f"{name}@champion", to, cfg, tmp_path / "work")
+    assert result.bundle_sha256 in str(err.value)
+    assert not to.exists()
+
+
+def test_pull_refuses_another_target(tmp_path: Path, mlflow_server: MlflowServer) -> None:
+    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-fingerprint", "drafter")
+    register(_bundle(name, _components(tmp_path), 2.0), cfg, tmp_path / "work")
+    other = {**FP, "vocab_hash": "w" * 64}
+    with pytest.raises(DrafterError, match="vocab_hash") as err:
+        pull(f"{name}@champion", tmp_path / "pulled", cfg, tmp_path / "work", expect_fingerprint=other)
+    assert "w" * 64 in str(err.value) and "v" * 64 in str(err.value)
+    assert not (tmp_path / "pulled").exists()
+    with pytest.raises(DrafterError, match="no alias 'prod'"):
+        pull(f"{name}@prod", tmp_path / "pulled", cfg, tmp_path / "work")
+
+
+def test_failed_gates_or_mixed_targets_register_nothing(tmp_path: Path, mlflow_server: MlflowServer) -> None:
+    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-gates", "drafter")
+    components = _components(tmp_path)
+    failed = {"passed": False, "checks": {"lossless": {"passed": True}, "speedup": {"passed": False}}}
+    with pytest.raises(DrafterError, match="did not pass its gates") as err:
+        register(_bundle(name, components, 2.0, gates=failed), cfg, tmp_path / "work")
+    assert "speedup" in str(err.value)
+    stranger = _components(tmp_path / "other", fp={**FP, "revision": "r2"}, seed=1)[0]
+    with pytest.raises(DrafterError, match="revision=r2"):
+        register(_bundle(name, [*components, stranger], 2.0), cfg, tmp_path / "work")
+    client = _client(mlflow_server)
+    assert client.search_registered_models(f"name = '{name}'") == []
+    assert client.search_model_versions(f"name = '{name}'") == []
+
+
+def test_dead_server_fails_fast_and_registers_nothing(tmp_path: Path) -> None:
+    """A second server's address while it is down: register and pull fail with a clear error. The server
+    is then started on that same port and store (one start instead of start-stop-start, ~20 s saved)
+    to show the registry is empty and the same call now succeeds, i.e. only the outage made it fail."""
+    server = MlflowServer(tmp_path / "dead")
+    cfg, name = _cfg(server.uri), registered_name("org/target-dead", "drafter")
+    cfg.retries = 1
+    bundle = _bundle(name, _components(tmp_path), 2.0)
+    with pytest.raises(DrafterError, match="unreachable") as err:
+        register(bundle, cfg, tmp_path / "work")
+    assert "Start the server" in str(err.value)
+    with pytest.raises(DrafterError, match="unreachable"):
+        pull(f"{name}@champion", tmp_path / "pulled", cfg, tmp_path / "work")
+    assert not (tmp_path / "pulled").exists()
+    assert list((tmp_path / "work").glob("*")) == []  # not even a bundle was staged
+    server.start()
+    try:
+        assert _client(server).search_registered_models() == []
+        assert register(bundle, cfg, tmp_path / "work").version == 1
+    finally:
+        server.stop()
+
+
+def test_midway_failure_leaves_no_alias_and_rerun_does_not_duplicate(
+    tmp_path: Path, mlflow_server: MlflowServer
+) -> None:
+    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-midway", "drafter")
+    client = _client(mlflow_server)
+    components = _components(tmp_path)
+    register(_bundle(name, components, 1.0), cfg, tmp_path / "work")  # v1: champion to protect
+    better = _bundle(name, components, 3.0)
+
+    # Failure after tags, cleanup succeeds: the half-made version is gone, aliases untouched.
+    with pytest.raises(DrafterError, match="was deleted"):
+        register(better, cfg, tmp_path / "work", _fail_after="tags")
+    assert _aliases(mlflow_server, name) == {"candidate": "1", "champion": "1"}
+    assert [v.version for v in client.search_model_versions(f"name = '{name}'")] == ["1"]
+
+    # Failure after tags and the delete fails too: an incomplete version without aliases, not pullable.
+    with pytest.raises(DrafterError, match="left tagged drafter.status=incomplete"):
+        register(better, cfg, tmp_path / "work", _fail_after="tags", _skip_cleanup=True)
+    half = max(client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version))
+    assert (
+        half.tags["drafter.status"] == "incomplete"
+        and half.version not in _aliases(mlflow_server, name).values()
+    )
+    with pytest.raises(DrafterError, match="not a finished registration"):
+        pull(f"{name}/{half.version}", tmp_path / "pulled", cfg, tmp_path / "work")
+    client.delete_model_version_tag(name, half.version, "drafter.metric.tau")  # as if tagging died too
+
+    # The rerun finishes that same version and moves the aliases.
+    done = register(better, cfg, tmp_path / "work")
+    assert (done.version, done.reused, done.promoted) == (int(half.version), True, True)
+    sha_versions = client.search_model_versions(
+        f"name = '{name}' and tags.`drafter.bundle_sha256` = '{done.bundle_sha256}'"
+    )
+    assert [v.version for v in sha_versions] == [half.version]
+    finished = client.get_model_version(name, half.version).tags
+    assert finished["drafter.status"] == "ready" and float(finished["drafter.metric.tau"]) == 3.0
+    assert _aliases(mlflow_server, name) == {"candidate": half.version, "champion": half.version}
+
+    # A failure after the version is complete but before aliases: kept, reused by the rerun.
+    newer = _bundle(name, components, 4.0)
+    with pytest.raises(DrafterError, match="may not point at it"):
+        register(newer, cfg, tmp_path / "work", _fail_after="ready")
+    assert _aliases(mlflow_server, name)["candidate"] == half.version
+    rerun = register(newer, cfg, tmp_path / "work")
+    assert rerun.reused and rerun.aliases == ["candidate", "champion"]
+    assert len(client.search_model_versions(f"name = '{name}'")) == 3
+
+
+def test_local_sqlite_store_without_a_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embedded default (``sqlite:///<workdir>/mlflow.db``, local artifacts) registers and pulls too."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg, name = _cfg(None), registered_name("org/target-local", "drafter")
+    result = register(_bundle(name, _components(tmp_path), 2.0), cfg, tmp_path / "work")
+    assert result.aliases == ["candidate", "champion"] and (tmp_path / "work" / "mlflow.db").is_file()
+    pulled = pull(f"{name}@champion", tmp_path / "pulled", cfg, tmp_path / "work", expect_fingerprint=FP)
+    assert bundle_sha256(read_bundle_json(pulled)) == result.bundle_sha256

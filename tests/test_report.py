@@ -1,0 +1,241 @@
+"""Tests for the evaluation report: Markdown table, self-contained HTML page, and the three-file writer."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from pipeline.report import COLUMNS, markdown_table, render_html, write_report
+
+GAMMA = 3
+SHORTLISTS = [("top-k 512", 512), ("top-p 0.95", 2048), ("top-k 8192", 8192)]
+
+
+def _row(
+    task: str,
+    method: str,
+    tau: float,
+    alpha: float | None,
+    drafter: str | None = "tiny-drafter",
+    shortlist: tuple[str, int] | None = None,
+    predicted: float | None = None,
+) -> dict:
+    ar = method == "ar"
+    return {
+        "task": task,
+        "method": method,
+        "drafter": None if ar else drafter,
+        "gamma": GAMMA,
+        "shortlist": shortlist[0] if shortlist else None,
+        "shortlist_size": shortlist[1] if shortlist else None,
+        "prompts": 16,
+        "new_tokens": 1024,
+        "target_forwards": round(1024 / tau),
+        "tau": tau,
+        "acceptance_rate": alpha,
+        "per_position_acceptance": [] if ar else [alpha ** (i + 1) for i in range(GAMMA)],
+        "tokens_per_s": 40.0 * tau * (1.0 if ar else 0.8),
+        "speedup": 1.0 if ar else tau * 0.8,
+        "predicted_speedup": predicted,
+        "mbsu": None if ar else tau / 1.3,
+        "ttft_ms": 12.0,
+        "tpot_ms": 25.0 / tau,
+        "drafter_ms_per_step": None if ar else 3.0,
+        "target_ms_per_step": 25.0,
+        "greedy_equal": None if ar else True,
+    }
+
+
+def synthetic_results() -> dict:
+    """Two tasks; AR, full head, three shortlists, TLI, Union and SLEM at γ = 3 (8 rows per task)."""
+    rows = []
+    for task, scale in (("chat", 1.0), ("code", 1.15)):
+        rows.append(_row(task, "ar", 1.0, None))
+        rows.append(_row(task, "full", 2.4 * scale, 0.62, predicted=2.1 * scale))
+        for i, shortlist in enumerate(SHORTLISTS):
+            tau = (2.0 + 0.15 * i) * scale
+            rows.append(
+                _row(task, "shortlist", tau, 0.5 + 0.04 * i, shortlist=shortlist, predicted=tau * 0.85)
+            )
+        rows.append(_row(task, "tli", 1.9 * scale, 0.45, drafter="other-tokenizer", predicted=1.7))
+        rows.append(_row(task, "union", 1.7 * scale, 0.41, drafter="other-tokenizer", predicted=1.5))
+        rows.append(_row(task, "slem", 2.0 * scale, 0.48, drafter="other-tokenizer", predicted=1.8))
+    return {
+        "target": {"model": "tiny-target", "revision": "abc123", "vocab_hash": "deadbeef"},
+        "device": "cpu (2 cores)",
+        "created": "2025-01-01T00:00:00+00:00",
+        "rows": rows,
+        "lossless": {
+            "passed": True,
+            "checks": [{"name": "greedy equals AR", "passed": True, "detail": "22/22"}],
+        },
+        "gates": {
+            "passed": True,
+            "checks": {
+                "tau_full_chat": {"passed": True, "value": 2.4, "threshold": 1.5, "detail": "τ ≥ 1.5"},
+                "lossless": {"passed": True, "value": True, "threshold": True, "detail": "all methods"},
+            },
+        },
+        "registration": None,
+    }
+
+
+class _Checker(HTMLParser):
+    """Counts tags and checks that every opened non-void element is closed in order."""
+
+    VOID = {"meta", "br", "img", "hr", "input", "link"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.counts: dict[str, int] = {}
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self.counts[tag] = self.counts.get(tag, 0) + 1
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag: str, attrs: list) -> None:
+        self.counts[tag] = self.counts.get(tag, 0) + 1
+
+    def handle_endtag(self, tag: str) -> None:
+        assert self.stack and self.stack[-1] == tag, f"</{tag}> closes {self.stack[-1:]}"
+        self.stack.pop()
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+def _parse(path: Path) -> _Checker:
+    checker = _Checker()
+    checker.feed(path.read_text(encoding="utf-8"))
+    checker.close()
+    assert checker.stack == [], f"unclosed: {checker.stack}"
+    return checker
+
+
+def test_markdown_table_has_one_line_per_row_and_every_column() -> None:
+    results = synthetic_results()
+    lines = markdown_table(results).splitlines()
+    assert len(lines) == 2 + len(results["rows"])
+    for line in lines:
+        # Unescaped pipes delimit columns: n columns need n + 1 of them.
+        assert line.replace("\\|", "").count("|") == len(COLUMNS) + 1
+    assert "top-p 0.95 (2048)" in markdown_table(results)
+    chat = markdown_table(results, task="chat").splitlines()
+    assert len(chat) == 2 + 8 and all("| code |" not in line for line in chat)
+
+
+def test_markdown_table_escapes_pipes_and_shows_missing_values() -> None:
+    results = synthetic_results()
+    results["rows"][1]["drafter"] = "a|b"
+    results["rows"][1]["tau"] = None
+    results["rows"][1]["speedup"] = float("nan")
+    line = next(line for line in markdown_table(results).splitlines() if "a\\|b" in line)
+    assert line.replace("\\|", "").count("|") == len(COLUMNS) + 1
+    cells = [c.strip() for c in line.replace("\\|", "¦").strip("|").split("|")]
+    assert cells[5] == "—" and cells[8] == "—"
+
+
+def test_render_html_is_well_formed_self_contained_and_complete(tmp_path: Path) -> None:
+    path = render_html(synthetic_results(), tmp_path)
+    assert path == tmp_path / "report.html"
+    page = path.read_text(encoding="utf-8")
+    checker = _parse(path)
+    assert checker.counts.get("svg", 0) >= 4
+    for method in ("ar", "full", "shortlist", "tli", "union", "slem"):
+        assert f"<td>{method}</td>" in page
+    assert "PASSED" in page and "FAILED" not in page
+    assert "tau_full_chat" in page and "greedy equals AR" in page
+    # Self-contained: no script, no stylesheet or font link, every href/src a same-document fragment.
+    assert "<script" not in page and "<link" not in page and "@import" not in page
+    assert re.findall(r"url\((?!#)", page) == []
+    assert re.findall(r'(?:href|src)="([^#][^"]*)"', page) == []
+
+
+def test_render_html_shows_failures_in_red(tmp_path: Path) -> None:
+    results = synthetic_results()
+    results["gates"]["passed"] = False
+    results["gates"]["checks"]["tau_full_chat"]["passed"] = False
+    results["rows"][2]["greedy_equal"] = False
+    page = render_html(results, tmp_path).read_text(encoding="utf-8")
+    assert (
+        '<span class="fail">FAILED</span>' in page
+        and '<span class="pass">' not in page.split("<h2>Results")[0]
+    )
+    # One failed gate check and one row whose greedy output differs from AR.
+    assert page.count('<td class="fail">✗</td>') == 2
+
+
+def test_render_html_escapes_strings_from_results(tmp_path: Path) -> None:
+    results = synthetic_results()
+    evil = "<script>alert('x')</script>$\\frac$"
+    for row in results["rows"]:
+        if row["drafter"]:
+            row["drafter"] = evil
+    results["target"]["model"] = "<b>m</b>"
+    results["gates"]["checks"]["<img src=x>"] = {"passed": True, "value": 1, "threshold": 0, "detail": "<i>"}
+    results["registration"] = {"name": "<script>x</script>"}
+    path = render_html(results, tmp_path)
+    page = path.read_text(encoding="utf-8")
+    assert "<script" not in page and "<b>m</b>" not in page and "<img" not in page and "<i>" not in page
+    assert "&lt;script&gt;alert(" in page
+    _parse(path)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda r: r.clear(),
+        lambda r: r.update(rows=[]),
+        lambda r: r.update(rows=None, gates=None, lossless=None, target=None),
+        lambda r: [row.update({k: None for k in row if k not in ("task", "method")}) for row in r["rows"]],
+        lambda r: [row.clear() for row in r["rows"]],
+        lambda r: r["rows"].append("not a row"),
+        # Wrong types where numbers are expected, and a single point at zero speedup.
+        lambda r: r["rows"][1].update(
+            tau="2.4", gamma="three", per_position_acceptance=5, shortlist_size=[1]
+        ),
+        lambda r: r.update(rows=[dict(r["rows"][1], speedup=0.0, predicted_speedup=0.0)]),
+    ],
+)
+def test_render_html_survives_empty_and_missing_fields(tmp_path: Path, mutate) -> None:
+    results = copy.deepcopy(synthetic_results())
+    mutate(results)
+    path = render_html(results, tmp_path)
+    checker = _parse(path)
+    page = path.read_text(encoding="utf-8")
+    assert checker.counts.get("svg", 0) + page.count("Plot omitted") == 4
+    assert (
+        markdown_table(results).count("\n")
+        == len([r for r in results.get("rows") or [] if isinstance(r, dict)]) + 1
+    )
+
+
+def test_empty_results_omit_every_plot_with_a_note(tmp_path: Path) -> None:
+    page = render_html({}, tmp_path).read_text(encoding="utf-8")
+    assert "<svg" not in page and page.count("Plot omitted") == 4 and "NOT EVALUATED" in page
+
+
+def test_shortlist_plot_needs_shortlist_rows(tmp_path: Path) -> None:
+    results = synthetic_results()
+    results["rows"] = [r for r in results["rows"] if r["method"] != "shortlist"]
+    page = render_html(results, tmp_path).read_text(encoding="utf-8")
+    assert page.count("<svg") == 3 and "no shortlist row" in page
+
+
+def test_write_report_writes_json_html_and_markdown(tmp_path: Path) -> None:
+    results = synthetic_results()
+    paths = write_report(results, tmp_path / "out")
+    assert [p.name for p in paths] == ["report.json", "report.html", "report.md"]
+    text = paths[0].read_text(encoding="utf-8")
+    assert json.loads(text) == results
+    assert text == json.dumps(results, sort_keys=True, indent=2) + "\n"
+    assert markdown_table(results) in paths[2].read_text(encoding="utf-8")
+    assert "<svg" in paths[1].read_text(encoding="utf-8")

@@ -1,0 +1,198 @@
+"""The generate and count stages end to end on the tiny kit's test profile: real Lightning predict,
+real Arrow shards, real MLflow runs; resume after SIGKILL; bad input gives clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.numpy import load_file
+
+from jobs import count, generate
+from pipeline.artifacts import load_artifact
+from pipeline.configs import PipelineConfig, load_config
+from pipeline.data.calibration import iter_rows, load_dataset_dir, shard_files
+from pipeline.errors import DrafterError
+from tests.mlflow_server import MlflowServer
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["target.model=tiny:test/target", "generate.limit=40", "generate.shard_size=4", "generate.batch_size=4",
+         "generate.max_new_tokens=12", "generate.max_prompt_tokens=48", "generate.accelerator=cpu",
+         "generate.devices=1", "count.top_k=[16,64]", "count.top_p=[0.9]", "count.min_count=[2]",
+         "count.draft_vocab_size=64", "mlflow.experiment=stages", "mlflow.log_artifacts=false"]
+
+
+def small_cfg(workdir: Path, *extra: str) -> PipelineConfig:
+    return load_config(None, [f"workdir={workdir}", *SMALL, *extra])
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory: pytest.TempPathFactory, tiny_kit, mlflow_server: MlflowServer):
+    """generate → count once, logged to the real MLflow server."""
+    workdir = tmp_path_factory.mktemp("pipeline")
+    cfg = small_cfg(workdir, f"mlflow.tracking_uri={mlflow_server.uri}")
+    calibration = generate.main(cfg)
+    counts = count.main(cfg)
+    return cfg, calibration, counts
+
+
+def test_calibration_set_is_well_formed(pipeline_run) -> None:
+    cfg, calibration, _ = pipeline_run
+    assert calibration.kind == "calibration"
+    rows = list(iter_rows(calibration.path / "data"))
+    assert len(rows) == calibration.metrics["rows"] == 40
+    from pipeline.models import load_tokenizer
+
+    tok = load_tokenizer(cfg.target.model)
+    for row in rows:
+        ids, mask = row["input_ids"], row["loss_mask"]
+        assert len(ids) == len(mask) == row["prompt_len"] + row["response_len"]
+        assert mask == [0] * row["prompt_len"] + [1] * row["response_len"]  # assistant tokens only
+        assert 1 <= row["response_len"] <= cfg.generate.max_new_tokens
+        assert row["prompt_len"] <= cfg.generate.max_prompt_tokens
+        assert row["finished"] == (ids[-1] == tok.eos_token_id)
+    ds = load_dataset_dir(calibration.path / "data")  # loadable as a `datasets` dataset
+    assert len(ds) == 40 and set(ds.column_names) >= {"input_ids", "loss_mask", "prompt_id"}
+    assert calibration.metrics["tokens_per_s"] > 0
+
+
+def test_calibration_excludes_heldout_conversations(pipeline_run) -> None:
+    from pipeline.data.sources import load_conversations, split_heldout
+
+    convs, _ = load_conversations("sharegpt")
+    heldout = {c.id for c in split_heldout(convs, 0.05, heldout=True)}
+    used = {row["prompt_id"] for row in iter_rows(pipeline_run[1].path / "data")}
+    assert used and not used & heldout
+
+
+def test_counts_and_exports_match_the_calibration_set(pipeline_run) -> None:
+    cfg, calibration, counts_art = pipeline_run
+    counts = load_file(str(counts_art.file("counts.safetensors")))["counts"]
+    expected = np.zeros_like(counts)
+    for row in iter_rows(calibration.path / "data"):
+        for t, m in zip(row["input_ids"], row["loss_mask"]):
+            expected[t] += m
+    assert np.array_equal(counts, expected) and counts.sum() == counts_art.metrics["tokens_counted"]
+    lists = load_file(str(counts_art.file("shortlists.safetensors")))
+    assert set(lists) == {"top_k_16", "top_k_64", "top_p_0.9", "min_count_2"}
+    from pipeline.models import load_tokenizer
+
+    eos = load_tokenizer(cfg.target.model).eos_token_id
+    for ids in lists.values():
+        assert np.all(np.diff(ids) > 0) and eos in ids  # sorted, unique, EOS always included
+    maps = load_file(str(counts_art.file("eagle3_maps.safetensors")))
+    draft_ids = np.arange(maps["d2t"].size) + maps["d2t"]
+    assert np.array_equal(np.flatnonzero(maps["t2d"]), draft_ids)
+    token_map = torch.load(counts_art.file("token_map.pt"), weights_only=True)
+    assert sorted(token_map.tolist()) == draft_ids.tolist()
+    assert counts[token_map[0]] == counts[draft_ids].max()  # most frequent first
+    summary = json.loads(counts_art.file("shortlists.json").read_text())
+    assert summary["calibration"] == calibration.id
+
+
+def test_stage_runs_are_in_mlflow(pipeline_run, mlflow_server: MlflowServer) -> None:
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    exp = client.get_experiment_by_name("stages")
+    for art in pipeline_run[1:]:
+        runs = client.search_runs([exp.experiment_id], f"tags.`drafter.artifact_id` = '{art.id}'")
+        assert len(runs) == 1
+        assert runs[0].data.tags["drafter.vocab_hash"] == art.fingerprint["vocab_hash"]
+        assert runs[0].data.params["target.model"] == "tiny:test/target"
+
+
+def test_rerun_is_a_cache_hit(pipeline_run) -> None:
+    cfg, calibration, counts_art = pipeline_run
+    mtime = calibration.path.stat().st_mtime_ns
+    assert generate.main(cfg).id == calibration.id and count.main(cfg).id == counts_art.id
+    assert calibration.path.stat().st_mtime_ns == mtime
+    changed = small_cfg(cfg.workdir_path, "count.top_k=[8]")
+    assert count.main(changed).id != counts_art.id  # a changed config is a new artifact
+
+
+def test_sigkilled_generate_resumes_to_identical_rows(tmp_path: Path, tiny_kit) -> None:
+    """Kill `drafter generate` with SIGKILL after its first shard lands; the rerun must finish with exactly
+    the rows of an uninterrupted run (same order, none lost or doubled)."""
+    extra = ["generate.limit=48", "generate.max_new_tokens=24", "mlflow.log_artifacts=false"]
+    reference = generate.main(small_cfg(tmp_path / "ref", *extra))
+    workdir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "jobs.cli", "generate", f"workdir={workdir}", *SMALL, *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if list((workdir / "staging").glob("*/shard-*.arrow")):
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, f"generate ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    staged = list((workdir / "staging").glob("*/shard-*.arrow"))
+    assert 1 <= len(staged) < 12, "the kill must land mid-run"
+    resumed = generate.main(small_cfg(workdir, *extra))
+    assert resumed.id == reference.id
+    assert 1 <= resumed.metrics["resumed_shards"] < 12
+    assert list(iter_rows(resumed.path / "data")) == list(iter_rows(reference.path / "data"))
+    assert not list((workdir / "artifacts").glob(".tmp-*"))
+
+
+def test_raw_calibration_kind(tmp_path: Path, tiny_kit) -> None:
+    art = generate.main(small_cfg(tmp_path, "generate.kind=raw", "generate.limit=8", "generate.max_new_tokens=64"))
+    rows = list(iter_rows(art.path / "data"))
+    assert rows and art.metrics["generated_tokens"] == 0
+    assert all(sum(r["loss_mask"]) > 0 and r["loss_mask"][0] == 0 for r in rows)
+
+
+def test_drafter_calibration_kind(tmp_path: Path, tiny_kit) -> None:
+    art = generate.main(small_cfg(tmp_path, "generate.kind=drafter", "generate.drafter=tiny:test/drafter",
+                                  "generate.limit=4"))
+    assert art.metrics["rows"] == 4 and art.metrics["generated_tokens"] > 0
+    with pytest.raises(DrafterError, match="shares the target's tokenizer"):
+        generate.main(small_cfg(tmp_path, "generate.kind=drafter", "generate.drafter=tiny:test/drafter_other"))
+
+
+def test_missing_and_empty_prompt_files(tmp_path: Path, tiny_kit) -> None:
+    with pytest.raises(DrafterError):
+        generate.main(small_cfg(tmp_path, f"generate.source={tmp_path / 'nope.jsonl'}"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DrafterError):
+        generate.main(small_cfg(tmp_path, f"generate.source={empty}"))
+
+
+def test_dataset_without_assistant_tokens(tmp_path: Path, tiny_kit) -> None:
+    data = tmp_path / "users_only.jsonl"
+    data.write_text("\n".join(json.dumps({"id": f"u{i}", "conversations": [{"from": "human", "value": f"hi {i}"}]})
+                              for i in range(6)))
+    with pytest.raises(DrafterError, match="no assistant tokens"):
+        generate.main(small_cfg(tmp_path, "generate.kind=raw", f"generate.source={data}",
+                                "generate.heldout_fraction=0"))
+    assert not [p for p in (tmp_path / "artifacts").glob("generate-*") if p.is_dir()]
+
+
+def test_calibration_for_another_tokenizer_is_refused(tmp_path: Path, tiny_kit) -> None:
+    other = generate.main(small_cfg(tmp_path, "target.model=tiny:test/drafter_other", "generate.limit=4"))
+    with pytest.raises(DrafterError) as err:
+        count.main(small_cfg(tmp_path, f"count.calibration={other.path}"))
+    msg = str(err.value)
+    assert "vocab_hash" in msg and other.fingerprint["vocab_hash"] in msg
+    assert load_artifact(other.path).id == other.id  # nothing lost
+
+
+def test_mlflow_down_fails_before_work_and_loses_nothing(tmp_path: Path, tiny_kit) -> None:
+    from tests.mlflow_server import free_port
+
+    cfg = small_cfg(tmp_path, f"mlflow.tracking_uri=http://127.0.0.1:{free_port()}", "mlflow.retries=1",
+                    "mlflow.timeout_s=1", "generate.limit=4")
+    with pytest.raises(DrafterError, match="unreachable"):
+        generate.main(cfg)
+    assert not list((tmp_path / "staging").glob("*/shard-*"))
+    assert shard_files(tmp_path) == []

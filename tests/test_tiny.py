@@ -1,0 +1,262 @@
+"""Tests for the tiny-model kit: tokenizers, chat templates, trained models, caching and locking.
+
+Model tests use the session-built `test` profile (fixture ``tiny_kit`` in conftest.py). Cache and lock
+tests replace the training recipe with a fake that writes minimal role directories, so they exercise the
+build machinery in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pipeline.tiny.recipe as recipe
+from pipeline.data.sources import DEFAULT_HELDOUT_FRACTION, load_sharegpt, split_heldout
+from pipeline.errors import DrafterError
+from pipeline.tiny import ROLES, build_kit, kit_hash, resolve_tiny_ref
+
+SAMPLES = [
+    "Hello, world! Two  spaces,\ta tab and\n\na new paragraph.",
+    " leading space and trailing space ",
+    "Ünïcödé: naïve café — 日本語のテキスト, 한국어, emoji 🙂🚀.",
+    "def add(a, b):\n    return a + b  # comment\n",
+    "<0x41> looks like a byte token but is text; so does <unk>.",
+    "",
+]
+
+
+def _tokenizer(kit: Any, role: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(kit.path(role))
+
+
+def _model(kit: Any, role: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(kit.path(role)).eval()
+
+
+@pytest.mark.parametrize("role", ["target", "drafter_other"])
+def test_tokenizers_round_trip(tiny_kit: Any, role: str) -> None:
+    tok = _tokenizer(tiny_kit, role)
+    for text in SAMPLES:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text
+        assert tok.unk_token_id not in ids  # byte-complete: nothing becomes <unk>
+
+
+def test_space_signs_and_byte_fallback(tiny_kit: Any) -> None:
+    target = _tokenizer(tiny_kit, "target")
+    other = _tokenizer(tiny_kit, "drafter_other")
+    assert any(t.startswith("Ġ") for t in target.tokenize("the cat sat on the mat"))
+    assert any(t.startswith("▁") for t in other.tokenize("the cat sat on the mat"))
+    assert "<0xE6>" in other.tokenize("日")  # U+65E5 is E6 97 A5 in UTF-8, outside the learnt alphabet
+
+
+def _normalised(vocab: dict[str, int], specials: list[str]) -> set[str]:
+    return {t.replace("Ġ", " ").replace("▁", " ") for t in vocab if t not in specials}
+
+
+def test_vocabularies_differ_but_overlap(tiny_kit: Any) -> None:
+    target = _tokenizer(tiny_kit, "target")
+    other = _tokenizer(tiny_kit, "drafter_other")
+    assert len(target) != len(other)
+    a = _normalised(target.get_vocab(), target.all_special_tokens)
+    b = _normalised(other.get_vocab(), other.all_special_tokens)
+    shared = a & b
+    # Both are BPEs of the same English text, so common words match once space signs are unified,
+    # while different sizes and pre-tokenisers keep many tokens private to each side.
+    assert len(shared) >= 0.2 * min(len(a), len(b))
+    assert len(a - b) >= 0.2 * len(a) and len(b - a) >= 0.2 * len(b)
+    assert " the" in shared
+
+
+@pytest.mark.parametrize("role", ["target", "drafter_other"])
+def test_chat_template(tiny_kit: Any, role: str) -> None:
+    tok = _tokenizer(tiny_kit, role)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    prompt = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert prompt.startswith(tok.bos_token) and "Hi there" in prompt
+    full = tok.apply_chat_template([*chat, {"role": "assistant", "content": "Hello!"}], tokenize=False)
+    assert full.startswith(prompt[: prompt.index("Hi there")])
+    assert ("Hello!" + tok.eos_token) in full  # the assistant turn ends with eos
+    ids = tok(full, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.bos_token_id and tok.eos_token_id in ids
+
+
+def test_models_load_and_match_their_tokenizers(tiny_kit: Any) -> None:
+    params = {}
+    for role in ROLES:
+        tok, model = _tokenizer(tiny_kit, role), _model(tiny_kit, role)
+        assert type(model).__name__ == "LlamaForCausalLM"
+        assert (tiny_kit.path(role) / "model.safetensors").is_file()
+        assert model.config.vocab_size == len(tok)
+        assert model.generation_config.eos_token_id == tok.eos_token_id
+        assert model.generation_config.pad_token_id == tok.pad_token_id
+        ids = torch.tensor([tok.encode("Hello there", add_special_tokens=False)])
+        assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tok))
+        params[role] = sum(p.numel() for p in model.parameters())
+        assert params[role] == tiny_kit.report[role]["params"]
+    assert params["drafter"] < params["target"] / 3
+    assert _tokenizer(tiny_kit, "drafter").get_vocab() == _tokenizer(tiny_kit, "target").get_vocab()
+
+
+def _heldout_rows(tok: Any, count: int = 24) -> list[list[int]]:
+    """Held-out chats (beyond the ones the build measured on) under the tokenizer's template."""
+    convs, _ = load_sharegpt()
+    held = split_heldout(convs, DEFAULT_HELDOUT_FRACTION, heldout=True)[-count:]
+    texts = [tok.apply_chat_template([{**m, "content": m["content"][:400]} for m in c.messages[:2]], tokenize=False)
+             for c in held]  # fmt: skip
+    return [ids[:128] for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+
+
+@torch.no_grad()
+def test_target_is_trained_and_peaked(tiny_kit: Any) -> None:
+    """On 24 held-out chats never seen in training (~2.5k tokens), recomputed from the saved model."""
+    tok, model = _tokenizer(tiny_kit, "target"), _model(tiny_kit, "target")
+    nll, top1, count = 0.0, 0.0, 0
+    for ids in _heldout_rows(tok):
+        x = torch.tensor([ids])
+        logp = torch.log_softmax(model(input_ids=x).logits[0, :-1], -1)
+        nll -= logp.gather(-1, x[0, 1:, None]).sum().item()
+        top1 += logp.max(-1).values.exp().sum().item()
+        count += len(ids) - 1
+    uniform = math.log(len(tok))
+    # An untrained model scores ~log V (6.9 nats for V=1024); the test kit reaches ~4.x. Bounds leave
+    # room for sampling noise of ~2.5k tokens but fail for a model that did not learn.
+    assert nll / count < 0.75 * uniform
+    assert top1 / count > 0.12
+    report = tiny_kit.report["target"]
+    assert report["heldout"]["loss"] < 0.75 * report["uniform_loss"]
+    assert report["answers_ended_with_eos"] > 0.2  # it learnt to end its turn
+
+
+@torch.no_grad()
+def test_distilled_drafter_agrees_with_target(tiny_kit: Any) -> None:
+    """Top-1 agreement with the target on the same held-out rows: the distilled drafter must beat the
+    target's own top-1 accuracy on the data (what a drafter trained on raw text could at best learn)."""
+    tok = _tokenizer(tiny_kit, "target")
+    target, drafter = _model(tiny_kit, "target"), _model(tiny_kit, "drafter")
+    agree, correct, count = 0, 0, 0
+    for ids in _heldout_rows(tok):
+        x = torch.tensor([ids])
+        p_top = target(input_ids=x).logits[0, :-1].argmax(-1)
+        agree += (drafter(input_ids=x).logits[0, :-1].argmax(-1) == p_top).sum().item()
+        correct += (p_top == x[0, 1:]).sum().item()
+        count += len(ids) - 1
+    assert agree / count > 0.4
+    assert agree / count > 2 * correct / count
+    assert tiny_kit.report["drafter"]["heldout_target_written"]["expected_acceptance"] > 0.6
+
+
+def test_report_records_the_build(tiny_kit: Any) -> None:
+    report = json.loads((tiny_kit.root / "report.json").read_text())
+    assert report == tiny_kit.report
+    assert report["profile"] == "test" and report["kit_hash"] == tiny_kit.kit_hash
+    assert report["build_seconds"] > 0
+    assert report["data"]["records_dropped"] > 0
+    for role in ROLES:
+        assert report[role]["params"] > 0 and report[role]["heldout"]["loss"] > 0
+
+
+def test_second_build_is_a_cache_hit(tiny_kit: Any) -> None:
+    stamps = {p: p.stat().st_mtime_ns for p in tiny_kit.root.rglob("*") if p.is_file()}
+    lines: list[str] = []
+    again = build_kit("test", tiny_kit.root.parent.parent, log=lines.append)
+    assert again.root == tiny_kit.root and again.report == tiny_kit.report
+    assert not any("building" in line for line in lines)
+    assert {p: p.stat().st_mtime_ns for p in tiny_kit.root.rglob("*") if p.is_file()} == stamps
+    assert resolve_tiny_ref("tiny:test/drafter_other", tiny_kit.root.parent.parent) == tiny_kit.path("drafter_other")
+
+
+# --- build machinery, with a fake recipe -----------------------------------------------------------
+
+
+class FakeRecipe:
+    """Stands in for the training recipe: writes what a kit directory needs, counts calls."""
+
+    def __init__(self, fail: bool = False, pause: threading.Event | None = None) -> None:
+        self.calls = 0
+        self.fail = fail
+        self.pause = pause
+
+    def __call__(self, spec: Any, out: Path, log: Any) -> dict:
+        self.calls += 1
+        if self.pause is not None:
+            self.pause.wait(10)
+        for role in ROLES:
+            (out / role).mkdir()
+            (out / role / "config.json").write_text("{}")
+            if self.fail:
+                raise KeyboardInterrupt  # interrupted half way through writing the kit
+        return {"fake": True}
+
+
+def test_interrupted_build_does_not_break_the_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recipe, "build_into", FakeRecipe(fail=True))
+    with pytest.raises(KeyboardInterrupt):
+        build_kit("test", tmp_path, log=lambda _l: None)
+    tiny = tmp_path / "tiny"
+    assert not (tiny / f"test-{kit_hash('test')}").exists()
+    # A build killed hard (no cleanup ran) leaves its temp dir behind; the next build removes it.
+    stale = tiny / f".test-{kit_hash('test')}.tmp-killed"
+    (stale / "target").mkdir(parents=True)
+    fake = FakeRecipe()
+    monkeypatch.setattr(recipe, "build_into", fake)
+    lines: list[str] = []
+    kit = build_kit("test", tmp_path, log=lines.append)
+    assert fake.calls == 1 and kit.report["fake"] is True
+    assert not stale.exists() and any("interrupted" in line for line in lines)
+    assert all(kit.path(role).is_dir() for role in ROLES)
+    build_kit("test", tmp_path, force=True, log=lambda _l: None)
+    assert fake.calls == 2
+
+
+def test_concurrent_builds_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    fake = FakeRecipe(pause=release)
+    monkeypatch.setattr(recipe, "build_into", fake)
+    waiting = threading.Event()
+    kits: list[Any] = []
+
+    def second_log(line: str) -> None:
+        if "waiting" in line:
+            waiting.set()
+
+    first = threading.Thread(target=lambda: kits.append(build_kit("test", tmp_path, log=lambda _l: None)))
+    first.start()
+    while fake.calls == 0:  # the first build holds the lock
+        threading.Event().wait(0.01)
+    second = threading.Thread(target=lambda: kits.append(build_kit("test", tmp_path, log=second_log)))
+    second.start()
+    assert waiting.wait(10)  # the second process found the lock taken and waits
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert fake.calls == 1 and len(kits) == 2 and kits[0].root == kits[1].root
+
+
+def test_bad_profile_and_refs() -> None:
+    with pytest.raises(DrafterError, match="default, test"):
+        build_kit("huge")
+    for ref in ["tiny:test/nope", "tiny:huge/target", "test/target", "tiny:test"]:
+        with pytest.raises(DrafterError, match="tiny:default/target") as err:
+            resolve_tiny_ref(ref)
+        assert ref in str(err.value)
+    with pytest.raises(DrafterError, match="drafter_other"):
+        from pipeline.tiny.build import TinyKit
+
+        TinyKit(Path("."), "test", "x").path("teacher")
+
+
+def test_kit_hash_is_stable_and_per_profile() -> None:
+    assert kit_hash("test") == kit_hash("test")
+    assert kit_hash("test") != kit_hash("default")
+    assert len(kit_hash("default")) == 12 and int(kit_hash("default"), 16) >= 0
