@@ -106,7 +106,6 @@ def main(cfg: PipelineConfig) -> Artifact | None:
     """Evaluate (or reuse the evaluation of) this config's drafters and register what passes."""
     ev = cfg.evaluate
     fp = fingerprint(cfg.target.model, cfg.target.revision, cfg.target.tokenizer, cfg.target.trust_remote_code)
-    counts_art = find_input(cfg, ev.counts, count.KIND, lambda: count.main(cfg), fp)
     drafters = {"drafter": fingerprint(ev.drafter)}
     if ev.drafter_other and {"tli", "union", "slem"} & set(ev.methods):
         drafters["drafter_other"] = fingerprint(ev.drafter_other)
@@ -117,6 +116,7 @@ def main(cfg: PipelineConfig) -> Artifact | None:
             found=f"vocab_hash {drafters['drafter']['vocab_hash'][:16]}",
             fix="Set evaluate.drafter to a drafter trained for this target, or move it to "
                 "evaluate.drafter_other (TLI/Union/SLEM handle different tokenizers).")
+    counts_art = find_input(cfg, ev.counts, count.KIND, lambda: count.main(cfg), fp)
     artifact = run_stage(cfg, stage="evaluate", kind=KIND, section=ev, fingerprint=fp, inputs=[counts_art],
                          build=lambda run: _build(cfg, run, counts_art), identity={"drafters": drafters})
     if artifact is not None and ev.register:

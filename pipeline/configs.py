@@ -29,13 +29,13 @@ class TargetConfig:
     tokenizer: str | None = None
     """Tokenizer to use when it lives apart from the model; null means the model's own."""
     dtype: str = "float32"
-    """Weights dtype for inference: float32, bfloat16 or float16."""
+    """Weights dtype for inference: float32, bfloat16, float16, or float64 (exactness checks)."""
     trust_remote_code: bool = False
     """Allow a checkpoint's own Python code to run. Off by default: only enable for code you have read."""
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("float32", "bfloat16", "float16"), "target.dtype",
-               "one of float32, bfloat16, float16", self.dtype)
+        _check(self.dtype in ("float32", "bfloat16", "float16", "float64"), "target.dtype",
+               "one of float32, bfloat16, float16, float64", self.dtype)
         _check(bool(self.model), "target.model", "a hub id, local path or tiny:<profile>/<role>", self.model)
 
 
@@ -169,6 +169,10 @@ class EvaluateConfig:
     chi-square test (0 disables)."""
     sampling_check_alpha: float = 1e-4
     """The sampling check fails when its chi-square p-value falls below this."""
+    tie_tolerance: float = 1e-4
+    """A greedy mismatch counts as a floating-point tie (not a losslessness failure) only when the target's
+    two candidate logits at the divergence differ by at most this, relative to the largest logit. Batched
+    verification and one-token decoding round differently; 0 demands bit-exact agreement."""
     device: str = "auto"
     """Where to decode: auto (CUDA when present), cpu or cuda."""
     seed: int = 0

@@ -19,7 +19,7 @@ from typing import Any
 from pipeline.errors import DrafterError
 
 TINY_PREFIX = "tiny:"
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
 
 
 @dataclass(frozen=True)

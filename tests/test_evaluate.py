@@ -1,0 +1,148 @@
+"""The evaluate stage end to end on the tiny kit's test profile, against a real MLflow server: every
+method is lossless on real trained models, the report is written, a passing bundle is registered with
+aliases, `drafter pull` verifies it and refuses tampering; bad input gives clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from jobs import count, evaluate
+from jobs.cli import main as cli
+from pipeline.configs import PipelineConfig, load_config
+from pipeline.errors import DrafterError
+from tests.mlflow_server import MlflowServer
+from tests.test_stages import SMALL
+
+EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/drafter_other",
+        "evaluate.shortlists=[top_k_16,top_k_64]", "evaluate.prompts_per_task=3", "evaluate.max_new_tokens=24",
+        "evaluate.max_prompt_tokens=64", "evaluate.gammas=[1,4]",
+        # float64 makes batched verification and one-token decoding round identically, so greedy outputs must
+        # agree bit for bit (no tie tolerance); the sampling check uses 600 draws per method, p-value >= 1e-4.
+        "target.dtype=float64", "evaluate.tie_tolerance=0", "evaluate.sampling_check_samples=600",
+        "evaluate.gate_tau_min=1.05", "evaluate.gate_speed_min=0.5"]
+
+
+def eval_cfg(workdir: Path, uri: str, *extra: str) -> PipelineConfig:
+    return load_config(None, [f"workdir={workdir}", *SMALL, *EVAL, f"mlflow.tracking_uri={uri}", *extra])
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory: pytest.TempPathFactory, tiny_kit, mlflow_server: MlflowServer):
+    workdir = tmp_path_factory.mktemp("evaluate")
+    cfg = eval_cfg(workdir, mlflow_server.uri)
+    artifact = evaluate.main(cfg)
+    return cfg, artifact, json.loads(artifact.file("report.json").read_text())
+
+
+def test_every_method_is_lossless_on_the_tiny_kit(evaluated) -> None:
+    _, _, results = evaluated
+    methods = {(r["task"], r["method"]) for r in results["rows"]}
+    assert methods == {(t, m) for t in ("chat", "code") for m in ("ar", "full", "shortlist", "tli", "union", "slem")}
+    for row in results["rows"]:
+        assert row["greedy_equal"] is True, row  # token for token, every prompt, every γ
+    names = [c["name"] for c in results["lossless"]["checks"]]
+    assert sum(n.startswith("first_token_distribution") for n in names) == 6  # full, 2 shortlists, tli, union, slem
+    failed = [c for c in results["lossless"]["checks"] if not c["passed"]]
+    assert not failed and results["lossless"]["passed"]
+
+
+def test_metrics_are_sane(evaluated) -> None:
+    _, artifact, results = evaluated
+    for row in results["rows"]:
+        assert row["tau"] >= 1.0 and row["tokens_per_s"] > 0
+        if row["method"] == "ar":
+            assert row["tau"] == 1.0 and row["speedup"] == pytest.approx(1.0)
+        else:
+            assert len(row["per_position_acceptance"]) == row["gamma"]
+            assert 0.0 <= row["acceptance_rate"] <= 1.0
+            assert row["tau"] <= row["gamma"] + 1
+    same = [r for r in results["rows"] if r["method"] == "full"]
+    assert any(r["tau"] > 1.1 for r in same), "the distilled same-tokenizer drafter must get drafts accepted"
+    assert set(p.name for p in artifact.path.iterdir()) >= {"report.json", "report.html", "report.md"}
+    assert "<svg" in artifact.file("report.html").read_text()
+
+
+def test_passing_bundle_is_registered_with_aliases(evaluated, mlflow_server: MlflowServer) -> None:
+    cfg, artifact, results = evaluated
+    assert results["gates"]["passed"], results["gates"]
+    record = json.loads((artifact.path.parent / f"{artifact.id}.registration.json").read_text())
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    version = client.get_model_version_by_alias(record["name"], "champion")
+    assert version.version == str(record["version"])
+    assert client.get_model_version_by_alias(record["name"], "candidate").version == version.version
+    tags = version.tags
+    assert tags["drafter.vocab_hash"] == artifact.fingerprint["vocab_hash"]
+    assert artifact.id in tags["drafter.components"] and tags["drafter.gates.passed"] == "true"
+    assert tags["git.sha"]
+    # the evaluate run carries the report in MLflow
+    exp = client.get_experiment_by_name(cfg.mlflow.experiment)
+    runs = client.search_runs([exp.experiment_id], f"tags.`drafter.artifact_id` = '{artifact.id}'")
+    assert len(runs) == 1 and runs[0].data.metrics["gates_passed"] == 1
+
+
+def test_pull_round_trip_and_tampering(evaluated, mlflow_server: MlflowServer, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture) -> None:
+    cfg, artifact, _ = evaluated
+    record = json.loads((artifact.path.parent / f"{artifact.id}.registration.json").read_text())
+    common = [f"workdir={cfg.workdir}", f"mlflow.tracking_uri={mlflow_server.uri}"]
+    dest = tmp_path / "pulled"
+    assert cli(["pull", f"{record['name']}@champion", "--to", str(dest), "--expect-target", "tiny:test/target",
+                *common]) == 0
+    bundle = json.loads((dest / "bundle.json").read_text())
+    assert {c["id"] for c in bundle["components"]} >= {artifact.id}
+    # tamper with a payload in the server's artifact store: the pull must refuse and leave nothing behind
+    stored = [p for p in (mlflow_server.root / "artifacts").rglob("shortlists.safetensors")]
+    assert stored
+    for path in stored:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli(["pull", f"{record['name']}@champion", "--to", str(tmp_path / "evil"), *common]) == 2
+    assert "shortlists.safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "evil").exists()
+    # a bundle built for another target is refused
+    assert cli(["pull", f"{record['name']}@champion", "--to", str(tmp_path / "other"), "--expect-target",
+                "tiny:test/drafter_other", *common]) == 2
+
+
+def test_failed_gates_register_nothing(tmp_path: Path, tiny_kit, mlflow_server: MlflowServer) -> None:
+    cfg = eval_cfg(tmp_path, mlflow_server.uri, "evaluate.gate_tau_min=50", "evaluate.methods=[shortlist]",
+                   "evaluate.sampling_check_samples=0", "evaluate.tasks=[code]", "evaluate.gammas=[2]",
+                   "mlflow.experiment=gates-fail")
+    artifact = evaluate.main(cfg)
+    results = json.loads(artifact.file("report.json").read_text())
+    assert not results["gates"]["passed"] and not results["gates"]["checks"]["tau_min"]["passed"]
+    assert not (artifact.path.parent / f"{artifact.id}.registration.json").exists()
+
+
+def test_shortlist_from_another_target_is_refused(tmp_path: Path, tiny_kit, mlflow_server: MlflowServer) -> None:
+    other = count.main(load_config(None, [f"workdir={tmp_path}", *SMALL, "target.model=tiny:test/drafter_other",
+                                          "generate.limit=4"]))
+    cfg = eval_cfg(tmp_path, mlflow_server.uri, f"evaluate.counts={other.path}")
+    with pytest.raises(DrafterError) as err:
+        evaluate.main(cfg)
+    assert "vocab_hash" in str(err.value) and other.fingerprint["vocab_hash"] in str(err.value)
+
+
+def test_shortlist_without_eos_is_refused(tmp_path: Path, tiny_kit, mlflow_server: MlflowServer) -> None:
+    cfg = eval_cfg(tmp_path, mlflow_server.uri, "count.always_include_special=false", "count.top_k=[4]",
+                   "evaluate.shortlists=[top_k_4]", "evaluate.methods=[shortlist]")
+    with pytest.raises(DrafterError, match="(?i)eos"):
+        evaluate.main(cfg)
+
+
+def test_drafter_with_another_tokenizer_cannot_use_same_vocab_methods(tmp_path: Path, tiny_kit) -> None:
+    cfg = load_config(None, [f"workdir={tmp_path}", *SMALL, *EVAL, "evaluate.drafter=tiny:test/drafter_other"])
+    with pytest.raises(DrafterError, match="does not share the target's tokenizer"):
+        evaluate.main(cfg)
+
+
+@pytest.mark.parametrize("gammas", ["[0]", "[-2]", "[]"])
+def test_non_positive_gamma_is_a_config_error(gammas: str) -> None:
+    with pytest.raises(DrafterError, match="evaluate.gammas"):
+        load_config(None, [f"evaluate.gammas={gammas}"])
