@@ -88,9 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="default", help="kit profile: default (~10 min) or test (~2 min)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     p = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run")
-    p.add_argument("what", choices=["count"], help="count: vectorised counting vs collections.Counter")
-    p.add_argument("--tokens", type=int, default=2_000_000, help="synthetic calibration tokens")
-    p.add_argument("--calibration", default=None, help="a calibration artifact to count instead")
+    p.add_argument("what", choices=["count", "eval"],
+                   help="count: vectorised counting vs collections.Counter; eval: every speculative method vs "
+                        "autoregressive decoding on this device (no MLflow needed)")
+    p.add_argument("--tokens", type=int, default=2_000_000, help="count: synthetic calibration tokens")
+    p.add_argument("--calibration", default=None, help="count: a calibration artifact to count instead")
+    p.add_argument("--counts", default=None, help="eval: the count artifact whose shortlists to evaluate")
+    p.add_argument("--out", default=None, help="eval: write report.json/html/md here")
+    _add_config_args(p)
     return parser
 
 
@@ -215,9 +220,17 @@ def main(argv: list[str] | None = None) -> int:
                              default=str))
             return 0
         if args.command == "bench":
-            from pipeline.bench import bench_count
+            if args.what == "count":
+                from pipeline.bench import bench_count
 
-            print(bench_count(tokens=args.tokens, calibration=args.calibration))
+                print(bench_count(tokens=args.tokens, calibration=args.calibration))
+                return 0
+            from pipeline.bench import bench_eval
+
+            if not args.counts:
+                raise DrafterError("`drafter bench eval` needs --counts DIR (a count artifact).",
+                                   fix="Run `drafter count` first; its artifact is under <workdir>/artifacts/count-*.")
+            print(bench_eval(_load(args), args.counts, args.out))
             return 0
         return _run(args)
     except DrafterError as err:

@@ -83,3 +83,34 @@ def bench_count(tokens: int = 2_000_000, calibration: str | None = None, vocab_s
         f"  vectorised, {workers} processes      : {t_ours_n:8.3f} s  {counted / t_ours_n:14,.0f} tokens/s  "
         f"ratio {t_base / t_ours_n:7.1f}x",
     ])
+
+
+def bench_eval(cfg, counts_dir: str, out_dir: str | None = None) -> str:  # noqa: ANN001 - a PipelineConfig
+    """The evaluate stage's method matrix on this machine's device, without artifact store or MLflow.
+
+    For measuring a device (e.g. a GPU box without a tracking server): loads the target and drafters of
+    ``cfg``, the count artifact at ``counts_dir`` (verified against the target's fingerprint), runs every
+    method against autoregressive decoding on the same prompts, and returns the Markdown table; the full
+    report (JSON + HTML) goes to ``out_dir`` when given.
+    """
+    import platform
+    import sys
+    from pathlib import Path
+
+    from pipeline.artifacts import load_artifact
+    from pipeline.evaluation import evaluate_matrix
+    from pipeline.models import fingerprint
+    from pipeline.report import markdown_table, write_report
+
+    fp = fingerprint(cfg.target.model, cfg.target.revision, cfg.target.tokenizer, cfg.target.trust_remote_code)
+    counts = load_artifact(counts_dir, kind="token_counts", fingerprint=fp)
+    results = evaluate_matrix(cfg, counts, fp, lambda m: print(m, file=sys.stderr, flush=True))
+    results["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    results["command"] = " ".join(sys.argv)
+    results["host"] = platform.node()
+    if out_dir:
+        write_report(results, Path(out_dir))
+    gates = results["gates"]
+    verdict = "passed" if gates["passed"] else "FAILED"
+    return (f"device: {results['device']}; lossless: {results['lossless']['passed']}; gates {verdict} "
+            f"(speed metric {gates['speed_metric']})\n\n" + markdown_table(results))

@@ -51,12 +51,22 @@ def count_shards(paths: Iterable[str | Path], vocab_size: int, workers: int = 1,
     total = np.zeros(vocab_size, dtype=np.int64)
     size = sum(Path(p).stat().st_size for p in paths)
     if workers > 1 and len(paths) > 1 and size >= pool_min_bytes:
-        with ProcessPoolExecutor(min(workers, len(paths)), mp_context=get_context("spawn")) as pool:
-            for counts in pool.map(count_shard, paths, [vocab_size] * len(paths)):
+        # Map: each worker reduces its own slice of shards, so only `workers` arrays cross processes.
+        n = min(workers, len(paths))
+        groups = [paths[i::n] for i in range(n)]
+        with ProcessPoolExecutor(n, mp_context=get_context("spawn")) as pool:
+            for counts in pool.map(_count_group, groups, [vocab_size] * n):
                 total += counts
     else:
         for path in paths:
             total += count_shard(path, vocab_size)
+    return total
+
+
+def _count_group(paths: list[str], vocab_size: int) -> np.ndarray:
+    total = np.zeros(vocab_size, dtype=np.int64)
+    for path in paths:
+        total += count_shard(path, vocab_size)
     return total
 
 

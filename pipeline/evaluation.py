@@ -20,8 +20,10 @@ import numpy as np
 import torch
 
 from pipeline.artifacts import Artifact, write_json_atomic
-from pipeline.configs import PipelineConfig
+from pipeline.configs import EvaluateConfig, PipelineConfig
 from pipeline.counting import load_shortlists
+from pipeline.data.calibration import encode_prompt, first_prompt
+from pipeline.data.sources import load_conversations, load_humaneval, split_heldout
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.metrics import parameter_ratio, summarize
 from pipeline.engine.sampling import SamplingParams, standardise
@@ -29,6 +31,61 @@ from pipeline.errors import DrafterError
 from pipeline.models import load_model, load_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def eval_prompts(cfg: PipelineConfig, tokenizer: Any) -> dict[str, list[list[int]]]:
+    """Token ids of the prompts of each task, under the target's chat template."""
+    ev = cfg.evaluate
+    prompts: dict[str, list[list[int]]] = {}
+    if "chat" in ev.tasks:
+        convs, _ = load_conversations(cfg.generate.source)
+        held = split_heldout(convs, cfg.generate.heldout_fraction, heldout=True)
+        msgs = [m for c in held if (m := first_prompt(c)) is not None][: ev.prompts_per_task]
+        prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens) for m in msgs]
+    if "code" in ev.tasks:
+        code = load_humaneval()[: ev.prompts_per_task]
+        prompts["code"] = [encode_prompt(tokenizer, c.messages, ev.max_prompt_tokens) for c in code]
+    for task, items in prompts.items():
+        if not items:
+            raise DrafterError(f"No evaluation prompts for task {task!r}.",
+                               fix="Raise generate.heldout_fraction or use a larger source.")
+    return prompts
+
+
+def resolve_device(ev: EvaluateConfig) -> str:
+    import torch
+
+    if ev.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if ev.device == "cuda" and not torch.cuda.is_available():
+        raise DrafterError("evaluate.device=cuda but no CUDA device is visible.", fix="Use evaluate.device=auto.")
+    return ev.device
+
+
+def speed_metric(ev: EvaluateConfig, device: str) -> str:
+    if ev.gate_speed_metric != "auto":
+        return ev.gate_speed_metric
+    return "speedup" if device == "cuda" else "mbsu"
+
+
+def evaluate_matrix(cfg: PipelineConfig, counts: Artifact, target_fingerprint: dict,
+                    log: Callable[[str], None]) -> dict:
+    """Load the target, build the prompts, run the whole matrix and the gates: the results dict."""
+    ev = cfg.evaluate
+    device = resolve_device(ev)
+    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.model, cfg.target.revision)
+    target = load_model(cfg.target.model, cfg.target.revision, dtype=cfg.target.dtype, device=device,
+                        trust_remote_code=cfg.target.trust_remote_code)
+    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), counts, device, log)
+    results = evaluator.run()
+    results["device"] = (torch.cuda.get_device_name() if device == "cuda"
+                         else f"cpu ({torch.get_num_threads()} threads)")
+    results["target"] = target_fingerprint
+    results["inputs"] = {"counts": counts.id}
+    results["gates"] = evaluator.gates(results, speed_metric(ev, device))
+    return results
+
+
 
 
 def shortlist_param_ratio(drafter: torch.nn.Module, target: torch.nn.Module, k: int) -> float:

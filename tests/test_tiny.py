@@ -49,7 +49,8 @@ def test_tokenizers_round_trip(tiny_kit: Any, role: str) -> None:
     for text in SAMPLES:
         ids = tok.encode(text, add_special_tokens=False)
         assert tok.decode(ids) == text
-        assert tok.unk_token_id not in ids  # byte-complete: nothing becomes <unk>
+        if "<unk>" not in text:  # a literal "<unk>" is the special token, as in any Llama tokenizer
+            assert tok.unk_token_id not in ids  # byte-complete: nothing else becomes <unk>
 
 
 def test_space_signs_and_byte_fallback(tiny_kit: Any) -> None:
@@ -140,20 +141,41 @@ def test_target_is_trained_and_peaked(tiny_kit: Any) -> None:
 
 @torch.no_grad()
 def test_distilled_drafter_agrees_with_target(tiny_kit: Any) -> None:
-    """Top-1 agreement with the target on the same held-out rows: the distilled drafter must beat the
-    target's own top-1 accuracy on the data (what a drafter trained on raw text could at best learn)."""
+    """Top-1 agreement with the target on 24 held-out chats (~3k positions). The KL-distilled test
+    drafter measures ~0.58 here; the same drafter trained on raw text for as many steps measured
+    ~0.45 (one-off comparison on the build's held-out set), so 0.52 fails a drafter that was not
+    distilled, and sits ~6 binomial standard deviations below the distilled one."""
     tok = _tokenizer(tiny_kit, "target")
     target, drafter = _model(tiny_kit, "target"), _model(tiny_kit, "drafter")
-    agree, correct, count = 0, 0, 0
+    agree, count = 0, 0
     for ids in _heldout_rows(tok):
         x = torch.tensor([ids])
         p_top = target(input_ids=x).logits[0, :-1].argmax(-1)
         agree += (drafter(input_ids=x).logits[0, :-1].argmax(-1) == p_top).sum().item()
-        correct += (p_top == x[0, 1:]).sum().item()
         count += len(ids) - 1
-    assert agree / count > 0.4
-    assert agree / count > 2 * correct / count
-    assert tiny_kit.report["drafter"]["heldout_target_written"]["expected_acceptance"] > 0.6
+    assert agree / count > 0.52
+    assert tiny_kit.report["drafter"]["heldout_target_written"]["expected_acceptance"] > 0.65
+
+
+def test_other_tokenizer_drafter_agrees_on_shared_tokens(tiny_kit: Any) -> None:
+    """Aligned top-1 agreement with the target on the shared vocabulary (what TLI verifies against),
+    on 24 held-out chats (~11k aligned positions). The build measured ~0.42 for the aligned-distilled
+    drafter_other and ~0.25 for the same model trained on raw text; 0.33 separates the two."""
+    from pipeline.tiny.crossvocab import aligned_agreement, aligned_rows, shared_tokens
+
+    tok_t, tok_o = _tokenizer(tiny_kit, "target"), _tokenizer(tiny_kit, "drafter_other")
+    shared = shared_tokens(tok_t, tok_o)
+    assert 0.3 * len(tok_o) < len(shared[0]) < len(tok_o)
+    pairs = dict(
+        zip(tok_t.convert_ids_to_tokens(shared[0].tolist()), tok_o.convert_ids_to_tokens(shared[1].tolist()))
+    )
+    assert pairs["Ġthe"] == "▁the"  # space signs are normalised, not compared literally
+    convs, _ = load_sharegpt()
+    held = split_heldout(convs, DEFAULT_HELDOUT_FRACTION, heldout=True)[-24:]
+    rows = aligned_rows(tok_t, tok_o, [m["content"] for c in held for m in c.messages[:2]], 128)
+    figures = aligned_agreement(_model(tiny_kit, "target"), _model(tiny_kit, "drafter_other"), rows, shared)
+    assert figures["positions"] > 500
+    assert figures["top1_agreement"] > 0.33
 
 
 def test_report_records_the_build(tiny_kit: Any) -> None:
@@ -173,7 +195,9 @@ def test_second_build_is_a_cache_hit(tiny_kit: Any) -> None:
     assert again.root == tiny_kit.root and again.report == tiny_kit.report
     assert not any("building" in line for line in lines)
     assert {p: p.stat().st_mtime_ns for p in tiny_kit.root.rglob("*") if p.is_file()} == stamps
-    assert resolve_tiny_ref("tiny:test/drafter_other", tiny_kit.root.parent.parent) == tiny_kit.path("drafter_other")
+    assert resolve_tiny_ref("tiny:test/drafter_other", tiny_kit.root.parent.parent) == tiny_kit.path(
+        "drafter_other"
+    )
 
 
 # --- build machinery, with a fake recipe -----------------------------------------------------------
@@ -260,3 +284,17 @@ def test_kit_hash_is_stable_and_per_profile() -> None:
     assert kit_hash("test") == kit_hash("test")
     assert kit_hash("test") != kit_hash("default")
     assert len(kit_hash("default")) == 12 and int(kit_hash("default"), 16) >= 0
+
+
+@pytest.mark.slow
+def test_build_is_deterministic(tiny_kit: Any, tmp_path: Path) -> None:
+    """Rebuilding the `test` profile elsewhere gives byte-identical tokenizers and weights (~1.5 min)."""
+    import hashlib
+
+    again = build_kit("test", tmp_path, log=lambda _l: None)
+    for role in ROLES:
+        for name in ("model.safetensors", "tokenizer.json"):
+            digests = {
+                hashlib.sha256((kit.path(role) / name).read_bytes()).hexdigest() for kit in (tiny_kit, again)
+            }
+            assert len(digests) == 1, f"{role}/{name} differs between two builds"

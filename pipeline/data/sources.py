@@ -11,6 +11,7 @@ order-independent hash split that keeps evaluation prompts out of calibration an
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import hashlib
@@ -37,14 +38,8 @@ DEFAULT_HELDOUT_FRACTION = 0.1
 
 # ShareGPT dumps use several spellings for the same three roles; anything else is dropped and counted.
 ROLE_MAP = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-    "assistant": "assistant",
-    "model": "assistant",
+    **dict.fromkeys(("human", "user"), "user"),
+    **dict.fromkeys(("gpt", "chatgpt", "bing", "bard", "assistant", "model"), "assistant"),
     "system": "system",
 }
 
@@ -133,8 +128,8 @@ def _thaw(frozen: Iterable[_Frozen], *, parts_share_group: bool = False) -> list
     ]
 
 
-def _iter_json_array(text: str) -> Iterator[tuple[int, Any]]:
-    """Yield ``(offset, record)`` for each complete element of a top-level JSON array.
+def _iter_json_array(text: str) -> Iterator[Any]:
+    """Yield each complete element of a top-level JSON array, parsed one record at a time.
 
     Stops at the first element that does not parse (a truncated tail) by raising
     :class:`json.JSONDecodeError`; everything before it has been yielded.
@@ -148,13 +143,12 @@ def _iter_json_array(text: str) -> Iterator[tuple[int, Any]]:
         pos = _SEPARATORS.match(text, pos).end()  # type: ignore[union-attr]
         if pos >= len(text) or text[pos] == "]":
             return
-        record, end = decoder.raw_decode(text, pos)
-        yield pos, record
-        pos = end
+        record, pos = decoder.raw_decode(text, pos)
+        yield record
 
 
-def _parse_records(text: str, name: str, counters: Counter[str], notes: list[str]) -> tuple[list[Any], int]:
-    """Parse a JSON array (recovering complete records of a truncated one) or JSON Lines text.
+def _parse_records(text: str, name: str, notes: list[str]) -> tuple[list[Any], int]:
+    """Parse a JSON array (recovering complete records of a truncated one), one object, or JSON Lines.
 
     Returns the records and how many records were seen but could not be parsed.
     """
@@ -162,7 +156,7 @@ def _parse_records(text: str, name: str, counters: Counter[str], notes: list[str
     if stripped.startswith("["):
         records: list[Any] = []
         try:
-            for _, record in _iter_json_array(text):
+            for record in _iter_json_array(text):
                 records.append(record)
         except json.JSONDecodeError as err:
             notes.append(
@@ -171,11 +165,10 @@ def _parse_records(text: str, name: str, counters: Counter[str], notes: list[str
             )
             return records, 1
         return records, 0
-    if stripped.startswith("{") and not _looks_like_jsonl(stripped):
-        try:
-            return [json.loads(text)], 0
-        except json.JSONDecodeError:
-            pass
+    try:  # one (possibly pretty-printed) object; JSON Lines with several lines fails with "Extra data"
+        return [json.loads(text)], 0
+    except json.JSONDecodeError:
+        pass
     records, bad = [], 0
     for line in text.splitlines():
         if line.strip():
@@ -186,15 +179,6 @@ def _parse_records(text: str, name: str, counters: Counter[str], notes: list[str
     if bad:
         notes.append(f"{name}: {bad} lines are not valid JSON and were dropped")
     return records, bad
-
-
-def _looks_like_jsonl(text: str) -> bool:
-    first_line = text.split("\n", 1)[0].strip()
-    try:
-        json.loads(first_line)
-    except json.JSONDecodeError:
-        return False
-    return "\n" in text.strip()
 
 
 def _normalise_all(records: Iterable[Any], stem: str, counters: Counter[str]) -> list[_Frozen]:
@@ -232,17 +216,11 @@ def _packaged_sharegpt() -> tuple[tuple[_Frozen, ...], SourceReport]:
 def _frozen_from_text(text: str, source: str, stem: str) -> tuple[list[_Frozen], SourceReport]:
     counters: Counter[str] = Counter()
     notes: list[str] = []
-    records, unparsable = _parse_records(text, stem, counters, notes)
+    records, unparsable = _parse_records(text, stem, notes)
     kept = _normalise_all(records, stem, counters)
     read = len(records) + unparsable
     report = SourceReport(source, read, len(kept), read - len(kept), notes + _counter_notes(counters))
     return kept, report
-
-
-def _copy_report(report: SourceReport) -> SourceReport:
-    return SourceReport(
-        report.source, report.records_read, report.records_kept, report.records_dropped, list(report.notes)
-    )
 
 
 def load_sharegpt(path: str | Path | None = None) -> tuple[list[Conversation], SourceReport]:
@@ -261,7 +239,7 @@ def load_sharegpt(path: str | Path | None = None) -> tuple[list[Conversation], S
     if path is None:
         frozen, report = _packaged_sharegpt()
         # Parts of one chat must land on the same side of the held-out split.
-        return _thaw(frozen, parts_share_group=True), _copy_report(report)
+        return _thaw(frozen, parts_share_group=True), dataclasses.replace(report, notes=list(report.notes))
     return _load_file(Path(path))
 
 

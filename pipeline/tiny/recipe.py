@@ -8,9 +8,13 @@
    speculative decoding later drafts against.
 5. The same-tokenizer drafter is distilled with forward KL to the target's next-token distributions,
    on raw chats and target-written chats mixed half and half.
-6. The other-tokenizer drafter cannot see target logits (different vocabulary), so it learns
-   sequence-level distillation: cross-entropy on the target-written chats re-rendered under its own
-   tokenizer and template, mixed half and half with raw chats so it still reads prompts well.
+6. The other-tokenizer drafter cannot fit the target's logits token by token (different vocabulary).
+   Half of each batch is text (training chats and target answers) tokenised both ways: where a target
+   token and a drafter token start at the same character, the target's distribution over the shared
+   tokens is its soft target (:mod:`pipeline.tiny.crossvocab`); the other half is raw and
+   target-written chats under its own template, with cross-entropy, so it learns turns and eos.
+   Plain sequence-level distillation (cross-entropy on target-written text alone) was tried first
+   and matched the target no better than raw text: a few minutes of CPU generate too little text.
 7. Measurements on held-out chats and on target answers to held-out prompts go into the report.
 """
 
@@ -24,9 +28,18 @@ import torch
 
 from pipeline.data.sources import DEFAULT_HELDOUT_FRACTION, load_sharegpt, split_heldout
 from pipeline.tiny import corpus
+from pipeline.tiny.crossvocab import aligned_agreement, aligned_distill_loss, aligned_rows, shared_tokens
 from pipeline.tiny.spec import ProfileSpec
 from pipeline.tiny.text_tokenizers import train_tokenizer
-from pipeline.tiny.train import build_model, generate, measure, param_count, train
+from pipeline.tiny.train import (
+    build_model,
+    distill_loss,
+    generate,
+    measure,
+    next_token_loss,
+    param_count,
+    train,
+)
 
 
 def _mix(raw: torch.Tensor, written: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
@@ -65,7 +78,13 @@ def _rerender(
     out = []
     for prompt, answer in zip(prompts, answers, strict=True):
         finished = bool(answer) and answer[-1] == tok_target.eos_token_id
-        chat = [*prompt, {"role": "assistant", "content": tok_target.decode(answer, skip_special_tokens=True)}]
+        reply = tok_target.decode(answer, skip_special_tokens=True)
+        if not reply.strip():
+            continue  # nothing to learn from, and an empty final message cannot be continued
+        chat = [
+            *prompt,
+            {"role": "assistant", "content": reply},
+        ]
         # An answer cut by the token budget must not teach the drafter to end the turn there.
         text = tok_other.apply_chat_template(chat, tokenize=False, continue_final_message=not finished)
         out.append(tok_other(text, add_special_tokens=False)["input_ids"])
@@ -73,8 +92,16 @@ def _rerender(
 
 
 def _save(model: Any, tokenizer: Any, out_dir: Path) -> None:
-    model.save_pretrained(str(out_dir))  # safetensors, config.json and generation_config.json
-    tokenizer.save_pretrained(str(out_dir))
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard progress bar per tiny model is noise in the log
+    try:
+        model.save_pretrained(str(out_dir))  # safetensors, config.json and generation_config.json
+        tokenizer.save_pretrained(str(out_dir))
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict:
@@ -101,8 +128,8 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
     target = build_model(spec.target, tok_t, spec.context, spec.seed)
     log(f"  target: {param_count(target):,} params, {spec.target_steps} steps on {rows_t.numel():,} tokens")
     target_losses = train(
-        target, rows_t, steps=spec.target_steps, batch_size=spec.batch_size, lr=spec.target_lr,
-        seed=spec.seed, log=log, name="target",
+        target, next_token_loss(rows_t, spec.batch_size, spec.seed), steps=spec.target_steps,
+        lr=spec.target_lr, seed=spec.seed, log=log, name="target",
     )  # fmt: skip
 
     prompts = corpus.first_user_prompts(train_chats)[: spec.gen_prompts]
@@ -118,25 +145,38 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
 
     drafter_rows = spec.drafter_steps * spec.batch_size
     drafter = build_model(spec.drafter, tok_t, spec.context, spec.seed + 3)
+    drafter_mix = _mix(rows_t, written_t, drafter_rows, spec.seed)
     drafter_losses = train(
-        drafter, _mix(rows_t, written_t, drafter_rows, spec.seed), steps=spec.drafter_steps,
-        batch_size=spec.batch_size, lr=spec.drafter_lr, seed=spec.seed + 3, log=log,
-        name="drafter (KL to target)", teacher=target,
+        drafter, distill_loss(drafter_mix, target, spec.batch_size, spec.seed + 3), steps=spec.drafter_steps,
+        lr=spec.drafter_lr, seed=spec.seed + 3, log=log, name="drafter (KL to target)",
     )  # fmt: skip
 
     rows_o = corpus.pack(corpus.render_ids(tok_o, train_chats), spec.context)
     eval_o = corpus.pack(corpus.render_ids(tok_o, eval_chats), spec.context)
     written_o = corpus.pack(_rerender(tok_t, tok_o, prompts, answers), spec.context)
     eval_written_o = corpus.pack(_rerender(tok_t, tok_o, eval_prompts, eval_answers), spec.context)
-    other_rows = spec.other_steps * spec.batch_size
+    shared = shared_tokens(tok_t, tok_o)
+    answer_texts = [tok_t.decode(a, skip_special_tokens=True) for a in answers]
+    aligned = aligned_rows(tok_t, tok_o, texts + answer_texts, spec.context)
+    eval_aligned = aligned_rows(tok_t, tok_o, corpus.text_of(eval_chats), spec.context)
+    eval_written_aligned = aligned_rows(
+        tok_t, tok_o, [tok_t.decode(a, skip_special_tokens=True) for a in eval_answers], spec.context
+    )
+    log(f"  vocabularies share {len(shared[0])} tokens; {aligned.drafter.shape[0]} aligned rows")
     other = build_model(spec.other, tok_o, spec.context, spec.seed + 4)
+    other_loss = aligned_distill_loss(
+        aligned, torch.cat([rows_o, written_o]), target, shared, spec.batch_size, spec.seed + 4
+    )
     other_losses = train(
-        other, _mix(rows_o, written_o, other_rows, spec.seed + 4), steps=spec.other_steps,
-        batch_size=spec.batch_size, lr=spec.other_lr, seed=spec.seed + 4, log=log,
-        name="drafter_other (target-written text)",
+        other, other_loss, steps=spec.other_steps, lr=spec.other_lr, seed=spec.seed + 4, log=log,
+        name="drafter_other (aligned soft targets)",
     )  # fmt: skip
 
-    for role, model, tok in (("target", target, tok_t), ("drafter", drafter, tok_t), ("drafter_other", other, tok_o)):
+    for role, model, tok in (
+        ("target", target, tok_t),
+        ("drafter", drafter, tok_t),
+        ("drafter_other", other, tok_o),
+    ):
         _save(model, tok, out / role)
     log("  measuring on held-out text")
     report = {
@@ -161,8 +201,11 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
             "params": param_count(other),
             "vocab_size": len(tok_o),
             "final_train_loss": round(sum(other_losses[-20:]) / len(other_losses[-20:]), 4),
+            "shared_vocab": len(shared[0]),
             "heldout": measure(other, eval_o),
             "heldout_target_written": measure(other, eval_written_o),
+            "heldout_aligned": aligned_agreement(target, other, eval_aligned, shared),
+            "heldout_target_written_aligned": aligned_agreement(target, other, eval_written_aligned, shared),
         },
         "context": spec.context,
     }

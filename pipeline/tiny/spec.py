@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pipeline.errors import DrafterError
 
-KIT_CODE_VERSION = "1"
+KIT_CODE_VERSION = "2"
 ROLES = ("target", "drafter", "drafter_other")
 
 
@@ -67,32 +67,31 @@ class ProfileSpec:
     seed: int = 0
 
 
-_TARGET = ModelSpec(hidden=192, layers=4, heads=6, kv_heads=2, intermediate=512)
-_DRAFTER = ModelSpec(hidden=96, layers=2, heads=3, kv_heads=1, intermediate=256)
-
 PROFILES: dict[str, ProfileSpec] = {
+    # ~7 min on 2 quiet cores; the embedded default's target and drafters.
     "default": ProfileSpec(
         name="default",
         train_conversations=6000,
-        eval_conversations=200,
+        eval_conversations=100,
         max_turns=4,
         max_chars=700,
         vocab_target=2048,
         vocab_other=1536,
         context=256,
-        batch_size=16,
-        target=_TARGET,
-        target_steps=400,
-        target_lr=3e-3,
-        drafter=_DRAFTER,
-        drafter_steps=300,
-        drafter_lr=4e-3,
-        other=_DRAFTER,
-        other_steps=300,
-        other_lr=4e-3,
+        batch_size=8,
+        target=ModelSpec(hidden=192, layers=4, heads=6, kv_heads=2, intermediate=512),
+        target_steps=1000,
+        target_lr=2e-3,
+        drafter=ModelSpec(hidden=96, layers=2, heads=3, kv_heads=1, intermediate=256),
+        drafter_steps=400,
+        drafter_lr=3e-3,
+        other=ModelSpec(hidden=96, layers=2, heads=3, kv_heads=1, intermediate=256),
+        other_steps=800,
+        other_lr=3e-3,
         gen_prompts=512,
         gen_new_tokens=128,
     ),
+    # ~1.5 min: what pytest builds once per session.
     "test": ProfileSpec(
         name="test",
         train_conversations=1500,
@@ -102,16 +101,16 @@ PROFILES: dict[str, ProfileSpec] = {
         vocab_target=1024,
         vocab_other=768,
         context=128,
-        batch_size=16,
+        batch_size=8,
         target=ModelSpec(hidden=128, layers=3, heads=4, kv_heads=2, intermediate=352),
-        target_steps=200,
-        target_lr=4e-3,
+        target_steps=800,
+        target_lr=2e-3,
         drafter=ModelSpec(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=192),
-        drafter_steps=120,
-        drafter_lr=5e-3,
+        drafter_steps=500,
+        drafter_lr=3e-3,
         other=ModelSpec(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=192),
-        other_steps=120,
-        other_lr=5e-3,
+        other_steps=800,
+        other_lr=3e-3,
         gen_prompts=128,
         gen_new_tokens=64,
     ),

@@ -108,13 +108,17 @@ def _train_metaspace(texts: list[str], vocab_size: int, specials: list[str], lim
     pre = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
     draft = Tokenizer(models.BPE())
     draft.pre_tokenizer = pre
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials) - len(byte_tokens), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(specials) - len(byte_tokens), show_progress=False
+    )
     draft.train_from_iterator(_keep_alphabet(texts, limit_alphabet), trainer=trainer)
     learnt = draft.get_vocab()
     merges = draft.model.get_merges() if hasattr(draft.model, "get_merges") else _merges_of(draft)
     ordered = [*specials, *byte_tokens, *sorted(learnt, key=learnt.__getitem__)]
     vocab = {token: i for i, token in enumerate(dict.fromkeys(ordered))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    )
     tok.pre_tokenizer = pre
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens(specials)

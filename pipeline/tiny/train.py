@@ -12,7 +12,7 @@ sampling step, Leviathan et al. 2023, §3).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -59,7 +59,8 @@ def _lr_at(step: int, steps: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _batches(rows: torch.Tensor, batch_size: int, seed: int):
+def batches(rows: torch.Tensor, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
+    """Endless shuffled batches of rows, epoch after epoch, in a seeded order."""
     generator = torch.Generator().manual_seed(seed)
     while True:
         order = torch.randperm(rows.shape[0], generator=generator)
@@ -67,47 +68,63 @@ def _batches(rows: torch.Tensor, batch_size: int, seed: int):
             yield rows[order[start : start + batch_size]]
 
 
+StepLoss = Callable[[Any], torch.Tensor]
+"""Given the model being trained, draws the next batch and returns its loss."""
+
+
+def next_token_loss(rows: torch.Tensor, batch_size: int, seed: int) -> StepLoss:
+    """Cross-entropy of each next token on packed ``rows``."""
+    stream = batches(rows, batch_size, seed)
+
+    def step(model: Any) -> torch.Tensor:
+        batch = next(stream)
+        logits = model(input_ids=batch).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+
+    return step
+
+
+def distill_loss(rows: torch.Tensor, teacher: Any, batch_size: int, seed: int) -> StepLoss:
+    """Forward KL(teacher ‖ model) at every position; the teacher must share the model's tokenizer."""
+    stream = batches(rows, batch_size, seed)
+
+    def step(model: Any) -> torch.Tensor:
+        batch = next(stream)
+        with torch.no_grad():
+            target_logp = F.log_softmax(teacher(input_ids=batch).logits, dim=-1)
+        kl = F.kl_div(F.log_softmax(model(input_ids=batch).logits, dim=-1), target_logp, log_target=True,
+                      reduction="none")  # fmt: skip
+        return kl.sum(-1).mean()
+
+    return step
+
+
 def train(
     model: Any,
-    rows: torch.Tensor,
+    step_loss: StepLoss,
     *,
     steps: int,
-    batch_size: int,
     lr: float,
     seed: int,
     log: Callable[[str], None],
     name: str,
-    teacher: Any | None = None,
 ) -> list[float]:
-    """Train ``model`` on packed ``rows`` for ``steps`` AdamW steps; returns the per-step losses.
-
-    With ``teacher`` the loss is forward KL(teacher ‖ model) at every position (the teacher must share
-    the model's tokenizer); without it, next-token cross-entropy.
-    """
+    """Train ``model`` for ``steps`` AdamW steps on ``step_loss``; returns the per-step losses."""
     torch.manual_seed(seed)
     model.train()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr,
         betas=(0.9, 0.95),
     )
     losses: list[float] = []
-    batches = _batches(rows, batch_size, seed)
     every = max(1, steps // 10)
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, steps, lr)
-        batch = next(batches)
-        logits = model(input_ids=batch).logits
-        if teacher is None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
-        else:
-            with torch.no_grad():
-                target_logp = F.log_softmax(teacher(input_ids=batch).logits, dim=-1)
-            loss = F.kl_div(F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="none")
-            loss = loss.sum(-1).mean()
+        loss = step_loss(model)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
