@@ -235,15 +235,23 @@ class Evaluator:
         p = standardise(logits.float(), params).cpu().numpy()
         counts = np.zeros(p.size, dtype=np.int64)
         gen = self._generator(7)
+        drafted = first_accepted = 0
         for _ in range(n):
-            counts[generate_speculative(self.target, proposer, context, 1, gamma, params, gen, self.eos).tokens[0]] += 1
+            # Room for a full round (γ drafts + 1): the loop never drafts past max_new_tokens, and a round
+            # with no draft would only test sampling from p, not the verification under test.
+            result = generate_speculative(self.target, proposer, context, gamma + 1, gamma, params, gen, self.eos)
+            counts[result.tokens[0]] += 1
+            drafted += result.drafted_per_round[0] if result.drafted_per_round else 0
+            first_accepted += bool(result.accepted_per_round and result.accepted_per_round[0] > 0)
         impossible = int(counts[p == 0].sum())
         pvalue, bins = chi_square_first_token(counts, p)
-        passed = impossible == 0 and pvalue >= self.ev.sampling_check_alpha
+        passed = impossible == 0 and pvalue >= self.ev.sampling_check_alpha and drafted > 0
         name = f"first_token_distribution[{method}{'/' + shortlist if shortlist else ''}]"
         return {"name": name, "passed": passed,
                 "detail": f"n={n}, γ={gamma}, chi-square p={pvalue:.3g} over {bins} bins "
-                          f"(fails below {self.ev.sampling_check_alpha}); zero-probability tokens emitted: {impossible}"}
+                          f"(fails below {self.ev.sampling_check_alpha}); zero-probability tokens emitted: {impossible}; "
+                          f"first-round drafts verified: {drafted} (a check with none would be vacuous), "
+                          f"first draft accepted in {first_accepted}/{n} draws"}
 
     def _row(self, task: str, method: str, drafter: str | None, gamma: int, shortlist: str | None,
              size: int | None, m: Any, equal: bool) -> dict:

@@ -23,7 +23,7 @@ EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/
         # float64 makes batched verification and one-token decoding round identically, so greedy outputs must
         # agree bit for bit (no tie tolerance); the sampling check uses 600 draws per method, p-value >= 1e-4.
         "target.dtype=float64", "evaluate.tie_tolerance=0", "evaluate.sampling_check_samples=600",
-        "evaluate.gate_tau_min=1.05", "evaluate.gate_speed_min=0.5"]
+        "evaluate.gate_tau_min=1.05", "evaluate.gate_speed_min=0.5", "mlflow.experiment=evaluate-tests"]
 
 
 def eval_cfg(workdir: Path, uri: str, *extra: str) -> PipelineConfig:
@@ -46,6 +46,10 @@ def test_every_method_is_lossless_on_the_tiny_kit(evaluated) -> None:
         assert row["greedy_equal"] is True, row  # token for token, every prompt, every γ
     names = [c["name"] for c in results["lossless"]["checks"]]
     assert sum(n.startswith("first_token_distribution") for n in names) == 6  # full, 2 shortlists, tli, union, slem
+    for check in results["lossless"]["checks"]:
+        if check["name"].startswith("first_token_distribution"):
+            verified = int(check["detail"].split("first-round drafts verified: ")[1].split()[0])
+            assert verified > 0, check  # the check exercised verification, not just sampling from p
     failed = [c for c in results["lossless"]["checks"] if not c["passed"]]
     assert not failed and results["lossless"]["passed"]
 

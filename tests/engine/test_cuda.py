@@ -87,8 +87,13 @@ def test_first_token_law_on_cuda(cuda_kit, method: str) -> None:
     proposer = _proposer(cuda_kit, method)
     gen = torch.Generator(device="cuda").manual_seed(1)
     counts = np.zeros(p.size, dtype=np.int64)
+    accepted_first = 0
     for _ in range(3000):
-        counts[generate_speculative(target, proposer, context, 1, 3, params, gen, tok.eos_token_id).tokens[0]] += 1
+        # 4 new tokens leave room for a full round of γ=3 drafts (the loop never drafts past the budget).
+        result = generate_speculative(target, proposer, context, 4, 3, params, gen, tok.eos_token_id)
+        counts[result.tokens[0]] += 1
+        accepted_first += result.accepted_per_round[0] > 0
+    assert accepted_first > 0, "the draft path must be exercised, not just sampling from p"
     assert counts[p == 0].sum() == 0
     pvalue, bins = chi_square_first_token(counts, p)
     assert bins >= 3 and pvalue >= 1e-4, (pvalue, bins)
