@@ -71,7 +71,7 @@ class GenerateConfig:
     """Fraction of conversations (by id hash) kept out of calibration for the evaluate stage."""
     drafter: str | None = None
     """Model that answers when kind is ``drafter`` (hub id, path or tiny ref)."""
-    max_prompt_tokens: int = 192
+    max_prompt_tokens: int = 128
     """Prompts are cut to their first user turn and at most this many tokens (left side kept)."""
     max_new_tokens: int = 96
     """Tokens generated per prompt."""

@@ -19,33 +19,38 @@ Roles (``kit.path(role)``):
   (see :mod:`pipeline.tiny.crossvocab`), plus cross-entropy on chats under its own template.
 
 Both tokenizers are byte-complete and round-trip any text exactly (``decode(encode(s)) == s``; the one
-exception is a literal U+2581 '▁' in the Metaspace one). Models are fp32, tied embeddings, trained with
-context ``C`` tokens (``max_position_embeddings``; keep prompt + new tokens within it). The build is
-deterministic for a profile (fixed steps and seeds; tokenizer alphabets chosen with explicit tie
-breaks). ``report.json`` in the kit root records all figures below.
+exception is a literal U+2581 '▁' in the Metaspace one). Models are fp32 with tied embeddings, trained
+with a context of 128 (test) or 256 (default) tokens (``max_position_embeddings``; keep prompt + new
+tokens within it). The build is deterministic for a profile (fixed steps and seeds; tokenizer alphabets
+chosen with explicit tie breaks). ``report.json`` in the kit root records all figures below.
 
-Measured figures (2-core CPU; held-out = ShareGPT conversations in the 10 % hash split, never trained
-on; "acceptance" = mean ``sum min(p, q)``, the expected acceptance of one speculative sampling step):
+Measured figures (2-core CPU, fp32; held-out = ShareGPT conversations in the 10 % hash split, never
+trained on; "accept." = mean ``sum min(p, q)``, the expected acceptance of one speculative sampling
+step; both builds are deterministic, these are the exact ``report.json`` values):
 
 ===================================  ============================  =============================
                                      ``test`` profile              ``default`` profile
 ===================================  ============================  =============================
-build time                           ~70 s alone, ~100 s pytest    DEFAULT_TIME
+build time, machine to itself        ~1.5–2 min (estimated)        469 s (7.8 min, measured)
 context / vocab target / other       128 / 1024 / 768              256 / 2048 / 1536
-target params, held-out loss         0.68 M, 3.95 (uniform 6.93)   DEFAULT_TARGET
-target mean top-1 probability        0.205                         DEFAULT_TOP1
-drafter params                       0.11 M                        DEFAULT_DRAFTER_PARAMS
-drafter top-1 agreement / accept.    0.59 / 0.76                   DEFAULT_DRAFTER
+shared vocabulary ('Ġ'='▁')          588                           1289
+target params                        0.68 M                        1.97 M
+target held-out loss (uniform)       3.95 (6.93)                   4.12 (7.62)
+target mean top-1 probability        0.205                         0.215
+drafter params                       0.11 M                        0.39 M
+drafter top-1 agreement / accept.    0.59 / 0.76                   0.62 / 0.75
   same drafter on raw text only      0.45 / 0.63                   –
-drafter_other params                 0.10 M                        DEFAULT_OTHER_PARAMS
-drafter_other aligned agr. / accept  0.43 / 0.63                   DEFAULT_OTHER
+drafter_other params                 0.10 M                        0.34 M
+drafter_other aligned agr. / accept  0.43 / 0.63                   0.44 / 0.63
   same model on raw text only        0.25 / 0.55                   –
   target-written text only (seqKD)   0.23 / 0.52                   –
 ===================================  ============================  =============================
 
-(Agreement for ``drafter_other`` is on the shared vocabulary at aligned positions, both sides
-renormalised onto it: what TLI verifies against.) The raw-text and sequence-KD rows are one-off
-comparisons with the same shapes, steps and seeds; the build itself does not train them.
+Agreement for ``drafter_other`` is on the shared vocabulary at aligned positions, both sides
+renormalised onto it: what TLI verifies against. The raw-text and sequence-KD rows are one-off
+comparisons with the same shapes, steps and seeds; the build does not train them. Builds share the
+CPU badly: with another torch process on the same 2 cores (OpenMP threads spinning against each other)
+a build runs 3–10x slower, e.g. 917 s and 1793 s for ``default``.
 """
 
 from pipeline.tiny.build import TinyKit, build_kit, resolve_tiny_ref

@@ -82,7 +82,7 @@ def build_kit(
     """Build (or fetch from the cache) the tiny-model kit of a profile.
 
     Args:
-        profile: ``"default"`` (embedded default, ~6–8 min on 2 cores) or ``"test"`` (~1 min).
+        profile: ``"default"`` (embedded default, ~8 min on 2 idle cores) or ``"test"`` (~2 min).
         cache_dir: Cache root; None means :func:`default_cache_dir`.
         force: Rebuild even if the kit is cached.
         log: Receives progress lines.

@@ -68,7 +68,7 @@ class ProfileSpec:
 
 
 PROFILES: dict[str, ProfileSpec] = {
-    # ~7 min on 2 quiet cores; the embedded default's target and drafters.
+    # ~8 min on 2 idle cores (469 s measured); the embedded default's target and drafters.
     "default": ProfileSpec(
         name="default",
         train_conversations=6000,
@@ -91,7 +91,7 @@ PROFILES: dict[str, ProfileSpec] = {
         gen_prompts=512,
         gen_new_tokens=128,
     ),
-    # ~1.5 min: what pytest builds once per session.
+    # ~2 min: what pytest builds once per session.
     "test": ProfileSpec(
         name="test",
         train_conversations=1500,
