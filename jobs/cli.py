@@ -24,8 +24,8 @@ STAGE_SECTIONS = ("workdir", "target", "mlflow")
 
 
 def _options_help(stage: str | None) -> str:
-    from pipeline.config import describe
-    from pipeline.configs import PipelineConfig
+    from pipeline.config.schema import describe
+    from pipeline.config.sections import PipelineConfig
 
     rows = [r for r in describe(PipelineConfig)
             if stage is None or r[0].split(".")[0] in (*STAGE_SECTIONS, stage)]
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace):
-    from pipeline.configs import load_config
+    from pipeline.config.sections import load_config
 
     path = args.config
     if path is None and DEFAULT_CONFIG.is_file():
@@ -109,7 +109,7 @@ def _load(args: argparse.Namespace):
 
 
 def _summary(cfg, artifacts: dict) -> str:
-    from pipeline.tracking import redact, tracking_uri
+    from pipeline.orchestration.tracking import redact, tracking_uri
 
     lines = ["", "summary", "-------"]
     for stage, art in artifacts.items():
@@ -139,7 +139,7 @@ def _pull(args: argparse.Namespace, cfg) -> int:
 
     expect = None
     if args.expect_target:
-        from pipeline.models import fingerprint
+        from pipeline.models.loading import fingerprint
 
         expect = fingerprint(args.expect_target)
     path = pull(args.ref, args.to, cfg.mlflow, cfg.workdir_path, expect_fingerprint=expect)
@@ -148,8 +148,8 @@ def _pull(args: argparse.Namespace, cfg) -> int:
 
 
 def _report(args: argparse.Namespace, cfg) -> int:
-    from pipeline.artifacts import load_artifact
     from pipeline.errors import DrafterError
+    from pipeline.orchestration.artifacts import load_artifact
 
     path = args.artifact
     if path is None:
@@ -174,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "config":
         import yaml
 
-        from pipeline.config import to_dict
+        from pipeline.config.schema import to_dict
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
@@ -221,11 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "bench":
             if args.what == "count":
-                from pipeline.bench import bench_count
+                from pipeline.evaluation.bench import bench_count
 
                 print(bench_count(tokens=args.tokens, calibration=args.calibration))
                 return 0
-            from pipeline.bench import bench_eval
+            from pipeline.evaluation.bench import bench_eval
 
             if not args.counts:
                 raise DrafterError("`drafter bench eval` needs --counts DIR (a count artifact).",

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from jobs import generate
-from pipeline import counting
-from pipeline.artifacts import Artifact
-from pipeline.configs import PipelineConfig
+from pipeline.config.sections import PipelineConfig
 from pipeline.data.calibration import shard_files
 from pipeline.errors import DrafterError
-from pipeline.models import fingerprint, load_tokenizer
-from pipeline.stage import BuildResult, StageRun, find_input, run_stage
+from pipeline.models.loading import fingerprint, load_tokenizer
+from pipeline.orchestration.artifacts import Artifact
+from pipeline.orchestration.stage import BuildResult, StageRun, find_input, run_stage
+from pipeline.vocab import counting
 
 KIND = "token_counts"
 

@@ -16,19 +16,19 @@ import time
 from pathlib import Path
 
 from jobs import count
-from pipeline.artifacts import Artifact
-from pipeline.configs import PipelineConfig
+from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.models import fingerprint
-from pipeline.stage import BuildResult, StageRun, find_input, run_stage
+from pipeline.models.loading import fingerprint
+from pipeline.orchestration.artifacts import Artifact
+from pipeline.orchestration.stage import BuildResult, StageRun, find_input, run_stage
 
 KIND = "evaluation"
 REGISTERED_KIND = "draft-vocab"
 
 
 def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact) -> BuildResult:
-    from pipeline.evaluation import evaluate_matrix
-    from pipeline.report import write_report
+    from pipeline.evaluation.matrix import evaluate_matrix
+    from pipeline.evaluation.report import write_report
 
     started = time.perf_counter()
     results = evaluate_matrix(cfg, counts_art, run.fingerprint, run.log)
@@ -68,7 +68,7 @@ def main(cfg: PipelineConfig) -> Artifact | None:
     artifact = run_stage(cfg, stage="evaluate", kind=KIND, section=ev, fingerprint=fp, inputs=[counts_art],
                          build=lambda run: _build(cfg, run, counts_art), identity={"drafters": drafters})
     if artifact is not None and ev.register:
-        from pipeline.evaluation import register_bundle
+        from pipeline.evaluation.matrix import register_bundle
 
         register_bundle(cfg, artifact, counts_art, fp)
     return artifact

@@ -17,8 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline.artifacts import Artifact
-from pipeline.configs import GenerateConfig, PipelineConfig
+from pipeline.config.sections import GenerateConfig, PipelineConfig
 from pipeline.data.calibration import (
     chunks,
     encode_prompt,
@@ -31,8 +30,9 @@ from pipeline.data.calibration import (
 )
 from pipeline.data.sources import Conversation, load_conversations, split_heldout
 from pipeline.errors import DrafterError
-from pipeline.models import fingerprint, load_tokenizer
-from pipeline.stage import BuildResult, StageRun, run_stage
+from pipeline.models.loading import fingerprint, load_tokenizer
+from pipeline.orchestration.artifacts import Artifact
+from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 
 KIND = "calibration"
 
@@ -59,7 +59,7 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
     import torch
     from torch.utils.data import DataLoader
 
-    from pipeline.models import load_model
+    from pipeline.models.loading import load_model
 
     gen = cfg.generate
 

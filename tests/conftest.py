@@ -16,7 +16,7 @@ import pytest
 # drafters), built once per pytest session: about 1–2 minutes on 2 CPU cores, nothing downloaded.
 # It goes into $DRAFTER_CACHE when that is set (so repeated sessions reuse it), else into a session
 # temp dir. While the fixture is alive DRAFTER_CACHE points at that cache, so code that resolves
-# "tiny:test/<role>" refs itself (pipeline.models, jobs) finds the same kit instead of building again.
+# "tiny:test/<role>" refs itself (pipeline.models.loading, jobs) finds the same kit instead of building again.
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from pipeline.artifacts import ArtifactStore, artifact_id, check_fingerprint, load_artifact, sha256_file
 from pipeline.errors import DrafterError
+from pipeline.orchestration.artifacts import (
+    ArtifactStore,
+    artifact_id,
+    check_fingerprint,
+    load_artifact,
+    sha256_file,
+)
 
 FP = {"model": "tiny:test/target", "revision": "abc", "vocab_hash": "v1"}
 

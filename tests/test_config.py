@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import describe, field_docs, to_dict
-from pipeline.configs import CountConfig, GenerateConfig, PipelineConfig, load_config
+from pipeline.config.schema import describe, field_docs, to_dict
+from pipeline.config.sections import CountConfig, GenerateConfig, PipelineConfig, load_config
 from pipeline.errors import DrafterError
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))

@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import counting
-from pipeline.bench import bench_count, synthetic_calibration
 from pipeline.data.calibration import read_shard, shard_files, shard_name, write_shard
 from pipeline.errors import DrafterError
+from pipeline.evaluation.bench import bench_count, synthetic_calibration
+from pipeline.vocab import counting
 
 
 def _rows(rng: np.random.Generator, n: int, vocab: int) -> list[dict]:

@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from jobs import count, evaluate
 from jobs.cli import main as cli
-from pipeline.configs import PipelineConfig, load_config
+from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
 from tests.mlflow_server import MlflowServer
 from tests.test_stages import SMALL

@@ -16,9 +16,9 @@ import pytest
 from mlflow import MlflowClient
 from safetensors.numpy import save_file
 
-from pipeline.artifacts import Artifact, ArtifactStore, artifact_id, sha256_file
-from pipeline.configs import MlflowConfig
+from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
+from pipeline.orchestration.artifacts import Artifact, ArtifactStore, artifact_id, sha256_file
 from pipeline.registry import (
     Bundle,
     bundle_sha256,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.report import COLUMNS, markdown_table, render_html, write_report
+from pipeline.evaluation.report import COLUMNS, markdown_table, render_html, write_report
 
 GAMMA = 3
 SHORTLISTS = [("top-k 512", 512), ("top-p 0.95", 2048), ("top-k 8192", 8192)]

@@ -10,7 +10,7 @@ import pytest
 
 from jobs import STAGES
 from jobs.cli import build_parser
-from pipeline.configs import load_config
+from pipeline.config.sections import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sbatch"))

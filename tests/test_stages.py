@@ -18,10 +18,10 @@ from mlflow.tracking import MlflowClient
 from safetensors.numpy import load_file
 
 from jobs import count, generate
-from pipeline.artifacts import load_artifact
-from pipeline.configs import PipelineConfig, load_config
+from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.data.calibration import iter_rows, load_dataset_dir, shard_files
 from pipeline.errors import DrafterError
+from pipeline.orchestration.artifacts import load_artifact
 from tests.mlflow_server import MlflowServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_calibration_set_is_well_formed(pipeline_run) -> None:
     assert calibration.kind == "calibration"
     rows = list(iter_rows(calibration.path / "data"))
     assert len(rows) == calibration.metrics["rows"] == 40
-    from pipeline.models import load_tokenizer
+    from pipeline.models.loading import load_tokenizer
 
     tok = load_tokenizer(cfg.target.model)
     for row in rows:
@@ -84,7 +84,7 @@ def test_counts_and_exports_match_the_calibration_set(pipeline_run) -> None:
     assert np.array_equal(counts, expected) and counts.sum() == counts_art.metrics["tokens_counted"]
     lists = load_file(str(counts_art.file("shortlists.safetensors")))
     assert set(lists) == {"top_k_16", "top_k_64", "top_p_0.9", "min_count_2"}
-    from pipeline.models import load_tokenizer
+    from pipeline.models.loading import load_tokenizer
 
     eos = load_tokenizer(cfg.target.model).eos_token_id
     for ids in lists.values():

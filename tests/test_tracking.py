@@ -9,11 +9,11 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline.artifacts import load_artifact
-from pipeline.configs import load_config
+from pipeline.config.sections import load_config
 from pipeline.errors import DrafterError
-from pipeline.stage import BuildResult, run_stage
-from pipeline.tracking import check_reachable, flatten, redact
+from pipeline.orchestration.artifacts import load_artifact
+from pipeline.orchestration.stage import BuildResult, run_stage
+from pipeline.orchestration.tracking import check_reachable, flatten, redact
 from tests.mlflow_server import MlflowServer, free_port
 
 FP = {"model": "tiny:test/target", "revision": "r1", "vocab_hash": "abc"}

@@ -7,7 +7,7 @@ string-level exact match) and :class:`TLIProposer` (Alg. 4, token-level intersec
 the drafter's own token sequence and KV cache (:class:`_DrafterSession`): at each round the target
 context is decoded to text, re-encoded by the drafter tokenizer, and only the suffix past the longest
 common prefix with the cached sequence is run. TLI and Union return ``q`` in target-id space through a
-:class:`~pipeline.engine.vocab.VocabMap`; SLEM returns ``q=None`` and is verified by exact match.
+:class:`~pipeline.vocab.maps.VocabMap`; SLEM returns ``q=None`` and is verified by exact match.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from pipeline.engine.proposers import Proposal, common_prefix_length, crop_cache
 from pipeline.engine.sampling import SamplingParams, sample, standardise
-from pipeline.engine.vocab import VocabMap, as_backend, decode_ids, encode_text
+from pipeline.vocab.maps import VocabMap, as_backend, decode_ids, encode_text
 
 # Why re-tokenising text at every round cannot break losslessness: the verifier's guarantee (Leviathan
 # et al. 2023, Thm. 3.5) needs only that each drafted token was drawn from the ``q`` we return (or, for

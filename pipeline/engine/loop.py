@@ -188,7 +188,7 @@ def _check_proposal(proposal: Proposal, gamma: int, vocab: int) -> tuple[list[in
             "the drafter proposed ids outside the target vocabulary",
             expected=f"ids in [0, {vocab}) or -1 (no target id)",
             found=f"{bad[:5]}",
-            fix="map drafter ids to target ids (pipeline.engine.vocab) or pass "
+            fix="map drafter ids to target ids (pipeline.vocab.maps) or pass "
             "target_vocab_size to the proposer",
         )
     q = proposal.q

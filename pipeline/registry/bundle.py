@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.artifacts import (
+from pipeline.errors import DrafterError
+from pipeline.orchestration.artifacts import (
     MANIFEST,
     SAFE_SUFFIXES,
     Artifact,
@@ -30,8 +31,7 @@ from pipeline.artifacts import (
     sha256_file,
     write_json_atomic,
 )
-from pipeline.errors import DrafterError
-from pipeline.tracking import git_sha
+from pipeline.orchestration.tracking import git_sha
 
 BUNDLE_JSON = "bundle.json"
 BUNDLE_FORMAT = "drafter-bundle"

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.configs import MlflowConfig
+from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
 from pipeline.registry.bundle import BUNDLE_JSON, publish_dir, verify_bundle
 from pipeline.registry.store import (

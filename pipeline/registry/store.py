@@ -13,9 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.configs import MlflowConfig
+from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
-from pipeline.tracking import _configure_client_retries, check_reachable, redact, tracking_uri
+from pipeline.orchestration.tracking import _configure_client_retries, check_reachable, redact, tracking_uri
 
 # Tags written on every model version (the verdict lives on the version, per the MLOps templates).
 STATUS = "drafter.status"

@@ -30,7 +30,7 @@ def cuda_kit(tiny_kit):
 def _proposer(kit: dict, method: str):
     from pipeline.engine.hetero import SLEMProposer, TLIProposer, UnionProposer
     from pipeline.engine.proposers import FullHeadProposer, ShortlistProposer
-    from pipeline.engine.vocab import VocabMap
+    from pipeline.vocab.maps import VocabMap
 
     target, target_tok = kit["target"]
     drafter, _ = kit["drafter"]
@@ -77,7 +77,7 @@ def test_first_token_law_on_cuda(cuda_kit, method: str) -> None:
     (the rest pooled) must give p >= 1e-4, and no zero-probability token may ever be emitted."""
     from pipeline.engine.loop import generate_speculative
     from pipeline.engine.sampling import SamplingParams, standardise
-    from pipeline.evaluation import chi_square_first_token
+    from pipeline.evaluation.matrix import chi_square_first_token
 
     target, tok = cuda_kit["target"]
     params = SamplingParams(temperature=1.0)

@@ -30,8 +30,8 @@ from pipeline.engine.hetero import (
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.verify import verify_speculative
-from pipeline.engine.vocab import VocabMap, decode_ids, encode_text
 from pipeline.errors import DrafterError
+from pipeline.vocab.maps import VocabMap, decode_ids, encode_text
 
 _WORDS = (
     "the cat sat on mat and dog ran to park while bird sang in tree near river the café served "

@@ -14,8 +14,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pipeline.engine.vocab import VocabMap, vocab_fingerprint
 from pipeline.errors import DrafterError
+from pipeline.vocab.maps import VocabMap, vocab_fingerprint
 
 _WORDS = (
     "the cat sat on mat and dog ran to park while bird sang in tree near river the café served "

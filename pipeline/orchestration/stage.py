@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import Artifact, ArtifactStore, artifact_id, check_fingerprint
-from pipeline.config import to_dict
-from pipeline.configs import PipelineConfig
+from pipeline.config.schema import to_dict
+from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.tracking import check_reachable, log_stage_run, logged_run, tracking_uri
+from pipeline.orchestration.artifacts import Artifact, ArtifactStore, artifact_id, check_fingerprint
+from pipeline.orchestration.tracking import check_reachable, log_stage_run, logged_run, tracking_uri
 
 
 def log(stage: str, message: str) -> None:
@@ -116,7 +116,7 @@ def find_input(cfg: PipelineConfig, explicit: str | None, kind: str, produce: Ca
     """An upstream artifact: the explicit path if the config names one, else the upstream stage's
     (a cache hit when it already ran — so ``drafter count`` alone does the right thing)."""
     if explicit:
-        from pipeline.artifacts import load_artifact
+        from pipeline.orchestration.artifacts import load_artifact
 
         artifact = load_artifact(explicit, kind=kind)
     else:

@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import Artifact, write_json_atomic
-from pipeline.configs import MlflowConfig
+from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
+from pipeline.orchestration.artifacts import Artifact, write_json_atomic
 
 LOGGED_MARKER = "mlflow_runs.json"  # beside, not inside, the artifact: the artifact stays immutable
 

@@ -19,16 +19,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.artifacts import Artifact, write_json_atomic
-from pipeline.configs import EvaluateConfig, PipelineConfig
-from pipeline.counting import load_shortlists
+from pipeline.config.sections import EvaluateConfig, PipelineConfig
 from pipeline.data.calibration import encode_prompt, first_prompt
 from pipeline.data.sources import load_conversations, load_humaneval, split_heldout
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.metrics import parameter_ratio, summarize
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.errors import DrafterError
-from pipeline.models import load_model, load_tokenizer
+from pipeline.models.loading import load_model, load_tokenizer
+from pipeline.orchestration.artifacts import Artifact, write_json_atomic
+from pipeline.vocab.counting import load_shortlists
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -153,7 +153,7 @@ class Evaluator:
         hetero = [m for m in ("tli", "union", "slem") if m in ev.methods]
         if hetero and ev.drafter_other:
             from pipeline.engine.hetero import SLEMProposer, TLIProposer, UnionProposer
-            from pipeline.engine.vocab import VocabMap
+            from pipeline.vocab.maps import VocabMap
 
             other = load_model(ev.drafter_other, dtype=self.cfg.target.dtype, device=self.device)
             other_tok = load_tokenizer(ev.drafter_other)
@@ -297,8 +297,8 @@ class Evaluator:
 
 def register_bundle(cfg: PipelineConfig, evaluation: Artifact, counts: Artifact, fingerprint: dict) -> dict | None:
     """Register the draft-vocabulary bundle (count artifact + evaluation report) if its gates passed."""
+    from pipeline.orchestration.stage import log
     from pipeline.registry import Bundle, register, registered_name
-    from pipeline.stage import log
 
     results = json.loads(evaluation.file("report.json").read_text())
     gates = results["gates"]

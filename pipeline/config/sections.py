@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import apply_overrides, from_dict, load_yaml
+from pipeline.config.schema import apply_overrides, from_dict, load_yaml
 from pipeline.errors import DrafterError
 
 

@@ -1,6 +1,6 @@
 """Benchmarks that print a ratio against a baseline measured in the same run on the same data.
 
-``drafter bench count``: the vectorised Arrow-buffer counter (``pipeline.counting``) against the
+``drafter bench count``: the vectorised Arrow-buffer counter (``pipeline.vocab.counting``) against the
 obvious Python baseline (``collections.Counter`` over each row's token list), both starting from the
 same shards on disk and both checked to give identical counts. Nothing here asserts a time; the
 figures are printed for a person (and the README) to read.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import counting
 from pipeline.data.calibration import read_shard, shard_files, shard_name, write_shard
+from pipeline.vocab import counting
 
 
 def synthetic_calibration(directory: Path, tokens: int, vocab_size: int = 32_000, row_len: int = 512,
@@ -97,10 +97,10 @@ def bench_eval(cfg, counts_dir: str, out_dir: str | None = None) -> str:  # noqa
     import sys
     from pathlib import Path
 
-    from pipeline.artifacts import load_artifact
-    from pipeline.evaluation import evaluate_matrix
-    from pipeline.models import fingerprint
-    from pipeline.report import markdown_table, write_report
+    from pipeline.evaluation.matrix import evaluate_matrix
+    from pipeline.evaluation.report import markdown_table, write_report
+    from pipeline.models.loading import fingerprint
+    from pipeline.orchestration.artifacts import load_artifact
 
     fp = fingerprint(cfg.target.model, cfg.target.revision, cfg.target.tokenizer, cfg.target.trust_remote_code)
     counts = load_artifact(counts_dir, kind="token_counts", fingerprint=fp)
