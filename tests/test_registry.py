@@ -7,8 +7,12 @@ JSON payloads) written with ``ArtifactStore``.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import mlflow
 import numpy as np
@@ -243,8 +247,50 @@ def test_dead_server_fails_fast_and_registers_nothing(tmp_path: Path) -> None:
         server.stop()
 
 
+class _DyingClient:
+    """The real MlflowClient, except that the chosen calls fail as they would when the store dies."""
+
+    def __init__(self, client: Any, failing: dict[str, Callable[..., bool]]) -> None:
+        self._client, self._failing = client, failing
+
+    def __getattr__(self, name: str) -> Any:
+        real, fails = getattr(self._client, name), self._failing.get(name)
+        if fails is None:
+            return real
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if fails(*args, **kwargs):
+                raise ConnectionError(f"tracking server went away during {name}")
+            return real(*args, **kwargs)
+
+        return call
+
+
+@contextlib.contextmanager
+def store_dies(monkeypatch: pytest.MonkeyPatch, **failing: Callable[..., bool]) -> Iterator[None]:
+    """Within the block, registration talks to a store whose named client calls fail."""
+    register_module = importlib.import_module("pipeline.registry.register")  # the package exports a function of that name
+    real_connect = register_module.connect
+
+    def connect(cfg: Any, workdir: Path) -> tuple[str, Any]:
+        uri, client = real_connect(cfg, workdir)
+        return uri, _DyingClient(client, failing)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(register_module, "connect", connect)
+        yield
+
+
+def _marks_ready(name: str, version: str, key: str, value: str) -> bool:
+    return key == "drafter.status" and value == "ready"
+
+
+def _always(*_args: Any, **_kwargs: Any) -> bool:
+    return True
+
+
 def test_midway_failure_leaves_no_alias_and_rerun_does_not_duplicate(
-    tmp_path: Path, mlflow_server: MlflowServer
+    tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-midway", "drafter")
     client = _client(mlflow_server)
@@ -254,13 +300,15 @@ def test_midway_failure_leaves_no_alias_and_rerun_does_not_duplicate(
 
     # Failure after tags, cleanup succeeds: the half-made version is gone, aliases untouched.
     with pytest.raises(DrafterError, match="was deleted"):
-        register(better, cfg, tmp_path / "work", _fail_after="tags")
+        with store_dies(monkeypatch, set_model_version_tag=_marks_ready):
+            register(better, cfg, tmp_path / "work")
     assert _aliases(mlflow_server, name) == {"candidate": "1", "champion": "1"}
     assert [v.version for v in client.search_model_versions(f"name = '{name}'")] == ["1"]
 
     # Failure after tags and the delete fails too: an incomplete version without aliases, not pullable.
     with pytest.raises(DrafterError, match="left tagged drafter.status=incomplete"):
-        register(better, cfg, tmp_path / "work", _fail_after="tags", _skip_cleanup=True)
+        with store_dies(monkeypatch, set_model_version_tag=_marks_ready, delete_model_version=_always):
+            register(better, cfg, tmp_path / "work")
     half = max(client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version))
     assert (
         half.tags["drafter.status"] == "incomplete"
@@ -284,7 +332,8 @@ def test_midway_failure_leaves_no_alias_and_rerun_does_not_duplicate(
     # A failure after the version is complete but before aliases: kept, reused by the rerun.
     newer = _bundle(name, components, 4.0)
     with pytest.raises(DrafterError, match="may not point at it"):
-        register(newer, cfg, tmp_path / "work", _fail_after="ready")
+        with store_dies(monkeypatch, set_registered_model_alias=_always):
+            register(newer, cfg, tmp_path / "work")
     assert _aliases(mlflow_server, name)["candidate"] == half.version
     rerun = register(newer, cfg, tmp_path / "work")
     assert rerun.reused and rerun.aliases == ["candidate", "champion"]

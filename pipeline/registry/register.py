@@ -38,8 +38,6 @@ from pipeline.registry.store import (
     versions_of_bundle,
 )
 
-FAIL_POINTS = ("run", "version", "tags", "ready", "candidate")
-
 
 @dataclass
 class RegistrationResult:
@@ -101,8 +99,6 @@ def register(
     *,
     promote: bool = False,
     run_id: str | None = None,
-    _fail_after: str | None = None,
-    _skip_cleanup: bool = False,
 ) -> RegistrationResult:
     """Register a bundle that passed its gates as a new model version and move the aliases.
 
@@ -112,9 +108,6 @@ def register(
         workdir: Pipeline workdir (default sqlite store; temporary bundle copy).
         promote: Make the new version champion even if it does not beat the current one.
         run_id: Log the bundle into this existing run instead of a new run in ``cfg.experiment``.
-        _fail_after: Test only: raise after this step (one of ``FAIL_POINTS``) to simulate a store
-            that dies mid-way.
-        _skip_cleanup: Test only: behave as if deleting the half-made version failed too.
 
     Returns:
         The version, the aliases on it, and whether and why champion moved.
@@ -123,13 +116,6 @@ def register(
         DrafterError: gates failed or fingerprints disagree (nothing is written), the server is
             unreachable, or a registry step failed (the message says what was left behind).
     """
-    if _fail_after is not None and _fail_after not in FAIL_POINTS:
-        raise ValueError(f"_fail_after must be one of {FAIL_POINTS}, not {_fail_after!r}")
-
-    def checkpoint(step: str) -> None:
-        if _fail_after == step:
-            raise RuntimeError(f"injected failure after step {step!r}")
-
     check_registrable(bundle)
     workdir = Path(workdir)
     uri, client = connect(cfg, workdir)
@@ -148,21 +134,19 @@ def register(
             version = next((v for v in earlier if v.tags.get(STATUS) == READY), earlier[0])
         else:
             version = _create_version(
-                client, uri, cfg, workdir, name, bundle_dir, document, tags, run_id, checkpoint
+                client, uri, cfg, workdir, name, bundle_dir, document, tags, run_id
             )
         number = str(version.version)
         made_here = not reused
         try:
-            checkpoint("version")
             if version.tags.get(STATUS) != READY:
                 # A version made here got its tags at creation; one left by a failed run may lack some.
                 for key, value in tags.items():
                     if version.tags.get(key) != value:
                         client.set_model_version_tag(name, number, key, value)
-                checkpoint("tags")
                 client.set_model_version_tag(name, number, STATUS, READY)
         except Exception as err:  # noqa: BLE001 - translated below, after cleanup
-            state = _cleanup(client, name, number, skip=_skip_cleanup or not made_here)
+            state = _cleanup(client, name, number, skip=not made_here)
             with registry_errors(
                 uri,
                 f"Registering {name} version {number}",
@@ -177,10 +161,8 @@ def register(
             state=f" Version {number} is complete (tagged ready) but the aliases may not point at it yet.",
             fix="Rerun register with the same bundle: it reuses the version and sets the aliases.",
         ):
-            checkpoint("ready")
             promoted, reason = _champion_decision(client, name, number, bundle, promote)
             client.set_registered_model_alias(name, CANDIDATE, number)
-            checkpoint("candidate")
             if promoted:
                 client.set_registered_model_alias(name, CHAMPION, number)
             aliases = sorted(
@@ -210,7 +192,6 @@ def _create_version(
     document: dict,
     tags: dict[str, str],
     run_id: str | None,
-    checkpoint: Any,
 ) -> Any:
     """Log the bundle as run artifacts and create an ``incomplete`` version whose source is that location.
 
@@ -239,7 +220,6 @@ def _create_version(
             )
         try:
             client.log_artifacts(run_id, str(bundle_dir), artifact_path)
-            checkpoint("run")
         except Exception:
             if new_run:
                 _quietly(client.set_terminated, run_id, "FAILED")
