@@ -2,6 +2,8 @@
 
 import json
 import os
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,11 +12,13 @@ from safetensors.numpy import save_file
 
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import (
+    FOREIGN_TMP_MAX_AGE_S,
     ArtifactStore,
     artifact_id,
     check_fingerprint,
     load_artifact,
     sha256_file,
+    temp_owner,
 )
 
 FP = {"model": "tiny:test/target", "revision": "abc", "vocab_hash": "v1"}
@@ -56,7 +60,7 @@ def test_edited_payload_is_refused_naming_both_hashes(tmp_path: Path) -> None:
     art = _make(ArtifactStore(tmp_path))
     before = art.manifest["files"]["info.json"]["sha256"]
     (art.path / "info.json").write_text(json.dumps({"a": 2}))
-    with pytest.raises(DrafterError) as err:
+    with pytest.raises(DrafterError, match="(modified|does not match its manifest|different target)") as err:
         load_artifact(art.path)
     msg = str(err.value)
     assert "info.json" in msg and before in msg and sha256_file(art.path / "info.json") in msg
@@ -76,7 +80,7 @@ def test_added_or_removed_payload_is_refused(tmp_path: Path) -> None:
 def test_fingerprint_mismatch_names_both_sides(tmp_path: Path) -> None:
     art = _make(ArtifactStore(tmp_path))
     other = {**FP, "vocab_hash": "v2"}
-    with pytest.raises(DrafterError) as err:
+    with pytest.raises(DrafterError, match="(modified|does not match its manifest|different target)") as err:
         load_artifact(art.path, fingerprint=other)
     assert "vocab_hash=v2" in str(err.value) and "vocab_hash=v1" in str(err.value)
     with pytest.raises(DrafterError, match="wrong kind"):
@@ -96,11 +100,27 @@ def test_pickle_payloads_are_refused_and_nothing_is_published(tmp_path: Path) ->
 
 def test_a_killed_write_leaves_no_artifact_and_is_swept(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path)
-    dead = tmp_path / ".tmp-count-abc-999999999-1"  # a pid that does not exist: a killed writer
+    here = socket.gethostname()
+    dead = tmp_path / f".tmp-count-abc@{here}@999999999@1"  # this host, a pid that does not exist: killed
     dead.mkdir()
     (dead / "counts.safetensors").write_bytes(b"partial")
+    alive = store.writer("count-def", kind="k", stage="count", config={}, inputs=[], fingerprint=FP)
+    assert temp_owner(alive.tmp.name) == (here, os.getpid())
     assert store.get("count-abc") is None
-    assert store.sweep() == 1 and not dead.exists()
+    assert store.sweep() == 1 and not dead.exists() and alive.tmp.exists()  # our own live write is kept
+
+
+def test_sweep_keeps_another_hosts_in_flight_write(tmp_path: Path) -> None:
+    """On a shared filesystem a pid from another node means nothing here: its temp dir is swept only
+    once it is older than the foreign age limit, never because the pid is not alive on this host."""
+    store = ArtifactStore(tmp_path)
+    theirs = tmp_path / ".tmp-count-abc@other-node-17@999999999@1"
+    theirs.mkdir()
+    (theirs / "counts.safetensors").write_bytes(b"being written on other-node-17")
+    assert store.sweep() == 0 and theirs.exists()
+    old = time.time() - FOREIGN_TMP_MAX_AGE_S - 60
+    os.utime(theirs, (old, old))
+    assert store.sweep() == 1 and not theirs.exists()
 
 
 def test_not_an_artifact_and_corrupt_manifest(tmp_path: Path) -> None:

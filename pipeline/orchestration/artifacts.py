@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from typing import Any
 from pipeline.errors import DrafterError
 
 SCHEMA_VERSION = 1
+# A temp dir written by another host is only swept once it is this old (its writer may be alive there).
+FOREIGN_TMP_MAX_AGE_S = 24 * 3600.0
 MANIFEST = "manifest.json"
 # Payload formats that cannot execute code when read. `.pt` is allowed only for the SGLang token map,
 # which SGLang itself reads with torch.load(weights_only=True); we never read it back with pickle.
@@ -177,7 +180,7 @@ class ArtifactWriter:
         self.meta = {"kind": kind, "stage": stage, "config": config, "inputs": sorted(inputs),
                      "fingerprint": fingerprint}
         self.store.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.store / f".tmp-{artifact_id_}-{os.getpid()}-{time.monotonic_ns()}"
+        self.tmp = self.store / temp_name(artifact_id_)
         self.tmp.mkdir()
 
     def commit(self, metrics: dict | None = None, extra: dict | None = None) -> Artifact:
@@ -222,17 +225,43 @@ class ArtifactStore:
     def writer(self, artifact_id_: str, **meta: Any) -> ArtifactWriter:
         return ArtifactWriter(self.root, artifact_id_, **meta)
 
-    def sweep(self, max_age_s: float = 0.0) -> int:
-        """Remove temporary directories of writes that never committed (a killed job's leftovers)."""
+    def sweep(self, foreign_max_age_s: float = FOREIGN_TMP_MAX_AGE_S) -> int:
+        """Remove temporary directories of writes that never committed (a killed job's leftovers).
+
+        On a shared filesystem other nodes write here too, and their pids mean nothing on this host:
+        a temp dir of *this* host is removed when its writer's pid is dead; one of another host (or of
+        unknown origin) only once it is older than ``foreign_max_age_s``.
+        """
         removed = 0
         now = time.time()
+        here = socket.gethostname()
         for tmp in self.root.glob(".tmp-*"):
-            pid = tmp.name.rsplit("-", 2)[-2] if tmp.name.count("-") >= 3 else ""
-            alive = pid.isdigit() and _pid_alive(int(pid))
-            if not alive and now - tmp.stat().st_mtime >= max_age_s:
+            owner = temp_owner(tmp.name)
+            if owner is not None and owner[0] == here:
+                dead = not _pid_alive(owner[1])
+            else:
+                try:
+                    dead = now - tmp.stat().st_mtime >= foreign_max_age_s
+                except FileNotFoundError:
+                    continue
+            if dead:
                 shutil.rmtree(tmp, ignore_errors=True)
                 removed += 1
         return removed
+
+
+def temp_name(artifact_id_: str) -> str:
+    """``.tmp-<id>@<host>@<pid>@<ns>``: who is writing, so a sweep on a shared filesystem can tell."""
+    host = socket.gethostname().replace("@", "_")
+    return f".tmp-{artifact_id_}@{host}@{os.getpid()}@{time.monotonic_ns()}"
+
+
+def temp_owner(name: str) -> tuple[str, int] | None:
+    """(host, pid) of a temp dir named by :func:`temp_name`, else None."""
+    parts = name.split("@")
+    if len(parts) != 4 or not parts[2].isdigit():
+        return None
+    return parts[1], int(parts[2])
 
 
 def _pid_alive(pid: int) -> bool:
