@@ -1,7 +1,39 @@
 """Stage recipes: one module per pipeline stage, each exposing ``main(cfg: PipelineConfig) -> Artifact``.
 
-``STAGES`` lists them in DAG order; the ``drafter`` CLI (``jobs/cli.py``) gives each a subcommand and
-``drafter run`` runs them in this order. Recipes may import ``pipeline``; ``pipeline`` never imports them.
+The DAG itself is data in :mod:`pipeline.orchestration.dag` (``STAGES``: name, recipe module, artifact
+kind, upstream stages). :func:`run` runs the stages asked for plus the upstream stages they still need,
+in DAG order; each recipe takes its inputs from its plan, never by calling another recipe. Recipes may
+import ``pipeline``; ``pipeline`` never imports them.
 """
 
-STAGES: tuple[str, ...] = ("generate", "count", "evaluate")
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from pipeline.orchestration.dag import STAGE_NAMES, plan
+
+if TYPE_CHECKING:
+    from pipeline.config.sections import PipelineConfig
+    from pipeline.orchestration.artifacts import Artifact
+
+STAGES: tuple[str, ...] = STAGE_NAMES
+
+
+def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES) -> dict[str, Artifact]:
+    """Run ``stages`` and whatever upstream stages they need (not cached, not named in the config).
+
+    Returns:
+        Stage → artifact for every stage that ran or was a cache hit, in DAG order. On a rank other
+        than zero of a multi-rank launch the first sharded stage returns no artifact and this stops
+        there (rank zero publishes and goes on).
+    """
+    wanted = list(stages)
+    artifacts: dict[str, Artifact] = {}
+    for name in plan(cfg, wanted).needed(wanted):
+        artifact = importlib.import_module(f"jobs.{name}").main(cfg)
+        if artifact is None:
+            break
+        artifacts[name] = artifact
+    return artifacts

@@ -12,12 +12,11 @@ can cause print as one clear message (exit code 2), never as a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
 
-from jobs import STAGES
+from jobs import STAGES, run
 
 DEFAULT_CONFIG = Path("configs/tiny.yaml")
 STAGE_SECTIONS = ("workdir", "target", "mlflow")
@@ -68,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(p)
     p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)}")
+    p = sub.add_parser("plan", help="print the stage DAG: each stage's artifact id, inputs, and whether it is "
+                                    "cached or would run (nothing runs)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (with upstreams)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (for CI)")
     p = sub.add_parser("config", help="print the resolved config (after overrides) as YAML",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(p)
@@ -178,25 +183,49 @@ def _run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    if args.command == "plan":
+        return _plan(args, cfg)
     if args.command in STAGES:
-        artifact = importlib.import_module(f"jobs.{args.command}").main(cfg)
-        if artifact is not None:
-            print(_summary(cfg, {args.command: artifact}))
+        artifacts = run(cfg, [args.command])
+        if args.command in artifacts:
+            print(_summary(cfg, {args.command: artifacts[args.command]}))
         return 0
+    artifacts = run(cfg, _wanted(args))
+    if artifacts:
+        print(_summary(cfg, artifacts))
+    return 0
+
+
+def _wanted(args: argparse.Namespace) -> tuple[str, ...]:
+    from pipeline.errors import DrafterError
+
     wanted = STAGES if not args.stages else tuple(s.strip() for s in args.stages.split(","))
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
-        from pipeline.errors import DrafterError
-
         raise DrafterError(f"Unknown stage(s) {unknown}.", expected=f"some of {list(STAGES)}")
-    artifacts = {}
-    for stage in STAGES:
-        if stage in wanted:
-            artifact = importlib.import_module(f"jobs.{stage}").main(cfg)
-            if artifact is not None:
-                artifacts[stage] = artifact
-    if artifacts:
-        print(_summary(cfg, artifacts))
+    return wanted
+
+
+def _plan(args: argparse.Namespace, cfg) -> int:
+    from pipeline.orchestration.dag import plan
+
+    wanted = _wanted(args)
+    the_plan = plan(cfg, wanted)
+    to_run = set(the_plan.needed(wanted))
+    rows = the_plan.table()
+    for row in rows:
+        if row["status"] == "to run" and row["stage"] not in to_run:
+            row["status"] = "not needed"  # an upstream whose artifact the config names directly
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["stage"]) for r in rows)
+    print(f"{'stage':<{width}}  {'artifact id':<25}  {'status':<10}  inputs")
+    for row in rows:
+        inputs = ", ".join(f"{k}={v}" for k, v in row["inputs"].items()) or "—"
+        print(f"{row['stage']:<{width}}  {row['artifact_id']:<25}  {row['status']:<10}  {inputs}")
+    print(f"\n{sum(r['status'] == 'to run' for r in rows)} stage(s) to run; artifacts under "
+          f"{cfg.workdir_path / 'artifacts'}")
     return 0
 
 

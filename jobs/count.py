@@ -16,39 +16,21 @@ from pathlib import Path
 
 import numpy as np
 
-from jobs import generate
 from pipeline.config.sections import PipelineConfig
 from pipeline.data.calibration import shard_files
 from pipeline.errors import DrafterError
-from pipeline.models.loading import fingerprint, load_tokenizer
+from pipeline.models.target import Target
 from pipeline.orchestration.artifacts import Artifact
-from pipeline.orchestration.stage import BuildResult, StageRun, find_input, run_stage
+from pipeline.orchestration.dag import plan
+from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.vocab import counting
-
-KIND = "token_counts"
-
-
-def shortlists(counts: np.ndarray, cfg: PipelineConfig, specials: list[int]) -> dict[str, np.ndarray]:
-    """Every shortlist the config asks for, keyed ``top_k_<k>``, ``top_p_<p>``, ``min_count_<c>``."""
-    c = cfg.count
-    out: dict[str, np.ndarray] = {}
-    for k in c.top_k:
-        out[f"top_k_{k}"] = counting.top_k(counts, k)
-    for p in c.top_p:
-        out[f"top_p_{p:g}"] = counting.top_p(counts, p)
-    for m in c.min_count:
-        out[f"min_count_{m}"] = counting.min_count(counts, m)
-    if c.always_include_special:
-        out = {name: counting.with_specials(ids, specials) for name, ids in out.items()}
-    return out
 
 
 def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildResult:
     import torch
     from safetensors.numpy import save_file
 
-    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.model, cfg.target.revision,
-                               trust_remote_code=cfg.target.trust_remote_code)
+    tokenizer = Target(cfg.target).tokenizer()
     vocab_size = len(tokenizer)
     files = shard_files(calibration.path / "data")
     if not files:
@@ -63,7 +45,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
                            expected="rows whose loss_mask marks the assistant's tokens",
                            fix="Regenerate it: with generate.kind=raw the dataset needs assistant turns.")
     specials = sorted(set(tokenizer.all_special_ids))
-    lists = shortlists(counts, cfg, specials)
+    lists = counting.shortlists(counts, cfg.count, specials)
     draft_ids = counting.top_k(counts, cfg.count.draft_vocab_size)
     if cfg.count.always_include_special:
         draft_ids = counting.with_specials(draft_ids, specials)
@@ -92,8 +74,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
 
 
 def main(cfg: PipelineConfig) -> Artifact | None:
-    """Count (or reuse counts of) the calibration set of ``cfg``."""
-    fp = fingerprint(cfg.target.model, cfg.target.revision, cfg.target.tokenizer, cfg.target.trust_remote_code)
-    calibration = find_input(cfg, cfg.count.calibration, generate.KIND, lambda: generate.main(cfg), fp)
-    return run_stage(cfg, stage="count", kind=KIND, section=cfg.count, fingerprint=fp, inputs=[calibration],
-                     build=lambda run: _build(cfg, run, calibration))
+    """Count (or reuse counts of) the calibration set this config plans for (or names)."""
+    step = plan(cfg, ["count"])["count"]
+    calibration = step.input("generate")
+    return run_stage(cfg, step, [calibration], build=lambda run: _build(cfg, run, calibration))

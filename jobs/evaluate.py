@@ -12,17 +12,16 @@ whether the bundle (the count artifact's draft vocabularies + this report) is re
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
-from jobs import count
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.models.loading import fingerprint
 from pipeline.orchestration.artifacts import Artifact
-from pipeline.orchestration.stage import BuildResult, StageRun, find_input, run_stage
+from pipeline.orchestration.dag import plan
+from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 
-KIND = "evaluation"
 REGISTERED_KIND = "draft-vocab"
 
 
@@ -32,17 +31,15 @@ def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact) -> BuildRes
 
     started = time.perf_counter()
     results = evaluate_matrix(cfg, counts_art, run.fingerprint, run.log)
-    metrics = {"eval_seconds": round(time.perf_counter() - started, 2), "gates_passed": int(results["gates"]["passed"]),
-               "lossless_passed": int(results["lossless"]["passed"])}
-    chosen = results["gates"].get("chosen") or {}
-    for key in ("tau", "speedup", "mbsu", "acceptance_rate"):
-        if chosen.get(key) is not None:
-            metrics[f"chosen.{key}"] = chosen[key]
-    for row in results["rows"]:
-        tag = f"{row['task']}.{row['method']}" + (f".{row['shortlist']}" if row.get("shortlist") else "") + f".g{row['gamma']}"
-        metrics[f"{tag}.tau"] = row["tau"]
-        if row.get("speedup") is not None:
-            metrics[f"{tag}.speedup"] = row["speedup"]
+    metrics = {"eval_seconds": round(time.perf_counter() - started, 2), "gates_passed": int(results.gates.passed),
+               "lossless_passed": int(results.lossless)}
+    if results.gates.chosen is not None:
+        metrics.update({f"chosen.{k}": v for k, v in results.gates.chosen.metrics().items()
+                        if k in ("tau", "speedup", "mbsu", "acceptance_rate")})
+    for row in results.rows:
+        metrics[f"{row.tag}.tau"] = row.tau
+        if row.speedup is not None:
+            metrics[f"{row.tag}.speedup"] = row.speedup
 
     def write(out: Path) -> None:
         write_report(results, out)
@@ -52,25 +49,21 @@ def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact) -> BuildRes
 
 def main(cfg: PipelineConfig) -> Artifact | None:
     """Evaluate (or reuse the evaluation of) this config's drafters and register what passes."""
-    ev = cfg.evaluate
-    fp = fingerprint(cfg.target.model, cfg.target.revision, cfg.target.tokenizer, cfg.target.trust_remote_code)
-    drafters = {"drafter": fingerprint(ev.drafter)}
-    if ev.drafter_other and {"tli", "union", "slem"} & set(ev.methods):
-        drafters["drafter_other"] = fingerprint(ev.drafter_other)
-    if {"full", "shortlist"} & set(ev.methods) and drafters["drafter"]["vocab_hash"] != fp["vocab_hash"]:
+    step = plan(cfg, ["evaluate"])["evaluate"]
+    drafter = step.config.get("models", {}).get("drafter")
+    if drafter is not None and drafter["vocab_hash"] != step.fingerprint["vocab_hash"]:
         raise DrafterError(
-            f"The same-tokenizer drafter {ev.drafter!r} does not share the target's tokenizer.",
-            expected=f"vocab_hash {fp['vocab_hash'][:16]} (the target's)",
-            found=f"vocab_hash {drafters['drafter']['vocab_hash'][:16]}",
+            f"The same-tokenizer drafter {cfg.evaluate.drafter!r} does not share the target's tokenizer.",
+            expected=f"vocab_hash {step.fingerprint['vocab_hash'][:16]} (the target's)",
+            found=f"vocab_hash {drafter['vocab_hash'][:16]}",
             fix="Set evaluate.drafter to a drafter trained for this target, or move it to "
                 "evaluate.drafter_other (TLI/Union/SLEM handle different tokenizers).")
-    counts_art = find_input(cfg, ev.counts, count.KIND, lambda: count.main(cfg), fp)
-    artifact = run_stage(cfg, stage="evaluate", kind=KIND, section=ev, fingerprint=fp, inputs=[counts_art],
-                         build=lambda run: _build(cfg, run, counts_art), identity={"drafters": drafters})
-    if artifact is not None and ev.register:
+    counts_art = step.input("count")
+    artifact = run_stage(cfg, step, [counts_art], build=lambda run: _build(cfg, run, counts_art))
+    if artifact is not None and cfg.evaluate.register:
         from pipeline.evaluation.matrix import register_bundle
+        from pipeline.evaluation.results import EvaluationResults
 
-        register_bundle(cfg, artifact, counts_art, fp)
+        results = EvaluationResults.from_dict(json.loads(artifact.file("report.json").read_text()))
+        register_bundle(cfg, results, artifact, counts_art)
     return artifact
-
-

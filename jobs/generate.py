@@ -30,11 +30,10 @@ from pipeline.data.calibration import (
 )
 from pipeline.data.sources import Conversation, load_conversations, split_heldout
 from pipeline.errors import DrafterError
-from pipeline.models.loading import fingerprint, load_tokenizer
+from pipeline.models.target import Target
 from pipeline.orchestration.artifacts import Artifact
+from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
-
-KIND = "calibration"
 
 
 def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict]:
@@ -50,10 +49,6 @@ def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict]
     return train, {"source_records_read": report.records_read, "source_records_dropped": report.records_dropped}
 
 
-def _generator_model(cfg: PipelineConfig) -> str:
-    return cfg.generate.drafter if cfg.generate.kind == "drafter" else cfg.target.model
-
-
 def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pending: list[int], staging: Path):
     import lightning as L
     import torch
@@ -62,17 +57,18 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
     from pipeline.models.loading import load_model
 
     gen = cfg.generate
+    target = Target(cfg.target)
 
     class GenerateModule(L.LightningModule):
         """Answers one shard of prompts per predict step and writes it atomically."""
 
         def __init__(self) -> None:
             super().__init__()
-            name = _generator_model(cfg)
-            self.tokenizer = load_tokenizer(name, cfg.target.revision if name == cfg.target.model else None,
-                                            trust_remote_code=cfg.target.trust_remote_code)
-            self.lm = load_model(name, cfg.target.revision if name == cfg.target.model else None,
-                                 dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code)
+            # The drafter kind shares the target's tokenizer (checked in main), so prompts and stop
+            # tokens always come from the target's.
+            self.tokenizer = target.tokenizer()
+            self.lm = target.model() if gen.kind != "drafter" else load_model(
+                gen.drafter, dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code)
             self.generated_tokens = 0
             self.generate_seconds = 0.0
 
@@ -126,8 +122,7 @@ def _devices(devices: int | str) -> int | str:
 def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     gen = cfg.generate
     convs, source_report = select_conversations(gen)
-    name = _generator_model(cfg)
-    tokenizer = load_tokenizer(name, trust_remote_code=cfg.target.trust_remote_code)
+    tokenizer = Target(cfg.target).tokenizer()
     if gen.kind == "raw":
         prompts = [(c.id, c) for c in convs]
     else:
@@ -192,12 +187,12 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
 
 def main(cfg: PipelineConfig) -> Artifact | None:
     """Build (or reuse) the calibration set for ``cfg.target``."""
-    fp = fingerprint(cfg.target.model, cfg.target.revision, cfg.target.tokenizer, cfg.target.trust_remote_code)
+    step = plan(cfg, ["generate"])["generate"]
     if cfg.generate.kind == "drafter":
-        other = fingerprint(cfg.generate.drafter)  # type: ignore[arg-type]
-        if other["vocab_hash"] != fp["vocab_hash"]:
+        other = step.config["models"]["generator"]
+        if other["vocab_hash"] != step.fingerprint["vocab_hash"]:
             raise DrafterError("generate.kind=drafter needs a drafter that shares the target's tokenizer.",
-                               expected=f"vocab_hash {fp['vocab_hash'][:12]}", found=f"vocab_hash {other['vocab_hash'][:12]}",
+                               expected=f"vocab_hash {step.fingerprint['vocab_hash'][:12]}",
+                               found=f"vocab_hash {other['vocab_hash'][:12]}",
                                fix="Pick a same-tokenizer drafter, or use kind=target.")
-    return run_stage(cfg, stage="generate", kind=KIND, section=cfg.generate, fingerprint=fp, inputs=[],
-                     build=lambda run: _build(cfg, run))
+    return run_stage(cfg, step, [], build=lambda run: _build(cfg, run))

@@ -128,6 +128,45 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+# How a field relates to the artifact id of the stage that reads it (see :func:`identity`).
+RUN_SETTING = "run_setting"
+"""Where or how a job runs (accelerator, devices, nodes, workers, what to do after): never in an id."""
+INPUT_OVERRIDE = "input_override"
+"""A path to an upstream artifact used instead of the upstream stage's: the input's *id* enters the id."""
+
+
+def run_setting(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    """A dataclass field that does not change what a stage computes, only where or how it runs."""
+    return dataclasses.field(default=default, metadata={"identity": RUN_SETTING}, **kwargs)
+
+
+def input_override(default: Any = None) -> Any:
+    """A dataclass field naming an upstream artifact directory to use instead of the upstream stage's."""
+    return dataclasses.field(default=default, metadata={"identity": INPUT_OVERRIDE})
+
+
+def identity(obj: Any) -> Any:
+    """The plain-data form of a config (sub)tree with run settings and input overrides left out:
+    exactly the fields that change a stage's result, which is what its artifact id hashes."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: identity(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if f.metadata.get("identity") not in (RUN_SETTING, INPUT_OVERRIDE)}
+    return to_dict(obj)
+
+
+def excluded_fields(cls: type, prefix: str = "") -> dict[str, str]:
+    """Dotted key → why it is not part of any artifact id, for every such field under ``cls``."""
+    out: dict[str, str] = {}
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(excluded_fields(hints[f.name], key + "."))
+        elif f.metadata.get("identity") in (RUN_SETTING, INPUT_OVERRIDE):
+            out[key] = f.metadata["identity"]
+    return out
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"generate.max_new_tokens=64"`` → (["generate", "max_new_tokens"], 64). Values are YAML scalars."""
     if "=" not in text:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config.schema import apply_overrides, from_dict, load_yaml
+from pipeline.config.schema import apply_overrides, from_dict, input_override, load_yaml, run_setting
 from pipeline.errors import DrafterError
 
 
@@ -30,8 +30,9 @@ class TargetConfig:
     """Tokenizer to use when it lives apart from the model; null means the model's own."""
     dtype: str = "float32"
     """Weights dtype for inference: float32, bfloat16, float16, or float64 (exactness checks)."""
-    trust_remote_code: bool = False
-    """Allow a checkpoint's own Python code to run. Off by default: only enable for code you have read."""
+    trust_remote_code: bool = run_setting(False)
+    """Allow a checkpoint's own Python code to run. Off by default: only enable for code you have read.
+    A permission, not a result: not part of any artifact id."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "bfloat16", "float16", "float64"), "target.dtype",
@@ -80,17 +81,19 @@ class GenerateConfig:
     top_p: float = 0.95
     """Nucleus sampling mass."""
     batch_size: int = 16
-    """Prompts per generate() call (left padded, KV cache)."""
+    """Prompts per generate() call (left padded, KV cache). Part of the artifact id: padding and the
+    order in which a batch draws its random numbers change the sampled answers."""
     shard_size: int = 64
     """Prompts per shard. A shard is the unit of resume: each is written atomically when complete."""
     seed: int = 0
     """Base seed; shard i samples with seed + i, so results do not depend on the number of ranks."""
-    accelerator: str = "auto"
-    """Lightning accelerator (auto, cpu, gpu)."""
-    devices: int | str = "auto"
-    """Lightning devices per node: auto, a count, or a list like "0,1"."""
-    num_nodes: int = 1
-    """Nodes in the job (Slurm: $SLURM_JOB_NUM_NODES); ranks = num_nodes x devices."""
+    accelerator: str = run_setting("auto")
+    """Lightning accelerator (auto, cpu, gpu). A run setting: not part of the artifact id."""
+    devices: int | str = run_setting("auto")
+    """Lightning devices per node: auto, a count, or a list like "0,1". A run setting: shards are dealt
+    to ranks round-robin and seeded per shard, so the rows do not depend on it."""
+    num_nodes: int = run_setting(1)
+    """Nodes in the job (Slurm: $SLURM_JOB_NUM_NODES); ranks = num_nodes x devices. A run setting."""
 
     def __post_init__(self) -> None:
         _check(self.kind in ("target", "raw", "drafter"), "generate.kind", "target, raw or drafter", self.kind)
@@ -108,8 +111,9 @@ class GenerateConfig:
 
 @dataclass
 class CountConfig:
-    calibration: str | None = None
-    """Count this calibration artifact directory instead of the one ``generate`` builds for this config."""
+    calibration: str | None = input_override()
+    """Count this calibration artifact directory instead of the one ``generate`` builds for this config
+    (its artifact id, not this path, enters the count id)."""
     top_k: list[int] = field(default_factory=lambda: [256, 512, 1024])
     """Shortlists of the k most frequent tokens (FR-Spec), one per k."""
     top_p: list[float] = field(default_factory=lambda: [0.9, 0.95, 0.99])
@@ -121,8 +125,8 @@ class CountConfig:
     always_include_special: bool = True
     """Add the tokenizer's special tokens (EOS above all) to every shortlist: a drafter that can never
     propose EOS never lets a sequence end early."""
-    workers: int = 2
-    """Processes for the map step over shards (1 = in-process)."""
+    workers: int = run_setting(2)
+    """Processes for the map step over shards (1 = in-process). A run setting: counts are exact."""
 
     def __post_init__(self) -> None:
         _check(all(k > 0 for k in self.top_k), "count.top_k", "positive integers", self.top_k)
@@ -157,8 +161,9 @@ class EvaluateConfig:
     """Drafter with a different tokenizer (TLI, Union, SLEM); null to skip those methods."""
     shortlists: list[str] = field(default_factory=lambda: ["top_k_128", "top_k_256", "top_k_512", "top_k_1024"])
     """Shortlists from the ``count`` artifact to evaluate, by name (``top_k_<k>``, ``top_p_<p>``, ...)."""
-    counts: str | None = None
-    """Use this count artifact directory instead of the one ``count`` builds for this config."""
+    counts: str | None = input_override()
+    """Use this count artifact directory instead of the one ``count`` builds for this config (its
+    artifact id, not this path, enters the evaluate id)."""
     temperature: float = 0.0
     """Decoding temperature for the metrics (0 = greedy). Greedy equality with autoregressive decoding
     is checked on every prompt whatever this is."""
@@ -174,7 +179,8 @@ class EvaluateConfig:
     two candidate logits at the divergence differ by at most this, relative to the largest logit. Batched
     verification and one-token decoding round differently; 0 demands bit-exact agreement."""
     device: str = "auto"
-    """Where to decode: auto (CUDA when present), cpu or cuda."""
+    """Where to decode: auto (CUDA when present), cpu or cuda. Unlike generate's devices this is part of
+    the evaluate id: timings, and with gate_speed_metric=auto the gate itself, depend on the device."""
     seed: int = 0
     """Seed for sampled decoding and the sampling check."""
     gate_tau_min: float = 1.3
@@ -187,10 +193,12 @@ class EvaluateConfig:
     primary_metric: str = "auto"
     """Metric that decides whether a new version beats the champion (higher wins); auto = the gate's
     speed metric."""
-    register: bool = True
-    """Register a bundle that passes its gates in the MLflow Model Registry."""
-    promote: bool = False
-    """Move alias ``champion`` to the new version even if it does not beat the current champion."""
+    register: bool = run_setting(True)
+    """Register a bundle that passes its gates in the MLflow Model Registry (what to do with the
+    result, not part of it: a run setting)."""
+    promote: bool = run_setting(False)
+    """Move alias ``champion`` to the new version even if it does not beat the current champion (a
+    run setting)."""
 
     def __post_init__(self) -> None:
         _check(set(self.tasks) <= {"chat", "code"} and bool(self.tasks), "evaluate.tasks",

@@ -99,18 +99,15 @@ def bench_eval(cfg, counts_dir: str, out_dir: str | None = None) -> str:  # noqa
 
     from pipeline.evaluation.matrix import evaluate_matrix
     from pipeline.evaluation.report import markdown_table, write_report
-    from pipeline.models.loading import fingerprint
+    from pipeline.models.target import Target
     from pipeline.orchestration.artifacts import load_artifact
 
-    fp = fingerprint(cfg.target.model, cfg.target.revision, cfg.target.tokenizer, cfg.target.trust_remote_code)
+    fp = Target(cfg.target).fingerprint
     counts = load_artifact(counts_dir, kind="token_counts", fingerprint=fp)
     results = evaluate_matrix(cfg, counts, fp, lambda m: print(m, file=sys.stderr, flush=True))
-    results["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    results["command"] = " ".join(sys.argv)
-    results["host"] = platform.node()
+    data = {**results.to_dict(), "command": " ".join(sys.argv), "host": platform.node()}
     if out_dir:
-        write_report(results, Path(out_dir))
-    gates = results["gates"]
-    verdict = "passed" if gates["passed"] else "FAILED"
-    return (f"device: {results['device']}; lossless: {results['lossless']['passed']}; gates {verdict} "
-            f"(speed metric {gates['speed_metric']})\n\n" + markdown_table(results))
+        write_report(data, Path(out_dir))
+    verdict = "passed" if results.gates.passed else "FAILED"
+    return (f"device: {results.device}; lossless: {results.lossless}; gates {verdict} "
+            f"(speed metric {results.gates.speed_metric})\n\n" + markdown_table(data))

@@ -12,7 +12,7 @@ verdict, and :func:`register_bundle` publishes a passing bundle in the MLflow Mo
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +26,9 @@ from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.metrics import parameter_ratio, summarize
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.errors import DrafterError
+from pipeline.evaluation.results import EvalRow, EvaluationResults, LosslessCheck, decide_gates
 from pipeline.models.loading import load_model, load_tokenizer
+from pipeline.models.target import Target
 from pipeline.orchestration.artifacts import Artifact, write_json_atomic
 from pipeline.vocab.counting import load_shortlists
 
@@ -69,21 +71,20 @@ def speed_metric(ev: EvaluateConfig, device: str) -> str:
 
 
 def evaluate_matrix(cfg: PipelineConfig, counts: Artifact, target_fingerprint: dict,
-                    log: Callable[[str], None]) -> dict:
-    """Load the target, build the prompts, run the whole matrix and the gates: the results dict."""
+                    log: Callable[[str], None]) -> EvaluationResults:
+    """Load the target, build the prompts, run the whole matrix and decide the gates."""
     ev = cfg.evaluate
     device = resolve_device(ev)
-    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.model, cfg.target.revision)
-    target = load_model(cfg.target.model, cfg.target.revision, dtype=cfg.target.dtype, device=device,
-                        trust_remote_code=cfg.target.trust_remote_code)
+    target_ = Target(cfg.target)
+    tokenizer = target_.tokenizer()
+    target = target_.model(device)
     evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), counts, device, log)
-    results = evaluator.run()
-    results["device"] = (torch.cuda.get_device_name() if device == "cuda"
-                         else f"cpu ({torch.get_num_threads()} threads)")
-    results["target"] = target_fingerprint
-    results["inputs"] = {"counts": counts.id}
-    results["gates"] = evaluator.gates(results, speed_metric(ev, device))
-    return results
+    rows, checks = evaluator.run()
+    gates = decide_gates(rows, checks, speed_metric=speed_metric(ev, device), tau_min=ev.gate_tau_min,
+                         speed_min=ev.gate_speed_min)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    return EvaluationResults(rows=rows, checks=checks, gates=gates, device=device_name,
+                             target=target_fingerprint, inputs={"counts": counts.id})
 
 
 
@@ -177,10 +178,10 @@ class Evaluator:
         return [generate_speculative(self.target, proposer, p, self.ev.max_new_tokens, gamma, params, gen, self.eos)
                 for p in items]
 
-    def run(self) -> dict:
-        """Decode everything and return the results dict (rows + losslessness checks)."""
-        rows: list[dict] = []
-        checks: list[dict] = []
+    def run(self) -> tuple[list[EvalRow], list[LosslessCheck]]:
+        """Decode everything: the matrix rows and the losslessness checks."""
+        rows: list[EvalRow] = []
+        checks: list[LosslessCheck] = []
         configs = list(self.proposers())
         sampled = not self.params.greedy
         # Warm up kernels and allocators so the first timed configuration is not penalised.
@@ -190,7 +191,7 @@ class Evaluator:
             ar_greedy = self._decode_all(items, None, 0, GREEDY, 0)
             ar = self._decode_all(items, None, 0, self.params, 1) if sampled else ar_greedy
             rows.append(self._row(task, "ar", None, 0, None, None, summarize(ar, ar, None), True))
-            self.log(f"{task}: autoregressive {rows[-1]['tokens_per_s']:.1f} tokens/s")
+            self.log(f"{task}: autoregressive {rows[-1].tokens_per_s:.1f} tokens/s")
             for method, drafter, shortlist, size, proposer, ratio in configs:
                 for gamma in self.ev.gammas:
                     greedy_runs = self._decode_all(items, proposer, gamma, GREEDY, 0)
@@ -202,16 +203,17 @@ class Evaluator:
                     row = self._row(task, method, drafter, gamma, shortlist, size, summarize(runs, ar, ratio), equal)
                     rows.append(row)
                     self.log(f"{task}: {method}{':' + shortlist if shortlist else ''} γ={gamma} "
-                             f"τ={row['tau']:.2f} speedup={row['speedup']:.2f} greedy_equal={equal}")
-                    checks.append({"name": f"greedy_equal[{task}/{method}{'/' + shortlist if shortlist else ''}/γ={gamma}]",
-                                   "passed": ties == len(mismatched),
-                                   "detail": f"{len(items) - len(mismatched)}/{len(items)} prompts token-for-token equal "
-                                             f"({self.ev.max_new_tokens} tokens each); {ties} of {len(mismatched)} "
-                                             f"mismatches are floating-point ties (tolerance {self.ev.tie_tolerance})"})
+                             f"τ={row.tau:.2f} speedup={row.speedup:.2f} greedy_equal={equal}")
+                    checks.append(LosslessCheck(
+                        name=f"greedy_equal[{task}/{method}{'/' + shortlist if shortlist else ''}/γ={gamma}]",
+                        passed=ties == len(mismatched),
+                        detail=f"{len(items) - len(mismatched)}/{len(items)} prompts token-for-token equal "
+                               f"({self.ev.max_new_tokens} tokens each); {ties} of {len(mismatched)} "
+                               f"mismatches are floating-point ties (tolerance {self.ev.tie_tolerance})"))
         if self.ev.sampling_check_samples > 0:
             checks += [self.sampling_check(method, shortlist, proposer)
                        for method, _, shortlist, _, proposer, _ in configs]
-        return {"rows": rows, "lossless": {"passed": all(c["passed"] for c in checks), "checks": checks}}
+        return rows, checks
 
     @torch.no_grad()
     def _is_tie(self, prompt: list[int], ar: list[int], spec: list[int]) -> bool:
@@ -225,7 +227,7 @@ class Evaluator:
         gap = abs(float(logits[ar[i]] - logits[spec[i]]))
         return gap <= self.ev.tie_tolerance * max(1.0, float(logits.abs().max()))
 
-    def sampling_check(self, method: str, shortlist: str | None, proposer: Any) -> dict:
+    def sampling_check(self, method: str, shortlist: str | None, proposer: Any) -> LosslessCheck:
         """First emitted token at temperature 1 over n draws vs the target's p (chi-square, pooled tail)."""
         n, gamma = self.ev.sampling_check_samples, min(self.ev.gammas)
         params = SamplingParams(temperature=1.0)
@@ -247,70 +249,43 @@ class Evaluator:
         pvalue, bins = chi_square_first_token(counts, p)
         passed = impossible == 0 and pvalue >= self.ev.sampling_check_alpha and drafted > 0
         name = f"first_token_distribution[{method}{'/' + shortlist if shortlist else ''}]"
-        return {"name": name, "passed": passed,
-                "detail": f"n={n}, γ={gamma}, chi-square p={pvalue:.3g} over {bins} bins "
+        return LosslessCheck(name=name, passed=passed,
+                             detail=f"n={n}, γ={gamma}, chi-square p={pvalue:.3g} over {bins} bins "
                           f"(fails below {self.ev.sampling_check_alpha}); zero-probability tokens emitted: {impossible}; "
                           f"first-round drafts verified: {drafted} (a check with none would be vacuous), "
-                          f"first draft accepted in {first_accepted}/{n} draws"}
+                          f"first draft accepted in {first_accepted}/{n} draws")
 
     def _row(self, task: str, method: str, drafter: str | None, gamma: int, shortlist: str | None,
-             size: int | None, m: Any, equal: bool) -> dict:
-        return {"task": task, "method": method, "drafter": drafter, "gamma": gamma, "shortlist": shortlist,
-                "shortlist_size": size, "prompts": m.prompts, "new_tokens": m.new_tokens,
-                "target_forwards": m.target_forwards, "tau": m.mean_accepted_length,
-                "acceptance_rate": m.acceptance_rate if method != "ar" else None,
-                "per_position_acceptance": m.per_position_acceptance, "tokens_per_s": m.tokens_per_second,
-                "speedup": m.speedup_vs_autoregressive, "predicted_speedup": m.leviathan_expected_speedup,
-                "mbsu": m.mbsu, "ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms,
-                "drafter_ms_per_step": m.drafter_ms_per_round, "target_ms_per_step": m.target_ms_per_forward,
-                "greedy_equal": equal}
-
-    def gates(self, results: dict, speed_key: str) -> dict:
-        """The verdict: lossless, and the best shortlist configuration reaches τ and speed minimums."""
-        ev = self.ev
-        candidates: dict[tuple, list[dict]] = {}
-        for row in results["rows"]:
-            if row["method"] == "shortlist":
-                candidates.setdefault((row["shortlist"], row["gamma"]), []).append(row)
-        checks: dict[str, dict] = {"lossless": {"passed": results["lossless"]["passed"], "value": results["lossless"]["passed"],
-                                                "threshold": True, "detail": f"{len(results['lossless']['checks'])} checks"}}
-        chosen = None
-        if candidates:
-            def mean(rows: list[dict], key: str) -> float:
-                values = [r[key] for r in rows if r.get(key) is not None]
-                return float(np.mean(values)) if values else 0.0
-
-            (name, gamma), best = max(candidates.items(), key=lambda kv: (mean(kv[1], speed_key), mean(kv[1], "tau")))
-            chosen = {"shortlist": name, "gamma": gamma, "shortlist_size": best[0]["shortlist_size"],
-                      **{k: mean(best, k) for k in ("tau", "speedup", "mbsu", "acceptance_rate", "predicted_speedup")}}
-            checks["tau_min"] = {"passed": chosen["tau"] >= ev.gate_tau_min, "value": chosen["tau"],
-                                 "threshold": ev.gate_tau_min, "detail": f"mean τ of {name}, γ={gamma} over tasks"}
-            checks[f"{speed_key}_min"] = {"passed": chosen[speed_key] >= ev.gate_speed_min, "value": chosen[speed_key],
-                                          "threshold": ev.gate_speed_min,
-                                          "detail": f"mean {speed_key} of {name}, γ={gamma} over tasks"}
-        else:
-            checks["shortlist_evaluated"] = {"passed": False, "value": False, "threshold": True,
-                                             "detail": "no shortlist configuration was evaluated: nothing to register"}
-        return {"passed": all(c["passed"] for c in checks.values()), "checks": checks, "chosen": chosen,
-                "speed_metric": speed_key}
+             size: int | None, m: Any, equal: bool) -> EvalRow:
+        return EvalRow(task=task, method=method, drafter=drafter, gamma=gamma, shortlist=shortlist,
+                       shortlist_size=size, prompts=m.prompts, new_tokens=m.new_tokens,
+                       target_forwards=m.target_forwards, tau=m.mean_accepted_length,
+                       acceptance_rate=m.acceptance_rate if method != "ar" else None,
+                       per_position_acceptance=m.per_position_acceptance, tokens_per_s=m.tokens_per_second,
+                       speedup=m.speedup_vs_autoregressive, predicted_speedup=m.leviathan_expected_speedup,
+                       mbsu=m.mbsu, ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms,
+                       drafter_ms_per_step=m.drafter_ms_per_round, target_ms_per_step=m.target_ms_per_forward,
+                       greedy_equal=equal)
 
 
-def register_bundle(cfg: PipelineConfig, evaluation: Artifact, counts: Artifact, fingerprint: dict) -> dict | None:
-    """Register the draft-vocabulary bundle (count artifact + evaluation report) if its gates passed."""
+def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation: Artifact,
+                    counts: Artifact) -> dict | None:
+    """Register the draft-vocabulary bundle (count artifact + evaluation report) if its gates passed.
+
+    Takes the results it is given (fresh from the matrix, or read back from a cached evaluation), never
+    re-reading them from the report on its own.
+    """
     from pipeline.orchestration.stage import log
     from pipeline.registry import Bundle, register, registered_name
 
-    results = json.loads(evaluation.file("report.json").read_text())
-    gates = results["gates"]
-    if not gates["passed"]:
-        failed = [f"{name} ({c['value']} vs {c['threshold']})" for name, c in gates["checks"].items() if not c["passed"]]
-        log("evaluate", "gates failed, nothing registered: " + "; ".join(failed))
+    gates = results.gates
+    if not gates.passed or gates.chosen is None:
+        log("evaluate", "gates failed, nothing registered: " + "; ".join(gates.failures()))
         return None
-    chosen = gates["chosen"]
-    primary = cfg.evaluate.primary_metric if cfg.evaluate.primary_metric != "auto" else gates["speed_metric"]
-    metrics = {k: float(v) for k, v in chosen.items() if isinstance(v, (int, float)) and v is not None}
+    primary = cfg.evaluate.primary_metric if cfg.evaluate.primary_metric != "auto" else gates.speed_metric
     bundle = Bundle(name=registered_name(cfg.target.model, "draft-vocab"), artifacts=[counts, evaluation],
-                    metrics=metrics, primary_metric=primary, gates=gates, fingerprint=fingerprint)
+                    metrics=gates.chosen.metrics(), primary_metric=primary, gates=dataclasses.asdict(gates),
+                    fingerprint=results.target)
     result = register(bundle, cfg.mlflow, cfg.workdir_path, promote=cfg.evaluate.promote)
     record = {"name": result.name, "version": result.version, "aliases": result.aliases,
               "promoted": result.promoted, "reason": result.reason, "uri": result.uri,

@@ -18,6 +18,8 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from pipeline.evaluation.results import EvaluationResults
+
 METHOD_ORDER = ("ar", "full", "shortlist", "tli", "union", "slem")
 MISSING = "—"
 
@@ -367,9 +369,6 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
             fig.savefig(png_dir / f"{name}.png", dpi=110)
     parts.append(f"<h2>Losslessness: {_verdict_html(lossless.get('passed'))}</h2>")
     parts.append(_checks_html(lossless.get("checks")))
-    if results.get("registration"):
-        registration = json.dumps(results["registration"], indent=2, sort_keys=True, default=str)
-        parts.append(f"<h2>Registration</h2><pre>{esc(registration)}</pre>")
     parts.append("</body></html>\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "report.html"
@@ -377,7 +376,7 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
     return path
 
 
-def write_report(results: dict, out_dir: Path) -> list[Path]:
+def write_report(results: EvaluationResults | dict, out_dir: Path) -> list[Path]:
     """Write ``report.json`` (sorted keys, indent 2), ``report.html`` and ``report.md`` into ``out_dir``.
 
     The JSON is written first so the numbers survive even if rendering fails.
@@ -385,6 +384,8 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
     Returns:
         The three paths, in that order.
     """
+    if isinstance(results, EvaluationResults):
+        results = results.to_dict()
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "report.json"
     json_path.write_text(json.dumps(results, sort_keys=True, indent=2, default=str) + "\n", encoding="utf-8")

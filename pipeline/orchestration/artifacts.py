@@ -123,6 +123,17 @@ def load_artifact(path: str | Path, *, kind: str | None = None, fingerprint: dic
             extra payload file, an unsafe payload type, or a kind/fingerprint mismatch.
     """
     path = Path(path)
+    artifact = Artifact(path, read_manifest(path, kind=kind))
+    if verify:
+        verify_payloads(artifact)
+    if fingerprint is not None:
+        check_fingerprint(artifact, fingerprint, f"Artifact ({artifact.kind})")
+    return artifact
+
+
+def read_manifest(path: str | Path, *, kind: str | None = None) -> dict:
+    """The manifest of artifact directory ``path`` (payloads not re-hashed), kind and schema checked."""
+    path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise DrafterError(f"{path} is not an artifact: it has no {MANIFEST}.",
@@ -135,14 +146,9 @@ def load_artifact(path: str | Path, *, kind: str | None = None, fingerprint: dic
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise DrafterError(f"Artifact {path} has schema version {manifest.get('schema_version')}.",
                            expected=str(SCHEMA_VERSION), fix="Rebuild it with this version of the pipeline.")
-    artifact = Artifact(path, manifest)
     if kind is not None and manifest.get("kind") != kind:
         raise DrafterError(f"Artifact {path} is of the wrong kind.", expected=kind, found=manifest.get("kind"))
-    if verify:
-        verify_payloads(artifact)
-    if fingerprint is not None:
-        check_fingerprint(artifact, fingerprint, f"Artifact ({manifest.get('kind')})")
-    return artifact
+    return manifest
 
 
 def verify_payloads(artifact: Artifact) -> None:

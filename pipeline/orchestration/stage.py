@@ -1,8 +1,8 @@
 """The life of one stage run: cache lookup, preflight, build, atomic publish, MLflow logging.
 
-Every job in ``jobs/`` describes *what* its stage computes (a ``build`` function) and hands it to
-:func:`run_stage`, which owns *how* a stage runs: the artifact id from (stage, config, inputs,
-fingerprint), a cache hit that does no work, a tracking-server probe before any expensive work, a
+Every job in ``jobs/`` describes *what* its stage computes (a ``build`` function) and hands it, with
+its :class:`~pipeline.orchestration.dag.StagePlan` (artifact id, identity, inputs, fingerprint), to
+:func:`run_stage`, which owns *how* a stage runs: a cache hit that does no work, a tracking-server probe before any expensive work, a
 persistent staging directory (``<workdir>/staging/<id>``) where resumable stages keep finished shards
 across a killed run, the atomic publish, and the MLflow run. On a multi-rank launch every rank builds
 its share; only global rank zero publishes and logs.
@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config.schema import to_dict
 from pipeline.config.sections import PipelineConfig
-from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import Artifact, ArtifactStore, artifact_id, check_fingerprint
+from pipeline.orchestration.artifacts import Artifact, ArtifactStore
+from pipeline.orchestration.dag import StagePlan
 from pipeline.orchestration.tracking import check_reachable, log_stage_run, logged_run, tracking_uri
 
 
@@ -61,43 +60,33 @@ class StageRun:
         log(self.stage, message)
 
 
-def run_stage(cfg: PipelineConfig, *, stage: str, kind: str, section: Any, fingerprint: dict,
-              inputs: list[Artifact], build: Callable[[StageRun], BuildResult | None],
-              identity: dict | None = None) -> Artifact | None:
-    """Run (or reuse) one stage and return its verified artifact (None on ranks other than zero).
-
-    ``identity`` adds what else the result depends on (e.g. the drafters' fingerprints) to the id.
-    """
+def run_stage(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
+              build: Callable[[StageRun], BuildResult | None]) -> Artifact | None:
+    """Run (or reuse) the planned stage ``step`` and return its verified artifact (None on ranks other
+    than zero). ``inputs`` are the upstream artifacts ``build`` reads (from ``step.input``)."""
     workdir = cfg.workdir_path
     store = ArtifactStore(workdir / "artifacts")
-    for artifact in inputs:
-        check_fingerprint(artifact, fingerprint, f"Input artifact ({artifact.kind})")
-    # The target identity and the inputs are part of the id; target/mlflow settings that do not change
-    # the result (tracking URI, dtype for counting...) are deliberately not.
-    config = {stage: to_dict(section), "target": {"model": cfg.target.model, "revision": cfg.target.revision}}
-    if identity:
-        config["identity"] = identity
-    aid = artifact_id(stage, config, [a.id for a in inputs], fingerprint)
+    stage, aid = step.spec.name, step.id
     uri = tracking_uri(cfg.mlflow, workdir)
     existing = store.get(aid)
     if existing is not None:
         if global_rank() == 0:
             log(stage, f"cache hit: {aid} (no work done)")
             if logged_run(existing, uri) is None:
-                log_stage_run(existing, cfg.mlflow, workdir, params=config, metrics=existing.metrics)
+                log_stage_run(existing, cfg.mlflow, workdir, params=step.config, metrics=existing.metrics)
         return existing
     if global_rank() == 0:
         check_reachable(uri, cfg.mlflow)  # fail before hours of work, not after
         store.sweep()
     staging = workdir / "staging" / aid
     staging.mkdir(parents=True, exist_ok=True)
-    run = StageRun(cfg, stage, aid, staging, fingerprint, inputs)
+    run = StageRun(cfg, stage, aid, staging, step.fingerprint, inputs)
     started = time.perf_counter()
     result = build(run)
     if result is None:  # a non-zero rank: its shards are in staging, rank zero publishes
         return None
-    writer = store.writer(aid, kind=kind, stage=stage, config=config, inputs=[a.id for a in inputs],
-                          fingerprint=fingerprint)
+    writer = store.writer(aid, kind=step.spec.kind, stage=stage, config=step.config,
+                          inputs=[a.id for a in inputs], fingerprint=step.fingerprint)
     try:
         result.write(writer.tmp)
         metrics = {**result.metrics, "stage_seconds": round(time.perf_counter() - started, 3)}
@@ -107,21 +96,5 @@ def run_stage(cfg: PipelineConfig, *, stage: str, kind: str, section: Any, finge
         raise
     shutil.rmtree(staging, ignore_errors=True)
     log(stage, f"wrote {artifact.id} -> {artifact.path}")
-    log_stage_run(artifact, cfg.mlflow, workdir, params=config, metrics=artifact.metrics)
-    return artifact
-
-
-def find_input(cfg: PipelineConfig, explicit: str | None, kind: str, produce: Callable[[], Artifact | None],
-               fingerprint: dict) -> Artifact:
-    """An upstream artifact: the explicit path if the config names one, else the upstream stage's
-    (a cache hit when it already ran — so ``drafter count`` alone does the right thing)."""
-    if explicit:
-        from pipeline.orchestration.artifacts import load_artifact
-
-        artifact = load_artifact(explicit, kind=kind)
-    else:
-        artifact = produce()
-        if artifact is None:
-            raise DrafterError(f"The upstream {kind} artifact is not available on this rank.")
-    check_fingerprint(artifact, fingerprint, f"The {kind} artifact")
+    log_stage_run(artifact, cfg.mlflow, workdir, params=step.config, metrics=artifact.metrics)
     return artifact

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.config.sections import CountConfig
 from pipeline.data.calibration import flat_arrays, read_shard
 from pipeline.errors import DrafterError
 
@@ -104,6 +105,21 @@ def eagle3_maps(draft_ids: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.
     t2d = np.zeros(vocab_size, dtype=bool)
     t2d[draft_ids] = True
     return d2t.astype(np.int64), t2d
+
+
+def shortlists(counts: np.ndarray, rules: CountConfig, specials: list[int]) -> dict[str, np.ndarray]:
+    """Every shortlist ``rules`` asks for, keyed ``top_k_<k>``, ``top_p_<p>``, ``min_count_<c>``
+    (FR-Spec top-k; VocabTrim Alg. 1 mass and count thresholds), specials added when asked."""
+    out: dict[str, np.ndarray] = {}
+    for k in rules.top_k:
+        out[f"top_k_{k}"] = top_k(counts, k)
+    for p in rules.top_p:
+        out[f"top_p_{p:g}"] = top_p(counts, p)
+    for m in rules.min_count:
+        out[f"min_count_{m}"] = min_count(counts, m)
+    if rules.always_include_special:
+        out = {name: with_specials(ids, specials) for name, ids in out.items()}
+    return out
 
 
 def coverage(counts: np.ndarray, ids: np.ndarray) -> float:

@@ -1,0 +1,184 @@
+"""Typed evaluation results: rows, losslessness checks, gates and the verdict.
+
+The evaluate stage's figures travel from the matrix (:mod:`pipeline.evaluation.matrix`) through the
+report and into the registry as these dataclasses, not as dicts re-read from JSON. :func:`decide_gates`
+is a pure function of the rows and checks (plus the thresholds): the same results always give the same
+verdict, and a test can exercise the gates without decoding anything. ``report.json`` is
+:meth:`EvaluationResults.to_dict`; :meth:`EvaluationResults.from_dict` reads it back for a cache hit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+SPEED_METRICS = ("speedup", "mbsu")
+
+
+@dataclass
+class EvalRow:
+    """One configuration (task × method × drafter × γ × shortlist) of the matrix. ``ar`` rows are the
+    autoregressive baseline (γ = 0, no drafter)."""
+
+    task: str
+    method: str
+    drafter: str | None
+    gamma: int
+    shortlist: str | None
+    shortlist_size: int | None
+    prompts: int
+    new_tokens: int
+    target_forwards: int
+    tau: float
+    acceptance_rate: float | None
+    per_position_acceptance: list[float]
+    tokens_per_s: float
+    speedup: float | None
+    predicted_speedup: float | None
+    mbsu: float | None
+    ttft_ms: float | None
+    tpot_ms: float | None
+    drafter_ms_per_step: float | None
+    target_ms_per_step: float | None
+    greedy_equal: bool
+
+    @property
+    def tag(self) -> str:
+        """A metric-name prefix: ``chat.shortlist.top_k_256.g4``."""
+        return f"{self.task}.{self.method}" + (f".{self.shortlist}" if self.shortlist else "") + f".g{self.gamma}"
+
+
+@dataclass
+class LosslessCheck:
+    """One losslessness check (greedy equality, first-token distribution) and its verdict."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class GateCheck:
+    """One gate: the value found, the threshold, and whether it passed."""
+
+    passed: bool
+    value: Any
+    threshold: Any
+    detail: str
+
+
+@dataclass
+class Chosen:
+    """The configuration a bundle would be registered for: the best shortlist and γ, averaged over tasks."""
+
+    shortlist: str
+    gamma: int
+    shortlist_size: int | None
+    tau: float
+    speedup: float
+    mbsu: float
+    acceptance_rate: float
+    predicted_speedup: float
+
+    def metrics(self) -> dict[str, float]:
+        """The numeric figures (for the registry's version tags and the primary metric)."""
+        return {k: float(v) for k, v in dataclasses.asdict(self).items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+
+
+@dataclass
+class Gates:
+    """The verdict: every gate check, the chosen configuration, and the speed metric gated on."""
+
+    passed: bool
+    checks: dict[str, GateCheck]
+    chosen: Chosen | None
+    speed_metric: str
+
+    def failures(self) -> list[str]:
+        """``name (value vs threshold)`` of each failed gate."""
+        return [f"{name} ({c.value} vs {c.threshold})" for name, c in self.checks.items() if not c.passed]
+
+
+@dataclass
+class EvaluationResults:
+    """Everything the evaluate stage found."""
+
+    rows: list[EvalRow]
+    checks: list[LosslessCheck]
+    gates: Gates
+    device: str
+    target: dict
+    inputs: dict[str, str]
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+    @property
+    def lossless(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def to_dict(self) -> dict:
+        """The JSON form written as ``report.json`` and rendered by :mod:`pipeline.evaluation.report`."""
+        return {"rows": [dataclasses.asdict(r) for r in self.rows],
+                "lossless": {"passed": self.lossless, "checks": [dataclasses.asdict(c) for c in self.checks]},
+                "gates": dataclasses.asdict(self.gates), "device": self.device, "target": self.target,
+                "inputs": self.inputs, "created": self.created}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EvaluationResults:
+        """Read back :meth:`to_dict` (a cached evaluation's ``report.json``)."""
+        gates = data["gates"]
+        chosen = gates.get("chosen")
+        return cls(
+            rows=[EvalRow(**r) for r in data["rows"]],
+            checks=[LosslessCheck(**c) for c in data["lossless"]["checks"]],
+            gates=Gates(passed=gates["passed"], checks={k: GateCheck(**v) for k, v in gates["checks"].items()},
+                        chosen=Chosen(**chosen) if chosen else None, speed_metric=gates["speed_metric"]),
+            device=data["device"], target=data["target"], inputs=data["inputs"], created=data["created"])
+
+
+def _mean(rows: list[EvalRow], key: str) -> float:
+    values = [getattr(r, key) for r in rows if getattr(r, key) is not None]
+    return float(np.mean(values)) if values else 0.0
+
+
+def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metric: str, tau_min: float,
+                 speed_min: float) -> Gates:
+    """The verdict, a pure function of the results: lossless, and the best shortlist configuration
+    (highest mean speed metric over tasks, then τ) reaches the τ and speed minimums.
+
+    Args:
+        rows: The matrix rows.
+        checks: The losslessness checks.
+        speed_metric: ``speedup`` (measured; meaningful on CUDA) or ``mbsu`` (the CPU proxy).
+        tau_min: Minimum mean accepted length τ of the chosen configuration.
+        speed_min: Minimum of its speed metric.
+    """
+    if speed_metric not in SPEED_METRICS:
+        raise ValueError(f"speed_metric must be one of {SPEED_METRICS}, not {speed_metric!r}")
+    lossless = all(c.passed for c in checks)
+    gate_checks = {"lossless": GateCheck(lossless, lossless, True, f"{len(checks)} checks")}
+    candidates: dict[tuple[str, int], list[EvalRow]] = {}
+    for row in rows:
+        if row.method == "shortlist" and row.shortlist is not None:
+            candidates.setdefault((row.shortlist, row.gamma), []).append(row)
+    chosen = None
+    if candidates:
+        (name, gamma), best = max(candidates.items(),
+                                  key=lambda kv: (_mean(kv[1], speed_metric), _mean(kv[1], "tau")))
+        chosen = Chosen(shortlist=name, gamma=gamma, shortlist_size=best[0].shortlist_size,
+                        **{k: _mean(best, k) for k in ("tau", "speedup", "mbsu", "acceptance_rate",
+                                                       "predicted_speedup")})
+        where = f"{name}, γ={gamma} over tasks"
+        gate_checks["tau_min"] = GateCheck(chosen.tau >= tau_min, chosen.tau, tau_min, f"mean τ of {where}")
+        value = getattr(chosen, speed_metric)
+        gate_checks[f"{speed_metric}_min"] = GateCheck(value >= speed_min, value, speed_min,
+                                                       f"mean {speed_metric} of {where}")
+    else:
+        gate_checks["shortlist_evaluated"] = GateCheck(
+            False, False, True, "no shortlist configuration was evaluated: nothing to register")
+    return Gates(passed=all(c.passed for c in gate_checks.values()), checks=gate_checks, chosen=chosen,
+                 speed_metric=speed_metric)

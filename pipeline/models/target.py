@@ -1,0 +1,42 @@
+"""The target model as every stage sees it: tokenizer, model and fingerprint, all from ``cfg.target``.
+
+Stages used to call the loaders with the fields they remembered to pass, and one forgot the revision
+and the separate tokenizer when tokenising prompts. :class:`Target` takes the whole
+:class:`~pipeline.config.sections.TargetConfig`, so no caller can drop a field: the tokenizer comes from
+``target.tokenizer`` (else the model's own) at ``target.revision``, the model in ``target.dtype``, and
+the fingerprint stamped on artifacts is computed from exactly the same fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config.sections import TargetConfig
+from pipeline.models.loading import fingerprint, load_model, load_tokenizer
+
+
+@dataclass(frozen=True)
+class Target:
+    """Loader for one configured target. Cheap to build; loads happen on the calls."""
+
+    cfg: TargetConfig
+
+    @property
+    def tokenizer_name(self) -> str:
+        """Where the tokenizer comes from: ``target.tokenizer`` when set, else the model."""
+        return self.cfg.tokenizer or self.cfg.model
+
+    def tokenizer(self) -> Any:
+        """The target's tokenizer (``target.tokenizer`` or the model's own, at ``target.revision``)."""
+        return load_tokenizer(self.tokenizer_name, self.cfg.revision, trust_remote_code=self.cfg.trust_remote_code)
+
+    def model(self, device: str | None = None) -> Any:
+        """The target model in ``target.dtype``, eval mode, on ``device`` if given."""
+        return load_model(self.cfg.model, self.cfg.revision, dtype=self.cfg.dtype, device=device,
+                          trust_remote_code=self.cfg.trust_remote_code)
+
+    @property
+    def fingerprint(self) -> dict:
+        """Model name, revision and the vocabulary hash of :meth:`tokenizer` (cached per process)."""
+        return fingerprint(self.cfg.model, self.cfg.revision, self.cfg.tokenizer, self.cfg.trust_remote_code)

@@ -1,0 +1,227 @@
+"""The stage DAG as data, and the plan: every stage's artifact id and cache status, computed without
+running anything.
+
+:data:`STAGES` is the one table of stages: name, the job module that builds it (a recipe in ``jobs/``,
+named by module path so the library never imports recipes), the artifact kind, the upstream stages, and
+the config it reads. A stage's artifact id hashes exactly what changes its result: the fields it reads
+minus run settings (where and how a job runs: accelerator, devices, nodes, workers — see
+:func:`pipeline.config.schema.run_setting`), the ids of its inputs, the target fingerprint, and the
+fingerprints of any other model it uses. :func:`plan` computes all of that up front, so ``drafter run``,
+``drafter plan``, a Slurm submission and CI share one answer to "what is cached, what must run", and a
+stage gets its inputs from its :class:`StagePlan` instead of calling another stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config.schema import identity
+from pipeline.config.sections import PipelineConfig
+from pipeline.errors import DrafterError
+from pipeline.orchestration.artifacts import (
+    MANIFEST,
+    Artifact,
+    artifact_id,
+    check_fingerprint,
+    load_artifact,
+    read_manifest,
+)
+
+
+def _generate_models(cfg: PipelineConfig) -> dict:
+    from pipeline.models.loading import fingerprint
+
+    gen = cfg.generate
+    return {"generator": fingerprint(gen.drafter)} if gen.kind == "drafter" and gen.drafter else {}
+
+
+def _evaluate_models(cfg: PipelineConfig) -> dict:
+    from pipeline.engine.methods import METHODS
+    from pipeline.models.loading import fingerprint
+
+    ev = cfg.evaluate
+    needs = set().union(*(METHODS[m].needs for m in ev.methods))
+    models = {}
+    if "drafter" in needs:
+        models["drafter"] = fingerprint(ev.drafter)
+    if "drafter_other" in needs and ev.drafter_other:
+        models["drafter_other"] = fingerprint(ev.drafter_other)
+    return models
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One row of the DAG table.
+
+    Attributes:
+        name: Stage name (also its CLI subcommand and its artifact id prefix).
+        job: Module path of the recipe whose ``main(cfg)`` builds the artifact.
+        kind: Artifact kind it writes.
+        upstream: Stages whose artifacts it reads, in order.
+        reads: Config paths (sections or single fields) whose result-changing fields enter the id.
+        overrides: Upstream stage → config key that may name an artifact directory to use instead.
+        models: Fingerprints of models other than the target that the result depends on.
+    """
+
+    name: str
+    job: str
+    kind: str
+    upstream: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
+    overrides: dict[str, str] = field(default_factory=dict)
+    models: Callable[[PipelineConfig], dict] | None = None
+
+
+TARGET_IDENTITY = ("target.model", "target.revision", "target.tokenizer")
+
+STAGES: tuple[StageSpec, ...] = (
+    StageSpec("generate", "jobs.generate", "calibration",
+              reads=(*TARGET_IDENTITY, "target.dtype", "generate"), models=_generate_models),
+    StageSpec("count", "jobs.count", "token_counts", upstream=("generate",),
+              reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}),
+    # evaluate's prompts come from generate.source / heldout_fraction (the held-out share), so those two
+    # fields enter its id even when evaluate.counts names the count artifact directly.
+    StageSpec("evaluate", "jobs.evaluate", "evaluation", upstream=("count",),
+              reads=(*TARGET_IDENTITY, "target.dtype", "generate.source", "generate.heldout_fraction",
+                     "evaluate"), overrides={"count": "evaluate.counts"}, models=_evaluate_models),
+)
+STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
+
+
+def spec(name: str) -> StageSpec:
+    """The table row of stage ``name``."""
+    for row in STAGES:
+        if row.name == name:
+            return row
+    raise DrafterError(f"Unknown stage {name!r}.", expected=f"one of {list(STAGE_NAMES)}", found=name)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for key in dotted.split("."):
+        node = getattr(node, key)
+    return node
+
+
+def stage_identity(cfg: PipelineConfig, row: StageSpec) -> dict:
+    """The config part of ``row``'s id: each path it reads, run settings left out."""
+    return {path: identity(_get(cfg, path)) for path in row.reads}
+
+
+@dataclass
+class StagePlan:
+    """What running one stage under a config means, known before it runs.
+
+    Attributes:
+        spec: The stage's table row.
+        id: Its artifact id.
+        config: The identity the id hashes (config fields that change the result, other models).
+        fingerprint: The target fingerprint stamped on the artifact.
+        inputs: Upstream stage → (artifact id, artifact directory).
+        explicit: Upstream stages whose artifact the config names directly (not built by this plan).
+        path: Where the artifact lives (or will).
+    """
+
+    spec: StageSpec
+    id: str
+    config: dict
+    fingerprint: dict
+    inputs: dict[str, tuple[str, Path]]
+    explicit: frozenset[str]
+    path: Path
+
+    @property
+    def cached(self) -> bool:
+        return (self.path / MANIFEST).is_file()
+
+    def input(self, stage: str) -> Artifact:
+        """The verified upstream artifact of ``stage`` (hashes and target fingerprint checked)."""
+        aid, path = self.inputs[stage]
+        if not (path / MANIFEST).is_file():
+            raise DrafterError(
+                f"Stage {self.spec.name} needs the {stage} artifact {aid}, which has not been built.",
+                expected=f"{path}", found="no such artifact",
+                fix=f"Run `drafter {self.spec.name}` (it builds missing upstream stages first) or "
+                    f"`drafter run`.")
+        artifact = load_artifact(path, kind=spec(stage).kind)
+        check_fingerprint(artifact, self.fingerprint, f"The {stage} artifact")
+        return artifact
+
+
+@dataclass
+class Plan:
+    """Every planned stage, in DAG order."""
+
+    stages: dict[str, StagePlan]
+
+    def __getitem__(self, name: str) -> StagePlan:
+        return self.stages[name]
+
+    def needed(self, wanted: Iterable[str]) -> list[str]:
+        """``wanted`` plus the upstream stages it must build (not cached, not named explicitly), in order."""
+        need: set[str] = set()
+
+        def visit(name: str) -> None:
+            if name in need:
+                return
+            need.add(name)
+            step = self.stages[name]
+            for up in step.spec.upstream:
+                if up not in step.explicit and not self.stages[up].cached:
+                    visit(up)
+
+        for name in wanted:
+            visit(name)
+        return [name for name in self.stages if name in need]
+
+    def table(self) -> list[dict]:
+        """One row per stage for ``drafter plan``: id, cached or to run, inputs."""
+        return [{"stage": name, "artifact_id": s.id, "status": "cached" if s.cached else "to run",
+                 "inputs": {up: aid for up, (aid, _) in s.inputs.items()}, "path": str(s.path)}
+                for name, s in self.stages.items()]
+
+
+def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
+    """Compute the artifact id and cache status of ``stages`` (default: all) and their upstreams.
+
+    Nothing runs: the target's tokenizer (and other models' tokenizers, for their fingerprints) is
+    loaded, and manifests of explicitly named input artifacts are read.
+    """
+    from pipeline.models.target import Target
+
+    wanted = list(stages) if stages is not None else list(STAGE_NAMES)
+    for name in wanted:
+        spec(name)
+    fingerprint = Target(cfg.target).fingerprint
+    store = cfg.workdir_path / "artifacts"
+    planned: dict[str, StagePlan] = {}
+
+    def visit(name: str) -> StagePlan:
+        if name in planned:
+            return planned[name]
+        row = spec(name)
+        inputs: dict[str, tuple[str, Path]] = {}
+        explicit = set()
+        for up in row.upstream:
+            named = _get(cfg, row.overrides[up]) if up in row.overrides else None
+            if named:
+                path = Path(named).expanduser().resolve()
+                manifest = read_manifest(path, kind=spec(up).kind)
+                inputs[up] = (manifest["id"], path)
+                explicit.add(up)
+            else:
+                upstream = visit(up)
+                inputs[up] = (upstream.id, upstream.path)
+        config = stage_identity(cfg, row)
+        if row.models is not None and (models := row.models(cfg)):
+            config["models"] = models
+        aid = artifact_id(name, config, [aid for aid, _ in inputs.values()], fingerprint)
+        planned[name] = StagePlan(row, aid, config, fingerprint, inputs, frozenset(explicit), store / aid)
+        return planned[name]
+
+    for name in wanted:
+        visit(name)
+    return Plan({name: planned[name] for name in STAGE_NAMES if name in planned})
