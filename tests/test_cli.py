@@ -44,7 +44,7 @@ def test_help_is_fast_because_heavy_imports_are_lazy() -> None:
 
 
 def test_stage_help_lists_documented_options(capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^0$"):
         main(["generate", "--help"])
     out = capsys.readouterr().out
     assert "generate.max_new_tokens" in out and "Tokens generated per prompt" in out

@@ -1,9 +1,12 @@
 """Configs: every shipped YAML loads, overrides apply, and bad keys/values give errors that name them."""
 
+import re
+import shlex
 from pathlib import Path
 
 import pytest
 
+from jobs.cli import build_parser
 from pipeline.config.schema import describe, field_docs, to_dict
 from pipeline.config.sections import CountConfig, GenerateConfig, PipelineConfig, load_config
 from pipeline.errors import DrafterError
@@ -15,10 +18,15 @@ CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*
 def test_every_shipped_yaml_loads_and_says_how_to_run_it(path: Path) -> None:
     cfg = load_config(path)
     assert isinstance(cfg, PipelineConfig)
-    first = path.read_text().splitlines()[0]
-    assert first.startswith("#"), f"{path.name} must begin with a comment"
-    assert "drafter " in path.read_text().split("\n\n")[0] or "sbatch" in path.read_text(), \
-        f"{path.name} must say in its header which command runs it"
+    lines = path.read_text().splitlines()
+    header = [line for line in lines[: next(i for i, x in enumerate(lines) if not x.startswith("#"))]]
+    assert header, f"{path.name} must begin with a comment"
+    commands = [shlex.split(m.group(0)) for line in header
+                for m in re.finditer(r"drafter \S+ --config \S+", line)]
+    assert commands, f"{path.name} must say in its header which drafter command runs it"
+    subcommands = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001
+    for argv in commands:
+        assert argv[1] in subcommands and argv[3] == f"configs/{path.name}", argv
 
 
 def test_defaults_are_the_tiny_setup() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from jobs import count, evaluate
+from jobs import evaluate, run
 from jobs.cli import main as cli
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
@@ -34,7 +34,7 @@ def eval_cfg(workdir: Path, uri: str, *extra: str) -> PipelineConfig:
 def evaluated(tmp_path_factory: pytest.TempPathFactory, tiny_kit, mlflow_server: MlflowServer):
     workdir = tmp_path_factory.mktemp("evaluate")
     cfg = eval_cfg(workdir, mlflow_server.uri)
-    artifact = evaluate.main(cfg)
+    artifact = run(cfg, ["evaluate"])["evaluate"]  # builds generate and count first
     return cfg, artifact, json.loads(artifact.file("report.json").read_text())
 
 
@@ -118,17 +118,17 @@ def test_failed_gates_register_nothing(tmp_path: Path, tiny_kit, mlflow_server: 
     cfg = eval_cfg(tmp_path, mlflow_server.uri, "evaluate.gate_tau_min=50", "evaluate.methods=[shortlist]",
                    "evaluate.sampling_check_samples=0", "evaluate.tasks=[code]", "evaluate.gammas=[2]",
                    "mlflow.experiment=gates-fail")
-    artifact = evaluate.main(cfg)
+    artifact = run(cfg, ["evaluate"])["evaluate"]
     results = json.loads(artifact.file("report.json").read_text())
     assert not results["gates"]["passed"] and not results["gates"]["checks"]["tau_min"]["passed"]
     assert not (artifact.path.parent / f"{artifact.id}.registration.json").exists()
 
 
 def test_shortlist_from_another_target_is_refused(tmp_path: Path, tiny_kit, mlflow_server: MlflowServer) -> None:
-    other = count.main(load_config(None, [f"workdir={tmp_path}", *SMALL, "target.model=tiny:test/drafter_other",
-                                          "generate.limit=4"]))
+    other = run(load_config(None, [f"workdir={tmp_path}", *SMALL, "target.model=tiny:test/drafter_other",
+                                   "generate.limit=4"]), ["count"])["count"]
     cfg = eval_cfg(tmp_path, mlflow_server.uri, f"evaluate.counts={other.path}")
-    with pytest.raises(DrafterError) as err:
+    with pytest.raises(DrafterError, match="built for a different target") as err:
         evaluate.main(cfg)
     assert "vocab_hash" in str(err.value) and other.fingerprint["vocab_hash"] in str(err.value)
 
@@ -137,7 +137,7 @@ def test_shortlist_without_eos_is_refused(tmp_path: Path, tiny_kit, mlflow_serve
     cfg = eval_cfg(tmp_path, mlflow_server.uri, "count.always_include_special=false", "count.top_k=[4]",
                    "evaluate.shortlists=[top_k_4]", "evaluate.methods=[shortlist]")
     with pytest.raises(DrafterError, match="(?i)eos"):
-        evaluate.main(cfg)
+        run(cfg, ["evaluate"])
 
 
 def test_drafter_with_another_tokenizer_cannot_use_same_vocab_methods(tmp_path: Path, tiny_kit) -> None:

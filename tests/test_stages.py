@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 from jobs import count, generate
 from pipeline.config.sections import PipelineConfig, load_config
-from pipeline.data.calibration import iter_rows, load_dataset_dir, shard_files
+from pipeline.data.calibration import iter_rows, load_dataset_dir
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import load_artifact
 from tests.mlflow_server import MlflowServer
@@ -160,12 +160,13 @@ def test_drafter_calibration_kind(tmp_path: Path, tiny_kit) -> None:
 
 
 def test_missing_and_empty_prompt_files(tmp_path: Path, tiny_kit) -> None:
-    with pytest.raises(DrafterError):
+    with pytest.raises(DrafterError, match=r"nope\.jsonl does not exist"):
         generate.main(small_cfg(tmp_path, f"generate.source={tmp_path / 'nope.jsonl'}"))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(DrafterError):
+    with pytest.raises(DrafterError, match=r"empty\.jsonl is empty"):
         generate.main(small_cfg(tmp_path, f"generate.source={empty}"))
+    assert not list((tmp_path / "artifacts").glob("generate-*"))
 
 
 def test_dataset_without_assistant_tokens(tmp_path: Path, tiny_kit) -> None:
@@ -180,7 +181,7 @@ def test_dataset_without_assistant_tokens(tmp_path: Path, tiny_kit) -> None:
 
 def test_calibration_for_another_tokenizer_is_refused(tmp_path: Path, tiny_kit) -> None:
     other = generate.main(small_cfg(tmp_path, "target.model=tiny:test/drafter_other", "generate.limit=4"))
-    with pytest.raises(DrafterError) as err:
+    with pytest.raises(DrafterError, match="built for a different target") as err:
         count.main(small_cfg(tmp_path, f"count.calibration={other.path}"))
     msg = str(err.value)
     assert "vocab_hash" in msg and other.fingerprint["vocab_hash"] in msg
@@ -194,5 +195,6 @@ def test_mlflow_down_fails_before_work_and_loses_nothing(tmp_path: Path, tiny_ki
                     "mlflow.timeout_s=1", "generate.limit=4")
     with pytest.raises(DrafterError, match="unreachable"):
         generate.main(cfg)
-    assert not list((tmp_path / "staging").glob("*/shard-*"))
-    assert shard_files(tmp_path) == []
+    # Refused before any work: no staging dir, no shard, no artifact (nothing to lose, nothing half-made).
+    assert not (tmp_path / "staging").exists()
+    assert not list(tmp_path.rglob("shard-*.arrow")) and not list(tmp_path.rglob("generate-*"))

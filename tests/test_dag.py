@@ -1,0 +1,157 @@
+"""The stage DAG and its plan: ids hold exactly what changes a result, computed without running anything.
+
+Covers the defects found on review: run settings (devices, nodes, accelerator, workers) used to enter
+ids, so the README's Slurm chain regenerated the calibration set on the count node; ``target.dtype`` was
+not in the id; ``evaluate`` with ``evaluate.counts=PATH`` ignored where its prompts come from; and
+``generate`` tokenised prompts without ``target.tokenizer`` / ``target.revision``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs import count, generate
+from jobs.cli import build_parser
+from jobs.cli import main as cli_main
+from pipeline.config.sections import load_config
+from pipeline.data.calibration import iter_rows
+from pipeline.orchestration.dag import STAGE_NAMES, STAGES, plan
+from tests.test_stages import SMALL, small_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+SLURM_ENV = {"SLURM_NTASKS_PER_NODE": "8", "SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_PER_TASK": "16"}
+
+
+def sbatch_overrides(script: str) -> list[str]:
+    """The ``key=value`` overrides the ``srun drafter ...`` line of ``slurm/<script>`` passes (Slurm
+    variables filled in as on an 8-GPU, 2-node allocation)."""
+    text = (ROOT / "slurm" / script).read_text()
+    line = " ".join(part.rstrip("\\").strip() for part in text[text.index("srun drafter"):].splitlines())
+    for var, value in SLURM_ENV.items():
+        line = line.replace(f"${{{var}}}", value)
+    argv = shlex.split(line.replace('"$CONFIG"', "CONFIG").replace('"$@"', ""))
+    args = build_parser().parse_args(argv[2:])
+    return list(args.overrides)
+
+
+def test_the_table_is_a_dag_in_order() -> None:
+    seen: set[str] = set()
+    for row in STAGES:
+        assert set(row.upstream) <= seen, f"{row.name} must come after its upstream stages"
+        assert set(row.overrides) <= set(row.upstream)
+        assert row.job == f"jobs.{row.name}" and (ROOT / "jobs" / f"{row.name}.py").is_file()
+        seen.add(row.name)
+
+
+def test_plan_runs_nothing_and_follows_the_cache(tmp_path: Path, tiny_kit) -> None:
+    cfg = small_cfg(tmp_path)
+    before = plan(cfg, ["count"])
+    assert [s["status"] for s in before.table()] == ["to run", "to run"]
+    assert before.needed(["count"]) == ["generate", "count"]
+    assert before["count"].inputs["generate"][0] == before["generate"].id
+    assert not tmp_path.exists() or not any(tmp_path.iterdir()), "planning must not write anything"
+    built = generate.main(cfg)
+    after = plan(cfg, ["count"])
+    assert built.id == after["generate"].id and after["generate"].cached
+    assert after.needed(["count"]) == ["count"]  # count alone reuses the calibration set
+
+
+def test_run_settings_stay_out_of_every_id(tmp_path: Path, tiny_kit) -> None:
+    here = small_cfg(tmp_path, "generate.devices=1", "generate.accelerator=cpu", "generate.num_nodes=1",
+                     "count.workers=1", "evaluate.register=true")
+    there = small_cfg(tmp_path, "generate.devices=8", "generate.accelerator=gpu", "generate.num_nodes=4",
+                      "count.workers=16", "evaluate.register=false", "evaluate.promote=true",
+                      "target.trust_remote_code=true", "mlflow.experiment=elsewhere")
+    a, b = plan(here), plan(there)
+    assert [s.id for s in a.stages.values()] == [s.id for s in b.stages.values()]
+    assert list(a.stages) == list(STAGE_NAMES)
+
+
+def test_the_readme_slurm_chain_does_not_regenerate_on_the_count_node(tmp_path: Path, tiny_kit) -> None:
+    """`sbatch slurm/generate.sbatch` then `sbatch slurm/count.sbatch`: the count job must find the
+    generate job's artifact, not plan a new calibration set of its own."""
+    gen_cmd, count_cmd = sbatch_overrides("generate.sbatch"), sbatch_overrides("count.sbatch")
+    assert any(o.startswith("generate.devices=8") for o in gen_cmd)  # the lines really differ
+    assert not any(o.startswith("generate.") for o in count_cmd)
+    on_gpu_node = plan(small_cfg(tmp_path, *gen_cmd), ["generate"])
+    on_count_node = plan(small_cfg(tmp_path, *count_cmd), ["count"])
+    assert on_gpu_node["generate"].id == on_count_node["generate"].id
+
+
+@pytest.mark.slow
+def test_one_and_two_ranks_write_the_same_artifact(tmp_path: Path, tiny_kit) -> None:
+    """Generate on 2 CPU ranks (Lightning DDP, a real second process) and on 1: one id, the same rows."""
+    extra = ["generate.limit=24", "generate.max_new_tokens=10"]
+    one = generate.main(small_cfg(tmp_path / "one", *extra, "generate.devices=1"))
+    cmd = [sys.executable, "-m", "jobs.cli", "generate", f"workdir={tmp_path / 'two'}", *SMALL, *extra,
+           "generate.devices=2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Starting with 2 processes" in done.stdout + done.stderr  # really two ranks
+    two = plan(small_cfg(tmp_path / "two", *extra, "generate.devices=2"), ["generate"])["generate"]
+    assert two.cached and two.id == one.id
+    assert list(iter_rows(two.path / "data")) == list(iter_rows(one.path / "data"))
+
+
+def test_dtype_is_part_of_what_a_stage_computes(tmp_path: Path, tiny_kit) -> None:
+    f32, f64 = plan(small_cfg(tmp_path)), plan(small_cfg(tmp_path, "target.dtype=float64"))
+    for stage in ("generate", "evaluate"):
+        assert f32[stage].id != f64[stage].id, f"{stage} runs the target, so its dtype changes the result"
+        assert f64[stage].config["target.dtype"] == "float64"
+    assert "target.dtype" not in f32["count"].config  # counting never runs the model
+    assert f32["count"].id != f64["count"].id  # but it counts another calibration set
+
+
+def test_evaluate_id_follows_its_prompts_even_with_explicit_counts(tmp_path: Path, tiny_kit) -> None:
+    cfg = small_cfg(tmp_path)
+    generate.main(cfg)
+    counts = count.main(cfg)
+    named = [f"evaluate.counts={counts.path}"]
+    base = plan(small_cfg(tmp_path, *named), ["evaluate"])
+    assert list(base.stages) == ["evaluate"] and base["evaluate"].inputs["count"][0] == counts.id
+    assert base["evaluate"].id == plan(cfg, ["evaluate"])["evaluate"].id  # the path itself is not hashed
+    other_source = plan(small_cfg(tmp_path, *named, "generate.source=humaneval"), ["evaluate"])
+    other_split = plan(small_cfg(tmp_path, *named, "generate.heldout_fraction=0.2"), ["evaluate"])
+    assert len({base["evaluate"].id, other_source["evaluate"].id, other_split["evaluate"].id}) == 3
+
+
+def test_generate_tokenises_with_the_configured_tokenizer(tmp_path: Path, tiny_kit) -> None:
+    """A separate ``target.tokenizer`` (here the target's own vocabulary with another chat template)
+    is what generate's prompts are rendered with, as the fingerprint and the model load already use."""
+    from pipeline.models.loading import load_tokenizer
+    from pipeline.models.target import Target
+
+    own = load_tokenizer("tiny:test/target")
+    custom = load_tokenizer("tiny:test/target")
+    custom.chat_template = "custom-system-line\n" + own.chat_template
+    custom.save_pretrained(tmp_path / "tokenizer")
+    cfg = small_cfg(tmp_path, f"target.tokenizer={tmp_path / 'tokenizer'}", "generate.kind=raw",
+                    "generate.limit=4", "generate.max_new_tokens=64")
+    assert Target(cfg.target).tokenizer().chat_template == custom.chat_template
+    art = generate.main(cfg)
+    marker = custom("custom-system-line\n", add_special_tokens=False)["input_ids"]
+    rows = list(iter_rows(art.path / "data"))
+    assert rows and all(row["input_ids"][: len(marker)] == marker for row in rows)
+    assert Target(cfg.target).fingerprint["vocab_hash"] == art.fingerprint["vocab_hash"]
+
+
+def test_drafter_plan_prints_ids_and_cache_status(tmp_path: Path, tiny_kit, capsys) -> None:
+    args = ["plan", "--json", f"workdir={tmp_path}", *SMALL]
+    assert cli_main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["stage"], r["status"]) for r in rows] == [(s, "to run") for s in STAGE_NAMES]
+    generate.main(load_config(None, [f"workdir={tmp_path}", *SMALL]))
+    assert cli_main(args) == 0
+    status = {r["stage"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+    assert status == {"generate": "cached", "count": "to run", "evaluate": "to run"}
+    assert cli_main(["plan", f"workdir={tmp_path}", *SMALL]) == 0
+    table = capsys.readouterr().out
+    assert "generate-" in table and "cached" in table and "2 stage(s) to run" in table

@@ -1,0 +1,67 @@
+"""Typed evaluation results: the gates are a pure function of the rows and checks, the JSON form round-
+trips, and the report shows what the results hold (no field read that nothing sets)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.evaluation.report import render_html, write_report
+from pipeline.evaluation.results import EvalRow, EvaluationResults, LosslessCheck, decide_gates
+from tests.test_report import synthetic_results
+
+
+def typed(data: dict | None = None, *, lossless: bool = True) -> EvaluationResults:
+    data = data or synthetic_results()
+    rows = [EvalRow(**r) for r in data["rows"]]
+    checks = [LosslessCheck("greedy_equal[chat/full/γ=3]", lossless, "8/8 prompts")]
+    gates = decide_gates(rows, checks, speed_metric="mbsu", tau_min=1.5, speed_min=1.0)
+    return EvaluationResults(rows=rows, checks=checks, gates=gates, device="cpu (2 threads)",
+                             target=data["target"], inputs={"counts": "count-0123"})
+
+
+def test_gates_choose_the_best_shortlist_by_the_speed_metric() -> None:
+    results = typed()
+    chosen = results.gates.chosen
+    # synthetic_results: τ grows with the shortlist index and mbsu = τ/1.3, so the largest one wins.
+    assert (chosen.shortlist, chosen.gamma, chosen.shortlist_size) == ("top-k 8192", 3, 8192)
+    taus = [r.tau for r in results.rows if r.shortlist == "top-k 8192"]
+    assert chosen.tau == pytest.approx(sum(taus) / len(taus)) and chosen.mbsu == pytest.approx(chosen.tau / 1.3)
+    assert results.gates.passed and set(results.gates.checks) == {"lossless", "tau_min", "mbsu_min"}
+
+
+def test_gates_are_a_pure_function_of_rows_checks_and_thresholds() -> None:
+    results = typed()
+    again = decide_gates(results.rows, results.checks, speed_metric="mbsu", tau_min=1.5, speed_min=1.0)
+    assert again == results.gates
+    strict = decide_gates(results.rows, results.checks, speed_metric="mbsu", tau_min=99.0, speed_min=1.0)
+    assert not strict.passed and strict.failures() == [f"tau_min ({strict.chosen.tau} vs 99.0)"]
+    lossy = typed(lossless=False)
+    assert not lossy.gates.passed and not lossy.gates.checks["lossless"].passed
+    no_shortlist = [r for r in results.rows if r.method != "shortlist"]
+    none = decide_gates(no_shortlist, results.checks, speed_metric="speedup", tau_min=1.0, speed_min=1.0)
+    assert not none.passed and none.chosen is None and "shortlist_evaluated" in none.checks
+    with pytest.raises(ValueError, match="speed_metric must be one of"):
+        decide_gates(results.rows, results.checks, speed_metric="tau", tau_min=1.0, speed_min=1.0)
+
+
+def test_results_round_trip_through_report_json(tmp_path: Path) -> None:
+    results = typed()
+    write_report(results, tmp_path)
+    back = EvaluationResults.from_dict(json.loads((tmp_path / "report.json").read_text()))
+    assert back == results
+    assert dataclasses.asdict(back.gates) == dataclasses.asdict(results.gates)
+
+
+def test_report_header_shows_when_the_results_were_created(tmp_path: Path) -> None:
+    """The report used to read ``created`` (and ``registration``), which the evaluate stage never set:
+    the header showed "—". The typed results carry ``created``; registration is an event about the
+    immutable artifact and lives beside it, not in the report."""
+    results = typed()
+    assert results.created[:2] == "20" and results.created.endswith("Z")
+    page = render_html(results.to_dict(), tmp_path).read_text()
+    assert f"<td>{results.created}</td>" in page
+    assert "Registration" not in page
