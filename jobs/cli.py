@@ -23,15 +23,17 @@ STAGE_SECTIONS = ("workdir", "target", "mlflow")
 
 
 def _options_help(stage: str | None) -> str:
-    from pipeline.config.schema import describe
+    from pipeline.config.schema import INPUT_OVERRIDE, describe, excluded_fields
     from pipeline.config.sections import PipelineConfig
 
     rows = [r for r in describe(PipelineConfig)
             if stage is None or r[0].split(".")[0] in (*STAGE_SECTIONS, stage)]
+    marks = {key: "  [input: its artifact id enters the id]" if why == INPUT_OVERRIDE else "  [run setting]"
+             for key, why in excluded_fields(PipelineConfig).items()}
     width = max(len(r[0]) for r in rows)
-    lines = ["options (set in the YAML or override as key=value):"]
+    lines = ["options (set in the YAML or override as key=value; [run setting]: not part of any artifact id):"]
     for key, tp, default, doc in rows:
-        lines.append(f"  {key:<{width}}  {tp} = {default}")
+        lines.append(f"  {key:<{width}}  {tp} = {default}{marks.get(key, '')}")
         if doc:
             lines.append(f"  {'':<{width}}    {doc}")
     return "\n".join(lines)
