@@ -31,8 +31,9 @@ def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES) -> dict[str, A
     """
     wanted = list(stages)
     artifacts: dict[str, Artifact] = {}
-    for name in plan(cfg, wanted).needed(wanted):
-        artifact = importlib.import_module(f"jobs.{name}").main(cfg)
+    the_plan = plan(cfg, wanted)
+    for name in the_plan.needed(wanted):
+        artifact = importlib.import_module(the_plan[name].spec.job).main(cfg)
         if artifact is None:
             break
         artifacts[name] = artifact

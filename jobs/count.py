@@ -49,7 +49,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
     draft_ids = counting.top_k(counts, cfg.count.draft_vocab_size)
     if cfg.count.always_include_special:
         draft_ids = counting.with_specials(draft_ids, specials)
-    d2t, t2d = counting.eagle3_maps(draft_ids, vocab_size)
+    d2t, t2d = counting.eagle3_offset_maps(draft_ids, vocab_size)
     by_freq = np.argsort(-counts[draft_ids], kind="stable")
     summary = {name: {"size": int(ids.size), "coverage": round(counting.coverage(counts, ids), 6)}
                for name, ids in lists.items()}
