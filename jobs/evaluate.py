@@ -22,6 +22,7 @@ from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 
+
 def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact) -> BuildResult:
     from pipeline.evaluation.matrix import evaluate_matrix
     from pipeline.evaluation.report import write_report

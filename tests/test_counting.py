@@ -55,11 +55,16 @@ def test_shortlists() -> None:
     assert counting.coverage(counts, np.array([2, 4])) == pytest.approx(18 / 29)
 
 
-def test_eagle3_maps_round_trip() -> None:
-    draft = np.array([3, 10, 11, 40])
-    d2t, t2d = counting.eagle3_maps(draft, 50)
-    assert (np.arange(4) + d2t).tolist() == draft.tolist()         # target id = draft id + d2t[draft id]
-    assert np.flatnonzero(t2d).tolist() == draft.tolist() and t2d.dtype == bool
+def test_eagle3_d2t_holds_offsets_and_t2d_a_mask() -> None:
+    """EAGLE-3/SGLang convention: draft id i is the i-th smallest shortlisted target id, and
+    target_id = draft_id + d2t[draft_id] (d2t holds offsets, not ids)."""
+    draft = np.array([40, 3, 11, 10])                                 # any order in, sorted out
+    d2t, t2d = counting.eagle3_offset_maps(draft, 50)
+    assert d2t.tolist() == [3, 9, 9, 37] and d2t.dtype == np.int64  # offsets, not the ids [3, 10, 11, 40]
+    for draft_id, target_id in enumerate([3, 10, 11, 40]):
+        assert draft_id + d2t[draft_id] == target_id
+    assert t2d.shape == (50,) and t2d.dtype == bool
+    assert np.flatnonzero(t2d).tolist() == [3, 10, 11, 40]
 
 
 def test_synthetic_shards_are_valid(tmp_path: Path) -> None:

@@ -98,7 +98,7 @@ def intersection_pairs(
     """
     d2t = torch.full((drafter_width,), -1, dtype=torch.long)
     n = min(drafter_width, vocab_map.drafter_vocab_size)
-    d2t[:n] = vocab_map.d2t[:n]
+    d2t[:n] = vocab_map.drafter_to_target[:n]
     d2t[d2t >= target_width] = -1
     inter_d = torch.nonzero(d2t >= 0).flatten()
     return inter_d, d2t[inter_d], d2t

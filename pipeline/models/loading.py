@@ -9,14 +9,13 @@ vocabulary — is stamped on every artifact so nothing built for one target is u
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import DrafterError
+from pipeline.vocab.tokens import vocab_hash
 
 TINY_PREFIX = "tiny:"
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
@@ -91,15 +90,6 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
     if device is not None:
         model.to(device)
     return model
-
-
-def vocab_hash(tokenizer: Any) -> str:
-    """sha256 of the tokenizer's vocabulary and special tokens: equal hashes mean interchangeable ids."""
-    vocab = tokenizer.get_vocab()
-    special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
-    payload = json.dumps({"vocab": sorted(vocab.items(), key=lambda kv: kv[1]), "special": special},
-                         ensure_ascii=False)
-    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 @lru_cache(maxsize=16)

@@ -4,10 +4,10 @@ A drafter with another vocabulary cannot be fit to the target's logits token by 
 tokenizations of one text share many *boundaries*: wherever a target token and a drafter token start at
 the same character, both models predict "the text that starts here". At those positions the target's
 next-token distribution, restricted to the tokens both vocabularies spell identically (the intersection
-``I``, 'Ġ'/'▁' space signs and ``<0xNN>`` bytes normalised to raw bytes) and renormalised, is a soft
-target for the drafter. That is the distribution TLI (Timor et al. 2025, "Lossless speculative
-decoding for heterogeneous vocabularies") verifies against, so fitting it raises acceptance directly.
-This module owns the intersection map, the aligned rows, and the soft-target loss and agreement figures.
+``I``, matched by byte meaning in :mod:`pipeline.vocab.tokens`) and renormalised, is a soft target for
+the drafter. That is the distribution TLI (Timor et al. 2025, "Lossless speculative decoding for
+heterogeneous vocabularies") verifies against, so fitting it raises acceptance directly. This module
+owns the aligned rows, and the soft-target loss and agreement figures.
 """
 
 from __future__ import annotations
@@ -19,45 +19,21 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.tiny.train import StepLoss, batches
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte↔unicode table, inverted: printable stand-in character → byte."""
-    visible = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars = visible[:]
-    shift = 0
-    for b in range(256):
-        if b not in visible:
-            visible.append(b)
-            chars.append(256 + shift)
-            shift += 1
-    return {chr(c): b for b, c in zip(visible, chars, strict=True)}
-
-
-def token_bytes(tokenizer: Any) -> dict[int, bytes]:
-    """The bytes each non-special token stands for, for byte-level ('Ġ') or Metaspace ('▁') BPEs."""
-    specials = set(tokenizer.all_special_ids)
-    byte_level = "Ġ" in tokenizer.get_vocab() or "Ċ" in tokenizer.get_vocab()
-    decoder = _byte_decoder()
-    out = {}
-    for token, idx in tokenizer.get_vocab().items():
-        if idx in specials:
-            continue
-        if byte_level:
-            out[idx] = bytes(decoder[ch] for ch in token)
-        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
-            out[idx] = bytes([int(token[3:5], 16)])
-        else:
-            out[idx] = token.replace("▁", " ").encode("utf-8")
-    return out
+from pipeline.vocab.tokens import representatives
 
 
 def shared_tokens(tok_target: Any, tok_drafter: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ids of the tokens both vocabularies spell identically: ``(target_ids, drafter_ids)``, aligned."""
-    # Byte-fallback tokens (low ids) spell the same bytes as learnt single characters; the learnt
-    # token (higher id) is the one the tokenizer emits, so it wins.
-    by_bytes = {b: i for i, b in sorted(token_bytes(tok_drafter).items())}
-    pairs = sorted((t, by_bytes[b]) for t, b in token_bytes(tok_target).items() if b in by_bytes)
+    """The tokens both vocabularies spell identically: ``(target_ids, drafter_ids)``, by target id.
+
+    Text tokens only (specials are control symbols, never distilled on); where several drafter tokens
+    mean the same bytes, the one the tokenizer emits (a learnt 'A', not the byte fallback '<0x41>').
+    """
+    drafter_ids = representatives(tok_drafter)
+    pairs = sorted(
+        (target_id, drafter_ids[meaning])
+        for meaning, target_id in representatives(tok_target).items()
+        if meaning.kind == "text" and meaning in drafter_ids
+    )
     return torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
 
 

@@ -98,13 +98,26 @@ def with_specials(ids: np.ndarray, specials: Iterable[int]) -> np.ndarray:
     return np.union1d(ids, np.asarray(sorted(set(specials)), dtype=np.int64))
 
 
-def eagle3_maps(draft_ids: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """EAGLE-3 maps for a sorted draft vocabulary: ``d2t[i] = draft_ids[i] - i`` and ``t2d`` bool."""
+def eagle3_offset_maps(draft_ids: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """EAGLE-3's vocabulary maps for a draft vocabulary (the ``d2t``/``t2d`` its loaders read).
+
+    Convention (EAGLE-3, SGLang): draft id ``i`` is the ``i``-th smallest target id of the shortlist,
+    and ``d2t`` holds *offsets*, not ids: ``target_id = i + d2t_offsets[i]``. ``t2d`` is a mask over the
+    target vocabulary. (:class:`pipeline.vocab.maps.VocabMap` holds absolute ids instead.)
+
+    Args:
+        draft_ids: Target ids in the draft vocabulary (any order, no repeats).
+        vocab_size: Size of the target vocabulary.
+
+    Returns:
+        ``(d2t_offsets, t2d_mask)``: int64 ``(len(draft_ids),)`` offsets and bool ``(vocab_size,)``,
+        true at the target ids in the draft vocabulary.
+    """
     draft_ids = np.sort(draft_ids)
-    d2t = draft_ids - np.arange(draft_ids.size)
-    t2d = np.zeros(vocab_size, dtype=bool)
-    t2d[draft_ids] = True
-    return d2t.astype(np.int64), t2d
+    d2t_offsets = draft_ids - np.arange(draft_ids.size)
+    t2d_mask = np.zeros(vocab_size, dtype=bool)
+    t2d_mask[draft_ids] = True
+    return d2t_offsets.astype(np.int64), t2d_mask
 
 
 def shortlists(counts: np.ndarray, rules: CountConfig, specials: list[int]) -> dict[str, np.ndarray]:

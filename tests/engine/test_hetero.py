@@ -10,13 +10,12 @@ forwards agree far below any argmax gap. The lead can swap in the trained tiny k
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from pipeline.engine.hetero import (
     SLEMProposer,
@@ -32,12 +31,8 @@ from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.verify import verify_speculative
 from pipeline.errors import DrafterError
 from pipeline.vocab.maps import VocabMap, decode_ids, encode_text
+from tests.engine.toy_tokenizers import byte_level_tokenizer, corpus, greek_tokenizer, metaspace_tokenizer
 
-_WORDS = (
-    "the cat sat on mat and dog ran to park while bird sang in tree near river the café served "
-    "naïve résumé über crème brûlée déjà vu to the people of the town who said hello world again "
-    "speculative decoding lets a small model draft tokens that the large model verifies in one pass"
-).split()
 # Leading spaces: a Metaspace tokenizer prepends '▁' to the first word, so only then can the two
 # tokenizations of a prompt line up. The first three line up token for token (the copied drafter then
 # agrees with the target), the last two are split differently by the two tokenizers.
@@ -49,54 +44,6 @@ PROMPTS = [
     " the café served crème",
 ]
 GREEDY = SamplingParams()
-
-
-def _corpus(seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 12))) + "." for _ in range(300)]
-
-
-def _byte_level() -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_corpus(0), trainer)
-    return tokenizer
-
-
-def _metaspace() -> Tokenizer:
-    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
-    trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens], show_progress=False
-    )
-    tokenizer.train_from_iterator(_corpus(1), trainer)
-    spec = json.loads(tokenizer.to_str())  # byte-fallback tokens as plain vocab entries, as in Llama
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in set(byte_tokens)]
-    return Tokenizer.from_str(json.dumps(spec))
-
-
-def _greek() -> Tokenizer:
-    """Greek letters only, no byte tokens, no space sign; adds a BOS like many real tokenizers."""
-    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    rng = random.Random(2)
-    words = ["αβγ", "δεζ", "ηθι", "κλμ", "νξο", "πρσ", "τυφ", "χψω"]
-    text = [" ".join(rng.choice(words) for _ in range(8)) for _ in range(200)]
-    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "[BOS]"], show_progress=False)
-    tokenizer.train_from_iterator(text, trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="[BOS] $A", special_tokens=[("[BOS]", tokenizer.token_to_id("[BOS]"))]
-    )
-    return tokenizer
 
 
 def _llama(vocab_size: int, seed: int, hidden: int = 64, layers: int = 2) -> torch.nn.Module:
@@ -130,12 +77,12 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def tok_target() -> Tokenizer:
-    return _byte_level()
+    return byte_level_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def tok_drafter() -> Tokenizer:
-    return _metaspace()
+    return metaspace_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +160,7 @@ def test_verify_level_output_law_and_acceptance_law(method: str) -> None:
     d2t = torch.tensor([0, 2, -1, 3, 5, -1, 6, 1])
     t2d = torch.full((v_target,), -1)
     t2d[d2t[d2t >= 0]] = torch.nonzero(d2t >= 0).flatten()
-    vocab_map = VocabMap(d2t=d2t, t2d=t2d)
+    vocab_map = VocabMap(drafter_to_target=d2t, target_to_drafter=t2d)
     p = torch.tensor(
         [
             [0.30, 0.00, 0.25, 0.05, 0.20, 0.10, 0.10],  # p = 0 on target id 1 (drafter id 7)
@@ -355,7 +302,7 @@ def test_align_draft_always_spells_the_draft(
     non-empty for most cuts at a word boundary."""
     tokenizer = tok_target if side == "byte_level" else tok_drafter
     rng = random.Random(7)
-    sentences = _corpus(3)
+    sentences = corpus(3)
     aligned_at_words = words = 0
     for _ in range(300):
         sentence = " " + rng.choice(sentences)
@@ -401,7 +348,7 @@ def test_greedy_speculative_equals_autoregressive(
 def test_slem_with_no_shared_token_is_still_exact(
     target_model, tok_target, prompt_ids, greedy_reference
 ) -> None:
-    tok_greek = _greek()
+    tok_greek = greek_tokenizer()
     greek_map = VocabMap.build(tok_target, tok_greek)
     assert greek_map.intersection_size == 0
     drafter = _llama(tok_greek.get_vocab_size(), seed=5, hidden=32, layers=1)
@@ -431,7 +378,7 @@ def test_sampled_first_token_follows_the_target(
     below 40 against p from one plain target forward."""
     params = SamplingParams(temperature=1.0, top_k=8)
     ids = prompt_ids[0]
-    assert vmap.d2t[encode_text(tok_drafter, PROMPTS[0], add_special_tokens=True)].tolist() == ids
+    assert vmap.drafter_to_target[encode_text(tok_drafter, PROMPTS[0], add_special_tokens=True)].tolist() == ids
     with torch.no_grad():
         p = standardise(target_model(torch.tensor([ids])).logits[0, -1], params)
     proposer = _proposer(method, copied_drafter, tok_drafter, tok_target, vmap)

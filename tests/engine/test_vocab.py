@@ -1,85 +1,133 @@
-"""VocabMap: token-string intersection of two real tokenizers trained here on a few KB of text.
+"""Token byte meanings, the one vocabulary hash, and VocabMap (the token intersection T∩D).
 
-The target is GPT-2-style byte-level BPE ('Ġthe', 'Ã©'); the drafter is SentencePiece-style Metaspace
-BPE with byte fallback ('▁the', 'é', '<0xC3>'). Correctness is checked against an oracle that uses only
-each tokenizer's own decoder, not the map's spelling rules.
+Two kinds of tokenizers: hand-written ones whose every id is known, so the exact map can be asserted
+id by id; and real ones trained here on a few KB of text (:mod:`tests.engine.toy_tokenizers`): the
+target GPT-2-style byte-level BPE ('Ġthe', 'Ã©'), the drafter SentencePiece-style Metaspace BPE with
+byte fallback ('▁the', 'é', '<0xC3>'). On the trained pair, correctness is checked against an oracle
+that uses only each tokenizer's own decoder, not the map's spelling rules.
 """
 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from pipeline.errors import DrafterError
-from pipeline.vocab.maps import VocabMap, vocab_fingerprint
+from pipeline.vocab.maps import VocabMap
+from pipeline.vocab.tokens import Meaning, Spelling, representatives, token_meanings, vocab_hash
+from tests.engine.toy_tokenizers import byte_level_tokenizer, greek_tokenizer, metaspace_tokenizer
 
-_WORDS = (
-    "the cat sat on mat and dog ran to park while bird sang in tree near river the café served "
-    "naïve résumé über crème brûlée déjà vu to the people of the town who said hello world again "
-    "speculative decoding lets a small model draft tokens that the large model verifies in one pass"
-).split()
+# --- hand-written vocabularies: every id known ----------------------------------------------------
+# Target, GPT-2 byte-level: 'Ġ' is the stand-in for b' ', 'Ċ' for b'\n', 'Ã' for b'\xc3', '©' for b'\xa9'.
+HAND_TARGET = ["<|endoftext|>", "Ġthe", "Ċ", "Ã©", "Ã", "e", "Ġ", "</s>", "©"]
+# Drafter, Llama/SentencePiece: '▁' space sign, '<0xNN>' byte fallback; '<|endoftext|>' here is
+# plain text, not a special token.
+HAND_DRAFTER = ["<unk>", "</s>", "<0x0A>", "<0xC3>", "<0x65>", "▁the", "é", "e", "▁", "<|endoftext|>"]
+# drafter id -> target id: '</s>' special <-> special; '<0x0A>' <-> 'Ċ'; '<0xC3>' <-> 'Ã'; '<0x65>' loses
+# to the learnt 'e'; '▁the' <-> 'Ġthe'; 'é' <-> 'Ã©'; 'e' <-> 'e'; '▁' <-> 'Ġ'; text '<|endoftext|>'
+# never matches the target's special of the same content. Target '©' (b'\xa9') has no drafter token.
+HAND_DRAFTER_TO_TARGET = [-1, 7, 2, 4, -1, 1, 3, 5, 6, -1]
+HAND_TARGET_TO_DRAFTER = [-1, 5, 2, 6, 3, 7, 8, 1, -1]
 
 
-def corpus(seed: int = 0, sentences: int = 300) -> list[str]:
-    """About 15 KB of deterministic pseudo-English with accented words."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 12))) + "." for _ in range(sentences)]
-
-
-def byte_level_tokenizer(
-    vocab_size: int = 400, specials: tuple[str, ...] = ("<|endoftext|>", "</s>")
-) -> Tokenizer:
-    """GPT-2-style byte-level BPE."""
-    tokenizer = Tokenizer(models.BPE())
+def hand_byte_level() -> Tokenizer:
+    vocab = {token: i for i, token in enumerate(HAND_TARGET)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus(0), trainer)
+    tokenizer.add_special_tokens(["<|endoftext|>", "</s>"])
     return tokenizer
 
 
-def metaspace_tokenizer(vocab_size: int = 500) -> Tokenizer:
-    """SentencePiece/Llama-style BPE: '▁' space sign, '<0xNN>' byte fallback as ordinary vocab entries."""
-    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens], show_progress=False
-    )
-    tokenizer.train_from_iterator(corpus(1), trainer)
-    # The trainer registers the byte tokens as *special* added tokens; in Llama they are plain vocab
-    # entries (so decoding keeps them), which is what the map must handle.
-    spec = json.loads(tokenizer.to_str())
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in set(byte_tokens)]
-    return Tokenizer.from_str(json.dumps(spec))
-
-
-def greek_tokenizer() -> Tokenizer:
-    """A tokenizer whose alphabet (Greek letters, no bytes, no space sign) shares nothing with the others."""
-    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    rng = random.Random(2)
-    words = ["αβγ", "δεζ", "ηθι", "κλμ", "νξο", "πρσ", "τυφ", "χψω"]
-    text = [" ".join(rng.choice(words) for _ in range(8)) for _ in range(200)]
-    tokenizer.train_from_iterator(
-        text, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"], show_progress=False)
-    )
+def hand_metaspace(decoder: str = "metaspace") -> Tokenizer:
+    """``decoder="replace"`` spells the space sign the Llama-2 way: a Replace('▁', ' ') decoder only."""
+    vocab = {token: i for i, token in enumerate(HAND_DRAFTER)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    if decoder == "metaspace":
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()]
+        )
+    else:
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+    tokenizer.add_special_tokens(["<unk>", "</s>"])
     return tokenizer
+
+
+def test_meanings_of_byte_level_spellings() -> None:
+    assert Spelling.of(hand_byte_level()) == Spelling(byte_level=True, space_sign=None, byte_fallback=False)
+    meanings = token_meanings(hand_byte_level())
+    assert meanings[1] == Meaning("text", b" the")  # 'Ġthe'
+    assert meanings[2] == Meaning("text", b"\n")  # 'Ċ'
+    assert meanings[3] == Meaning("text", "é".encode())  # 'Ã©': the two UTF-8 bytes of 'é'
+    assert meanings[4] == Meaning("text", b"\xc3")  # 'Ã': one byte, half a character
+    assert meanings[0] == Meaning("special", b"<|endoftext|>")
+
+
+@pytest.mark.parametrize("decoder", ["metaspace", "replace"])
+def test_meanings_of_metaspace_and_byte_fallback_spellings(decoder: str) -> None:
+    tokenizer = hand_metaspace(decoder)
+    assert Spelling.of(tokenizer) == Spelling(byte_level=False, space_sign="▁", byte_fallback=True)
+    meanings = token_meanings(tokenizer)
+    assert meanings[5] == Meaning("text", b" the")  # '▁the'
+    assert meanings[8] == Meaning("text", b" ")  # '▁'
+    assert meanings[6] == Meaning("text", "é".encode())  # 'é'
+    assert meanings[2] == Meaning("text", b"\n")  # '<0x0A>'
+    assert meanings[3] == Meaning("text", b"\xc3")  # '<0xC3>'
+    assert meanings[1] == Meaning("special", b"</s>")
+    assert meanings[9] == Meaning("text", b"<|endoftext|>")  # a regular token: text, not special
+
+
+def test_representative_of_a_byte_is_the_learnt_token_not_the_byte_fallback() -> None:
+    tokenizer = hand_metaspace()
+    assert token_meanings(tokenizer)[4] == token_meanings(tokenizer)[7] == Meaning("text", b"e")
+    assert representatives(tokenizer)[Meaning("text", b"e")] == 7  # 'e', not '<0x65>'
+
+
+def test_known_tokens_map_to_their_exact_ids() -> None:
+    vocab_map = VocabMap.build(hand_byte_level(), hand_metaspace())
+    assert vocab_map.drafter_to_target.tolist() == HAND_DRAFTER_TO_TARGET
+    assert vocab_map.target_to_drafter.tolist() == HAND_TARGET_TO_DRAFTER
+    assert vocab_map.intersection_ids_drafter.tolist() == [1, 2, 3, 5, 6, 7, 8]
+    assert vocab_map.intersection_ids_target.tolist() == [7, 2, 4, 1, 3, 5, 6]
+
+
+def test_one_vocab_hash_for_artifact_fingerprints_and_vocab_maps(tmp_path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.models.loading import fingerprint, load_tokenizer
+
+    PreTrainedTokenizerFast(tokenizer_object=hand_byte_level()).save_pretrained(str(tmp_path / "target"))
+    loaded = load_tokenizer(str(tmp_path / "target"))
+    stamped = fingerprint(str(tmp_path / "target"))["vocab_hash"]
+    vocab_map = VocabMap.build(loaded, hand_metaspace())
+    assert stamped == vocab_map.target_fingerprint == vocab_hash(loaded) == vocab_hash(hand_byte_level())
+    assert len(stamped) == 64 and vocab_map.drafter_fingerprint == vocab_hash(hand_metaspace())
+
+
+def test_vocab_hash_changes_with_any_id_or_special_flag() -> None:
+    base = vocab_hash(hand_byte_level())
+    assert vocab_hash(hand_metaspace()) != base
+    moved = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(reversed(HAND_TARGET))}, merges=[]))
+    moved.add_special_tokens(["<|endoftext|>", "</s>"])
+    assert vocab_hash(moved) != base
+    fewer_specials = hand_byte_level()
+    spec = json.loads(fewer_specials.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "</s>"]
+    assert vocab_hash(Tokenizer.from_str(json.dumps(spec))) != base
+
+
+# --- trained vocabularies -------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def target_tok() -> Tokenizer:
-    return byte_level_tokenizer()
+    return byte_level_tokenizer(specials=("<|endoftext|>", "</s>"))
 
 
 @pytest.fixture(scope="module")
@@ -119,11 +167,11 @@ def test_space_signs_and_non_ascii_are_matched(
     for target_token, drafter_token in pairs.items():
         target_id, drafter_id = target_tok.token_to_id(target_token), drafter_tok.token_to_id(drafter_token)
         assert target_id is not None and drafter_id is not None, (target_token, drafter_token)
-        assert int(vocab_map.d2t[drafter_id]) == target_id, (target_token, drafter_token)
-        assert int(vocab_map.t2d[target_id]) == drafter_id, (target_token, drafter_token)
+        assert int(vocab_map.drafter_to_target[drafter_id]) == target_id, (target_token, drafter_token)
+        assert int(vocab_map.target_to_drafter[target_id]) == drafter_id, (target_token, drafter_token)
     # '<0x65>' means b'e' like the regular 'e': the regular token represents it, the other maps to -1.
-    if drafter_tok.token_to_id("e") is not None:
-        assert int(vocab_map.d2t[drafter_tok.token_to_id("<0x65>")]) == -1
+    assert drafter_tok.token_to_id("e") is not None
+    assert int(vocab_map.drafter_to_target[drafter_tok.token_to_id("<0x65>")]) == -1
 
 
 def test_intersection_agrees_with_each_tokenizers_decoder(
@@ -133,7 +181,7 @@ def test_intersection_agrees_with_each_tokenizers_decoder(
     assert 100 < vocab_map.intersection_size < min(vocab_map.target_vocab_size, vocab_map.drafter_vocab_size)
     inter_d, inter_t = vocab_map.intersection_ids_drafter, vocab_map.intersection_ids_target
     assert inter_d.shape == inter_t.shape == (vocab_map.intersection_size,)
-    assert torch.equal(vocab_map.t2d[inter_t], inter_d)  # one-to-one
+    assert torch.equal(vocab_map.target_to_drafter[inter_t], inter_d)  # one-to-one
     target_anchor, drafter_anchor = target_tok.token_to_id("a"), drafter_tok.token_to_id("a")
     checked = 0
     for d, t in zip(inter_d.tolist(), inter_t.tolist(), strict=True):
@@ -155,7 +203,7 @@ def test_intersection_agrees_with_each_tokenizers_decoder(
         text = _text_of(drafter_tok, drafter_anchor, d)
         if text and text in target_texts:
             # Unmatched only if another drafter token (e.g. 'A' for '<0x41>') already stands for it.
-            assert int(vocab_map.d2t[d]) == target_texts[text] or text in matched_texts, (
+            assert int(vocab_map.drafter_to_target[d]) == target_texts[text] or text in matched_texts, (
                 drafter_tok.id_to_token(d)
             )
 
@@ -163,16 +211,16 @@ def test_intersection_agrees_with_each_tokenizers_decoder(
 def test_special_tokens_match_only_specials_with_the_same_content(
     target_tok: Tokenizer, drafter_tok: Tokenizer, vocab_map: VocabMap
 ) -> None:
-    assert int(vocab_map.d2t[drafter_tok.token_to_id("</s>")]) == target_tok.token_to_id("</s>")
-    assert int(vocab_map.d2t[drafter_tok.token_to_id("<s>")]) == -1
-    assert int(vocab_map.d2t[drafter_tok.token_to_id("<unk>")]) == -1
-    assert int(vocab_map.t2d[target_tok.token_to_id("<|endoftext|>")]) == -1
+    assert int(vocab_map.drafter_to_target[drafter_tok.token_to_id("</s>")]) == target_tok.token_to_id("</s>")
+    assert int(vocab_map.drafter_to_target[drafter_tok.token_to_id("<s>")]) == -1
+    assert int(vocab_map.drafter_to_target[drafter_tok.token_to_id("<unk>")]) == -1
+    assert int(vocab_map.target_to_drafter[target_tok.token_to_id("<|endoftext|>")]) == -1
     # A special on one side never matches the same characters as plain text on the other: a
     # byte-level target has no token spelled '</s>', and a drafter that learned '</s>' as text
     # would map to nothing.
     plain = Tokenizer(models.WordLevel({"</s>": 0, "x": 1}, unk_token="x"))
     plain.pre_tokenizer = pre_tokenizers.Whitespace()
-    assert int(VocabMap.build(target_tok, plain).d2t[0]) == -1
+    assert int(VocabMap.build(target_tok, plain).drafter_to_target[0]) == -1
 
 
 def test_hugging_face_fast_tokenizer_gives_the_same_map(
@@ -184,19 +232,31 @@ def test_hugging_face_fast_tokenizer_gives_the_same_map(
         PreTrainedTokenizerFast(tokenizer_object=target_tok),
         PreTrainedTokenizerFast(tokenizer_object=drafter_tok),
     )
-    assert torch.equal(wrapped.d2t, vocab_map.d2t) and torch.equal(wrapped.t2d, vocab_map.t2d)
+    assert torch.equal(wrapped.drafter_to_target, vocab_map.drafter_to_target)
+    assert torch.equal(wrapped.target_to_drafter, vocab_map.target_to_drafter)
+    assert (wrapped.target_fingerprint, wrapped.drafter_fingerprint) == (
+        vocab_map.target_fingerprint,
+        vocab_map.drafter_fingerprint,
+    )
 
 
 def test_disjoint_alphabets_give_an_empty_map_that_tli_refuses(target_tok: Tokenizer) -> None:
     empty = VocabMap.build(target_tok, greek_tokenizer())
     assert empty.intersection_size == 0
     assert empty.intersection_ids_drafter.numel() == 0
-    with pytest.raises(DrafterError, match="SLEM"):
+    with pytest.raises(DrafterError, match="0 shared tokens") as err:
         empty.require_nonempty()
+    assert "SLEM" in str(err.value)
 
 
-def test_nonempty_map_passes_require_nonempty(vocab_map: VocabMap) -> None:
-    vocab_map.require_nonempty()
+def test_require_nonempty_accepts_a_single_shared_token() -> None:
+    """The boundary: one matched pair is enough for TLI, none is refused."""
+    one = VocabMap(drafter_to_target=torch.tensor([-1, 0, -1]), target_to_drafter=torch.tensor([1, -1]))
+    assert one.intersection_size == 1 and one.intersection_ids_target.tolist() == [0]
+    assert one.require_nonempty() is None
+    none = VocabMap(drafter_to_target=torch.full((3,), -1), target_to_drafter=torch.full((2,), -1))
+    with pytest.raises(DrafterError, match="share no token"):
+        none.require_nonempty()
 
 
 def test_save_load_round_trip(
@@ -205,8 +265,10 @@ def test_save_load_round_trip(
     written = vocab_map.save(tmp_path / "map")
     assert sorted(p.name for p in written) == ["vocab_map.json", "vocab_map.safetensors"]
     loaded = VocabMap.load(tmp_path / "map", target_tokenizer=target_tok, drafter_tokenizer=drafter_tok)
-    assert torch.equal(loaded.d2t, vocab_map.d2t) and torch.equal(loaded.t2d, vocab_map.t2d)
-    assert loaded.target_fingerprint == vocab_fingerprint(target_tok)
+    assert torch.equal(loaded.drafter_to_target, vocab_map.drafter_to_target)
+    assert torch.equal(loaded.target_to_drafter, vocab_map.target_to_drafter)
+    assert loaded.target_fingerprint == vocab_hash(target_tok)
+    assert loaded.drafter_fingerprint == vocab_hash(drafter_tok)
     assert loaded.intersection_size == vocab_map.intersection_size
     meta = json.loads((tmp_path / "map" / "vocab_map.json").read_text())
     assert meta["intersection_size"] == vocab_map.intersection_size
@@ -216,10 +278,15 @@ def test_load_refuses_other_tokenizers_and_missing_files(
     tmp_path, target_tok: Tokenizer, drafter_tok: Tokenizer, vocab_map: VocabMap
 ) -> None:
     vocab_map.save(tmp_path)
-    with pytest.raises(DrafterError, match="different target tokenizer"):
+    with pytest.raises(DrafterError, match="different target tokenizer") as err:
         VocabMap.load(tmp_path, target_tokenizer=drafter_tok)
+    assert vocab_hash(drafter_tok) in str(err.value) and vocab_hash(target_tok) in str(err.value)
     with pytest.raises(DrafterError, match="different drafter tokenizer"):
         VocabMap.load(tmp_path, drafter_tokenizer=target_tok)
+    meta = json.loads((tmp_path / "vocab_map.json").read_text())
+    (tmp_path / "vocab_map.json").write_text(json.dumps({**meta, "schema_version": 1}))
+    with pytest.raises(DrafterError, match="unknown schema version"):
+        VocabMap.load(tmp_path)
     (tmp_path / "vocab_map.safetensors").unlink()
     with pytest.raises(DrafterError, match="missing"):
         VocabMap.load(tmp_path)
