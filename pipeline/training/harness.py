@@ -1,0 +1,268 @@
+"""The training harness: one Lightning loop that trains any module which computes its own loss.
+
+:func:`fit` trains ``module`` (an ``nn.Module`` whose ``training_step(batch)`` returns a loss, or
+``(loss, metrics)``) on a map-style dataset with AdamW and a warmup + cosine/constant schedule, on the
+strategy :mod:`pipeline.training.strategy` picks (DeepSpeed ZeRO on GPUs, DDP or one process on CPU).
+Every parameter with ``requires_grad`` is trained and saved; the module may also define
+``collate(examples) -> batch`` (default: torch's ``default_collate``) and ``count_tokens(batch) -> int``
+(for tokens/s). Checkpoints land every ``checkpoint_every`` steps under the caller's staging directory
+and a rerun resumes from the newest (see :mod:`pipeline.training.checkpoints`); on CPU the resumed run
+ends with bit-identical weights. Per-step metrics go to MLflow when a tracking URI is given, and
+:func:`save_final` writes the trained weights as safetensors. The Lightning module lives in
+:mod:`pipeline.training.loop`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config.schema import identity as config_identity
+from pipeline.config.schema import run_setting
+from pipeline.errors import DrafterError
+from pipeline.training import checkpoints as ckpt
+from pipeline.training.strategy import (
+    deepspeed_config,
+    planned_world_size,
+    resolve_strategy,
+    trainer_arguments,
+)
+
+
+def _check(ok: bool, key: str, expected: str, found: object) -> None:
+    if not ok:
+        raise DrafterError(f"Invalid value for train.{key}.", expected=expected, found=repr(found),
+                           fix=f"Set train.{key} to {expected} in the YAML or as an override.")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    """Seeds the data order (one permutation per epoch) and each micro-batch's randomness (dropout). The
+    module's initial weights are the caller's."""
+    max_steps: int | None = None
+    """Optimizer steps to train; null: ``epochs`` passes over the training set."""
+    epochs: int = 1
+    """Passes over the training set when ``max_steps`` is null (each drops its last partial global batch)."""
+    micro_batch_size: int = 8
+    """Examples per rank per forward/backward pass."""
+    gradient_accumulation: int = 1
+    """Micro-batches per rank per optimizer step. A step sees micro_batch_size x gradient_accumulation x
+    ranks examples, so the device count changes the batch: a checkpoint refuses another world size."""
+    lr: float = 5e-5
+    """Peak learning rate of AdamW."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay, applied to every trainable parameter."""
+    gradient_clipping: float = 0.5
+    """Clip the global L2 norm of the gradient to this before each step; 0 turns clipping off."""
+    schedule: str = "cosine"
+    """``cosine``: after warmup, decay to ``min_lr_ratio x lr`` at the last step; ``constant``: stay at lr."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of the cosine schedule, as a fraction of ``lr``."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (strategy deepspeed): 2 shards optimizer states and gradients, 1 only optimizer
+    states. Stage 3 is not offered: it shards the weights the harness saves."""
+    offload_optimizer: bool = False
+    """DeepSpeed: keep optimizer states in CPU memory (DeepSpeed's CPU Adam, the same AdamW update)."""
+    bf16: bool = True
+    """DeepSpeed: bf16 weights and activations with fp32 master weights. CPU and DDP runs train in fp32."""
+    strategy: str = run_setting("auto")
+    """``auto`` (deepspeed with CUDA, else ddp when devices x nodes > 1, else single), ``deepspeed``,
+    ``ddp`` or ``single``."""
+    accelerator: str = run_setting("auto")
+    """Lightning accelerator: auto, cpu or gpu."""
+    devices: int | str = run_setting("auto")
+    """Processes per node: auto (every GPU, or 1 on CPU), a count, or a list like "0,1"."""
+    num_nodes: int = run_setting(1)
+    """Nodes in the job (Slurm: $SLURM_JOB_NUM_NODES)."""
+    checkpoint_every: int = run_setting(500)
+    """Write a resumable checkpoint every this many optimizer steps (and after the last one)."""
+    keep_checkpoints: int = run_setting(1)
+    """Completed checkpoints kept in the staging directory (older ones are deleted once a newer lands)."""
+    log_every: int = run_setting(1)
+    """Send metrics to MLflow every this many steps."""
+    num_workers: int = run_setting(0)
+    """DataLoader worker processes per rank (the order does not depend on it)."""
+    progress_bar: bool = run_setting(True)
+    """Show Lightning's progress bar."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_steps is None or self.max_steps > 0, "max_steps", "a positive integer or null",
+               self.max_steps)
+        for key in ("epochs", "micro_batch_size", "gradient_accumulation", "checkpoint_every", "keep_checkpoints",
+                    "log_every", "num_nodes"):
+            _check(getattr(self, key) >= 1, key, "an integer >= 1", getattr(self, key))
+        _check(self.lr > 0, "lr", "a positive number", self.lr)
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "two numbers in [0, 1)",
+               self.betas)
+        _check(self.eps > 0 and self.weight_decay >= 0, "eps/weight_decay", "eps > 0 and weight_decay >= 0",
+               (self.eps, self.weight_decay))
+        _check(self.gradient_clipping >= 0, "gradient_clipping", "a number >= 0 (0: off)", self.gradient_clipping)
+        _check(self.schedule in ("cosine", "constant"), "schedule", "cosine or constant", self.schedule)
+        _check(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0", self.warmup_steps)
+        _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "a number in [0, 1]", self.min_lr_ratio)
+        _check(self.zero_stage in (1, 2), "zero_stage", "1 or 2", self.zero_stage)
+        _check(self.strategy in ("auto", "deepspeed", "ddp", "single"), "strategy",
+               "auto, deepspeed, ddp or single", self.strategy)
+        _check(self.accelerator in ("auto", "cpu", "gpu", "cuda"), "accelerator", "auto, cpu or gpu",
+               self.accelerator)
+        _check(self.num_workers >= 0, "num_workers", "an integer >= 0", self.num_workers)
+
+
+@dataclass
+class TrainResult:
+    """What one :func:`fit` call did, on this rank."""
+
+    steps: int
+    """Optimizer steps of the whole run (the last checkpoint's step)."""
+    start_step: int
+    """Step this call resumed from (0: trained from scratch; == steps: the run was already finished)."""
+    strategy: str
+    world_size: int
+    global_rank: int
+    deepspeed_config: dict | None
+    """The DeepSpeed config used (strategy deepspeed), for the artifact's provenance."""
+    metrics: dict[str, float]
+    """The last step's metrics (averaged over ranks)."""
+    mlflow_run_id: str | None
+    seconds: float
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+
+@dataclass
+class RunPlan:
+    """Everything the Lightning loop needs besides the module and data."""
+
+    cfg: TrainConfig
+    staging: Path
+    strategy: str
+    world_size: int
+    total_steps: int
+    start_step: int
+    expected: dict
+    """What a checkpoint must match (see :func:`pipeline.training.checkpoints.read_checkpoint`)."""
+    resume: tuple[Path, dict] | None
+    tracking_uri: str | None
+    experiment: str
+    run_name: str
+
+
+def trainable_parameters(module: Any) -> dict[str, Any]:
+    """The parameters the harness trains and saves: every one with ``requires_grad``, by name."""
+    return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+
+def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tracking_uri: str | None = None,
+        experiment: str = "drafter-pipeline", run_name: str | None = None,
+        identity: dict | None = None) -> TrainResult:
+    """Train ``module`` on ``dataset`` (resuming from ``staging`` when it holds a checkpoint).
+
+    Args:
+        module: an ``nn.Module`` with ``training_step(batch)`` (see the module docstring).
+        dataset: a map-style dataset (``len`` and integer indexing) of examples.
+        cfg: the training config.
+        staging: scratch directory for checkpoints (the stage's ``<workdir>/staging/<artifact id>/``);
+            never published.
+        tracking_uri: MLflow store for per-step metrics; None logs nothing.
+        experiment: MLflow experiment of the training run.
+        run_name: MLflow run name (default: the staging directory's name).
+        identity: what else defines this run (module config, input artifact ids); hashed with ``cfg``
+            into every checkpoint so one from another run is refused.
+
+    Returns:
+        A :class:`TrainResult`. Under DDP/DeepSpeed every rank returns; only rank 0 should publish.
+    """
+    import lightning as L
+
+    from pipeline.training.loop import harness_module
+
+    started = time.perf_counter()
+    staging = Path(staging)
+    staging.mkdir(parents=True, exist_ok=True)
+    strategy = resolve_strategy(cfg)
+    world = planned_world_size(cfg, strategy)
+    num_examples = len(dataset)
+    sampler = ckpt.StepBatchSampler(num_examples, micro_batch_size=cfg.micro_batch_size,
+                                    accumulation=cfg.gradient_accumulation, world_size=world, rank=0,
+                                    seed=cfg.seed, start_step=0, total_steps=0)
+    total = cfg.max_steps or cfg.epochs * sampler.steps_per_epoch
+    hashed = {"train": config_identity(cfg), "extra": identity or {}, "num_examples": num_examples}
+    expected = {"config_hash": ckpt.config_hash(hashed), "identity": hashed, "world_size": world,
+                "strategy": strategy,
+                "trainable": {k: list(p.shape) for k, p in trainable_parameters(module).items()}}
+    if not expected["trainable"]:
+        raise DrafterError("The module to train has no parameter with requires_grad=True.",
+                           fix="Unfreeze the parameters to train before calling fit().")
+
+    trainer = L.Trainer(max_steps=max(total, 1), accumulate_grad_batches=cfg.gradient_accumulation, logger=False,
+                        enable_checkpointing=False, use_distributed_sampler=False, enable_model_summary=False,
+                        enable_progress_bar=cfg.progress_bar, num_sanity_val_steps=0,
+                        default_root_dir=str(staging), **trainer_arguments(cfg, strategy))
+    if trainer.world_size != world:
+        raise DrafterError("Lightning started a different number of processes than the config asks for.",
+                           expected=f"{world} ranks", found=f"{trainer.world_size} ranks",
+                           fix="Set train.devices and train.num_nodes to what the job really has.")
+    if trainer.global_rank == 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        ckpt.remove_temp(staging)
+    found = ckpt.checkpoints(staging)
+    resume = (found[-1], ckpt.read_checkpoint(found[-1], expected)) if found else None
+    start = resume[1]["step"] if resume else 0
+    if resume:
+        _load_trainable(module, ckpt.load_weights(resume[0]))
+    ds_config = deepspeed_config(cfg) if strategy == "deepspeed" else None
+    plan = RunPlan(cfg=cfg, staging=staging, strategy=strategy, world_size=world, total_steps=total,
+                   start_step=start, expected=expected, resume=resume, tracking_uri=tracking_uri,
+                   experiment=experiment, run_name=run_name or staging.name)
+    if start >= total:
+        state = resume[1] if resume else {}
+        return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world,
+                           global_rank=trainer.global_rank, deepspeed_config=ds_config,
+                           metrics=state.get("metrics", {}), mlflow_run_id=state.get("mlflow_run_id"),
+                           seconds=time.perf_counter() - started)
+    # The Trainer exists before the checkpoint is read (its rank decides who cleans up), so the steps left
+    # are set here; Lightning's own step counter starts at 0, ours at `start`.
+    trainer.fit_loop.epoch_loop.max_steps = total - start
+    lightning_module = harness_module(module, dataset, plan)
+    trainer.fit(lightning_module)
+    return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world,
+                       global_rank=trainer.global_rank, deepspeed_config=ds_config,
+                       metrics=lightning_module.last_metrics, mlflow_run_id=lightning_module.mlflow_run_id,
+                       seconds=time.perf_counter() - started)
+
+
+def _load_trainable(module: Any, weights: dict[str, Any]) -> None:
+    import torch
+
+    params = trainable_parameters(module)
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+
+
+def save_final(module: Any, out_dir: str | Path, name: str = "model.safetensors") -> Path:
+    """Write the trainable parameters of ``module`` (names as in the module) to ``out_dir/name``, atomically.
+
+    Only parameters with ``requires_grad`` are written: frozen ones (e.g. a target's embeddings) and
+    buffers belong to whoever built the module.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: p.detach().cpu().clone().contiguous() for k, p in trainable_parameters(module).items()}
+    tmp = out / f".{name}.tmp-{os.getpid()}"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / name)
+    return out / name

@@ -1,0 +1,170 @@
+"""The LightningModule :func:`pipeline.training.harness.fit` runs: it wraps the caller's module and owns
+the step-derived data loader, the optimizer and schedule, restoring them on resume, the per-step
+metrics (progress bar and MLflow) and the checkpoint every ``checkpoint_every`` steps.
+
+Randomness: before each micro-batch the global torch seed is set from (seed, step, global micro-batch
+index), so dropout does not depend on how many steps ran in this process; that, the step-derived data
+order and the restored optimizer make a resumed CPU run bit-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from pipeline.errors import DrafterError
+from pipeline.training import checkpoints as ckpt
+from pipeline.training.strategy import build_optimizer, build_scheduler, lr_factor, position_scheduler
+
+if TYPE_CHECKING:
+    from pipeline.training.harness import RunPlan
+
+
+def split_output(output: Any) -> tuple[Any, dict[str, Any]]:
+    """``training_step``'s result as (loss, metrics): a loss, ``(loss, metrics)`` or ``{"loss": ..., **metrics}``."""
+    if isinstance(output, dict):
+        metrics = dict(output)
+        return metrics.pop("loss"), metrics
+    if isinstance(output, (tuple, list)):
+        return output[0], dict(output[1]) if len(output) > 1 else {}
+    return output, {}
+
+
+def harness_module(inner: Any, dataset: Any, plan: RunPlan) -> Any:
+    """A LightningModule training ``inner`` on ``dataset`` as ``plan`` says."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, default_collate
+
+    from pipeline.training.harness import trainable_parameters
+
+    cfg = plan.cfg
+    accumulation = cfg.gradient_accumulation
+
+    class HarnessModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+            self.last_metrics: dict[str, float] = {}
+            self.mlflow_run_id: str | None = plan.resume[1].get("mlflow_run_id") if plan.resume else None
+            self._sums: dict[str, Any] = defaultdict(float)
+            self._tokens = 0
+            self._clock = 0.0
+            self._client: Any = None
+
+        def train_dataloader(self) -> DataLoader:
+            sampler = ckpt.StepBatchSampler(
+                len(dataset), micro_batch_size=cfg.micro_batch_size, accumulation=accumulation,
+                world_size=self.trainer.world_size, rank=self.global_rank, seed=cfg.seed,
+                start_step=plan.start_step, total_steps=plan.total_steps)
+            collate = getattr(inner, "collate", None) or default_collate
+            return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=cfg.num_workers)
+
+        def configure_optimizers(self) -> Any:
+            optimizer = build_optimizer(list(trainable_parameters(inner).values()), cfg,
+                                        deepspeed=plan.strategy == "deepspeed")
+            scheduler = build_scheduler(optimizer, cfg, plan.total_steps)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+        def on_fit_start(self) -> None:
+            # Optimizers exist only now (DeepSpeed builds its ZeRO wrapper in strategy setup).
+            if plan.resume is None:
+                return
+            path, state = plan.resume
+            optimizer = self.trainer.strategy.optimizers[0]
+            ckpt.restore_optimizer(optimizer, ckpt.load_optimizer_state(path, state, self.global_rank),
+                                   self.trainer.world_size)
+            position_scheduler(self.trainer.lr_scheduler_configs[0].scheduler, plan.start_step)
+
+        def on_train_start(self) -> None:
+            if self.trainer.is_global_zero and plan.tracking_uri:
+                self._start_mlflow()
+            self._clock = time.perf_counter()
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            step, micro = plan.start_step + batch_idx // accumulation, batch_idx % accumulation
+            global_micro = micro * self.trainer.world_size + self.global_rank
+            torch.manual_seed(ckpt.derive_seed(cfg.seed, "micro", step, global_micro))
+            loss, metrics = split_output(self.inner.training_step(batch))
+            self._sums["loss"] += loss.detach().float()
+            for key, value in metrics.items():
+                self._sums[key] += value.detach().float() if torch.is_tensor(value) else float(value)
+            if hasattr(inner, "count_tokens"):
+                self._tokens += int(inner.count_tokens(batch))
+            self.log("loss", loss.detach(), prog_bar=True, logger=False)
+            return loss
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if (batch_idx + 1) % accumulation:
+                return
+            step = plan.start_step + (batch_idx + 1) // accumulation
+            self.last_metrics = self._step_metrics(step)
+            if self.trainer.is_global_zero and self._client is not None and (
+                    step % cfg.log_every == 0 or step == plan.total_steps):
+                self._log_mlflow(step, self.last_metrics)
+            if step % cfg.checkpoint_every == 0 or step == plan.total_steps:
+                ckpt.save_checkpoint(
+                    plan.staging, step, rank=self.global_rank, world_size=self.trainer.world_size,
+                    weights=trainable_parameters(inner), optimizer=self.trainer.strategy.optimizers[0],
+                    state={**plan.expected, "mlflow_run_id": self.mlflow_run_id, "metrics": self.last_metrics},
+                    barrier=self.trainer.strategy.barrier, keep=cfg.keep_checkpoints)
+
+        def on_train_end(self) -> None:
+            if self._client is not None:
+                self._client.set_terminated(self.mlflow_run_id, "FINISHED")
+
+        def _step_metrics(self, step: int) -> dict[str, float]:
+            """This step's metrics averaged over micro-batches and ranks (one all-reduce)."""
+            keys = sorted(self._sums)
+            values = torch.stack([torch.as_tensor(self._sums[k], dtype=torch.float32, device=self.device)
+                                  for k in keys] + [torch.tensor(float(self._tokens), device=self.device)])
+            values = self.trainer.strategy.reduce(values / accumulation, reduce_op="mean")
+            world = self.trainer.world_size
+            now = time.perf_counter()
+            seconds, self._clock = max(now - self._clock, 1e-9), now
+            out = {k: float(v) for k, v in zip(keys, values[:-1].tolist())}
+            out["lr"] = cfg.lr * lr_factor(step - 1, total_steps=plan.total_steps, warmup_steps=cfg.warmup_steps,
+                                           schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
+            out["examples_per_s"] = cfg.micro_batch_size * accumulation * world / seconds
+            if hasattr(inner, "count_tokens"):
+                out["tokens_per_s"] = float(values[-1]) * accumulation * world / seconds
+            self._sums.clear()
+            self._tokens = 0
+            return out
+
+        def _start_mlflow(self) -> None:
+            from mlflow.entities import Param
+            from mlflow.tracking import MlflowClient
+
+            from pipeline.orchestration.tracking import flatten, redact
+
+            try:
+                client = MlflowClient(plan.tracking_uri)
+                if self.mlflow_run_id is None:
+                    exp = client.get_experiment_by_name(plan.experiment)
+                    exp_id = exp.experiment_id if exp else client.create_experiment(plan.experiment)
+                    run = client.create_run(exp_id, run_name=plan.run_name,
+                                            tags={"drafter.training": plan.staging.name,
+                                                  "drafter.strategy": plan.strategy})
+                    self.mlflow_run_id = run.info.run_id
+                    params = [Param(k, v) for k, v in flatten(plan.expected["identity"]).items()]
+                    for i in range(0, len(params), 100):
+                        client.log_batch(self.mlflow_run_id, params=params[i : i + 100])
+                else:
+                    client.update_run(self.mlflow_run_id, status="RUNNING")
+            except Exception as err:  # noqa: BLE001 - MLflow raises many types for one cause
+                raise DrafterError(f"Cannot open an MLflow run at {redact(str(plan.tracking_uri))}: "
+                                   f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
+                                   fix="Check the tracking URI/server; checkpoints are kept, rerun to resume."
+                                   ) from err
+            self._client = client
+
+        def _log_mlflow(self, step: int, metrics: dict[str, float]) -> None:
+            from mlflow.entities import Metric
+
+            stamp = int(time.time() * 1000)
+            self._client.log_batch(self.mlflow_run_id,
+                                   metrics=[Metric(k, v, stamp, step) for k, v in metrics.items()])
+
+    return HarnessModule()

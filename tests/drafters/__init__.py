@@ -1,0 +1,1 @@
+"""Tests of the draft networks and their training objectives."""

@@ -1,0 +1,439 @@
+"""The EAGLE-3 drafter (pipeline.drafters.eagle3) and its training-time-test objective
+(pipeline.training.eagle3_objective): serving key names, frozen embedding, vocabulary maps, the attention
+the unrolled loop simulates, the loss's alignment and masking, its memory shape, and that it trains.
+
+Unit tests use a random 3-layer Llama config built here; the training test uses the tiny kit's target.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig
+
+from pipeline.drafters.eagle3 import (
+    SERVING_KEYS,
+    Eagle3Config,
+    Eagle3Drafter,
+    KVCache,
+    TTTCache,
+    default_aux_layer_ids,
+)
+from pipeline.errors import DrafterError
+from pipeline.training.eagle3_objective import simulated_tau, target_features, ttt_loss
+from pipeline.vocab.counting import eagle3_offset_maps, top_k
+
+# Read from SGLang python/sglang/srt/models/llama_eagle3.py and vLLM
+# vllm/model_executor/models/llama_eagle3.py (LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM.load_weights).
+SGLANG_VLLM_KEYS = {
+    "fc.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+}
+
+H, V, VD = 32, 1000, 40  # V and VD differ from every other size, so a tensor's vocab dim is recognisable
+DRAFT_IDS = np.sort(np.random.default_rng(0).choice(V, VD, replace=False))
+
+
+def llama(num_layers: int = 3, vocab: int = V) -> LlamaConfig:
+    return LlamaConfig(hidden_size=H, intermediate_size=88, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, num_hidden_layers=num_layers, vocab_size=vocab, rms_norm_eps=1e-6,
+                       max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+
+
+def make_drafter(seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    config = Eagle3Config.from_target(llama(), VD)
+    drafter = Eagle3Drafter(config, nn.Embedding(V, H))
+    drafter.set_vocab_maps(*eagle3_offset_maps(DRAFT_IDS, V))
+    return drafter
+
+
+def random_batch(batch: int = 2, length: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[:, :3] = 0  # a prompt
+    mask[0, -2:] = 0  # and some right padding
+    # Target logits that peak inside the draft vocabulary, except at position 5 (to be left out of the loss).
+    logits = 3 * torch.randn(batch, length, V, generator=gen)
+    logits[..., DRAFT_IDS] += 6
+    logits[:, 5, int(np.setdiff1d(np.arange(V), DRAFT_IDS)[0])] += 100
+    return {"input_ids": torch.randint(0, V, (batch, length), generator=gen), "loss_mask": mask,
+            "hidden": torch.randn(batch, length, 3 * H, generator=gen), "logits": logits}
+
+
+# --- config ----------------------------------------------------------------------------------------
+
+def test_from_target_copies_the_target_shape() -> None:
+    config = Eagle3Config.from_target(llama(), VD)
+    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim) == (H, 88, 4, 2, 8)
+    assert (config.rope_theta, config.rms_norm_eps, config.target_vocab_size, config.draft_vocab_size) == (
+        1e4, 1e-6, V, VD)
+    assert config.aux_layer_ids == (0, 1, 2) and config.rope_scaling is None
+
+
+def test_scaled_rope_is_carried_over() -> None:
+    target = llama()
+    target.max_position_embeddings = 131072
+    target.rope_parameters = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config = Eagle3Config.from_target(target, VD)
+    assert config.rope_theta == 5e5 and config.rope_scaling["rope_type"] == "llama3"
+    scaled = Eagle3Drafter(config, nn.Embedding(V, H)).rotary_emb.inv_freq
+    plain = 1 / 5e5 ** (torch.arange(0, 8, 2) / 8)
+    assert scaled[0] == pytest.approx(plain[0].item()) and scaled[-1] < plain[-1]  # long wavelengths stretched
+
+
+def test_default_aux_layer_ids_are_valid_for_any_depth() -> None:
+    for num_layers in range(2, 129):
+        ids = Eagle3Config.from_target(llama(num_layers), VD).aux_layer_ids
+        assert ids == default_aux_layer_ids(num_layers)
+        assert 0 <= ids[0] < ids[1] < ids[2] <= num_layers, num_layers
+        if num_layers >= 3:
+            assert ids[2] < num_layers  # a layer input, which servers can capture
+        if num_layers >= 7:
+            assert ids == (2, num_layers // 2, num_layers - 3)  # the EAGLE-3 recipe
+
+
+@pytest.mark.parametrize("ids", [(0, 1, 4), (-1, 1, 2), (1, 1, 2), (2, 1, 0), (1, 2), (0, 1, 2, 3)])
+def test_bad_aux_layer_ids_raise(ids: tuple) -> None:
+    with pytest.raises(DrafterError, match=r"aux_layer_ids(.|\n)*each in \[0, 3\](.|\n)*found:    aux_layer_ids="):
+        Eagle3Config.from_target(llama(3), VD, aux_layer_ids=ids)
+
+
+def test_a_one_layer_target_has_no_default_aux_ids() -> None:
+    with pytest.raises(DrafterError, match="at least 2 layers(.|\n)*1 layer"):
+        Eagle3Config.from_target(llama(1), VD)
+
+
+def test_draft_vocab_larger_than_target_raises() -> None:
+    with pytest.raises(DrafterError, match="draft_vocab_size <= 1000"):
+        Eagle3Config.from_target(llama(), V + 1)
+
+
+# --- module ----------------------------------------------------------------------------------------
+
+def test_state_dict_is_exactly_the_serving_keys() -> None:
+    drafter = make_drafter()
+    state = drafter.trainable_state_dict()
+    assert set(state) == SGLANG_VLLM_KEYS == set(SERVING_KEYS)
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    assert shapes["fc.weight"] == (H, 3 * H)
+    assert shapes["midlayer.self_attn.q_proj.weight"] == (4 * 8, 2 * H)
+    assert shapes["midlayer.self_attn.k_proj.weight"] == shapes["midlayer.self_attn.v_proj.weight"] == (2 * 8, 2 * H)
+    assert shapes["midlayer.self_attn.o_proj.weight"] == (H, 4 * 8)
+    assert shapes["midlayer.mlp.down_proj.weight"] == (H, 88)
+    assert shapes["lm_head.weight"] == (VD, H)
+    assert state["d2t"].dtype == torch.int64 and shapes["d2t"] == (VD,)
+    assert state["t2d"].dtype == torch.bool and shapes["t2d"] == (V,)
+    fresh = make_drafter(seed=5)
+    fresh.load_state_dict(state)  # strict: an export round-trips
+    assert torch.equal(fresh.draft_to_target, drafter.draft_to_target)
+
+
+def test_embedding_is_frozen_and_outside_the_drafter() -> None:
+    drafter = make_drafter()
+    assert not drafter.embed_tokens.weight.requires_grad
+    assert all(p is not drafter.embed_tokens.weight for p in drafter.parameters())
+    assert all(p.requires_grad for p in drafter.parameters())
+    batch = random_batch()
+    result = ttt_loss(drafter, batch["input_ids"], batch["loss_mask"], batch["hidden"], batch["logits"], steps=2)
+    result.loss.backward()
+    assert drafter.embed_tokens.weight.grad is None
+    assert all(p.grad is not None for p in drafter.parameters())
+
+
+def test_rope_tables_stay_float32_under_a_bf16_cast() -> None:
+    drafter = make_drafter().to(torch.bfloat16)
+    assert drafter.fc.weight.dtype == torch.bfloat16
+    assert drafter.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(drafter.rotary_emb.inv_freq, make_drafter().rotary_emb.inv_freq)
+    assert drafter.d2t.dtype == torch.int64 and drafter.t2d.dtype == torch.bool
+
+
+def test_embedding_of_the_wrong_shape_raises() -> None:
+    config = Eagle3Config.from_target(llama(), VD)
+    with pytest.raises(DrafterError, match=r"embedding(.|\n)*\(1000, 32\)(.|\n)*\(999, 32\)"):
+        Eagle3Drafter(config, nn.Embedding(V - 1, H))
+
+
+def test_forward_shapes_and_widths() -> None:
+    drafter = make_drafter()
+    batch = random_batch()
+    logits, hidden_out = drafter(batch["input_ids"], batch["hidden"])
+    assert logits.shape == (2, 12, VD) and hidden_out.shape == (2, 12, H)
+    fused = drafter.fc(batch["hidden"])
+    assert torch.allclose(drafter(batch["input_ids"], fused)[0], logits, atol=1e-6)
+    with pytest.raises(DrafterError, match=r"expected: 96 \(three target layers\) or 32(.|\n)*last dimension 64"):
+        drafter(batch["input_ids"], batch["hidden"][..., :64])
+
+
+# --- vocabulary maps -------------------------------------------------------------------------------
+
+def test_d2t_offsets_round_trip_from_counts() -> None:
+    rng = np.random.default_rng(0)
+    tokens = rng.zipf(1.3, 20_000) % V  # a long-tailed token stream
+    counts = np.bincount(tokens, minlength=V)
+    chosen = top_k(counts, VD)
+    d2t, t2d = eagle3_offset_maps(chosen, V)
+    drafter = make_drafter()
+    drafter.set_vocab_maps(d2t, t2d)
+    assert drafter.draft_to_target.tolist() == sorted(chosen.tolist())
+    assert torch.equal(drafter.t2d, torch.from_numpy(t2d))
+    assert torch.equal(drafter.d2t, torch.from_numpy(d2t))
+    # A draft argmax maps to a target token of the shortlist, and back.
+    inverse = torch.full((V,), -1, dtype=torch.long)
+    inverse[drafter.draft_to_target] = torch.arange(VD)
+    draft_ids = torch.tensor([0, 5, VD - 1])
+    target_ids = draft_ids + drafter.d2t[draft_ids]
+    assert drafter.t2d[target_ids].all() and torch.equal(inverse[target_ids], draft_ids)
+    assert counts[target_ids.numpy()].min() >= np.sort(counts)[-VD]
+
+
+def _maps() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.arange(0, 2 * VD, 2)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(VD), t2d
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d2t, t2d: (d2t[:-1], t2d), rf"d2t is not an integer offset vector(.|\n)*shape \({VD - 1},\)"),
+    (lambda d2t, t2d: (d2t.float(), t2d), rf"integer shape \({VD},\)(.|\n)*torch.float32"),
+    (lambda d2t, t2d: (d2t, t2d.long()), r"t2d is not a bool mask(.|\n)*torch.int64"),
+    (lambda d2t, t2d: (torch.cat([d2t[:-1], torch.tensor([V])]), t2d), rf"distinct increasing(.|\n)*to {V + VD - 1}"),
+    (lambda d2t, t2d: (torch.cat([d2t[:1], d2t[:1] - 1, d2t[2:]]), t2d), rf"distinct increasing(.|\n)*{VD - 1} distinct"),
+    (lambda d2t, t2d: (d2t, t2d.clone().index_fill_(0, torch.tensor([1]), True)),
+     rf"t2d does not mark exactly(.|\n)*{VD + 1} true entries"),
+])
+def test_bad_vocab_maps_raise(edit, message: str) -> None:  # noqa: ANN001 - a lambda
+    drafter = make_drafter()
+    before = drafter.d2t.clone()
+    with pytest.raises(DrafterError, match=message):
+        drafter.set_vocab_maps(*edit(*_maps()))
+    assert torch.equal(drafter.d2t, before)  # nothing half-installed
+
+
+# --- attention: KV-cache decoding and what the training-time test simulates -------------------------
+
+def test_kv_cache_decoding_matches_one_forward() -> None:
+    drafter = make_drafter()
+    batch = random_batch(length=10)
+    ids, fused = batch["input_ids"], drafter.fc(batch["hidden"])
+    with torch.no_grad():
+        full = drafter.step(ids, fused)
+        cache = KVCache()
+        parts = [drafter.step(ids[:, :6], fused[:, :6], cache=cache)]
+        parts += [drafter.step(ids[:, t : t + 1], fused[:, t : t + 1], cache=cache) for t in range(6, 10)]
+    assert cache.length == 10
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
+
+
+def test_ttt_steps_see_what_a_chain_drafter_sees_at_inference() -> None:
+    """Row t of step s equals drafting at inference: prefill step-0 rows 0..t (the verified prefix),
+    then feed the drafts of steps 1..s one at a time (position t+j, its own previous hidden)."""
+    drafter = make_drafter()
+    batch = random_batch(batch=1, length=9)
+    ids, fused = batch["input_ids"], drafter.fc(batch["hidden"])
+    steps = 3
+    with torch.no_grad():
+        cache, hidden, outs, inputs = TTTCache(), fused, [], []
+        for s in range(steps):
+            step_ids = torch.roll(ids, -s, dims=1)  # any per-step tokens will do here
+            inputs.append(step_ids)
+            hidden = drafter.step(step_ids, hidden, cache=cache)
+            outs.append(hidden)
+        for t in range(ids.shape[1]):
+            kv = KVCache()
+            chain = drafter.step(inputs[0][:, : t + 1], fused[:, : t + 1], cache=kv)[:, -1:]
+            assert torch.allclose(chain, outs[0][:, t : t + 1], atol=1e-5)
+            for s in range(1, steps):
+                chain = drafter.step(inputs[s][:, t : t + 1], chain, cache=kv)
+                assert torch.allclose(chain, outs[s][:, t : t + 1], atol=1e-5), (t, s)
+
+
+# --- the objective ---------------------------------------------------------------------------------
+
+def test_one_step_loss_is_the_plain_soft_cross_entropy() -> None:
+    drafter = make_drafter()
+    b = random_batch()
+    ids, mask, hidden, target = b["input_ids"], b["loss_mask"], b["hidden"], b["logits"]
+    result = ttt_loss(drafter, ids, mask, hidden, target, steps=1)
+    # By hand: row t reads (x_{t+1}, f_t), predicts x_{t+2} against the target at t+1.
+    logits, _ = drafter(ids[:, 1:], hidden[:, :-1])
+    q = torch.softmax(target[:, 1:, drafter.draft_to_target], dim=-1)
+    ce = -(q * torch.log_softmax(logits, dim=-1)).sum(-1)
+    keep = torch.zeros_like(ce, dtype=torch.bool)
+    keep[:, :-1] = mask[:, 2:].bool()
+    keep &= drafter.t2d[target[:, 1:].argmax(-1)]
+    assert 5 < keep.sum() < mask[:, 2:].sum()  # some rows learnable, some target argmaxes outside the draft vocab
+    expected = ce[keep].mean()
+    assert torch.allclose(result.loss, expected, atol=1e-5)
+    assert torch.allclose(result.per_step_loss, expected.detach()[None], atol=1e-5)
+    assert result.tokens == int(mask[:, 2:].sum())
+    hits = (logits.argmax(-1) == q.argmax(-1)) & keep
+    assert result.per_step_acc[0].item() == pytest.approx(hits.sum().item() / result.tokens)
+
+
+def test_steps_are_decayed_and_summed() -> None:
+    drafter = make_drafter()
+    b = random_batch(length=16)
+    result = ttt_loss(drafter, b["input_ids"], b["loss_mask"], b["hidden"], b["logits"], steps=5, decay=0.8)
+    assert result.per_step_loss.shape == result.per_step_acc.shape == (5,)
+    assert result.loss.item() == pytest.approx(sum(0.8**i * float(x) for i, x in enumerate(result.per_step_loss)),
+                                               rel=1e-5)
+    assert result.per_step_tokens.tolist() == [int(b["loss_mask"][:, 2 + s :].sum()) for s in range(5)]
+
+
+def test_masked_positions_contribute_nothing() -> None:
+    drafter = make_drafter()
+    b = random_batch(length=14)
+    base = ttt_loss(drafter, b["input_ids"], b["loss_mask"], b["hidden"], b["logits"], steps=4)
+    # Target position j supervises token j+1: only j with loss_mask[j+1] = 1 (and j < T-1) may count.
+    unused = torch.ones_like(b["loss_mask"], dtype=torch.bool)
+    unused[:, :-1] = b["loss_mask"][:, 1:] == 0
+    noisy = b["logits"].clone()
+    noisy[unused] = 50 * torch.randn(int(unused.sum()), V)
+    moved = ttt_loss(drafter, b["input_ids"], b["loss_mask"], b["hidden"], noisy, steps=4)
+    assert unused.any() and torch.equal(moved.loss, base.loss)
+    assert torch.equal(moved.per_step_acc, base.per_step_acc)
+    # ...while a change at a used position does move it.
+    noisy[~unused] = 50 * torch.randn(int((~unused).sum()), V)
+    assert ttt_loss(drafter, b["input_ids"], b["loss_mask"], b["hidden"], noisy, steps=4).loss != base.loss
+
+
+def test_logits_are_one_step_of_the_draft_vocabulary_at_a_time() -> None:
+    """By structure: lm_head runs once per step on at most (B, T) rows, and autograd keeps nothing as wide
+    as the target vocabulary and no drafter logits at all: the only draft-vocabulary tensors it holds are
+    the target's gathered probabilities, one (B, T-1-s, V_draft) view per step."""
+    drafter = make_drafter()
+    b = random_batch(length=16)
+    batch, length = b["input_ids"].shape
+    shapes: list[tuple[int, ...]] = []
+    drafter.lm_head.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.shape)))
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = ttt_loss(drafter, b["input_ids"], b["loss_mask"], b["hidden"], b["logits"], steps=6)
+    assert shapes == [(batch, length - 1 - s, VD) for s in range(6)]
+    assert not [s for s in saved if V in s]
+    assert sorted(s for s in saved if s and s[-1] == VD) == sorted((batch, length - 1 - s, VD) for s in range(6))
+    result.loss.backward()  # rebuilds each step's logits once more
+    assert len(shapes) == 12 and all(p.grad is not None for p in drafter.parameters())
+
+
+def test_simulated_tau() -> None:
+    assert simulated_tau(torch.tensor([1.0, 1.0, 1.0])).item() == pytest.approx(4.0)
+    assert simulated_tau(torch.tensor([0.5, 0.5])).item() == pytest.approx(1.75)
+    assert simulated_tau(torch.tensor([0.0, 1.0])).item() == pytest.approx(1.0)
+
+
+def test_too_many_steps_raise() -> None:
+    drafter = make_drafter()
+    b = random_batch(length=6)
+    with pytest.raises(DrafterError, match=r"1 <= steps <= T - 2 \(T = 6(.|\n)*steps=5"):
+        ttt_loss(drafter, b["input_ids"], b["loss_mask"], b["hidden"], b["logits"], steps=5)
+
+
+# --- on the tiny kit's target ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def target_batch(tiny_kit: object) -> dict:
+    """Four ShareGPT conversations rendered with the tiny target's chat template (assistant tokens
+    masked in), right-padded to 64 tokens, and the target's features for them."""
+    from pipeline.data.calibration import raw_row
+    from pipeline.data.sources import load_sharegpt
+    from pipeline.models.loading import load_model, load_tokenizer
+
+    model, tokenizer = load_model("tiny:test/target"), load_tokenizer("tiny:test/target")
+    convs, _ = load_sharegpt()
+    count, length, rows = 4, 64, []
+    for conv in convs:
+        row = raw_row(tokenizer, conv, length)
+        if row is not None and sum(row["loss_mask"]) >= 24:
+            rows.append(row)
+        if len(rows) == count:
+            break
+    ids = torch.full((count, length), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(count, length, dtype=torch.long)
+    attention = torch.zeros(count, length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        ids[i, :n], mask[i, :n], attention[i, :n] = torch.tensor(row["input_ids"]), torch.tensor(row["loss_mask"]), 1
+    config = Eagle3Config.from_target(model.config, draft_vocab_size=256)
+    hidden, logits = target_features(model, ids, attention, config.aux_layer_ids)
+    return {"model": model, "config": config, "input_ids": ids, "loss_mask": mask, "hidden": hidden,
+            "logits": logits}
+
+
+def test_target_features_are_the_named_layers(target_batch: dict) -> None:
+    model, ids = target_batch["model"], target_batch["input_ids"][:2, :20]
+    assert target_batch["config"].aux_layer_ids == (0, 1, 2)  # the kit's target has 3 layers
+    hidden, logits = target_features(model, ids, None, (0, 1, 3))
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    assert hidden.shape == (2, 20, 3 * model.config.hidden_size) and logits.shape == (2, 20, model.config.vocab_size)
+    assert torch.equal(hidden, torch.cat([out.hidden_states[i] for i in (0, 1, 3)], dim=-1))
+    assert not hidden.requires_grad
+    with pytest.raises(DrafterError, match=r"each in \[0, 3\](.|\n)*\(0, 1, 4\)"):
+        target_features(model, ids, None, (0, 1, 4))
+
+
+def test_training_lowers_the_loss_on_the_tiny_target(target_batch: dict) -> None:
+    """60 AdamW steps on four rows of the real tiny target's features: the unrolled loss falls below
+    0.7x its start and each step's agreement with the target rises (the drafter can memorise them)."""
+    torch.manual_seed(0)
+    # These matmuls are tiny: on a shared 2-core machine a second intra-op thread only adds waiting.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first, last = _train(target_batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert last.loss.item() < 0.7 * first.loss.item(), (first.loss.item(), last.loss.item())
+    assert (last.per_step_acc > first.per_step_acc).all(), (first.per_step_acc, last.per_step_acc)
+    assert last.per_step_acc[0] > 0.3 and last.simulated_tau > first.simulated_tau + 0.3
+    assert target_batch["model"].get_input_embeddings().weight.grad is None
+
+
+def _train(target_batch: dict) -> tuple:
+    model, config = target_batch["model"], target_batch["config"]
+    ids, mask = target_batch["input_ids"], target_batch["loss_mask"]
+    counts = np.bincount(ids[mask.bool()].numpy(), minlength=config.target_vocab_size)
+    drafter = Eagle3Drafter(config, model.get_input_embeddings())
+    drafter.set_vocab_maps(*eagle3_offset_maps(top_k(counts, config.draft_vocab_size), config.target_vocab_size))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def run() -> object:
+        return ttt_loss(drafter, ids, mask, target_batch["hidden"], target_batch["logits"], steps=7)
+
+    first = run()
+    for _ in range(60):
+        result = run()
+        optimizer.zero_grad()
+        result.loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        last = run()
+    print(f"loss {first.loss.item():.3f} -> {last.loss.item():.3f}; acc {first.per_step_acc.tolist()} -> "
+          f"{last.per_step_acc.tolist()}; tau {first.simulated_tau.item():.2f} -> {last.simulated_tau.item():.2f}")
+    return first, last
