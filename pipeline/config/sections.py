@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config.schema import apply_overrides, from_dict, input_override, load_yaml, run_setting
+from pipeline.engine.methods import METHOD_NAMES
 from pipeline.errors import DrafterError
 
 
@@ -136,7 +137,7 @@ class CountConfig:
         _check(self.workers >= 1, "count.workers", "an integer >= 1", self.workers)
 
 
-EVAL_METHODS = ("full", "shortlist", "tli", "union", "slem")
+EVAL_METHODS = METHOD_NAMES  # the proposer registry, pipeline.engine.methods
 
 
 @dataclass

@@ -1,25 +1,43 @@
-"""The speculative-decoding engine: sampling, proposers (drafters), lossless verification, the decode
-loops and their metrics. Cross-tokenizer proposers live in :mod:`pipeline.engine.hetero`."""
+"""The speculative-decoding engine: sampling, proposers (drafters) and their registry, the model session
+with its KV cache, lossless verification, the decode loops and their metrics. Cross-tokenizer
+proposers live in :mod:`pipeline.engine.hetero`.
 
-from pipeline.engine.loop import GenerationResult, generate_autoregressive, generate_speculative
-from pipeline.engine.metrics import SpeculationMetrics, summarize
-from pipeline.engine.proposers import FullHeadProposer, Proposal, Proposer, ShortlistProposer
-from pipeline.engine.sampling import SamplingParams, sample, standardise
-from pipeline.engine.verify import verify_exact, verify_speculative
+Names are re-exported lazily (PEP 562), so importing a light submodule such as
+:mod:`pipeline.engine.methods` (which the config layer reads) does not import torch.
+"""
 
-__all__ = [
-    "FullHeadProposer",
-    "GenerationResult",
-    "Proposal",
-    "Proposer",
-    "SamplingParams",
-    "ShortlistProposer",
-    "SpeculationMetrics",
-    "generate_autoregressive",
-    "generate_speculative",
-    "sample",
-    "standardise",
-    "summarize",
-    "verify_exact",
-    "verify_speculative",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "FullHeadProposer": "proposers",
+    "GenerationResult": "loop",
+    "METHODS": "methods",
+    "ModelSession": "session",
+    "Proposal": "proposers",
+    "Proposer": "proposers",
+    "ProposerInputs": "methods",
+    "SamplingParams": "sampling",
+    "ShortlistProposer": "proposers",
+    "SpeculationMetrics": "metrics",
+    "TargetState": "session",
+    "build_proposer": "methods",
+    "generate_autoregressive": "loop",
+    "generate_speculative": "loop",
+    "sample": "sampling",
+    "standardise": "sampling",
+    "summarize": "metrics",
+    "verify_exact": "verify",
+    "verify_speculative": "verify",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

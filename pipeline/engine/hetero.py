@@ -4,22 +4,24 @@ Timor et al., "Accelerating LLM Inference with Lossless Speculative Decoding Alg
 Heterogeneous Vocabularies" (ICML 2025) give three lossless ways to use such a drafter, all here:
 :class:`UnionProposer` (Alg. 1, the union-vocabulary baseline), :class:`SLEMProposer` (Alg. 2,
 string-level exact match) and :class:`TLIProposer` (Alg. 4, token-level intersection). Every one keeps
-the drafter's own token sequence and KV cache (:class:`_DrafterSession`): at each round the target
-context is decoded to text, re-encoded by the drafter tokenizer, and only the suffix past the longest
-common prefix with the cached sequence is run. TLI and Union return ``q`` in target-id space through a
-:class:`~pipeline.vocab.maps.VocabMap`; SLEM returns ``q=None`` and is verified by exact match.
+the drafter's own token sequence and KV cache (a :class:`~pipeline.engine.session.ModelSession`): at
+each round the target context is decoded to text, re-encoded by the drafter tokenizer, and only the
+suffix past the longest common prefix with the cached sequence is run. TLI and Union return ``q`` in
+target-id space through a :class:`~pipeline.vocab.maps.VocabMap`; SLEM returns ``q=None`` and is
+verified by exact match.
 """
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Generator, Tensor
 
-from pipeline.engine.proposers import Proposal, common_prefix_length, crop_cache
+from pipeline.engine.proposers import Proposal
 from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.session import ModelSession, TargetState, common_prefix_length
 from pipeline.vocab.maps import VocabMap, as_backend, decode_ids, encode_text
 
 # Why re-tokenising text at every round cannot break losslessness: the verifier's guarantee (Leviathan
@@ -29,51 +31,37 @@ from pipeline.vocab.maps import VocabMap, as_backend, decode_ids, encode_text
 # look-behind that fails to align only lowers acceptance; the emitted tokens keep the target's law.
 
 
-class _DrafterSession:
-    """The drafter's view of the sequence: its own token ids, its KV cache, and the text bridge to them.
+class _CrossVocabDrafter:
+    """What every proposer here shares: the drafter's :class:`ModelSession` and the text bridge to it.
 
-    Invariant: the cache holds keys/values for exactly ``self.ids``.
+    The session holds the drafter's own token ids (``session.ids``) and their KV cache.
     """
 
+    target_layers: tuple[int, ...] = ()
+
     def __init__(self, model: torch.nn.Module, drafter_tokenizer: Any, target_tokenizer: Any) -> None:
-        self.model = model
+        self.session = ModelSession(model)
         self.drafter_tokenizer = as_backend(drafter_tokenizer)
         self.target_tokenizer = as_backend(target_tokenizer)
-        self.device = next(model.parameters()).device
-        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.ids: list[int] = []
-        self._cache: Any = None
 
     def reset(self) -> None:
-        self.ids = []
-        self._cache = None
+        """Forget the cached sequence; see :class:`~pipeline.engine.proposers.Proposer`."""
+        self.session.reset()
 
     def drafter_ids(self, target_context: list[int]) -> list[int]:
         """The target context as drafter tokens (via text; specials are dropped, the drafter's BOS added)."""
         text = decode_ids(self.target_tokenizer, target_context)
         return encode_text(self.drafter_tokenizer, text, add_special_tokens=True)
 
-    def start(self, ids: list[int]) -> Tensor:
-        """Move the cache to ``ids`` (crop to the common prefix, run the rest); next-token logits."""
-        from transformers import DynamicCache
+    def _start(self, context: list[int], gamma: int) -> tuple[list[int], Tensor] | None:
+        """Move the session to ``context`` in drafter ids; those ids and the next-token logits.
 
-        if self._cache is None:
-            self._cache = DynamicCache()
-        # Re-run at least the last token: its forward pass is what yields the first draft's logits.
-        keep = min(common_prefix_length(self.ids, ids), len(ids) - 1)
-        crop_cache(self._cache, keep)
-        self.ids = list(ids[:keep])
-        return self.feed(list(ids[keep:]))
-
-    @torch.no_grad()
-    def feed(self, new_ids: list[int]) -> Tensor:
-        """Append ``new_ids`` to the cached sequence; logits (V_drafter,) for the token after them."""
-        input_ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
-        kwargs = {"logits_to_keep": 1} if self._keep_arg else {}
-        out = self.model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, **kwargs)
-        self._cache = out.past_key_values
-        self.ids.extend(new_ids)
-        return out.logits[0, -1]
+        Returns None when there is nothing to draft (``gamma <= 0`` or an empty context).
+        """
+        ids = self.drafter_ids(context)
+        if gamma <= 0 or not ids or not context:
+            return None
+        return ids, self.session.move_to(ids)[-1]
 
 
 def _empty(width: int, device: torch.device) -> Proposal:
@@ -130,12 +118,7 @@ def union_draft_distribution(
 ) -> tuple[Tensor, Tensor]:
     """The union baseline's draft law: the drafter's full standardised distribution over D.
 
-    Args:
-        drafter_logits: ``(..., V_drafter)`` logits.
-        inter_d: Matched drafter ids (from :func:`intersection_pairs`).
-        inter_t: Their target ids.
-        target_width: Width of ``q``.
-        params: Sampling parameters (applied over the whole drafter vocabulary).
+    Args are as for :func:`tli_draft_distribution`, but ``params`` act over the whole drafter vocabulary.
 
     Returns:
         ``(probs, q)``: ``(..., V_drafter)`` the law drafts are drawn from, and its restriction to
@@ -147,39 +130,12 @@ def union_draft_distribution(
     return probs, q.index_copy_(-1, inter_t, probs.index_select(-1, inter_d))
 
 
-class _MappedProposer:
-    """Shared set-up of TLI and Union: the session and the (drafter id, target id) pairs of T∩D."""
+class _MappedProposer(_CrossVocabDrafter):
+    """TLI and Union: the (drafter id, target id) pairs of T∩D, and the draft loop both run.
 
-    def __init__(
-        self,
-        drafter: torch.nn.Module,
-        drafter_tokenizer: Any,
-        target_tokenizer: Any,
-        vocab_map: VocabMap,
-        target_vocab_size: int | None,
-    ) -> None:
-        self.session = _DrafterSession(drafter, drafter_tokenizer, target_tokenizer)
-        self.vocab_map = vocab_map
-        self.target_vocab_size = target_vocab_size or vocab_map.target_vocab_size
-        self._pairs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
-
-    def reset(self) -> None:
-        self.session.reset()
-
-    def pairs(self, drafter_width: int) -> tuple[Tensor, Tensor, Tensor]:
-        """:func:`intersection_pairs` for this logit width, on the drafter's device (cached)."""
-        if drafter_width not in self._pairs:
-            pairs = intersection_pairs(self.vocab_map, drafter_width, self.target_vocab_size)
-            self._pairs[drafter_width] = tuple(t.to(self.session.device) for t in pairs)
-        return self._pairs[drafter_width]
-
-
-class TLIProposer(_MappedProposer):
-    """Token-level intersection (Alg. 4): the drafter's distribution renormalised onto T∩D.
-
-    Temperature, top-k and top-p are applied to the drafter's logits restricted to the intersection,
-    so ``q`` (zero outside T∩D) is exactly what each draft was drawn from; each drafted token is fed back
-    to the drafter as its own drafter id.
+    A subclass names its one-step law (``law``: :func:`tli_draft_distribution` or
+    :func:`union_draft_distribution`) and whether that law is indexed by position in T∩D rather than
+    by drafter id; the loop stops after a draft with no target id.
 
     Args:
         drafter: A Hugging Face causal LM using ``drafter_tokenizer``.
@@ -187,11 +143,12 @@ class TLIProposer(_MappedProposer):
         target_tokenizer: The target's tokenizer.
         vocab_map: ``VocabMap.build(target_tokenizer, drafter_tokenizer)``.
         target_vocab_size: Width of ``q`` (the target's logit width); defaults to the target tokenizer's.
-        name: Label used in metrics and reports.
-
-    Raises:
-        DrafterError: If the vocabularies share no token.
+        name: Label used in metrics and reports; defaults to the method's name.
     """
+
+    law: Callable[..., tuple[Tensor, Tensor]]
+    indexed_by_intersection: bool
+    method: str
 
     def __init__(
         self,
@@ -201,33 +158,63 @@ class TLIProposer(_MappedProposer):
         vocab_map: VocabMap,
         *,
         target_vocab_size: int | None = None,
-        name: str = "tli",
+        name: str | None = None,
     ) -> None:
-        vocab_map.require_nonempty()
-        super().__init__(drafter, drafter_tokenizer, target_tokenizer, vocab_map, target_vocab_size)
-        self.name = name
+        if self.indexed_by_intersection:
+            vocab_map.require_nonempty()  # a law on T∩D needs T∩D
+        super().__init__(drafter, drafter_tokenizer, target_tokenizer)
+        self.name = name or self.method
+        self.vocab_map = vocab_map
+        self.target_vocab_size = target_vocab_size or vocab_map.target_vocab_size
+        self._pairs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def pairs(self, drafter_width: int) -> tuple[Tensor, Tensor, Tensor]:
+        """:func:`intersection_pairs` for this logit width, on the drafter's device (cached)."""
+        if drafter_width not in self._pairs:
+            pairs = intersection_pairs(self.vocab_map, drafter_width, self.target_vocab_size)
+            self._pairs[drafter_width] = tuple(t.to(self.session.device) for t in pairs)
+        return self._pairs[drafter_width]
 
     def propose(
-        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+        self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
     ) -> Proposal:
-        """Draft up to ``gamma`` tokens inside T∩D; see :class:`~pipeline.engine.proposers.Proposer`."""
-        ids = self.session.drafter_ids(context)
-        if gamma <= 0 or not ids:
+        """Draft up to ``gamma`` tokens; see :class:`~pipeline.engine.proposers.Proposer`."""
+        started = self._start(context, gamma)
+        if started is None:
             return _empty(self.target_vocab_size, self.session.device)
-        logits = self.session.start(ids)
-        inter_d, inter_t, _ = self.pairs(logits.shape[-1])
+        logits = started[1]
+        inter_d, inter_t, d2t = self.pairs(logits.shape[-1])
         if inter_d.numel() == 0:
+            # No shared token at this logit width: every draft would be rejected, so draft none.
             return _empty(self.target_vocab_size, self.session.device)
         tokens: list[int] = []
         rows: list[Tensor] = []
         for step in range(gamma):
-            probs, q = tli_draft_distribution(logits, inter_d, inter_t, self.target_vocab_size, params)
+            probs, q = self.law(logits, inter_d, inter_t, self.target_vocab_size, params)
             index = int(sample(probs, generator))
-            tokens.append(int(inter_t[index]))
+            drafted = int(inter_d[index]) if self.indexed_by_intersection else index
+            tokens.append(int(d2t[drafted]))  # -1 for a drafter token outside T
             rows.append(q)
-            if step + 1 < gamma:
-                logits = self.session.feed([int(inter_d[index])])
+            if tokens[-1] < 0 or step + 1 == gamma:
+                break
+            logits = self.session.feed([drafted])[-1]
         return Proposal(tokens, torch.stack(rows))
+
+
+class TLIProposer(_MappedProposer):
+    """Token-level intersection (Alg. 4): the drafter's distribution renormalised onto T∩D.
+
+    Temperature, top-k and top-p are applied to the drafter's logits restricted to the intersection,
+    so ``q`` (zero outside T∩D) is exactly what each draft was drawn from; each drafted token is fed back
+    to the drafter as its own drafter id. Args as :class:`_MappedProposer`.
+
+    Raises:
+        DrafterError: If the vocabularies share no token (at construction).
+    """
+
+    law = staticmethod(tli_draft_distribution)
+    indexed_by_intersection = True
+    method = "tli"
 
 
 class UnionProposer(_MappedProposer):
@@ -237,44 +224,13 @@ class UnionProposer(_MappedProposer):
     target id; one outside T becomes ``-1`` and ends the draft, since the target gives it probability 0
     and rejects it with certainty. ``q`` is the drafter's mass on T∩D in target space: the mass on D∖T
     is left out because, with ``p = 0`` there, the union rule's residual ``max(0, p - q)`` never uses it.
-
-    Args: as :class:`TLIProposer` (an empty intersection is allowed: every draft is then rejected).
+    Args as :class:`_MappedProposer` (an empty intersection is allowed: nothing is then drafted, since
+    every draft would be rejected).
     """
 
-    def __init__(
-        self,
-        drafter: torch.nn.Module,
-        drafter_tokenizer: Any,
-        target_tokenizer: Any,
-        vocab_map: VocabMap,
-        *,
-        target_vocab_size: int | None = None,
-        name: str = "union",
-    ) -> None:
-        super().__init__(drafter, drafter_tokenizer, target_tokenizer, vocab_map, target_vocab_size)
-        self.name = name
-
-    def propose(
-        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
-    ) -> Proposal:
-        """Draft up to ``gamma`` tokens over the drafter's whole vocabulary; see ``Proposer``."""
-        ids = self.session.drafter_ids(context)
-        if gamma <= 0 or not ids:
-            return _empty(self.target_vocab_size, self.session.device)
-        logits = self.session.start(ids)
-        inter_d, inter_t, d2t = self.pairs(logits.shape[-1])
-        tokens: list[int] = []
-        rows: list[Tensor] = []
-        for step in range(gamma):
-            probs, q = union_draft_distribution(logits, inter_d, inter_t, self.target_vocab_size, params)
-            drafted = int(sample(probs, generator))
-            tokens.append(int(d2t[drafted]))
-            rows.append(q)
-            if tokens[-1] < 0:
-                break
-            if step + 1 < gamma:
-                logits = self.session.feed([drafted])
-        return Proposal(tokens, torch.stack(rows))
+    law = staticmethod(union_draft_distribution)
+    indexed_by_intersection = False
+    method = "union"
 
 
 def align_draft(target_tokenizer: Any, context: list[int], draft_text: str, lookbehind: int = 8) -> list[int]:
@@ -310,7 +266,7 @@ def align_draft(target_tokenizer: Any, context: list[int], draft_text: str, look
     return []
 
 
-class SLEMProposer:
+class SLEMProposer(_CrossVocabDrafter):
     """String-level exact match (Alg. 2): draft in the drafter's vocabulary, hand over text.
 
     The drafter drafts ``gamma`` of its own tokens (argmax when greedy, else sampled from its
@@ -338,24 +294,21 @@ class SLEMProposer:
         drafter_lookbehind: int = 8,
         name: str = "slem",
     ) -> None:
-        self.session = _DrafterSession(drafter, drafter_tokenizer, target_tokenizer)
+        super().__init__(drafter, drafter_tokenizer, target_tokenizer)
         self.target_lookbehind = max(1, target_lookbehind)
         self.drafter_lookbehind = max(1, drafter_lookbehind)
         self.name = name
-        added = self.session.drafter_tokenizer.get_added_tokens_decoder()
+        added = self.drafter_tokenizer.get_added_tokens_decoder()
         self._drafter_specials = {token_id for token_id, token in added.items() if token.special}
 
-    def reset(self) -> None:
-        self.session.reset()
-
     def propose(
-        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+        self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
     ) -> Proposal:
         """Draft up to ``gamma`` target tokens by string matching; ``q`` is None (exact-match verify)."""
-        ids = self.session.drafter_ids(context)
-        if gamma <= 0 or not ids or not context:
+        started = self._start(context, gamma)
+        if started is None:
             return Proposal([], None)
-        logits = self.session.start(ids)
+        ids, logits = started
         drafted: list[int] = []
         for step in range(gamma):
             token = int(sample(standardise(logits, params), generator))
@@ -364,18 +317,18 @@ class SLEMProposer:
                 break
             drafted.append(token)
             if step + 1 < gamma:
-                logits = self.session.feed([token])
+                logits = self.session.feed([token])[-1]
         draft_text = self._draft_text(ids, drafted)
         if not draft_text:
             return Proposal([], None)
-        aligned = align_draft(self.session.target_tokenizer, context, draft_text, self.target_lookbehind)
+        aligned = align_draft(self.target_tokenizer, context, draft_text, self.target_lookbehind)
         return Proposal(aligned[:gamma], None)
 
     def _draft_text(self, ids: list[int], drafted: list[int]) -> str:
         """The text the drafted tokens add after ``ids`` ('' if it cannot be isolated)."""
         if not drafted:
             return ""
-        tokenizer = self.session.drafter_tokenizer
+        tokenizer = self.drafter_tokenizer
         for window in (ids[-self.drafter_lookbehind :], ids):
             before = decode_ids(tokenizer, window)
             after = decode_ids(tokenizer, window + drafted)

@@ -1,16 +1,18 @@
 """The decode loops: plain autoregressive decoding and draft-then-verify speculative decoding.
 
-Both loops keep a Hugging Face ``DynamicCache`` on the target, run batch size 1, stop at EOS or after
-``max_new_tokens``, and record what the metrics need (:class:`GenerationResult`). A speculative round
-asks the proposer for ``gamma'`` drafts, scores all of them plus the bonus position in *one* target
-forward, verifies (:mod:`pipeline.engine.verify`) and crops the target cache back to the accepted
-prefix. With greedy parameters the speculative loop emits exactly the autoregressive loop's tokens; with
-sampling it emits them with exactly the same law.
+Both loops run the target through a :class:`~pipeline.engine.session.ModelSession` (KV cache), run
+batch size 1, stop at EOS or after ``max_new_tokens``, and record what the metrics need
+(:class:`GenerationResult`). A speculative round hands the proposer the target's state (hidden states
+at the layers it declared, for every accepted position, and the last distribution:
+:class:`~pipeline.engine.session.TargetState`), asks it for ``gamma'`` drafts, scores all of them plus
+the bonus position in *one* target forward, verifies (:mod:`pipeline.engine.verify`) and crops the
+target cache and captured hidden states back to the accepted prefix. With greedy parameters the
+speculative loop emits exactly the autoregressive loop's tokens; with sampling it emits them with
+exactly the same law.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -19,8 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeline.engine.proposers import Proposal, Proposer, crop_cache
+from pipeline.engine.proposers import Proposal, Proposer
 from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.session import ModelSession, TargetState
 from pipeline.engine.verify import verify_exact, verify_speculative
 from pipeline.errors import DrafterError
 
@@ -89,47 +92,6 @@ def _check_request(input_ids: list[int], max_new_tokens: int) -> None:
         )
 
 
-class _Target:
-    """Target model plus its KV cache; every forward is timed and counted."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        from transformers import DynamicCache
-
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.cache = DynamicCache()
-        self.cached = 0  # sequence positions whose keys/values the cache holds
-        self.forwards = 0
-        self.seconds = 0.0
-        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
-
-    def sync(self) -> None:
-        # CUDA kernels run asynchronously; timing without a sync would charge them to the next step.
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @torch.no_grad()
-    def distributions(
-        self, sequence: list[int], extra: list[int], keep: int, params: SamplingParams
-    ) -> Tensor:
-        """Feed ``sequence[self.cached:] + extra``; return the last ``keep`` standardised rows (float64)."""
-        start = time.perf_counter()
-        ids = torch.tensor([sequence[self.cached :] + extra], dtype=torch.long, device=self.device)
-        kwargs = {"logits_to_keep": keep} if self._keep_arg else {}
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, **kwargs)
-        self.cache = out.past_key_values
-        self.cached = len(sequence) + len(extra)
-        probs = standardise(out.logits[0, -keep:], params)
-        self.sync()
-        self.seconds += time.perf_counter() - start
-        self.forwards += 1
-        return probs
-
-    def crop(self, length: int) -> None:
-        crop_cache(self.cache, length)
-        self.cached = min(self.cached, length)
-
-
 def _finish(new: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
     """Cut ``new`` after its first EOS and at ``max_new_tokens``; report whether EOS ended it."""
     for i, token in enumerate(new[:max_new_tokens]):
@@ -162,12 +124,13 @@ def generate_autoregressive(
     _check_request(input_ids, max_new_tokens)
     start = time.perf_counter()
     eos = _eos_set(eos_token_id)
-    model = _Target(target)
+    model = ModelSession(target)
     sequence = list(input_ids)
     result = GenerationResult(tokens=[], prompt_length=len(input_ids), method="autoregressive")
     stopped = False
     while len(result.tokens) < max_new_tokens and not stopped:
-        probs = model.distributions(sequence, [], 1, params)
+        with model.timed():
+            probs = standardise(model.feed(sequence[len(model.ids) :]), params)
         token = int(probs[0].argmax()) if params.greedy else int(sample(probs[0], generator))
         if not result.tokens:
             result.ttft_seconds = time.perf_counter() - start
@@ -221,7 +184,9 @@ def generate_speculative(
 
     Args:
         target: A Hugging Face causal LM.
-        proposer: The drafter; see :class:`pipeline.engine.proposers.Proposer`.
+        proposer: The drafter; see :class:`pipeline.engine.proposers.Proposer`. When it declares
+            ``target_layers``, the prompt but its last token is prefilled in a forward of its own
+            (counted in ``target_forwards``) so its first round already sees the prompt's states.
         input_ids: Prompt token ids.
         max_new_tokens: Upper bound on new tokens.
         gamma: Drafts per round (capped so no round drafts past ``max_new_tokens``).
@@ -233,8 +198,8 @@ def generate_speculative(
         The :class:`GenerationResult`.
 
     Raises:
-        DrafterError: If ``gamma < 1`` or the proposer returns ids or distributions that do not fit
-            the target's vocabulary.
+        DrafterError: If ``gamma < 1``, the proposer asks for hidden states at layers the target
+            lacks, or returns ids or distributions that do not fit the target's vocabulary.
     """
     if gamma < 1:
         raise DrafterError(
@@ -246,9 +211,15 @@ def generate_speculative(
     _check_request(input_ids, max_new_tokens)
     start = time.perf_counter()
     eos = _eos_set(eos_token_id)
-    model = _Target(target)
+    layers = tuple(proposer.target_layers)
+    model = ModelSession(target, layers=layers)
     proposer.reset()
     sequence = list(input_ids)
+    if layers and len(sequence) > 1:
+        # Prefill all prompt tokens but the newest, so the first round's state covers the prompt.
+        with model.timed():
+            model.feed(sequence[:-1])
+    last_p: Tensor | None = None
     new: list[int] = []
     result = GenerationResult(
         tokens=[],
@@ -267,7 +238,8 @@ def generate_speculative(
         q: Tensor | None = None
         if round_gamma > 0:
             drafter_start = time.perf_counter()
-            proposal = proposer.propose(list(sequence), round_gamma, params, generator)
+            state = TargetState(layers, model.hidden(), last_p, len(model.ids))
+            proposal = proposer.propose(list(sequence), round_gamma, params, generator, state)
             model.sync()
             result.drafter_seconds += time.perf_counter() - drafter_start
             tokens, q = _check_proposal(proposal, round_gamma, vocab)
@@ -276,7 +248,9 @@ def generate_speculative(
         drafted = len(tokens)
         fed = tokens.index(-1) if -1 in tokens else len(tokens)
         tokens = tokens[: fed + 1]
-        p = model.distributions(sequence, tokens[:fed], fed + 1, params)
+        # The session holds every position but the newest token's; feed it and the drafts.
+        with model.timed():
+            p = standardise(model.feed(sequence[len(model.ids) :] + tokens[:fed], fed + 1), params)
         if len(tokens) > fed:
             # Placeholder bonus row: never read, because the -1 draft is rejected with certainty.
             p = torch.cat([p, p[-1:]], dim=0)
@@ -285,7 +259,8 @@ def generate_speculative(
             n_accepted, next_token = verify_exact(p, tokens, generator, params)
         else:
             n_accepted, next_token = verify_speculative(p, q[: len(tokens)], tokens, generator)
-        model.crop(len(sequence) + n_accepted)
+        model.crop(len(sequence) + n_accepted)  # cache and captured hidden states alike
+        last_p = p[n_accepted]
         emitted = tokens[:n_accepted] + [next_token]
         sequence.extend(emitted)
         new.extend(emitted)

@@ -3,22 +3,25 @@
 A proposer drafts ``gamma`` tokens and returns, for each one, the exact distribution it was drawn from
 in target-id space (:class:`Proposal`). Returning the true ``q`` — not an approximation of it — is what
 keeps every draft method lossless under :func:`pipeline.engine.verify.verify_speculative`. Each
-proposer keeps its own KV cache and re-synchronises with the target's context by longest common prefix,
-so a rejected draft costs only a cache crop. This module owns the interface plus the two same-tokenizer
-drafters: the full LM head and the static shortlist of FR-Spec (Zhao et al. 2025) / VocabTrim
-(Goel et al. 2025), which evaluates only the shortlisted rows of the drafter's LM head.
+proposer keeps its own :class:`~pipeline.engine.session.ModelSession` (KV cache), re-synchronised with
+the target's context by longest common prefix, so a rejected draft costs only a cache crop; each round
+it may also read the target's hidden states (:class:`~pipeline.engine.session.TargetState`). This
+module owns the interface plus the two same-tokenizer drafters: the full LM head and the static
+shortlist of FR-Spec (Zhao et al. 2025) / VocabTrim (Goel et al. 2025), which evaluates only the
+shortlisted rows of the drafter's LM head. Methods are built by name through
+:mod:`pipeline.engine.methods`.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
-from torch import Tensor
+from torch import Generator, Tensor
 
 from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.session import ModelSession, TargetState
 from pipeline.errors import DrafterError
 
 
@@ -39,100 +42,78 @@ class Proposal(NamedTuple):
 
 @runtime_checkable
 class Proposer(Protocol):
-    """A drafter the decode loop can call once per speculation round."""
+    """A drafter the decode loop can call once per speculation round.
+
+    Attributes:
+        name: Label used in metrics and reports.
+        target_layers: Indices into the target's ``output_hidden_states`` (``0`` = embedding output,
+            ``-1`` = last layer) whose hidden states the proposer reads from :class:`TargetState`; empty
+            (the default of every proposer here) means none are captured, at no extra cost.
+    """
 
     name: str
+    target_layers: tuple[int, ...]
 
     def reset(self) -> None:
         """Forget all state; the next :meth:`propose` starts a new sequence."""
         ...
 
     def propose(
-        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+        self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
     ) -> Proposal:
-        """Draft up to ``gamma`` tokens continuing ``context`` (all target ids so far)."""
+        """Draft up to ``gamma`` tokens continuing ``context`` (all target ids so far).
+
+        Args:
+            context: Every token of the sequence, prompt included, as target ids.
+            gamma: Most tokens to draft.
+            params: Sampling parameters (the drafts' law must be what ``q`` reports).
+            generator: Random source shared with the verifier.
+            state: The target's hidden states at :attr:`target_layers` for every position of
+                ``context`` but the newest, and its last distribution (see :class:`TargetState`);
+                outside the decode loop, ``TargetState()`` (nothing known).
+        """
         ...
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def _draft(
+    session: ModelSession,
+    context: list[int],
+    gamma: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+    logits_of: Callable[[Tensor], Tensor],
+    token_of: Callable[[int], int],
+) -> tuple[list[int], list[Tensor]]:
+    """Sample ``gamma`` tokens autoregressively from ``session``; token ids and their distributions.
 
-
-def crop_cache(cache: Any, length: int) -> None:
-    """Drop cached positions beyond ``length`` from a Hugging Face cache, in place.
-
-    transformers 5.x ``Cache.crop`` takes the (negative) number of positions to remove and rejects a
-    positive argument; a negative argument means the same in 4.x, so this form works in both.
+    ``logits_of`` turns the session's output row into logits; ``token_of`` maps an index of the
+    distribution to the token id fed back to the drafter.
     """
-    excess = cache.get_seq_length() - length
-    if excess > 0:
-        cache.crop(-excess)
+    if not context:
+        raise DrafterError(
+            "cannot draft from an empty context",
+            expected="at least one prompt token",
+            found="0 tokens",
+            fix="pass a non-empty prompt",
+        )
+    row = session.move_to(context)[-1]
+    tokens: list[int] = []
+    dists: list[Tensor] = []
+    for step in range(gamma):
+        probs = standardise(logits_of(row), params)
+        token = token_of(int(sample(probs, generator)))
+        tokens.append(token)
+        dists.append(probs)
+        if step + 1 < gamma:
+            row = session.feed([token])[-1]
+    return tokens, dists
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
+def _identity(logits: Tensor) -> Tensor:
+    return logits
 
 
-class _CachedDrafter:
-    """Shared bookkeeping: the drafter's KV cache and the token ids whose keys/values it holds."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.device = _model_device(model)
-        self._cache: Any = None
-        self._cached_ids: list[int] = []
-
-    def reset(self) -> None:
-        self._cache = None
-        self._cached_ids = []
-
-    def _next_token_logits(self, input_ids: list[int]) -> Tensor:
-        raise NotImplementedError
-
-    def _token_id(self, index: int) -> int:
-        """Map an index of the drafter's output distribution to the token id fed back to it."""
-        return index
-
-    def _draft(
-        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
-    ) -> tuple[list[int], list[Tensor]]:
-        """Sample ``gamma`` tokens autoregressively; returns token ids and their output-space distributions."""
-        from transformers import DynamicCache
-
-        if not context:
-            raise DrafterError(
-                "cannot draft from an empty context",
-                expected="at least one prompt token",
-                found="0 tokens",
-                fix="pass a non-empty prompt",
-            )
-        if self._cache is None:
-            self._cache = DynamicCache()
-        # Keep at least one context token uncached: its forward pass yields the first draft's logits.
-        keep = min(common_prefix_length(self._cached_ids, context), len(context) - 1)
-        crop_cache(self._cache, keep)
-        pending = list(context[keep:])
-        tokens: list[int] = []
-        dists: list[Tensor] = []
-        for step in range(gamma):
-            logits = self._next_token_logits(pending)
-            probs = standardise(logits, params)
-            token = self._token_id(int(sample(probs, generator)))
-            tokens.append(token)
-            dists.append(probs)
-            if step + 1 < gamma:
-                pending = [token]
-        # The last draft was never fed, so the cache holds the context plus all drafts but the last.
-        self._cached_ids = list(context) + tokens[:-1] if gamma > 0 else list(context[:keep])
-        return tokens, dists
-
-
-class FullHeadProposer(_CachedDrafter):
+class FullHeadProposer:
     """A same-tokenizer drafter sampling from its full LM head.
 
     Args:
@@ -145,25 +126,21 @@ class FullHeadProposer(_CachedDrafter):
     def __init__(
         self, model: torch.nn.Module, *, target_vocab_size: int | None = None, name: str = "full_head"
     ) -> None:
-        super().__init__(model)
+        self.session = ModelSession(model)
         self.name = name
+        self.target_layers: tuple[int, ...] = ()
         self.target_vocab_size = target_vocab_size
         self._head_rows = model.get_output_embeddings().weight.shape[0]
-        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    @torch.no_grad()
-    def _next_token_logits(self, input_ids: list[int]) -> Tensor:
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        kwargs = {"logits_to_keep": 1} if self._keep_arg else {}
-        out = self.model(input_ids=ids, past_key_values=self._cache, use_cache=True, **kwargs)
-        self._cache = out.past_key_values
-        return out.logits[0, -1]
+    def reset(self) -> None:
+        """Forget the cached sequence; see :class:`Proposer`."""
+        self.session.reset()
 
     def propose(
-        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+        self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
     ) -> Proposal:
         """Draft ``gamma`` tokens from the full head; see :class:`Proposer`."""
-        tokens, dists = self._draft(context, gamma, params, generator)
+        tokens, dists = _draft(self.session, context, gamma, params, generator, _identity, int)
         width = self.target_vocab_size
         if not tokens:
             return Proposal([], torch.zeros(0, width or self._head_rows, dtype=torch.float64))
@@ -178,7 +155,7 @@ class FullHeadProposer(_CachedDrafter):
         return Proposal(tokens, q)
 
 
-class ShortlistProposer(_CachedDrafter):
+class ShortlistProposer:
     """A same-tokenizer drafter whose LM head is cut to a static shortlist (FR-Spec / VocabTrim).
 
     The drafter body runs as usual; the head is a genuinely smaller ``(k, d)`` matmul against the
@@ -200,8 +177,9 @@ class ShortlistProposer(_CachedDrafter):
         target_vocab_size: int | None = None,
         name: str = "shortlist",
     ) -> None:
-        super().__init__(model)
+        self.session = ModelSession(model, body_only=True)
         self.name = name
+        self.target_layers: tuple[int, ...] = ()
         head = model.get_output_embeddings()
         vocab = head.weight.shape[0]
         self.target_vocab_size = target_vocab_size or vocab
@@ -228,13 +206,12 @@ class ShortlistProposer(_CachedDrafter):
                 found=f"{shortlist.numel() - torch.unique(shortlist).numel()} duplicates",
                 fix="deduplicate the shortlist (e.g. torch.unique) before loading it",
             )
-        self.shortlist = shortlist.to(self.device)
+        self.shortlist = shortlist.to(self.session.device)
         self._shortlist_ids = shortlist.tolist()
         with torch.no_grad():
             self._weight = head.weight[self.shortlist].detach().clone()
             bias = getattr(head, "bias", None)
             self._bias = None if bias is None else bias[self.shortlist].detach().clone()
-        self._body = model.base_model
         config = getattr(model, "config", None)
         # Some families post-process logits in forward(); mirror it so q matches the drafter's head.
         self._softcap = getattr(config, "final_logit_softcapping", None)
@@ -273,15 +250,16 @@ class ShortlistProposer(_CachedDrafter):
                     fix="rebuild the shortlist from calibration data tokenised by this target",
                 )
 
+    def reset(self) -> None:
+        """Forget the cached sequence; see :class:`Proposer`."""
+        self.session.reset()
+
     def _token_id(self, index: int) -> int:
         return int(self._shortlist_ids[index])
 
     @torch.no_grad()
-    def _next_token_logits(self, input_ids: list[int]) -> Tensor:
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        out = self._body(input_ids=ids, past_key_values=self._cache, use_cache=True)
-        self._cache = out.past_key_values
-        hidden = out.last_hidden_state[0, -1]
+    def _logits(self, hidden: Tensor) -> Tensor:
+        """The shortlisted head: a ``(k, d)`` matmul on the body's last hidden state."""
         logits = torch.nn.functional.linear(hidden, self._weight, self._bias)
         if self._logit_scale is not None:
             logits = logits * self._logit_scale
@@ -290,11 +268,11 @@ class ShortlistProposer(_CachedDrafter):
         return logits
 
     def propose(
-        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
+        self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
     ) -> Proposal:
         """Draft ``gamma`` tokens from the shortlisted head; see :class:`Proposer`."""
-        tokens, dists = self._draft(context, gamma, params, generator)
-        q = torch.zeros(len(tokens), self.target_vocab_size, dtype=torch.float64, device=self.device)
+        tokens, dists = _draft(self.session, context, gamma, params, generator, self._logits, self._token_id)
+        q = torch.zeros(len(tokens), self.target_vocab_size, dtype=torch.float64, device=self.session.device)
         if tokens:
             q[:, self.shortlist] = torch.stack(dists)
         return Proposal(tokens, q)

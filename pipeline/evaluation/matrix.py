@@ -130,15 +130,21 @@ class Evaluator:
 
     def proposers(self) -> Iterator[tuple[str, str, str | None, int | None, Any, float]]:
         """(method, drafter name, shortlist name, shortlist size, proposer, cost ratio c) per configuration."""
-        from pipeline.engine.proposers import FullHeadProposer, ShortlistProposer
+        from pipeline.engine.methods import METHODS, ProposerInputs, build_proposer
+        from pipeline.engine.proposers import ShortlistProposer
 
         ev = self.ev
-        if {"full", "shortlist"} & set(ev.methods):
+        specs = [spec for name, spec in METHODS.items() if name in ev.methods]
+        same = [spec for spec in specs if spec.same_tokenizer]
+        other = [spec for spec in specs if not spec.same_tokenizer]
+        if same:
             drafter = load_model(ev.drafter, dtype=self.cfg.target.dtype, device=self.device)
-            if "full" in ev.methods:
-                yield ("full", ev.drafter, None, None, FullHeadProposer(drafter, target_vocab_size=self.vocab),
-                       parameter_ratio(drafter, self.target))
-            if "shortlist" in ev.methods:
+            base = ProposerInputs(drafter=drafter, target_vocab_size=self.vocab)
+            for spec in same:
+                if "shortlist" not in spec.needs:
+                    yield (spec.name, ev.drafter, None, None, build_proposer(spec.name, base),
+                           parameter_ratio(drafter, self.target))
+                    continue
                 lists = load_shortlists(self.counts)
                 for name in ev.shortlists:
                     if name not in lists:
@@ -148,27 +154,24 @@ class Evaluator:
                     ids = torch.from_numpy(lists[name])
                     all_prompts = [p for items in self.prompts.values() for p in items]
                     ShortlistProposer.check(ids, self.tokenizer, all_prompts)
-                    yield ("shortlist", ev.drafter, name, int(ids.numel()),
-                           ShortlistProposer(drafter, ids, target_vocab_size=self.vocab, name=f"shortlist:{name}"),
+                    inputs = dataclasses.replace(base, shortlist=ids, name=f"{spec.name}:{name}")
+                    yield (spec.name, ev.drafter, name, int(ids.numel()), build_proposer(spec.name, inputs),
                            shortlist_param_ratio(drafter, self.target, int(ids.numel())))
-        hetero = [m for m in ("tli", "union", "slem") if m in ev.methods]
-        if hetero and ev.drafter_other:
-            from pipeline.engine.hetero import SLEMProposer, TLIProposer, UnionProposer
-            from pipeline.vocab.maps import VocabMap
-
-            other = load_model(ev.drafter_other, dtype=self.cfg.target.dtype, device=self.device)
+        if other and ev.drafter_other:
+            other_model = load_model(ev.drafter_other, dtype=self.cfg.target.dtype, device=self.device)
             other_tok = load_tokenizer(ev.drafter_other)
-            ratio = parameter_ratio(other, self.target)
-            vocab_map = VocabMap.build(self.tokenizer, other_tok)
-            self.log(f"vocabulary intersection with {ev.drafter_other}: {vocab_map.intersection_size} tokens")
-            for method in hetero:
-                if method == "tli":
-                    proposer = TLIProposer(other, other_tok, self.tokenizer, vocab_map, target_vocab_size=self.vocab)
-                elif method == "union":
-                    proposer = UnionProposer(other, other_tok, self.tokenizer, vocab_map, target_vocab_size=self.vocab)
-                else:
-                    proposer = SLEMProposer(other, other_tok, self.tokenizer)
-                yield method, ev.drafter_other, None, None, proposer, ratio
+            ratio = parameter_ratio(other_model, self.target)
+            vocab_map = None
+            if any("vocab_map" in spec.needs for spec in other):
+                from pipeline.vocab.maps import VocabMap
+
+                vocab_map = VocabMap.build(self.tokenizer, other_tok)
+                self.log(f"vocabulary intersection with {ev.drafter_other}: {vocab_map.intersection_size} tokens")
+            inputs = ProposerInputs(drafter_other=other_model, drafter_other_tokenizer=other_tok,
+                                    target_tokenizer=self.tokenizer, vocab_map=vocab_map,
+                                    target_vocab_size=self.vocab)
+            for spec in other:
+                yield spec.name, ev.drafter_other, None, None, build_proposer(spec.name, inputs), ratio
 
     def _decode_all(self, items: list[list[int]], proposer: Any, gamma: int, params: SamplingParams,
                     seed: int) -> list[Any]:

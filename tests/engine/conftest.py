@@ -145,3 +145,27 @@ def assert_counts_match(counts: torch.Tensor, probs: torch.Tensor, n: int, what:
         f"{what}: outcomes {outside.nonzero().flatten().tolist()} have counts "
         f"{counts[outside].tolist()}, expected {expected[outside].tolist()} (Bernstein bound)"
     )
+
+
+def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
+    """Registry inputs for every method from loaded tiny-kit roles (``{role: (model, tokenizer)}``).
+
+    The shortlist is the target's first 256 ids plus EOS.
+    """
+    from pipeline.engine.methods import ProposerInputs
+    from pipeline.vocab.maps import VocabMap
+
+    target, target_tok = kit["target"]
+    other, other_tok = kit["drafter_other"]
+    vocab = target.get_output_embeddings().weight.shape[0]
+    first = torch.arange(min(256, vocab))
+    shortlist = torch.unique(torch.cat([first, torch.tensor([target_tok.eos_token_id])]))
+    return ProposerInputs(
+        drafter=kit["drafter"][0],
+        shortlist=shortlist,
+        drafter_other=other,
+        drafter_other_tokenizer=other_tok,
+        target_tokenizer=target_tok,
+        vocab_map=VocabMap.build(target_tok, other_tok),
+        target_vocab_size=vocab,
+    )

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.engine.methods import METHOD_NAMES
+
 pytestmark = pytest.mark.gpu
 
-METHODS = ("full", "shortlist", "tli", "union", "slem")
+METHODS = METHOD_NAMES  # every registered draft method
 
 
 @pytest.fixture(scope="module")
@@ -28,24 +30,10 @@ def cuda_kit(tiny_kit):
 
 
 def _proposer(kit: dict, method: str):
-    from pipeline.engine.hetero import SLEMProposer, TLIProposer, UnionProposer
-    from pipeline.engine.proposers import FullHeadProposer, ShortlistProposer
-    from pipeline.vocab.maps import VocabMap
+    from pipeline.engine.methods import build_proposer
+    from tests.engine.conftest import kit_proposer_inputs
 
-    target, target_tok = kit["target"]
-    drafter, _ = kit["drafter"]
-    other, other_tok = kit["drafter_other"]
-    vocab = target.get_output_embeddings().weight.shape[0]
-    if method == "full":
-        return FullHeadProposer(drafter, target_vocab_size=vocab)
-    if method == "shortlist":
-        ids = torch.unique(torch.cat([torch.arange(min(256, vocab)), torch.tensor([target_tok.eos_token_id])]))
-        return ShortlistProposer(drafter, ids, target_vocab_size=vocab)
-    if method == "slem":
-        return SLEMProposer(other, other_tok, target_tok)
-    vocab_map = VocabMap.build(target_tok, other_tok)
-    cls = TLIProposer if method == "tli" else UnionProposer
-    return cls(other, other_tok, target_tok, vocab_map, target_vocab_size=vocab)
+    return build_proposer(method, kit_proposer_inputs(kit))
 
 
 def _prompts(tokenizer) -> list[list[int]]:

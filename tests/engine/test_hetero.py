@@ -20,14 +20,15 @@ from tokenizers import Tokenizer
 from pipeline.engine.hetero import (
     SLEMProposer,
     TLIProposer,
-    UnionProposer,
     align_draft,
     intersection_pairs,
     tli_draft_distribution,
     union_draft_distribution,
 )
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
+from pipeline.engine.methods import ProposerInputs, build_proposer
 from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.session import TargetState
 from pipeline.engine.verify import verify_speculative
 from pipeline.errors import DrafterError
 from pipeline.vocab.maps import VocabMap, decode_ids, encode_text
@@ -129,11 +130,13 @@ def prompt_ids(tok_target: Tokenizer) -> list[list[int]]:
 def _proposer(
     method: str, drafter: torch.nn.Module, tok_drafter: Tokenizer, tok_target: Tokenizer, vmap: VocabMap
 ):
-    if method == "tli":
-        return TLIProposer(drafter, tok_drafter, tok_target, vmap)
-    if method == "union":
-        return UnionProposer(drafter, tok_drafter, tok_target, vmap)
-    return SLEMProposer(drafter, tok_drafter, tok_target)
+    inputs = ProposerInputs(
+        drafter_other=drafter,
+        drafter_other_tokenizer=tok_drafter,
+        target_tokenizer=tok_target,
+        vocab_map=vmap,
+    )
+    return build_proposer(method, inputs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -217,7 +220,7 @@ def test_proposal_q_is_the_drafters_law_from_scratch(
     inter_d, inter_t, d2t = intersection_pairs(vmap, tok_drafter.get_vocab_size(), vmap.target_vocab_size)
     law = tli_draft_distribution if method == "tli" else union_draft_distribution
     for _ in range(6):
-        proposal = proposer.propose(context, 4, params, gen)
+        proposal = proposer.propose(context, 4, params, gen, TargetState())
         assert proposal.q is not None and proposal.q.shape == (len(proposal.tokens), vmap.target_vocab_size)
         ids = encode_text(tok_drafter, decode_ids(tok_target, context), add_special_tokens=True)
         drafted = proposer.session.ids[len(ids) :]
@@ -247,7 +250,7 @@ def test_drafted_tokens_follow_q(
     firsts = []
     q0 = None
     for _ in range(n):
-        proposal = proposer.propose(prompt_ids[1], 1, params, gen)
+        proposal = proposer.propose(prompt_ids[1], 1, params, gen, TargetState())
         q0 = proposal.q[0] if q0 is None else q0
         assert torch.equal(proposal.q[0], q0)
         firsts.append(proposal.tokens[0])

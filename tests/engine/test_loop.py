@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.engine.loop import _Target, generate_autoregressive, generate_speculative
+from pipeline.engine.loop import generate_autoregressive, generate_speculative
+from pipeline.engine.methods import ProposerInputs, build_proposer
 from pipeline.engine.proposers import FullHeadProposer, Proposal, ShortlistProposer
 from pipeline.engine.sampling import SamplingParams, standardise
+from pipeline.engine.session import ModelSession, TargetState
 from pipeline.errors import DrafterError
 from tests.engine.conftest import assert_counts_match
 
@@ -28,16 +30,16 @@ class _Untranslatable:
     """Wraps a proposer and pretends ids divisible by 7 have no target id (Union-style ``-1`` drafts):
     their mass leaves ``q`` (rows become sub-stochastic), exactly as a cross-vocabulary drafter reports it."""
 
+    target_layers: tuple[int, ...] = ()
+
     def __init__(self, inner: Any) -> None:
         self.inner, self.name = inner, "untranslatable"
 
     def reset(self) -> None:
         self.inner.reset()
 
-    def propose(
-        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
-    ) -> Proposal:
-        tokens, q = self.inner.propose(context, gamma, params, generator)
+    def propose(self, *args: Any) -> Proposal:  # context, gamma, params, generator, state
+        tokens, q = self.inner.propose(*args)
         q = q.clone()
         q[:, ::7] = 0.0
         return Proposal([-1 if t % 7 == 0 else t for t in tokens], q)
@@ -46,23 +48,21 @@ class _Untranslatable:
 class _ExactMatch(_Untranslatable):
     """Wraps a proposer and hides its distributions (``q=None``), as SLEM does."""
 
-    def propose(
-        self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
-    ) -> Proposal:
-        return Proposal(self.inner.propose(context, gamma, params, generator).tokens, None)
+    def propose(self, *args: Any) -> Proposal:
+        return Proposal(self.inner.propose(*args).tokens, None)
 
 
 def _proposer(
     kind: str, drafter: torch.nn.Module, tied_drafter: torch.nn.Module, shortlist: torch.Tensor
 ) -> Any:
-    return {
-        "full": lambda: FullHeadProposer(drafter),
-        "shortlist": lambda: ShortlistProposer(drafter, shortlist),
-        "tied_full": lambda: FullHeadProposer(tied_drafter),
-        "tied_shortlist": lambda: ShortlistProposer(tied_drafter, shortlist),
-        "untranslatable": lambda: _Untranslatable(FullHeadProposer(drafter)),
-        "exact": lambda: _ExactMatch(FullHeadProposer(drafter)),
-    }[kind]()
+    """``kind`` is a registered method, optionally prefixed ``tied_`` (the tied-head drafter), or a
+    wrapper of the full-head method (``untranslatable``, ``exact``)."""
+    wrapper = {"untranslatable": _Untranslatable, "exact": _ExactMatch}.get(kind)
+    tied = kind.startswith("tied_")
+    method = "full" if wrapper else kind.removeprefix("tied_")
+    inputs = ProposerInputs(drafter=tied_drafter if tied else drafter, shortlist=shortlist)
+    proposer = build_proposer(method, inputs)
+    return wrapper(proposer) if wrapper else proposer
 
 
 @pytest.fixture(scope="module")
@@ -194,18 +194,18 @@ def test_target_cache_matches_recompute(target, prompts) -> None:
     """Prefill, score drafts, crop to a partial acceptance, score again: every row equals a no-cache
     forward over the same sequence (float64, tolerance 1e-10)."""
     params = SamplingParams(temperature=1.0)
-    model = _Target(target)
+    model = ModelSession(target)
     sequence = list(prompts[0])
     drafts = [5, 17, 42, 99]
-    p = model.distributions(sequence, drafts, len(drafts) + 1, params)
+    p = standardise(model.feed(sequence + drafts, len(drafts) + 1), params)
     full = _target_distribution(target, sequence + drafts, params)
     torch.testing.assert_close(p, full[-len(drafts) - 1 :], rtol=0, atol=1e-10)
     model.crop(len(sequence) + 2)  # two drafts accepted, then a corrected token 7
     sequence += drafts[:2] + [7]
-    p = model.distributions(sequence, [8, 9], 3, params)
+    p = standardise(model.move_to(sequence + [8, 9], 3), params)
     full = _target_distribution(target, sequence + [8, 9], params)
     torch.testing.assert_close(p, full[-3:], rtol=0, atol=1e-10)
-    assert model.cache.get_seq_length() == len(sequence) + 2
+    assert model.cache.get_seq_length() == len(sequence) + 2 and model.ids == sequence + [8, 9]
 
 
 @pytest.mark.parametrize("kind", ["full", "shortlist"])
@@ -217,7 +217,7 @@ def test_proposer_cache_matches_recompute(kind: str, drafter, tied_drafter, shor
     generator = torch.Generator().manual_seed(3)
     contexts = [prompts[1], prompts[1] + [4, 5, 6], prompts[1][:6] + [11, 12], prompts[1][:6] + [11, 12, 13]]
     for context in contexts:
-        tokens, q = proposer.propose(context, 3, params, generator)
+        tokens, q = proposer.propose(context, 3, params, generator, TargetState())
         for i, token in enumerate(tokens):
             with torch.no_grad():
                 logits = drafter(torch.tensor([context + tokens[:i]])).logits[0, -1]
@@ -231,8 +231,12 @@ def test_proposer_cache_matches_recompute(kind: str, drafter, tied_drafter, shor
 
 
 def test_shortlist_validation(drafter, tokenizer, prompts) -> None:
-    for bad in (torch.tensor([], dtype=torch.long), torch.tensor([1, 2, 300]), torch.tensor([3, 4, 3])):
-        with pytest.raises(DrafterError):
+    for bad, message in (
+        (torch.tensor([], dtype=torch.long), "shortlist is empty"),
+        (torch.tensor([1, 2, 300]), "ids outside the vocabulary"),
+        (torch.tensor([3, 4, 3]), "repeats token ids"),
+    ):
+        with pytest.raises(DrafterError, match=message):
             ShortlistProposer(drafter, bad)
     eos = tokenizer.eos_token_id
     ShortlistProposer.check(torch.tensor([eos, *prompts[0]]), tokenizer, prompts[:1])
@@ -245,9 +249,8 @@ def test_shortlist_validation(drafter, tokenizer, prompts) -> None:
 def test_full_head_maps_ids_beyond_target_vocabulary(drafter, prompts) -> None:
     """A drafter wider than the target: ids >= target width become -1 and q is cut to the target width."""
     proposer = FullHeadProposer(drafter, target_vocab_size=150)
-    tokens, q = proposer.propose(
-        prompts[0], 5, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0)
-    )
+    generator = torch.Generator().manual_seed(0)
+    tokens, q = proposer.propose(prompts[0], 5, SamplingParams(temperature=1.0), generator, TargetState())
     assert q.shape == (5, 150)
     assert all(t == -1 or 0 <= t < 150 for t in tokens)
     assert bool((q.sum(-1) < 1).all())

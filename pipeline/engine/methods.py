@@ -1,0 +1,192 @@
+"""The proposer registry: one table from a draft method's name to what it needs and how it is built.
+
+Evaluation, benchmarks, configs and tests all choose a draft method by name; this module is the one
+place that turns the name into a :class:`~pipeline.engine.proposers.Proposer`. Each
+:class:`MethodSpec` names the inputs its builder reads (fields of :class:`ProposerInputs`), so a caller
+loads only what the methods it runs need, and a missing input is refused with a message that names it.
+Importing this module is light (no torch): the config layer reads :data:`METHOD_NAMES` from it, and
+builders import the engine when they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from pipeline.errors import DrafterError
+
+if TYPE_CHECKING:
+    from pipeline.engine.proposers import Proposer
+
+
+@dataclass(frozen=True)
+class ProposerInputs:
+    """Everything a builder may read; each method uses only the fields its :attr:`MethodSpec.needs` names.
+
+    Attributes:
+        drafter: A causal LM sharing the target's tokenizer (``full``, ``shortlist``).
+        shortlist: 1-D tensor of target ids the shortlisted head keeps (``shortlist``).
+        drafter_other: A causal LM with a tokenizer of its own (``tli``, ``union``, ``slem``).
+        drafter_other_tokenizer: That drafter's tokenizer.
+        target_tokenizer: The target's tokenizer.
+        vocab_map: ``VocabMap.build(target_tokenizer, drafter_other_tokenizer)`` (``tli``, ``union``).
+        target_vocab_size: The target's logit width (``q``'s width); ``None`` lets each proposer infer it.
+        name: Label for metrics and reports; ``None`` keeps the proposer's default.
+    """
+
+    drafter: Any = None
+    shortlist: Any = None
+    drafter_other: Any = None
+    drafter_other_tokenizer: Any = None
+    target_tokenizer: Any = None
+    vocab_map: Any = None
+    target_vocab_size: int | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One draft method.
+
+    Attributes:
+        name: The method's name in configs and reports.
+        needs: Fields of :class:`ProposerInputs` the builder reads (each must be set).
+        build: Builds the proposer from the inputs.
+        summary: One line for docs and error messages.
+    """
+
+    name: str
+    needs: frozenset[str]
+    build: Callable[[ProposerInputs], Proposer]
+    summary: str
+
+    def __post_init__(self) -> None:
+        unknown = self.needs - {f.name for f in fields(ProposerInputs)}
+        if unknown:
+            raise ValueError(f"method {self.name!r} needs unknown inputs {sorted(unknown)}")
+
+    @property
+    def same_tokenizer(self) -> bool:
+        """Whether the method drafts with the drafter that shares the target's tokenizer."""
+        return "drafter" in self.needs
+
+
+def _label(inputs: ProposerInputs) -> dict[str, str]:
+    return {} if inputs.name is None else {"name": inputs.name}
+
+
+def _full(inputs: ProposerInputs) -> Proposer:
+    from pipeline.engine.proposers import FullHeadProposer
+
+    return FullHeadProposer(inputs.drafter, target_vocab_size=inputs.target_vocab_size, **_label(inputs))
+
+
+def _shortlist(inputs: ProposerInputs) -> Proposer:
+    from pipeline.engine.proposers import ShortlistProposer
+
+    return ShortlistProposer(
+        inputs.drafter, inputs.shortlist, target_vocab_size=inputs.target_vocab_size, **_label(inputs)
+    )
+
+
+def _mapped(kind: str) -> Callable[[ProposerInputs], Proposer]:
+    def build(inputs: ProposerInputs) -> Proposer:
+        from pipeline.engine import hetero
+
+        cls = hetero.TLIProposer if kind == "tli" else hetero.UnionProposer
+        return cls(
+            inputs.drafter_other,
+            inputs.drafter_other_tokenizer,
+            inputs.target_tokenizer,
+            inputs.vocab_map,
+            target_vocab_size=inputs.target_vocab_size,
+            **_label(inputs),
+        )
+
+    return build
+
+
+def _slem(inputs: ProposerInputs) -> Proposer:
+    from pipeline.engine.hetero import SLEMProposer
+
+    return SLEMProposer(
+        inputs.drafter_other, inputs.drafter_other_tokenizer, inputs.target_tokenizer, **_label(inputs)
+    )
+
+
+_OTHER = frozenset({"drafter_other", "drafter_other_tokenizer", "target_tokenizer"})
+
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in (
+        MethodSpec("full", frozenset({"drafter"}), _full, "same-tokenizer drafter, full LM head"),
+        MethodSpec(
+            "shortlist",
+            frozenset({"drafter", "shortlist"}),
+            _shortlist,
+            "same-tokenizer drafter, LM head cut to a static shortlist (FR-Spec / VocabTrim)",
+        ),
+        MethodSpec(
+            "tli",
+            _OTHER | {"vocab_map"},
+            _mapped("tli"),
+            "other-tokenizer drafter, token-level intersection (Timor et al. 2025, Alg. 4)",
+        ),
+        MethodSpec(
+            "union",
+            _OTHER | {"vocab_map"},
+            _mapped("union"),
+            "other-tokenizer drafter, union-vocabulary baseline (Timor et al. 2025, Alg. 1)",
+        ),
+        MethodSpec(
+            "slem",
+            _OTHER,
+            _slem,
+            "other-tokenizer drafter, string-level exact match (Timor et al. 2025, Alg. 2)",
+        ),
+    )
+}
+METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
+
+
+def method_spec(method: str) -> MethodSpec:
+    """The spec registered under ``method``.
+
+    Raises:
+        DrafterError: If no method has that name.
+    """
+    spec = METHODS.get(method)
+    if spec is None:
+        raise DrafterError(
+            f"unknown draft method {method!r}",
+            expected=f"one of {list(METHOD_NAMES)}",
+            found=repr(method),
+            fix="use a registered method name (pipeline.engine.methods.METHODS)",
+        )
+    return spec
+
+
+def build_proposer(method: str, inputs: ProposerInputs) -> Proposer:
+    """Build the proposer for ``method`` from ``inputs``.
+
+    Args:
+        method: A name in :data:`METHODS`.
+        inputs: At least the fields the method's spec ``needs``.
+
+    Returns:
+        The proposer.
+
+    Raises:
+        DrafterError: If the method is unknown or an input it needs is missing.
+    """
+    spec = method_spec(method)
+    missing = sorted(need for need in spec.needs if getattr(inputs, need) is None)
+    if missing:
+        raise DrafterError(
+            f"draft method {method!r} is missing inputs",
+            expected=f"{sorted(spec.needs)} set",
+            found=f"{missing} unset",
+            fix=f"load them before building it ({spec.summary})",
+        )
+    return spec.build(inputs)

@@ -1,0 +1,224 @@
+"""One model's incremental view of a token sequence: its KV cache, and the target state proposers read.
+
+:class:`ModelSession` is the single place that runs a Hugging Face causal LM step by step. It owns a
+``transformers.DynamicCache`` and the token ids whose keys/values that cache holds, moves to a new id
+sequence by keeping the longest common prefix and running only the rest (so a rejected draft costs a
+crop, not a recompute), counts and times forwards (with a CUDA sync, since kernels run asynchronously),
+and can optionally capture hidden states at chosen layers, cropped together with the cache. The target
+in both decode loops, the same-tokenizer drafters and the cross-tokenizer drafters all use it.
+:class:`TargetState` is what the verify pass hands proposers each round: the target's hidden states at
+the layers a proposer asked for, for every position the target has accepted, and its last distribution
+(what EAGLE-3 drafters and the DynaSpec router read).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.errors import DrafterError
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # the usual case (one extends the other), compared in C
+        return n
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Drop cached positions beyond ``length`` from a Hugging Face cache, in place.
+
+    transformers 5.x ``Cache.crop`` takes the (negative) number of positions to remove and rejects a
+    positive argument; a negative argument means the same in 4.x, so this form works in both.
+    """
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
+
+
+@dataclass(frozen=True)
+class TargetState:
+    """What the target has computed for the sequence so far, handed to a proposer each round.
+
+    The newest token of the context is never fed to the target before the verify forward that scores
+    the drafts after it, so the state covers every position but that one: ``length == len(context) - 1``.
+    On the first round it covers the prompt (a prefill forward over all prompt tokens but the last runs
+    when layers are asked for).
+
+    Attributes:
+        layers: Indices into Hugging Face's ``output_hidden_states`` tuple as the proposer declared them
+            (``0`` = embedding output, ``-1`` = last layer; negative indices allowed).
+        hidden: One ``(length, H)`` tensor per entry of ``layers``; row ``i`` is the target's hidden state
+            at position ``i``. Views into buffers the loop reuses: clone what must outlive the call.
+        last_p: ``(V,)`` float64, the target's standardised distribution at position ``length - 1``, from
+            which the newest token was drawn (or, after a rejection, from which the residual was built);
+            ``None`` before the target has emitted a token.
+        length: Number of positions covered.
+    """
+
+    layers: tuple[int, ...] = ()
+    hidden: tuple[Tensor, ...] = ()
+    last_p: Tensor | None = None
+    length: int = 0
+
+
+class _Rows:
+    """A growable ``(n, H)`` buffer: appending is amortised O(new rows), cropping is free."""
+
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._data = torch.empty((0, width), dtype=dtype, device=device)
+        self.length = 0
+
+    def append(self, rows: Tensor) -> None:
+        if self.length == 0 and rows.shape[1:] != self._data.shape[1:]:
+            self._data = rows.new_empty((0, *rows.shape[1:]))  # a model whose states are not embedding-wide
+        need = self.length + rows.shape[0]
+        if need > self._data.shape[0]:
+            grown = self._data.new_empty((max(need, 2 * self._data.shape[0], 64), *self._data.shape[1:]))
+            grown[: self.length] = self._data[: self.length]
+            self._data = grown
+        self._data[self.length : need] = rows
+        self.length = need
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def view(self) -> Tensor:
+        return self._data[: self.length]
+
+
+class ModelSession:
+    """A causal LM, its KV cache, and the token ids whose keys/values the cache holds.
+
+    Invariant: the cache holds keys/values for exactly :attr:`ids`, and each captured layer holds one
+    hidden-state row per id.
+
+    Args:
+        model: A Hugging Face causal LM (eval mode is the caller's business).
+        body_only: Run ``model.base_model`` and return final hidden states instead of logits, for a
+            caller that applies its own (e.g. cut-down) head.
+        layers: Indices into ``output_hidden_states`` to capture for every fed position (empty: no
+            capture and no ``output_hidden_states`` cost).
+
+    Raises:
+        DrafterError: If a layer index is outside the model's ``num_hidden_layers + 1`` hidden states.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, *, body_only: bool = False, layers: Sequence[int] = ()
+    ) -> None:
+        self.model = model
+        self.body_only = body_only
+        self.layers = tuple(int(layer) for layer in layers)
+        embeddings = model.get_input_embeddings().weight
+        self.device = embeddings.device
+        depth = int(model.config.num_hidden_layers) + 1 if self.layers else 0
+        bad = [layer for layer in self.layers if not -depth <= layer < depth]
+        if bad:
+            raise DrafterError(
+                "a proposer asked for target hidden states at layers the target does not have",
+                expected=f"indices into its {depth} hidden states (0 = embeddings, -1 = last layer)",
+                found=f"layers {bad}",
+                fix="set the proposer's target layers for this target's depth",
+            )
+        self._module = model.base_model if body_only else model
+        self._keep_arg = not body_only and "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._row_spec = (embeddings.shape[1], embeddings.dtype, embeddings.device)
+        self.forwards = 0
+        self.seconds = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the sequence (cache, ids, captured states); forward counts and seconds are kept."""
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.ids: list[int] = []
+        self._rows = [_Rows(*self._row_spec) for _ in self.layers]
+
+    def sync(self) -> None:
+        """Wait for queued CUDA kernels, so a timer charges them to the step that launched them."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Add the wall time of the ``with`` block (synchronised) to :attr:`seconds`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.seconds += time.perf_counter() - start
+
+    @torch.no_grad()
+    def feed(self, new_ids: Sequence[int], keep: int = 1) -> Tensor:
+        """Append ``new_ids`` to the cached sequence in one forward.
+
+        Args:
+            new_ids: Token ids to run (at least ``keep``).
+            keep: How many output rows to return, counted from the last fed position.
+
+        Returns:
+            ``(keep, V)`` logits, or ``(keep, H)`` final hidden states when ``body_only``; row ``-1``
+            predicts the token after ``new_ids``.
+        """
+        input_ids = torch.tensor([list(new_ids)], dtype=torch.long, device=self.device)
+        kwargs: dict[str, Any] = {"logits_to_keep": keep} if self._keep_arg else {}
+        if self.layers:
+            kwargs["output_hidden_states"] = True
+        out = self._module(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+        self.cache = out.past_key_values
+        self.ids.extend(int(t) for t in new_ids)
+        self.forwards += 1
+        for rows, layer in zip(self._rows, self.layers, strict=True):
+            rows.append(out.hidden_states[layer][0])
+        rows_out = out.last_hidden_state if self.body_only else out.logits
+        return rows_out[0, -keep:]
+
+    def move_to(self, ids: Sequence[int], keep: int = 1) -> Tensor:
+        """Make the session hold ``ids``: crop to the common prefix with :attr:`ids`, run the rest.
+
+        At least the last ``keep`` ids are re-run even when cached, since their forward is what yields
+        the rows asked for.
+
+        Returns:
+            As :meth:`feed`, for the last ``keep`` positions of ``ids``.
+
+        Raises:
+            DrafterError: If ``ids`` has fewer than ``keep`` (or no) tokens.
+        """
+        keep = max(1, keep)
+        if len(ids) < keep:
+            raise DrafterError(
+                "cannot run a model on a context shorter than the rows asked for",
+                expected=f"at least {keep} token(s)",
+                found=f"{len(ids)} tokens",
+                fix="pass a non-empty prompt",
+            )
+        start = min(common_prefix_length(self.ids, ids), len(ids) - keep)
+        self.crop(start)
+        return self.feed(ids[start:], keep)
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` positions (cache, ids and captured states together)."""
+        crop_cache(self.cache, length)
+        del self.ids[length:]
+        for rows in self._rows:
+            rows.crop(length)
+
+    def hidden(self) -> tuple[Tensor, ...]:
+        """Captured hidden states, one ``(len(ids), H)`` view per layer (valid until the next feed)."""
+        return tuple(rows.view() for rows in self._rows)
