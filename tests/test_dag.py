@@ -149,6 +149,7 @@ def test_drafter_plan_prints_ids_and_cache_status(tmp_path: Path, tiny_kit, caps
     rows = json.loads(capsys.readouterr().out)
     assert [(r["stage"], r["status"]) for r in rows] == [(s, "to run") for s in STAGE_NAMES]
     generate.main(load_config(None, [f"workdir={tmp_path}", *SMALL]))
+    capsys.readouterr()  # Lightning's own console output
     assert cli_main(args) == 0
     status = {r["stage"]: r["status"] for r in json.loads(capsys.readouterr().out)}
     assert status == {"generate": "cached", "count": "to run", "evaluate": "to run"}
