@@ -11,7 +11,8 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.config.sections import load_config
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import load_artifact
+from pipeline.orchestration.artifacts import artifact_id, load_artifact
+from pipeline.orchestration.dag import StagePlan, spec, stage_identity
 from pipeline.orchestration.stage import BuildResult, run_stage
 from pipeline.orchestration.tracking import check_reachable, flatten, redact
 from tests.mlflow_server import MlflowServer, free_port
@@ -36,8 +37,12 @@ def _stage(cfg, calls: list, on_build=None):
 
         return BuildResult(write, {"answer": 42, "rows": 3})
 
-    return run_stage(cfg, stage="count", kind="token_counts", section=cfg.count, fingerprint=FP, inputs=[],
-                     build=build)
+    row = spec("count")
+    config = stage_identity(cfg, row)
+    aid = artifact_id("count", config, [], FP)
+    step = StagePlan(row, aid, config, FP, inputs={}, explicit=frozenset(),
+                     path=cfg.workdir_path / "artifacts" / aid)
+    return run_stage(cfg, step, [], build=build)
 
 
 def test_stage_run_is_logged_and_read_back(tmp_path: Path, mlflow_server: MlflowServer) -> None:
