@@ -26,6 +26,13 @@ from pipeline.errors import DrafterError
 T = TypeVar("T")
 
 
+def check_value(ok: bool, key: str, expected: str, found: object) -> None:
+    """Raise the standard bad-value error for config key ``key`` unless ``ok``."""
+    if not ok:
+        raise DrafterError(f"Invalid value for {key}.", expected=expected, found=repr(found),
+                           fix=f"Set {key} to {expected} in the YAML or as an override {key}=...")
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config.schema import apply_overrides, from_dict, input_override, load_yaml, run_setting
+from pipeline.config.schema import (
+    apply_overrides,
+    check_value,
+    from_dict,
+    input_override,
+    load_yaml,
+    run_setting,
+)
 from pipeline.engine.methods import METHOD_NAMES
-from pipeline.errors import DrafterError
-
-
-def _check(ok: bool, key: str, expected: str, found: object) -> None:
-    if not ok:
-        raise DrafterError(f"Invalid value for {key}.", expected=expected, found=repr(found),
-                           fix=f"Set {key} to {expected} in the YAML or as an override {key}=...")
 
 
 @dataclass
@@ -36,9 +36,9 @@ class TargetConfig:
     A permission, not a result: not part of any artifact id."""
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("float32", "bfloat16", "float16", "float64"), "target.dtype",
+        check_value(self.dtype in ("float32", "bfloat16", "float16", "float64"), "target.dtype",
                "one of float32, bfloat16, float16, float64", self.dtype)
-        _check(bool(self.model), "target.model", "a hub id, local path or tiny:<profile>/<role>", self.model)
+        check_value(bool(self.model), "target.model", "a hub id, local path or tiny:<profile>/<role>", self.model)
 
 
 @dataclass
@@ -55,8 +55,8 @@ class MlflowConfig:
     """Seconds per attempt to reach a tracking server."""
 
     def __post_init__(self) -> None:
-        _check(self.retries >= 1, "mlflow.retries", "an integer >= 1", self.retries)
-        _check(self.timeout_s > 0, "mlflow.timeout_s", "a positive number", self.timeout_s)
+        check_value(self.retries >= 1, "mlflow.retries", "an integer >= 1", self.retries)
+        check_value(self.timeout_s > 0, "mlflow.timeout_s", "a positive number", self.timeout_s)
 
 
 @dataclass
@@ -97,17 +97,17 @@ class GenerateConfig:
     """Nodes in the job (Slurm: $SLURM_JOB_NUM_NODES); ranks = num_nodes x devices. A run setting."""
 
     def __post_init__(self) -> None:
-        _check(self.kind in ("target", "raw", "drafter"), "generate.kind", "target, raw or drafter", self.kind)
-        _check(self.kind != "drafter" or bool(self.drafter), "generate.drafter",
+        check_value(self.kind in ("target", "raw", "drafter"), "generate.kind", "target, raw or drafter", self.kind)
+        check_value(self.kind != "drafter" or bool(self.drafter), "generate.drafter",
                "a model when generate.kind is drafter", self.drafter)
-        _check(0 <= self.heldout_fraction < 1, "generate.heldout_fraction", "a number in [0, 1)",
+        check_value(0 <= self.heldout_fraction < 1, "generate.heldout_fraction", "a number in [0, 1)",
                self.heldout_fraction)
-        _check(self.limit is None or self.limit > 0, "generate.limit", "a positive integer or null", self.limit)
+        check_value(self.limit is None or self.limit > 0, "generate.limit", "a positive integer or null", self.limit)
         for key in ("max_prompt_tokens", "max_new_tokens", "batch_size", "shard_size"):
-            _check(getattr(self, key) > 0, f"generate.{key}", "a positive integer", getattr(self, key))
-        _check(self.num_nodes >= 1, "generate.num_nodes", "an integer >= 1", self.num_nodes)
-        _check(self.temperature >= 0, "generate.temperature", "a number >= 0", self.temperature)
-        _check(0 < self.top_p <= 1, "generate.top_p", "a number in (0, 1]", self.top_p)
+            check_value(getattr(self, key) > 0, f"generate.{key}", "a positive integer", getattr(self, key))
+        check_value(self.num_nodes >= 1, "generate.num_nodes", "an integer >= 1", self.num_nodes)
+        check_value(self.temperature >= 0, "generate.temperature", "a number >= 0", self.temperature)
+        check_value(0 < self.top_p <= 1, "generate.top_p", "a number in (0, 1]", self.top_p)
 
 
 @dataclass
@@ -130,11 +130,11 @@ class CountConfig:
     """Processes for the map step over shards (1 = in-process). A run setting: counts are exact."""
 
     def __post_init__(self) -> None:
-        _check(all(k > 0 for k in self.top_k), "count.top_k", "positive integers", self.top_k)
-        _check(all(0 < p <= 1 for p in self.top_p), "count.top_p", "numbers in (0, 1]", self.top_p)
-        _check(all(c > 0 for c in self.min_count), "count.min_count", "positive integers", self.min_count)
-        _check(self.draft_vocab_size > 0, "count.draft_vocab_size", "a positive integer", self.draft_vocab_size)
-        _check(self.workers >= 1, "count.workers", "an integer >= 1", self.workers)
+        check_value(all(k > 0 for k in self.top_k), "count.top_k", "positive integers", self.top_k)
+        check_value(all(0 < p <= 1 for p in self.top_p), "count.top_p", "numbers in (0, 1]", self.top_p)
+        check_value(all(c > 0 for c in self.min_count), "count.min_count", "positive integers", self.min_count)
+        check_value(self.draft_vocab_size > 0, "count.draft_vocab_size", "a positive integer", self.draft_vocab_size)
+        check_value(self.workers >= 1, "count.workers", "an integer >= 1", self.workers)
 
 
 EVAL_METHODS = METHOD_NAMES  # the proposer registry, pipeline.engine.methods
@@ -202,23 +202,23 @@ class EvaluateConfig:
     run setting)."""
 
     def __post_init__(self) -> None:
-        _check(set(self.tasks) <= {"chat", "code"} and bool(self.tasks), "evaluate.tasks",
+        check_value(set(self.tasks) <= {"chat", "code"} and bool(self.tasks), "evaluate.tasks",
                "a non-empty subset of [chat, code]", self.tasks)
-        _check(set(self.methods) <= set(EVAL_METHODS), "evaluate.methods", f"a subset of {list(EVAL_METHODS)}",
+        check_value(set(self.methods) <= set(EVAL_METHODS), "evaluate.methods", f"a subset of {list(EVAL_METHODS)}",
                self.methods)
-        _check(bool(self.gammas) and all(g >= 1 for g in self.gammas), "evaluate.gammas",
+        check_value(bool(self.gammas) and all(g >= 1 for g in self.gammas), "evaluate.gammas",
                "draft lengths >= 1 (gamma = 0 drafts nothing)", self.gammas)
         for key in ("prompts_per_task", "max_prompt_tokens", "max_new_tokens"):
-            _check(getattr(self, key) > 0, f"evaluate.{key}", "a positive integer", getattr(self, key))
-        _check(self.sampling_check_samples >= 0, "evaluate.sampling_check_samples", "an integer >= 0",
+            check_value(getattr(self, key) > 0, f"evaluate.{key}", "a positive integer", getattr(self, key))
+        check_value(self.sampling_check_samples >= 0, "evaluate.sampling_check_samples", "an integer >= 0",
                self.sampling_check_samples)
-        _check(self.temperature >= 0, "evaluate.temperature", "a number >= 0", self.temperature)
-        _check(self.device in ("auto", "cpu", "cuda"), "evaluate.device", "auto, cpu or cuda", self.device)
-        _check(self.gate_speed_metric in ("auto", "speedup", "mbsu"), "evaluate.gate_speed_metric",
+        check_value(self.temperature >= 0, "evaluate.temperature", "a number >= 0", self.temperature)
+        check_value(self.device in ("auto", "cpu", "cuda"), "evaluate.device", "auto, cpu or cuda", self.device)
+        check_value(self.gate_speed_metric in ("auto", "speedup", "mbsu"), "evaluate.gate_speed_metric",
                "auto, speedup or mbsu", self.gate_speed_metric)
-        _check(self.primary_metric in ("auto", "tau", "speedup", "mbsu"), "evaluate.primary_metric",
+        check_value(self.primary_metric in ("auto", "tau", "speedup", "mbsu"), "evaluate.primary_metric",
                "auto, tau, speedup or mbsu", self.primary_metric)
-        _check("shortlist" not in self.methods or bool(self.shortlists), "evaluate.shortlists",
+        check_value("shortlist" not in self.methods or bool(self.shortlists), "evaluate.shortlists",
                "at least one shortlist name when method shortlist is on", self.shortlists)
 
 

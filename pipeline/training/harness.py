@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.schema import check_value, run_setting
 from pipeline.config.schema import identity as config_identity
-from pipeline.config.schema import run_setting
 from pipeline.errors import DrafterError
 from pipeline.training import checkpoints as ckpt
 from pipeline.training.strategy import (
@@ -33,9 +33,7 @@ from pipeline.training.strategy import (
 
 
 def _check(ok: bool, key: str, expected: str, found: object) -> None:
-    if not ok:
-        raise DrafterError(f"Invalid value for train.{key}.", expected=expected, found=repr(found),
-                           fix=f"Set train.{key} to {expected} in the YAML or as an override.")
+    check_value(ok, f"train.{key}", expected, found)
 
 
 @dataclass
