@@ -19,7 +19,7 @@ def test_every_shipped_yaml_loads_and_says_how_to_run_it(path: Path) -> None:
     cfg = load_config(path)
     assert isinstance(cfg, PipelineConfig)
     lines = path.read_text().splitlines()
-    header = [line for line in lines[: next(i for i, x in enumerate(lines) if not x.startswith("#"))]]
+    header = lines[: next(i for i, x in enumerate(lines) if not x.startswith("#"))]
     assert header, f"{path.name} must begin with a comment"
     commands = [shlex.split(m.group(0)) for line in header
                 for m in re.finditer(r"drafter \S+ --config \S+", line)]

@@ -184,7 +184,7 @@ def test_resume_after_a_crash_is_bit_identical(tmp_path: Path, monkeypatch: pyte
         return path
 
     monkeypatch.setattr(ckpt, "save_checkpoint", crash_after_step_8)
-    with pytest.raises(SimulatedCrash):
+    with pytest.raises(SimulatedCrash, match="after the step-8 checkpoint"):
         fit(TinyRegressor(), data, cfg, tmp_path / "b")
     monkeypatch.undo()
     assert [p.name for p in ckpt.checkpoints(tmp_path / "b")] == ["step-00000008"]
