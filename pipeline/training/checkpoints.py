@@ -266,3 +266,39 @@ def load_optimizer_state(path: Path, state: dict, rank: int) -> dict:
         skeleton = json.loads(handle.metadata()["skeleton"])
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 - safe_open has no iterator
     return unflatten_state(skeleton, tensors)
+
+
+# --- the best evaluated weights ---------------------------------------------------------------------
+# ``best-<8 digit step>.safetensors`` beside the checkpoints holds the weights of the best evaluation so
+# far (its sha256 and score are in the ``best`` record every checkpoint's state carries). A file from a
+# step after the checkpoint a rerun resumes from is dropped: the rerun evaluates that step again.
+BEST_PREFIX = "best-"
+
+
+def best_path(staging: Path, step: int) -> Path:
+    return staging / f"{BEST_PREFIX}{step:08d}.safetensors"
+
+
+def save_best(staging: Path, step: int, weights: dict[str, Any]) -> dict:
+    """Write the weights of evaluation ``step`` atomically; returns ``{"step", "sha256"}`` for the record."""
+    path = best_path(staging, step)
+    _write_safetensors(path, {k: v.detach().cpu().clone().contiguous() for k, v in weights.items()})
+    return {"step": step, "sha256": sha256_file(path)}
+
+
+def prune_best(staging: Path, keep: set[int]) -> None:
+    """Delete best-weights files of steps not in ``keep``."""
+    for path in staging.glob(f"{BEST_PREFIX}*.safetensors"):
+        if int(path.stem[len(BEST_PREFIX):]) not in keep:
+            path.unlink(missing_ok=True)
+
+
+def load_best(staging: Path, record: dict) -> dict[str, Any]:
+    """The weights a ``best`` record names, after checking their sha256."""
+    from safetensors.torch import load_file
+
+    path = best_path(staging, int(record["step"]))
+    if not path.is_file() or sha256_file(path) != record["sha256"]:
+        raise _damaged(path.parent, f"{path.name} (the best evaluated weights) is missing or does not match "
+                                    "its sha256")
+    return load_file(str(path))

@@ -1,11 +1,15 @@
 """The training harness: one Lightning loop that trains any module which computes its own loss.
 
 :func:`fit` trains ``module`` (an ``nn.Module`` whose ``training_step(batch)`` returns a loss, or
-``(loss, metrics)``) on a map-style dataset with AdamW and a warmup + cosine/constant schedule, on the
+``(loss, metrics)``; the loss must be the mean over the micro-batch's examples of a per-example loss, so
+that a step's gradient is the mean over its global batch however it is split into ranks and
+micro-batches) on a map-style dataset with AdamW and a warmup + cosine/constant schedule, on the
 strategy :mod:`pipeline.training.strategy` picks (DeepSpeed ZeRO on GPUs, DDP or one process on CPU).
 Every parameter with ``requires_grad`` is trained and saved; the module may also define
 ``collate(examples) -> batch`` (default: torch's ``default_collate``) and ``count_tokens(batch) -> int``
-(for tokens/s). Checkpoints land every ``checkpoint_every`` steps under the caller's staging directory
+(for tokens/s), and ``evaluate() -> dict`` with a ``selection_metric`` name (higher is better): with
+``eval_every`` set, the weights that score best are the ones :func:`fit` leaves in the module (checkpoint
+choice by the metric that matters, not by the loss). Checkpoints land every ``checkpoint_every`` steps under the caller's staging directory
 and a rerun resumes from the newest (see :mod:`pipeline.training.checkpoints`); on CPU the resumed run
 ends with bit-identical weights. Per-step metrics go to MLflow when a tracking URI is given, and
 :func:`save_final` writes the trained weights as safetensors. The Lightning module lives in
@@ -45,11 +49,14 @@ class TrainConfig:
     """Optimizer steps to train; null: ``epochs`` passes over the training set."""
     epochs: int = 1
     """Passes over the training set when ``max_steps`` is null (each drops its last partial global batch)."""
-    micro_batch_size: int = 8
-    """Examples per rank per forward/backward pass."""
-    gradient_accumulation: int = 1
-    """Micro-batches per rank per optimizer step. A step sees micro_batch_size x gradient_accumulation x
-    ranks examples, so the device count changes the batch: a checkpoint refuses another world size."""
+    global_batch_size: int = 8
+    """Examples per optimizer step, over all ranks and micro-batches. Fixed by the config, so devices and
+    micro-batching only change how a step is computed, not what it computes (see :meth:`batch_layout`)."""
+    micro_batch_size: int = run_setting(8)
+    """Most examples per rank per forward/backward pass (memory, not math): each rank runs
+    ``global_batch_size / ranks`` examples a step in micro-batches of this size (or fewer, see
+    :meth:`batch_layout`), accumulating gradients. A run setting: the module's loss is a mean over its
+    examples, so the step's gradient is the global batch's mean whatever the split."""
     lr: float = 5e-5
     """Peak learning rate of AdamW."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -92,11 +99,15 @@ class TrainConfig:
     """DataLoader worker processes per rank (the order does not depend on it)."""
     progress_bar: bool = run_setting(True)
     """Show Lightning's progress bar."""
+    eval_every: int | None = None
+    """Call the module's ``evaluate()`` every this many steps (and after the last) and keep the weights that
+    score best on its ``selection_metric`` (higher wins); null: no evaluation, the last weights are final.
+    Part of the result (which weights win), so not a run setting."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps is None or self.max_steps > 0, "max_steps", "a positive integer or null",
                self.max_steps)
-        for key in ("epochs", "micro_batch_size", "gradient_accumulation", "checkpoint_every", "keep_checkpoints",
+        for key in ("epochs", "global_batch_size", "micro_batch_size", "checkpoint_every", "keep_checkpoints",
                     "log_every", "num_nodes"):
             _check(getattr(self, key) >= 1, key, "an integer >= 1", getattr(self, key))
         _check(self.lr > 0, "lr", "a positive number", self.lr)
@@ -114,6 +125,30 @@ class TrainConfig:
         _check(self.accelerator in ("auto", "cpu", "gpu", "cuda"), "accelerator", "auto, cpu or gpu",
                self.accelerator)
         _check(self.num_workers >= 0, "num_workers", "an integer >= 0", self.num_workers)
+        _check(self.eval_every is None or self.eval_every >= 1, "eval_every", "an integer >= 1 or null",
+               self.eval_every)
+
+    def batch_layout(self, world_size: int) -> tuple[int, int]:
+        """``(micro-batch size, accumulation steps)`` per rank for ``world_size`` ranks.
+
+        Each rank trains ``global_batch_size / world_size`` examples a step, in micro-batches of
+        ``micro_batch_size`` (fewer when a rank's share is smaller).
+
+        Raises:
+            DrafterError: If the global batch does not split evenly over the ranks and micro-batches.
+        """
+        per_rank, rest = divmod(self.global_batch_size, world_size)
+        micro = min(self.micro_batch_size, per_rank)
+        if rest or per_rank == 0 or per_rank % micro:
+            raise DrafterError(
+                "train.global_batch_size does not split evenly over the ranks and micro-batches.",
+                expected=f"global_batch_size ({self.global_batch_size}) = ranks ({world_size}) x micro_batch_size "
+                         f"x accumulation, with micro_batch_size <= {self.micro_batch_size}",
+                found=f"{self.global_batch_size} / {world_size} ranks = {self.global_batch_size / world_size:g} "
+                      f"examples per rank, micro_batch_size {self.micro_batch_size}",
+                fix="Pick a global_batch_size that is a multiple of ranks x micro_batch_size (or change "
+                    "devices / micro_batch_size: they are run settings and do not change the result).")
+        return micro, per_rank // micro
 
 
 @dataclass
@@ -133,6 +168,9 @@ class TrainResult:
     """The last step's metrics (averaged over ranks)."""
     mlflow_run_id: str | None
     seconds: float
+    best: dict | None = None
+    """With ``eval_every``: the best evaluation (``step``, ``score``, ``metric``, all ``metrics``, weights'
+    ``sha256``); the module then holds those weights. None without evaluation (the last weights)."""
 
     @property
     def is_global_zero(self) -> bool:
@@ -147,6 +185,8 @@ class RunPlan:
     staging: Path
     strategy: str
     world_size: int
+    micro_batch_size: int
+    accumulation: int
     total_steps: int
     start_step: int
     expected: dict
@@ -192,8 +232,9 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
     strategy = resolve_strategy(cfg)
     world = planned_world_size(cfg, strategy)
     num_examples = len(dataset)
-    sampler = ckpt.StepBatchSampler(num_examples, micro_batch_size=cfg.micro_batch_size,
-                                    accumulation=cfg.gradient_accumulation, world_size=world, rank=0,
+    micro, accumulation = cfg.batch_layout(world)
+    sampler = ckpt.StepBatchSampler(num_examples, micro_batch_size=micro,
+                                    accumulation=accumulation, world_size=world, rank=0,
                                     seed=cfg.seed, start_step=0, total_steps=0)
     total = cfg.max_steps or cfg.epochs * sampler.steps_per_epoch
     hashed = {"train": config_identity(cfg), "extra": identity or {}, "num_examples": num_examples}
@@ -204,10 +245,10 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
         raise DrafterError("The module to train has no parameter with requires_grad=True.",
                            fix="Unfreeze the parameters to train before calling fit().")
 
-    trainer = L.Trainer(max_steps=max(total, 1), accumulate_grad_batches=cfg.gradient_accumulation, logger=False,
+    trainer = L.Trainer(max_steps=max(total, 1), accumulate_grad_batches=accumulation, logger=False,
                         enable_checkpointing=False, use_distributed_sampler=False, enable_model_summary=False,
                         enable_progress_bar=cfg.progress_bar, num_sanity_val_steps=0,
-                        default_root_dir=str(staging), **trainer_arguments(cfg, strategy))
+                        default_root_dir=str(staging), **trainer_arguments(cfg, strategy, world))
     if trainer.world_size != world:
         raise DrafterError("Lightning started a different number of processes than the config asks for.",
                            expected=f"{world} ranks", found=f"{trainer.world_size} ranks",
@@ -219,8 +260,12 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
     start = resume[1]["step"] if resume else 0
     if resume:
         _load_trainable(module, ckpt.load_weights(resume[0]))
-    ds_config = deepspeed_config(cfg) if strategy == "deepspeed" else None
-    plan = RunPlan(cfg=cfg, staging=staging, strategy=strategy, world_size=world, total_steps=total,
+    ds_config = deepspeed_config(cfg, world) if strategy == "deepspeed" else None
+    if resume and trainer.global_rank == 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        best = resume[1].get("best")
+        ckpt.prune_best(staging, {best["step"]} if best else set())  # later ones are evaluated again
+    plan = RunPlan(cfg=cfg, staging=staging, strategy=strategy, world_size=world, micro_batch_size=micro,
+                   accumulation=accumulation, total_steps=total,
                    start_step=start, expected=expected, resume=resume, tracking_uri=tracking_uri,
                    experiment=experiment, run_name=run_name or staging.name)
     if start >= total:
@@ -228,16 +273,25 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
         return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world,
                            global_rank=trainer.global_rank, deepspeed_config=ds_config,
                            metrics=state.get("metrics", {}), mlflow_run_id=state.get("mlflow_run_id"),
-                           seconds=time.perf_counter() - started)
+                           seconds=time.perf_counter() - started, best=_take_best(module, staging, state))
     # The Trainer exists before the checkpoint is read (its rank decides who cleans up), so the steps left
     # are set here; Lightning's own step counter starts at 0, ours at `start`.
     trainer.fit_loop.epoch_loop.max_steps = total - start
     lightning_module = harness_module(module, dataset, plan)
     trainer.fit(lightning_module)
+    final = ckpt.read_checkpoint(ckpt.checkpoints(staging)[-1], expected)  # every rank: written before a barrier
     return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world,
                        global_rank=trainer.global_rank, deepspeed_config=ds_config,
                        metrics=lightning_module.last_metrics, mlflow_run_id=lightning_module.mlflow_run_id,
-                       seconds=time.perf_counter() - started)
+                       seconds=time.perf_counter() - started, best=_take_best(module, staging, final))
+
+
+def _take_best(module: Any, staging: Path, state: dict) -> dict | None:
+    """Load the best evaluated weights the final checkpoint names into ``module``; their record, or None."""
+    best = state.get("best")
+    if best:
+        _load_trainable(module, ckpt.load_best(staging, best))
+    return best
 
 
 def _load_trainable(module: Any, weights: dict[str, Any]) -> None:

@@ -40,7 +40,7 @@ def harness_module(inner: Any, dataset: Any, plan: RunPlan) -> Any:
     from pipeline.training.harness import trainable_parameters
 
     cfg = plan.cfg
-    accumulation = cfg.gradient_accumulation
+    accumulation = plan.accumulation
 
     class HarnessModule(L.LightningModule):
         def __init__(self) -> None:
@@ -52,10 +52,11 @@ def harness_module(inner: Any, dataset: Any, plan: RunPlan) -> Any:
             self._tokens = 0
             self._clock = 0.0
             self._client: Any = None
+            self.best: dict | None = plan.resume[1].get("best") if plan.resume else None
 
         def train_dataloader(self) -> DataLoader:
             sampler = ckpt.StepBatchSampler(
-                len(dataset), micro_batch_size=cfg.micro_batch_size, accumulation=accumulation,
+                len(dataset), micro_batch_size=plan.micro_batch_size, accumulation=accumulation,
                 world_size=self.trainer.world_size, rank=self.global_rank, seed=cfg.seed,
                 start_step=plan.start_step, total_steps=plan.total_steps)
             collate = getattr(inner, "collate", None) or default_collate
@@ -103,12 +104,45 @@ def harness_module(inner: Any, dataset: Any, plan: RunPlan) -> Any:
             if self.trainer.is_global_zero and self._client is not None and (
                     step % cfg.log_every == 0 or step == plan.total_steps):
                 self._log_mlflow(step, self.last_metrics)
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == plan.total_steps):
+                self._evaluate(step)
             if step % cfg.checkpoint_every == 0 or step == plan.total_steps:
                 ckpt.save_checkpoint(
                     plan.staging, step, rank=self.global_rank, world_size=self.trainer.world_size,
                     weights=trainable_parameters(inner), optimizer=self.trainer.strategy.optimizers[0],
-                    state={**plan.expected, "mlflow_run_id": self.mlflow_run_id, "metrics": self.last_metrics},
+                    state={**plan.expected, "mlflow_run_id": self.mlflow_run_id, "metrics": self.last_metrics,
+                           "best": self.best},
                     barrier=self.trainer.strategy.barrier, keep=cfg.keep_checkpoints)
+                if self.trainer.is_global_zero and self.best is not None:
+                    ckpt.prune_best(plan.staging, {self.best["step"]})
+
+        def _evaluate(self, step: int) -> None:
+            """Score the weights of ``step`` with the module's ``evaluate()``; keep them if they are the best.
+
+            Every rank evaluates the same rows (the weights are replicated under DDP and ZeRO-1/2), so
+            every rank reaches the same verdict without a collective; rank zero writes the weights.
+            """
+            was_training = inner.training
+            inner.eval()
+            with torch.no_grad():
+                scores = {k: float(v) for k, v in inner.evaluate().items()}
+            inner.train(was_training)
+            metric = getattr(inner, "selection_metric", None)
+            if metric not in scores:
+                raise DrafterError("The module's evaluate() does not return its selection metric.",
+                                   expected=f"a key {metric!r} (the module's selection_metric)",
+                                   found=f"keys {sorted(scores)}")
+            self.last_metrics.update({f"eval.{k}": v for k, v in scores.items()})
+            if self.best is None or scores[metric] > self.best["score"]:
+                record = {"step": step, "score": scores[metric], "metric": metric, "metrics": scores}
+                if self.trainer.is_global_zero:
+                    record.update(ckpt.save_best(plan.staging, step, trainable_parameters(inner)))
+                    # Keep the best a checkpoint already points at until the next checkpoint lands.
+                    on_disk = {step} | ({self.best["step"]} if self.best else set())
+                    ckpt.prune_best(plan.staging, on_disk)
+                self.best = record
+            if self.trainer.is_global_zero and self._client is not None:
+                self._log_mlflow(step, {f"eval.{k}": v for k, v in scores.items()})
 
         def on_train_end(self) -> None:
             if self._client is not None:
@@ -126,7 +160,7 @@ def harness_module(inner: Any, dataset: Any, plan: RunPlan) -> Any:
             out = {k: float(v) for k, v in zip(keys, values[:-1].tolist())}
             out["lr"] = cfg.lr * lr_factor(step - 1, total_steps=plan.total_steps, warmup_steps=cfg.warmup_steps,
                                            schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
-            out["examples_per_s"] = cfg.micro_batch_size * accumulation * world / seconds
+            out["examples_per_s"] = cfg.global_batch_size / seconds
             if hasattr(inner, "count_tokens"):
                 out["tokens_per_s"] = float(values[-1]) * accumulation * world / seconds
             self._sums.clear()

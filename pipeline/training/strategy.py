@@ -76,9 +76,10 @@ def planned_world_size(cfg: TrainConfig, strategy: str) -> int:
     return (_device_count(cfg) if strategy != "single" else 1) * cfg.num_nodes
 
 
-def deepspeed_config(cfg: TrainConfig) -> dict[str, Any]:
-    """The DeepSpeed config for ``cfg``: a pure function of its typed fields, returned so the caller can
-    write it into the artifact for provenance.
+def deepspeed_config(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
+    """The DeepSpeed config for ``cfg`` on ``world_size`` ranks: a pure function of its typed fields (the
+    micro-batch and accumulation from :meth:`TrainConfig.batch_layout`), returned so the caller can write
+    it into the artifact for provenance.
 
     The optimizer and schedule are not in it on purpose: DeepSpeed gets the harness's own AdamW and
     ``LambdaLR`` as client objects, so every strategy runs the same update. ``train_batch_size`` is left
@@ -95,9 +96,10 @@ def deepspeed_config(cfg: TrainConfig) -> dict[str, Any]:
     }
     if cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    micro, accumulation = cfg.batch_layout(world_size)
     return {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
         "gradient_clipping": cfg.gradient_clipping,
         "bf16": {"enabled": cfg.bf16},
         "zero_optimization": zero,
@@ -107,12 +109,12 @@ def deepspeed_config(cfg: TrainConfig) -> dict[str, Any]:
     }
 
 
-def trainer_arguments(cfg: TrainConfig, strategy: str) -> dict[str, Any]:
+def trainer_arguments(cfg: TrainConfig, strategy: str, world_size: int = 1) -> dict[str, Any]:
     """Keyword arguments for ``lightning.Trainer`` that depend on the strategy."""
     if strategy == "deepspeed":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        ds = deepspeed_config(cfg)
+        ds = deepspeed_config(cfg, world_size)
         del ds["gradient_accumulation_steps"]  # Lightning refuses it in the dict and sets the same value
         return {"accelerator": "gpu", "devices": cfg.devices, "num_nodes": cfg.num_nodes,
                 "strategy": DeepSpeedStrategy(config=ds), "precision": "bf16-mixed" if cfg.bf16 else "32-true"}

@@ -31,7 +31,7 @@ from pipeline.training.strategy import deepspeed_config, lr_factor
 ROOT = Path(__file__).resolve().parents[2]
 N_EXAMPLES = 96
 # 4 x 2 = 8 examples a step, 12 steps an epoch: 16 steps cross an epoch boundary (a new permutation).
-BASE = {"max_steps": 16, "micro_batch_size": 4, "gradient_accumulation": 2, "lr": 1e-2, "warmup_steps": 2,
+BASE = {"max_steps": 16, "global_batch_size": 8, "micro_batch_size": 4, "lr": 1e-2, "warmup_steps": 2,
         "checkpoint_every": 4, "progress_bar": False, "strategy": "single", "accelerator": "cpu"}
 
 
@@ -119,7 +119,7 @@ def test_config_checks_raise_drafter_error() -> None:
 
 
 def test_deepspeed_config_is_pure_function_of_typed_fields() -> None:
-    cfg = TrainConfig(micro_batch_size=2, gradient_accumulation=4, gradient_clipping=0.5, offload_optimizer=True)
+    cfg = TrainConfig(global_batch_size=8, micro_batch_size=2, gradient_clipping=0.5, offload_optimizer=True)
     ds = deepspeed_config(cfg)
     assert ds == deepspeed_config(cfg) and json.loads(json.dumps(ds)) == ds
     assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 4
@@ -196,6 +196,91 @@ def test_resume_after_a_crash_is_bit_identical(tmp_path: Path, monkeypatch: pyte
     assert done.start_step == 16
 
 
+def test_global_batch_splits_over_ranks_and_micro_batches() -> None:
+    cfg = TrainConfig(global_batch_size=8, micro_batch_size=4)
+    assert [cfg.batch_layout(w) for w in (1, 2, 4, 8)] == [(4, 2), (4, 1), (2, 1), (1, 1)]
+    with pytest.raises(DrafterError, match=r"does not split evenly(.|\n)*8 / 3 ranks"):
+        cfg.batch_layout(3)
+    with pytest.raises(DrafterError, match="does not split evenly"):
+        TrainConfig(global_batch_size=8, micro_batch_size=3).batch_layout(1)
+    # Micro-batching and devices are run settings: not in the hashed identity.
+    from pipeline.config.schema import identity
+
+    assert identity(TrainConfig(micro_batch_size=2, devices=4)) == identity(TrainConfig(micro_batch_size=8))
+    assert identity(TrainConfig(global_batch_size=16)) != identity(TrainConfig())
+
+
+def test_micro_batching_does_not_change_the_result(tmp_path: Path) -> None:
+    """1 micro-batch of 8 vs 4 of 2 per step (no dropout): the same gradients up to float summation order
+    (bound 1e-5 relative on every weight after 16 steps)."""
+    data = dataset()
+
+    def trained(micro: int) -> dict[str, torch.Tensor]:
+        model = TinyRegressor()
+        model.net[2].p = 0.0  # dropout draws depend on the micro-batch index; the math must not
+        fit(model, data, config(micro_batch_size=micro), tmp_path / f"m{micro}")
+        return {k: p.detach().clone() for k, p in trainable_parameters(model).items()}
+
+    whole, split = trained(8), trained(2)
+    assert not torch.equal(whole["net.0.weight"], TinyRegressor().net[0].weight)  # it trained
+    for key in whole:
+        torch.testing.assert_close(split[key], whole[key], rtol=1e-5, atol=1e-7)
+
+
+class ScoredRegressor(TinyRegressor):
+    """TinyRegressor whose ``evaluate()`` scores the weights by negative MSE on held-out rows."""
+
+    selection_metric = "neg_mse"
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.scores: list[float] = []
+
+    def evaluate(self) -> dict[str, float]:
+        held = dataset(24)  # another draw of x with the same seed: rows the run never trains on differ
+        x = torch.stack([e["x"] for e in held]) * 1.5
+        y = -torch.stack([e["y"] for e in held])  # a shifted task: the best weights come mid-run
+        score = -float(torch.nn.functional.mse_loss(self.net(x + self.frozen(x)), y))
+        self.scores.append(score)
+        return {"neg_mse": score, "mse": -score}
+
+
+def test_best_evaluated_weights_are_kept_and_survive_a_resume(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    data, cfg = dataset(), config(eval_every=2, lr=0.2, warmup_steps=0)
+    model = ScoredRegressor()
+    result = fit(model, data, cfg, tmp_path / "a")
+    steps = list(range(2, 17, 2))
+    assert len(model.scores) == len(steps)
+    best = max(range(len(steps)), key=lambda i: (model.scores[i], -i))  # the first of equal scores wins
+    assert result.best["step"] == steps[best] and result.best["score"] == model.scores[best]
+    assert result.best["metrics"]["mse"] == -model.scores[best]
+    kept = sorted(p.name for p in (tmp_path / "a").glob("best-*"))
+    assert kept == [f"best-{steps[best]:08d}.safetensors"]
+    assert_bit_identical(weights(tmp_path / "a" / kept[0]),
+                         {k: p.detach() for k, p in trainable_parameters(model).items()})
+    assert steps[best] < 16  # the shifted held-out task peaks mid-run: the module holds those weights
+    last = ckpt.load_weights(ckpt.checkpoints(tmp_path / "a")[-1])
+    assert not all(torch.equal(last[k], p) for k, p in trainable_parameters(model).items())
+
+    real_save = ckpt.save_checkpoint
+
+    def crash_after_step_8(*args: object, **kwargs: object) -> Path:
+        path = real_save(*args, **kwargs)
+        if args[1] == 8:
+            raise SimulatedCrash("after the step-8 checkpoint")
+        return path
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", crash_after_step_8)
+    with pytest.raises(SimulatedCrash, match="after the step-8 checkpoint"):
+        fit(ScoredRegressor(), data, cfg, tmp_path / "b")
+    monkeypatch.undo()
+    resumed = ScoredRegressor()
+    again = fit(resumed, data, cfg, tmp_path / "b")
+    assert again.start_step == 8 and again.best == result.best
+    assert_bit_identical(trainable_parameters(model), trainable_parameters(resumed))
+
+
 def test_foreign_config_checkpoint_is_refused(tmp_path: Path) -> None:
     data = dataset()
     fit(TinyRegressor(), data, config(max_steps=4), tmp_path)
@@ -258,7 +343,7 @@ def test_two_process_cpu_ddp_trains_on_disjoint_shards(tmp_path: Path) -> None:
     """2 ranks x accumulation 1 against 1 rank x accumulation 2: the same examples per step, so the same
     per-micro-batch losses up to float rounding (DDP averages two gradients where accumulation sums two
     halves; bound 1e-5 relative over 8 steps, measured exactly equal here)."""
-    ddp = {**BASE, "max_steps": 8, "strategy": "ddp", "devices": 2, "gradient_accumulation": 1}
+    ddp = {**BASE, "max_steps": 8, "strategy": "ddp", "devices": 2}
     run_script({"mode": "train", "cfg": ddp, "staging": str(tmp_path / "ddp"), "out": str(tmp_path / "ddp-out")})
     ranks = [json.loads((tmp_path / "ddp-out" / f"result.rank{r}.json").read_text()) for r in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2] and [r["global_rank"] for r in ranks] == [0, 1]
@@ -303,7 +388,7 @@ def test_lightning_deepspeed_stage_2_end_to_end_on_gpu(tmp_path: Path) -> None:
     done = run_script({"mode": "train", "cfg": cfg, "staging": str(tmp_path / "s"), "out": str(tmp_path / "o")})
     assert done["strategy"] == "deepspeed" and done["start_step"] == 4 and done["steps"] == 8
     assert done["deepspeed_config"]["zero_optimization"]["stage"] == 2
-    assert math.isfinite(done["metrics"]["loss"]) and len(done["losses"]) == 4 * BASE["gradient_accumulation"]
+    assert math.isfinite(done["metrics"]["loss"]) and len(done["losses"]) == 4 * 2
     assert set(weights(tmp_path / "o" / "model.safetensors")) == {"net.0.weight", "net.0.bias", "net.3.weight",
                                                                    "net.3.bias"}
 
@@ -341,7 +426,7 @@ def _deepspeed(args: dict, out: Path) -> None:
     from pipeline.training.strategy import build_optimizer, build_scheduler, position_scheduler
 
     cfg, data = from_dict(TrainConfig, args["cfg"]), dataset()
-    ds_config, total, k = deepspeed_config(cfg), cfg.max_steps, cfg.gradient_accumulation
+    ds_config, total, k = deepspeed_config(cfg), cfg.max_steps, cfg.batch_layout(1)[1]
     sampler = ckpt.StepBatchSampler(len(data), micro_batch_size=cfg.micro_batch_size, accumulation=k,
                                     world_size=1, rank=0, seed=cfg.seed, start_step=0, total_steps=total)
 
