@@ -121,16 +121,19 @@ def _summary(cfg, artifacts: dict) -> str:
     lines = ["", "summary", "-------"]
     for stage, art in artifacts.items():
         keys = [k for k in ("rows", "assistant_tokens", "tokens_per_s", "tokens_counted", "distinct_tokens",
-                            "lossless_passed", "gates_passed", "chosen.tau", "chosen.mbsu", "chosen.speedup")
+                            "lossless_passed", "gates_passed", "chosen.tau", "chosen.mbsu", "chosen.speedup",
+                            "train_steps", "best.simulated_tau", "train_seconds", "eagle3_gates_passed",
+                            "eagle3.tau", "eagle3.mbsu", "eagle3.speedup")
                 if k in art.metrics]
         figures = ", ".join(f"{k}={art.metrics[k]}" for k in keys)
-        lines.append(f"{stage:<10} {art.id}  {figures}")
-        lines.append(f"{'':<10} {art.path}")
-        registration = art.path.parent / f"{art.id}.registration.json"
-        if registration.is_file():
-            reg = json.loads(registration.read_text())
-            lines.append(f"{'':<10} registered {reg['name']} version {reg['version']} aliases {reg['aliases']}"
-                         f" ({reg['reason']})")
+        lines.append(f"{stage:<14} {art.id}  {figures}")
+        lines.append(f"{'':<14} {art.path}")
+        for suffix in ("registration.json", "registration-eagle3.json"):
+            registration = art.path.parent / f"{art.id}.{suffix}"
+            if registration.is_file():
+                reg = json.loads(registration.read_text())
+                lines.append(f"{'':<14} registered {reg['name']} version {reg['version']} aliases "
+                             f"{reg['aliases']} ({reg['reason']})")
     if "evaluate" in artifacts:
         lines += ["", artifacts["evaluate"].file("report.md").read_text().rstrip(),
                   f"report: {artifacts['evaluate'].file('report.html')}"]

@@ -7,7 +7,9 @@ with each shortlist from ``count``; different-tokenizer drafter with TLI, Union 
 Losslessness is checked, not assumed: every method's greedy output must equal the autoregressive
 greedy output token for token on every prompt, and at temperature 1 the first emitted token's empirical
 distribution must pass a chi-square test against the target's p. Gates (losslessness, τ, speed) decide
-whether the bundle (the count artifact's draft vocabularies + this report) is registered in MLflow.
+whether the bundle (the count artifact's draft vocabularies + this report) is registered in MLflow; with
+method ``eagle3`` the EAGLE-3 drafter of ``train_drafter`` is decoded too and, gated on its own best γ,
+registered as a second bundle (weights, config, serving exports, draft vocabulary, report).
 """
 
 from __future__ import annotations
@@ -23,17 +25,22 @@ from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 
 
-def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact) -> BuildResult:
+def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact, eagle3: Artifact | None) -> BuildResult:
     from pipeline.evaluation.matrix import evaluate_matrix
     from pipeline.evaluation.report import write_report
 
     started = time.perf_counter()
-    results = evaluate_matrix(cfg, counts_art, run.fingerprint, run.log)
+    results = evaluate_matrix(cfg, counts_art, run.fingerprint, run.log, eagle3)
     metrics = {"eval_seconds": round(time.perf_counter() - started, 2), "gates_passed": int(results.gates.passed),
                "lossless_passed": int(results.lossless)}
     if results.gates.chosen is not None:
         metrics.update({f"chosen.{k}": v for k, v in results.gates.chosen.metrics().items()
                         if k in ("tau", "speedup", "mbsu", "acceptance_rate")})
+    if results.eagle3_gates is not None:
+        metrics["eagle3_gates_passed"] = int(results.eagle3_gates.passed)
+        if results.eagle3_gates.chosen is not None:
+            metrics.update({f"eagle3.{k}": v for k, v in results.eagle3_gates.chosen.metrics().items()
+                            if k in ("tau", "speedup", "mbsu", "acceptance_rate")})
     for row in results.rows:
         metrics[f"{row.tag}.tau"] = row.tau
         if row.speedup is not None:
@@ -57,11 +64,13 @@ def main(cfg: PipelineConfig) -> Artifact | None:
             fix="Set evaluate.drafter to a drafter trained for this target, or move it to "
                 "evaluate.drafter_other (TLI/Union/SLEM handle different tokenizers).")
     counts_art = step.input("count")
-    artifact = run_stage(cfg, step, [counts_art], build=lambda run: _build(cfg, run, counts_art))
+    eagle3 = step.input("train_drafter") if "train_drafter" in step.inputs else None
+    inputs = [counts_art] + ([eagle3] if eagle3 is not None else [])
+    artifact = run_stage(cfg, step, inputs, build=lambda run: _build(cfg, run, counts_art, eagle3))
     if artifact is not None and cfg.evaluate.register:
         from pipeline.evaluation.matrix import register_bundle
         from pipeline.evaluation.results import EvaluationResults
 
         results = EvaluationResults.from_dict(json.loads(artifact.file("report.json").read_text()))
-        register_bundle(cfg, results, artifact, counts_art)
+        register_bundle(cfg, results, artifact, counts_art, eagle3)
     return artifact

@@ -16,6 +16,7 @@ from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
 from tests.mlflow_server import MlflowServer
 from tests.test_stages import SMALL
+from tests.test_train_drafter import TRAIN
 
 EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/drafter_other",
         "evaluate.shortlists=[top_k_16,top_k_64]", "evaluate.prompts_per_task=3", "evaluate.max_new_tokens=24",
@@ -23,7 +24,7 @@ EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/
         # float64 makes batched verification and one-token decoding round identically, so greedy outputs must
         # agree bit for bit (no tie tolerance); the sampling check uses 600 draws per method, p-value >= 1e-4.
         "target.dtype=float64", "evaluate.tie_tolerance=0", "evaluate.sampling_check_samples=600",
-        "evaluate.gate_tau_min=1.05", "evaluate.gate_speed_min=0.5", "mlflow.experiment=evaluate-tests"]
+        "evaluate.gate_tau_min=1.05", "evaluate.gate_speed_min=0.5", *TRAIN, "mlflow.experiment=evaluate-tests"]
 
 
 def eval_cfg(workdir: Path, uri: str, *extra: str) -> PipelineConfig:
@@ -41,11 +42,13 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory, tiny_kit, mlflow_server:
 def test_every_method_is_lossless_on_the_tiny_kit(evaluated) -> None:
     _, _, results = evaluated
     methods = {(r["task"], r["method"]) for r in results["rows"]}
-    assert methods == {(t, m) for t in ("chat", "code") for m in ("ar", "full", "shortlist", "tli", "union", "slem")}
+    assert methods == {(t, m) for t in ("chat", "code")
+                       for m in ("ar", "full", "shortlist", "eagle3", "tli", "union", "slem")}
     for row in results["rows"]:
         assert row["greedy_equal"] is True, row  # token for token, every prompt, every γ
     names = [c["name"] for c in results["lossless"]["checks"]]
-    assert sum(n.startswith("first_token_distribution") for n in names) == 6  # full, 2 shortlists, tli, union, slem
+    # full, 2 shortlists, eagle3, tli, union, slem
+    assert sum(n.startswith("first_token_distribution") for n in names) == 7
     for check in results["lossless"]["checks"]:
         if check["name"].startswith("first_token_distribution"):
             verified = int(check["detail"].split("first-round drafts verified: ")[1].split()[0])
@@ -112,6 +115,32 @@ def test_pull_round_trip_and_tampering(evaluated, mlflow_server: MlflowServer, t
     # a bundle built for another target is refused
     assert cli(["pull", f"{record['name']}@champion", "--to", str(tmp_path / "other"), "--expect-target",
                 "tiny:test/drafter_other", *common]) == 2
+
+
+def test_eagle3_rows_sit_beside_simulated_tau_and_the_bundle_is_registered_and_pulled(
+        evaluated, mlflow_server: MlflowServer, tmp_path: Path) -> None:
+    cfg, artifact, results = evaluated
+    eagle3 = [r for r in results["rows"] if r["method"] == "eagle3"]
+    assert {(r["task"], r["gamma"]) for r in eagle3} == {(t, g) for t in ("chat", "code") for g in (1, 4)}
+    trained = results["eagle3_training"]
+    assert trained["artifact"] == results["inputs"]["eagle3"] and trained["simulated_tau"] > 1.0
+    report = artifact.file("report.md").read_text()
+    assert "simulated τ (train_drafter, held-out)" in report and trained["artifact"] in report
+    gates = results["eagle3_gates"]
+    assert gates["chosen"]["shortlist"] is None and gates["chosen"]["gamma"] in (1, 4)
+    assert gates["passed"], gates
+    record = json.loads((artifact.path.parent / f"{artifact.id}.registration-eagle3.json").read_text())
+    assert record["name"].endswith("-eagle3") and "champion" in record["aliases"]
+    common = [f"workdir={cfg.workdir}", f"mlflow.tracking_uri={mlflow_server.uri}"]
+    dest = tmp_path / "eagle3"
+    assert cli(["pull", f"{record['name']}@champion", "--to", str(dest), "--expect-target", "tiny:test/target",
+                *common]) == 0
+    bundle = json.loads((dest / "bundle.json").read_text())
+    assert {c["id"] for c in bundle["components"]} == {trained["artifact"], results["inputs"]["counts"], artifact.id}
+    head = dest / "components" / trained["artifact"]
+    for path in ("model.safetensors", "eagle3_config.json", "exports/eagle3/config.json",
+                 "exports/eagle3/model.safetensors", "exports/speculators/config.json"):
+        assert (head / path).is_file(), path
 
 
 def test_failed_gates_register_nothing(tmp_path: Path, tiny_kit, mlflow_server: MlflowServer) -> None:

@@ -73,6 +73,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 3e-4 (no dot) as a string; every user means the number
+            return float(value)
+        except ValueError:
+            pass
     if tp is Path and isinstance(value, str):
         return value
     if isinstance(tp, type) and not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
@@ -113,6 +118,11 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
     hints = _hints(cls)
     kwargs = {}
     for name, value in data.items():
+        factory = fields[name].default_factory
+        if dataclasses.is_dataclass(hints[name]) and isinstance(value, dict) and factory is not dataclasses.MISSING:
+            # A nested section the parent gives its own defaults (e.g. a stage's training recipe): keys
+            # the file sets go on top of those defaults, not of the nested class's.
+            value = _deep_merge(to_dict(factory()), value)
         kwargs[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name)
     try:
         return cls(**kwargs)
@@ -120,6 +130,13 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
         raise
     except (TypeError, ValueError) as err:
         raise DrafterError(f"Invalid config section {label!r}: {err}") from err
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def to_dict(obj: Any) -> Any:

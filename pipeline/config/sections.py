@@ -19,6 +19,7 @@ from pipeline.config.schema import (
     run_setting,
 )
 from pipeline.engine.methods import METHOD_NAMES
+from pipeline.training.harness import TrainConfig
 
 
 @dataclass
@@ -137,6 +138,63 @@ class CountConfig:
         check_value(self.workers >= 1, "count.workers", "an integer >= 1", self.workers)
 
 
+def _drafter_training() -> TrainConfig:
+    # EAGLE-3's recipe (AdamW 0.9/0.95, grad clip 0.5, ZeRO-2) with a learning rate for a freshly
+    # initialised head; checkpoint choice by simulated tau every 100 steps.
+    return TrainConfig(lr=3e-4, warmup_steps=50, global_batch_size=16, micro_batch_size=4, eval_every=100,
+                       checkpoint_every=100)
+
+
+@dataclass
+class TrainDrafterConfig:
+    calibration: str | None = input_override()
+    """Train on this calibration artifact directory instead of the one ``generate`` builds for this config
+    (its artifact id, not this path, enters the train_drafter id)."""
+    counts: str | None = input_override()
+    """Take the draft vocabulary (d2t/t2d) from this count artifact directory instead of the one ``count``
+    builds for this config."""
+    aux_layer_ids: list[int] | None = None
+    """Target feature layers (low, mid, high) as indices into HF output_hidden_states (0 = embeddings,
+    i = input of layer i). null: EAGLE-3's (2, L//2, L-3) for L >= 7 layers, spread over 0..L-1 for shallower
+    targets. SGLang's eagle_aux_hidden_state_layer_ids in the export are these minus one."""
+    ttt_steps: int = 7
+    """Unrolled steps of the training-time test (EAGLE-3: 7)."""
+    ttt_decay: float = 0.8
+    """Weight decay^s of unrolled step s in the loss."""
+    max_length: int = 2048
+    """Tokens kept per calibration row (prompt first, then the answer)."""
+    eval_fraction: float = 0.05
+    """Share of calibration conversations (by id hash) held out to score checkpoints by simulated tau."""
+    eval_max_rows: int = 64
+    """Most held-out rows scored per evaluation."""
+    init_seed: int = 0
+    """Seed of the drafter's initial weights."""
+    features: str = "online"
+    """Where the target's features come from: ``online`` (the frozen target runs inside each training step,
+    no disk) or ``cached`` (computed once into the staging directory; costs 4 x hidden x dtype bytes per
+    token, printed before anything is written)."""
+    features_disk_limit_gb: float = run_setting(200.0)
+    """features=cached refuses to start when the cache would need more than this many GB (or more than the
+    disk has free)."""
+    train: TrainConfig = field(default_factory=_drafter_training)
+    """Optimiser, schedule, batch, strategy (DeepSpeed ZeRO on GPUs, DDP or one process on CPU), checkpoints."""
+
+    def __post_init__(self) -> None:
+        check_value(self.ttt_steps >= 1, "train_drafter.ttt_steps", "an integer >= 1", self.ttt_steps)
+        check_value(0 < self.ttt_decay <= 1, "train_drafter.ttt_decay", "a number in (0, 1]", self.ttt_decay)
+        check_value(self.max_length >= self.ttt_steps + 2, "train_drafter.max_length",
+                    f"at least ttt_steps + 2 = {self.ttt_steps + 2}", self.max_length)
+        check_value(0 < self.eval_fraction < 1, "train_drafter.eval_fraction", "a number in (0, 1)",
+                    self.eval_fraction)
+        check_value(self.eval_max_rows >= 1, "train_drafter.eval_max_rows", "an integer >= 1", self.eval_max_rows)
+        check_value(self.features in ("online", "cached"), "train_drafter.features", "online or cached",
+                    self.features)
+        check_value(self.features_disk_limit_gb > 0, "train_drafter.features_disk_limit_gb", "a positive number",
+                    self.features_disk_limit_gb)
+        check_value(self.aux_layer_ids is None or len(self.aux_layer_ids) == 3, "train_drafter.aux_layer_ids",
+                    "three layer indices or null", self.aux_layer_ids)
+
+
 EVAL_METHODS = METHOD_NAMES  # the proposer registry, pipeline.engine.methods
 
 
@@ -165,6 +223,9 @@ class EvaluateConfig:
     counts: str | None = input_override()
     """Use this count artifact directory instead of the one ``count`` builds for this config (its
     artifact id, not this path, enters the evaluate id)."""
+    eagle3: str | None = input_override()
+    """Use this train_drafter artifact directory (an EAGLE-3 drafter) for method ``eagle3`` instead of the one
+    ``train_drafter`` builds for this config (its artifact id, not this path, enters the evaluate id)."""
     temperature: float = 0.0
     """Decoding temperature for the metrics (0 = greedy). Greedy equality with autoregressive decoding
     is checked on every prompt whatever this is."""
@@ -234,6 +295,8 @@ class PipelineConfig:
     """Stage ``generate``: the calibration set."""
     count: CountConfig = field(default_factory=CountConfig)
     """Stage ``count``: token frequencies and shortlists."""
+    train_drafter: TrainDrafterConfig = field(default_factory=TrainDrafterConfig)
+    """Stage ``train_drafter``: the EAGLE-3 drafter (Lightning + DeepSpeed), on the calibration set."""
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     """Stage ``evaluate``: speculative decoding vs autoregressive, gates, registration."""
 

@@ -31,6 +31,8 @@ class ProposerInputs:
         drafter_other_tokenizer: That drafter's tokenizer.
         target_tokenizer: The target's tokenizer.
         vocab_map: ``VocabMap.build(target_tokenizer, drafter_other_tokenizer)`` (``tli``, ``union``).
+        eagle3: A :class:`~pipeline.drafters.eagle3.Eagle3Drafter` trained for this target, on the target's
+            device (it holds the target's embedding by reference) (``eagle3``).
         target_vocab_size: The target's logit width (``q``'s width); ``None`` lets each proposer infer it.
         name: Label for metrics and reports; ``None`` keeps the proposer's default.
     """
@@ -41,6 +43,7 @@ class ProposerInputs:
     drafter_other_tokenizer: Any = None
     target_tokenizer: Any = None
     vocab_map: Any = None
+    eagle3: Any = None
     target_vocab_size: int | None = None
     name: str | None = None
 
@@ -115,6 +118,12 @@ def _slem(inputs: ProposerInputs) -> Proposer:
     )
 
 
+def _eagle3(inputs: ProposerInputs) -> Proposer:
+    from pipeline.engine.eagle3 import Eagle3Proposer
+
+    return Eagle3Proposer(inputs.eagle3, target_vocab_size=inputs.target_vocab_size, **_label(inputs))
+
+
 _OTHER = frozenset({"drafter_other", "drafter_other_tokenizer", "target_tokenizer"})
 
 METHODS: dict[str, MethodSpec] = {
@@ -144,6 +153,12 @@ METHODS: dict[str, MethodSpec] = {
             _OTHER,
             _slem,
             "other-tokenizer drafter, string-level exact match (Timor et al. 2025, Alg. 2)",
+        ),
+        MethodSpec(
+            "eagle3",
+            frozenset({"eagle3"}),
+            _eagle3,
+            "EAGLE-3 head on the target's low/mid/high features (Li et al. 2025)",
         ),
     )
 }

@@ -71,20 +71,37 @@ def speed_metric(ev: EvaluateConfig, device: str) -> str:
 
 
 def evaluate_matrix(cfg: PipelineConfig, counts: Artifact, target_fingerprint: dict,
-                    log: Callable[[str], None]) -> EvaluationResults:
-    """Load the target, build the prompts, run the whole matrix and decide the gates."""
+                    log: Callable[[str], None], eagle3: Artifact | None = None) -> EvaluationResults:
+    """Load the target, build the prompts, run the whole matrix and decide the gates (the draft-vocabulary
+    bundle's, and the EAGLE-3 bundle's when ``eagle3``, a train_drafter artifact, is evaluated)."""
     ev = cfg.evaluate
     device = resolve_device(ev)
     target_ = Target(cfg.target)
     tokenizer = target_.tokenizer()
     target = target_.model(device)
-    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), counts, device, log)
+    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), counts, device, log, eagle3)
     rows, checks = evaluator.run()
-    gates = decide_gates(rows, checks, speed_metric=speed_metric(ev, device), tau_min=ev.gate_tau_min,
-                         speed_min=ev.gate_speed_min)
+    thresholds = {"speed_metric": speed_metric(ev, device), "tau_min": ev.gate_tau_min,
+                  "speed_min": ev.gate_speed_min}
+    gates = decide_gates(rows, checks, **thresholds)
+    inputs = {"counts": counts.id}
+    eagle3_gates = eagle3_training = None
+    if eagle3 is not None:
+        inputs["eagle3"] = eagle3.id
+        eagle3_gates = decide_gates(rows, checks, method="eagle3", **thresholds)
+        eagle3_training = simulated_figures(eagle3)
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return EvaluationResults(rows=rows, checks=checks, gates=gates, device=device_name,
-                             target=target_fingerprint, inputs={"counts": counts.id})
+                             target=target_fingerprint, inputs=inputs, eagle3_gates=eagle3_gates,
+                             eagle3_training=eagle3_training)
+
+
+def simulated_figures(eagle3: Artifact) -> dict:
+    """train_drafter's prediction for its drafter: the kept checkpoint's held-out simulated τ and accuracies."""
+    import json
+
+    best = json.loads(eagle3.file("training.json").read_text()).get("best") or {}
+    return {"artifact": eagle3.id, "step": best.get("step"), **(best.get("metrics") or {})}
 
 
 
@@ -117,10 +134,10 @@ class Evaluator:
 
     def __init__(self, cfg: PipelineConfig, target: torch.nn.Module, tokenizer: Any,
                  prompts: dict[str, list[list[int]]], counts: Artifact, device: str,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], eagle3: Artifact | None = None) -> None:
         self.cfg, self.ev = cfg, cfg.evaluate
         self.target, self.tokenizer, self.prompts = target, tokenizer, prompts
-        self.counts, self.device, self.log = counts, device, log
+        self.counts, self.device, self.log, self.eagle3 = counts, device, log, eagle3
         self.eos = tokenizer.eos_token_id
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.params = SamplingParams(temperature=self.ev.temperature, top_p=self.ev.top_p)
@@ -136,7 +153,8 @@ class Evaluator:
         ev = self.ev
         specs = [spec for name, spec in METHODS.items() if name in ev.methods]
         same = [spec for spec in specs if spec.same_tokenizer]
-        other = [spec for spec in specs if not spec.same_tokenizer]
+        heads = [spec for spec in specs if "eagle3" in spec.needs]
+        other = [spec for spec in specs if "drafter_other" in spec.needs]
         if same:
             drafter = load_model(ev.drafter, dtype=self.cfg.target.dtype, device=self.device)
             base = ProposerInputs(drafter=drafter, target_vocab_size=self.vocab)
@@ -157,6 +175,17 @@ class Evaluator:
                     inputs = dataclasses.replace(base, shortlist=ids, name=f"{spec.name}:{name}")
                     yield (spec.name, ev.drafter, name, int(ids.numel()), build_proposer(spec.name, inputs),
                            shortlist_param_ratio(drafter, self.target, int(ids.numel())))
+        if heads:
+            from pipeline.drafters.store import load_drafter
+
+            if self.eagle3 is None:
+                raise DrafterError("Method eagle3 is evaluated but no train_drafter artifact was given.",
+                                   fix="Run `drafter evaluate` (it trains the drafter first) or set evaluate.eagle3.")
+            head = load_drafter(self.eagle3.path, self.target)
+            ratio = parameter_ratio(head, self.target)
+            for spec in heads:
+                proposer = build_proposer(spec.name, ProposerInputs(eagle3=head, target_vocab_size=self.vocab))
+                yield spec.name, f"eagle3:{self.eagle3.id}", None, None, proposer, ratio
         if other and ev.drafter_other:
             other_model = load_model(ev.drafter_other, dtype=self.cfg.target.dtype, device=self.device)
             other_tok = load_tokenizer(ev.drafter_other)
@@ -271,22 +300,40 @@ class Evaluator:
                        greedy_equal=equal)
 
 
+REGISTRATION_FILES = {"draft-vocab": "registration.json", "eagle3": "registration-eagle3.json"}
+"""Bundle kind → the record written beside the evaluation artifact as ``<evaluation id>.<file>``."""
+
+
 def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation: Artifact,
-                    counts: Artifact) -> dict | None:
-    """Register the draft-vocabulary bundle (count artifact + evaluation report) if its gates passed.
+                    counts: Artifact, eagle3: Artifact | None = None) -> dict[str, dict | None]:
+    """Register each bundle whose gates passed: the draft-vocabulary bundle (count artifact + evaluation
+    report) and, when evaluated, the EAGLE-3 bundle (train_drafter artifact with its weights, config and
+    serving exports + the count artifact's draft vocabulary + the report).
 
     Takes the results it is given (fresh from the matrix, or read back from a cached evaluation), never
     re-reading them from the report on its own.
+
+    Returns:
+        Bundle kind → its registration record, or None where the gates failed.
     """
+    records = {"draft-vocab": _register_one(cfg, results, results.gates, "draft-vocab", [counts, evaluation],
+                                            evaluation)}
+    if eagle3 is not None and results.eagle3_gates is not None:
+        records["eagle3"] = _register_one(cfg, results, results.eagle3_gates, "eagle3",
+                                          [eagle3, counts, evaluation], evaluation)
+    return records
+
+
+def _register_one(cfg: PipelineConfig, results: EvaluationResults, gates: Any, kind: str,
+                  artifacts: list[Artifact], evaluation: Artifact) -> dict | None:
     from pipeline.orchestration.stage import log
     from pipeline.registry import Bundle, register, registered_name
 
-    gates = results.gates
     if not gates.passed or gates.chosen is None:
-        log("evaluate", "gates failed, nothing registered: " + "; ".join(gates.failures()))
+        log("evaluate", f"{kind} gates failed, not registered: " + "; ".join(gates.failures()))
         return None
     primary = cfg.evaluate.primary_metric if cfg.evaluate.primary_metric != "auto" else gates.speed_metric
-    bundle = Bundle(name=registered_name(cfg.target.model, "draft-vocab"), artifacts=[counts, evaluation],
+    bundle = Bundle(name=registered_name(cfg.target.model, kind), artifacts=artifacts,
                     metrics=gates.chosen.metrics(), primary_metric=primary, gates=dataclasses.asdict(gates),
                     fingerprint=results.target)
     result = register(bundle, cfg.mlflow, cfg.workdir_path, promote=cfg.evaluate.promote)
@@ -294,6 +341,6 @@ def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation:
               "promoted": result.promoted, "reason": result.reason, "uri": result.uri,
               "bundle_sha256": result.bundle_sha256, "run_id": result.run_id}
     # Beside the artifact, not inside it: the artifact is immutable, registration is an event about it.
-    write_json_atomic(evaluation.path.parent / f"{evaluation.id}.registration.json", record)
+    write_json_atomic(evaluation.path.parent / f"{evaluation.id}.{REGISTRATION_FILES[kind]}", record)
     log("evaluate", f"registered {result.name} version {result.version} with aliases {result.aliases}: {result.reason}")
     return record

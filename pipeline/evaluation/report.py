@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.evaluation.results import EvaluationResults
 
-METHOD_ORDER = ("ar", "full", "shortlist", "tli", "union", "slem")
+METHOD_ORDER = ("ar", "full", "shortlist", "eagle3", "tli", "union", "slem")
 MISSING = "—"
 
 Row = dict[str, Any]
@@ -326,6 +326,53 @@ def _checks_html(checks: Any) -> str:
     return _html_table(["check", "passed", "value", "threshold", "detail"], rows)
 
 
+def simulated_tau_at(training: dict, gamma: int) -> float | None:
+    """The simulated τ of a γ-token chain from train_drafter's per-step held-out accuracies
+    (``1 + Σ_{k<γ} Π_{i≤k} acc_i``; steps beyond those trained count as misses)."""
+    acc, k = [], 0
+    while f"acc_{k}" in training and k < gamma:
+        acc.append(float(training[f"acc_{k}"]))
+        k += 1
+    if not acc:
+        return None
+    total, survive = 1.0, 1.0
+    for a in acc:
+        survive *= a
+        total += survive
+    return total
+
+
+def eagle3_rows(results: dict) -> list[list[str]]:
+    """(task, γ, simulated τ, measured τ, measured/simulated) per eagle3 row: how well train_drafter's
+    cheap held-out metric predicted the τ the engine measured."""
+    training = results.get("eagle3_training") or {}
+    out = []
+    for r in _rows(results):
+        if r.get("method") != "eagle3":
+            continue
+        sim = simulated_tau_at(training, int(r.get("gamma") or 0))
+        tau = _num(r.get("tau"))
+        ratio = tau / sim if sim and tau is not None else None
+        out.append([_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _fmt(sim), _fmt(tau), _fmt(ratio)])
+    return out
+
+
+EAGLE3_HEADERS = ["task", "γ", "simulated τ (train_drafter, held-out)", "measured τ (engine)", "measured / simulated"]
+
+
+def eagle3_markdown(results: dict) -> str:
+    """The EAGLE-3 section of report.md ('' when eagle3 was not evaluated)."""
+    gates = results.get("eagle3_gates")
+    if gates is None:
+        return ""
+    training = results.get("eagle3_training") or {}
+    lines = [f"## EAGLE-3 drafter {_text(training.get('artifact'))}: gates **{_verdict(gates.get('passed'))}**",
+             "", f"Checkpoint kept at step {_text(training.get('step'))} (best held-out simulated τ).", "",
+             "| " + " | ".join(EAGLE3_HEADERS) + " |", "|" + "---|" * len(EAGLE3_HEADERS)]
+    lines += ["| " + " | ".join(row) + " |" for row in eagle3_rows(results)]
+    return "\n".join(lines) + "\n"
+
+
 def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) -> Path:
     """Write ``out_dir/report.html``: one self-contained page (inline CSS and SVG, nothing external).
 
@@ -348,8 +395,16 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
         _html_table(["target", "revision", "vocab hash", "device", "created"], [header]),
         f"<h2>Gates: {_verdict_html(gates.get('passed'))}</h2>",
         _checks_html(gates.get("checks")),
-        "<h2>Results</h2>",
     ]
+    if results.get("eagle3_gates") is not None:
+        training = results.get("eagle3_training") or {}
+        parts += [f"<h2>EAGLE-3 drafter {esc(_text(training.get('artifact')))}: "
+                  f"{_verdict_html(results['eagle3_gates'].get('passed'))}</h2>",
+                  _checks_html(results["eagle3_gates"].get("checks")),
+                  f"<p class='note'>Checkpoint kept at step {esc(_text(training.get('step')))} by held-out "
+                  "simulated τ; measured τ is the engine's.</p>",
+                  _html_table(EAGLE3_HEADERS, eagle3_rows(results), {1, 2, 3, 4})]
+    parts.append("<h2>Results</h2>")
     table = [[fn(r) for _, fn in COLUMNS] for r in rows]
     numeric = {3, *range(5, len(COLUMNS) - 1)}  # γ and τ … MBSU are right-aligned
     headers = [h for h, _ in COLUMNS]
@@ -394,5 +449,7 @@ def write_report(results: EvaluationResults | dict, out_dir: Path) -> list[Path]
     verdict = _verdict((results.get("gates") or {}).get("passed"))
     md_path = out_dir / "report.md"
     md = f"# Drafter evaluation: {model}\n\nDevice: {device} · gates: **{verdict}**\n\n{markdown_table(results)}\n"
+    if extra := eagle3_markdown(results):
+        md += "\n" + extra
     md_path.write_text(md, encoding="utf-8")
     return [json_path, html_path, md_path]

@@ -73,9 +73,10 @@ class GateCheck:
 
 @dataclass
 class Chosen:
-    """The configuration a bundle would be registered for: the best shortlist and γ, averaged over tasks."""
+    """The configuration a bundle would be registered for: the best shortlist (None for an EAGLE-3 head)
+    and γ, averaged over tasks."""
 
-    shortlist: str
+    shortlist: str | None
     gamma: int
     shortlist_size: int | None
     tau: float
@@ -115,6 +116,11 @@ class EvaluationResults:
     target: dict
     inputs: dict[str, str]
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    eagle3_gates: Gates | None = None
+    """The EAGLE-3 bundle's verdict (its best γ), when method ``eagle3`` was evaluated."""
+    eagle3_training: dict | None = None
+    """What train_drafter predicted for the evaluated EAGLE-3 drafter: the checkpoint's step and its
+    held-out simulated τ and per-step accuracies, shown beside the τ measured here."""
 
     @property
     def lossless(self) -> bool:
@@ -125,19 +131,26 @@ class EvaluationResults:
         return {"rows": [dataclasses.asdict(r) for r in self.rows],
                 "lossless": {"passed": self.lossless, "checks": [dataclasses.asdict(c) for c in self.checks]},
                 "gates": dataclasses.asdict(self.gates), "device": self.device, "target": self.target,
-                "inputs": self.inputs, "created": self.created}
+                "inputs": self.inputs, "created": self.created,
+                "eagle3_gates": dataclasses.asdict(self.eagle3_gates) if self.eagle3_gates else None,
+                "eagle3_training": self.eagle3_training}
 
     @classmethod
     def from_dict(cls, data: dict) -> EvaluationResults:
         """Read back :meth:`to_dict` (a cached evaluation's ``report.json``)."""
-        gates = data["gates"]
-        chosen = gates.get("chosen")
+        def gates(raw: dict | None) -> Gates | None:
+            if raw is None:
+                return None
+            chosen = raw.get("chosen")
+            return Gates(passed=raw["passed"], checks={k: GateCheck(**v) for k, v in raw["checks"].items()},
+                         chosen=Chosen(**chosen) if chosen else None, speed_metric=raw["speed_metric"])
+
         return cls(
             rows=[EvalRow(**r) for r in data["rows"]],
             checks=[LosslessCheck(**c) for c in data["lossless"]["checks"]],
-            gates=Gates(passed=gates["passed"], checks={k: GateCheck(**v) for k, v in gates["checks"].items()},
-                        chosen=Chosen(**chosen) if chosen else None, speed_metric=gates["speed_metric"]),
-            device=data["device"], target=data["target"], inputs=data["inputs"], created=data["created"])
+            gates=gates(data["gates"]), device=data["device"], target=data["target"], inputs=data["inputs"],
+            created=data["created"], eagle3_gates=gates(data.get("eagle3_gates")),
+            eagle3_training=data.get("eagle3_training"))
 
 
 def _mean(rows: list[EvalRow], key: str) -> float:
@@ -146,9 +159,12 @@ def _mean(rows: list[EvalRow], key: str) -> float:
 
 
 def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metric: str, tau_min: float,
-                 speed_min: float) -> Gates:
-    """The verdict, a pure function of the results: lossless, and the best shortlist configuration
+                 speed_min: float, method: str = "shortlist") -> Gates:
+    """The verdict, a pure function of the results: lossless, and the best configuration of ``method``
     (highest mean speed metric over tasks, then τ) reaches the τ and speed minimums.
+
+    Losslessness is judged over every check, not only ``method``'s: a failure anywhere means the engine
+    cannot be trusted, so nothing is registered.
 
     Args:
         rows: The matrix rows.
@@ -156,6 +172,8 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
         speed_metric: ``speedup`` (measured; meaningful on CUDA) or ``mbsu`` (the CPU proxy).
         tau_min: Minimum mean accepted length τ of the chosen configuration.
         speed_min: Minimum of its speed metric.
+        method: ``shortlist`` (the draft-vocabulary bundle: configurations are shortlist × γ) or ``eagle3``
+            (the EAGLE-3 bundle: configurations are γ).
     """
     if speed_metric not in SPEED_METRICS:
         raise ValueError(f"speed_metric must be one of {SPEED_METRICS}, not {speed_metric!r}")
@@ -163,7 +181,7 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
     gate_checks = {"lossless": GateCheck(lossless, lossless, True, f"{len(checks)} checks")}
     candidates: dict[tuple[str, int], list[EvalRow]] = {}
     for row in rows:
-        if row.method == "shortlist" and row.shortlist is not None:
+        if row.method == method and (method != "shortlist" or row.shortlist is not None):
             candidates.setdefault((row.shortlist, row.gamma), []).append(row)
     chosen = None
     if candidates:
@@ -172,13 +190,13 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
         chosen = Chosen(shortlist=name, gamma=gamma, shortlist_size=best[0].shortlist_size,
                         **{k: _mean(best, k) for k in ("tau", "speedup", "mbsu", "acceptance_rate",
                                                        "predicted_speedup")})
-        where = f"{name}, γ={gamma} over tasks"
+        where = f"{name or method}, γ={gamma} over tasks"
         gate_checks["tau_min"] = GateCheck(chosen.tau >= tau_min, chosen.tau, tau_min, f"mean τ of {where}")
         value = getattr(chosen, speed_metric)
         gate_checks[f"{speed_metric}_min"] = GateCheck(value >= speed_min, value, speed_min,
                                                        f"mean {speed_metric} of {where}")
     else:
-        gate_checks["shortlist_evaluated"] = GateCheck(
-            False, False, True, "no shortlist configuration was evaluated: nothing to register")
+        gate_checks[f"{method}_evaluated"] = GateCheck(
+            False, False, True, f"no {method} configuration was evaluated: nothing to register")
     return Gates(passed=all(c.passed for c in gate_checks.values()), checks=gate_checks, chosen=chosen,
                  speed_metric=speed_metric)

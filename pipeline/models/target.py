@@ -31,9 +31,9 @@ class Target:
         """The target's tokenizer (``target.tokenizer`` or the model's own, at ``target.revision``)."""
         return load_tokenizer(self.tokenizer_name, self.cfg.revision, trust_remote_code=self.cfg.trust_remote_code)
 
-    def model(self, device: str | None = None) -> Any:
-        """The target model in ``target.dtype``, eval mode, on ``device`` if given."""
-        return load_model(self.cfg.model, self.cfg.revision, dtype=self.cfg.dtype, device=device,
+    def model(self, device: str | None = None, dtype: str | None = None) -> Any:
+        """The target model in ``dtype`` (default ``target.dtype``), eval mode, on ``device`` if given."""
+        return load_model(self.cfg.model, self.cfg.revision, dtype=dtype or self.cfg.dtype, device=device,
                           trust_remote_code=self.cfg.trust_remote_code)
 
     @property

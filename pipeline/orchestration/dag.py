@@ -64,6 +64,8 @@ class StageSpec:
         reads: Config paths (sections or single fields) whose result-changing fields enter the id.
         overrides: Upstream stage → config key that may name an artifact directory to use instead.
         models: Fingerprints of models other than the target that the result depends on.
+        when: Upstream stage → predicate on the config; the stage reads that input only when it holds
+            (``evaluate`` reads the EAGLE-3 drafter only when method ``eagle3`` is evaluated).
     """
 
     name: str
@@ -73,6 +75,11 @@ class StageSpec:
     reads: tuple[str, ...] = ()
     overrides: dict[str, str] = field(default_factory=dict)
     models: Callable[[PipelineConfig], dict] | None = None
+    when: dict[str, Callable[[PipelineConfig], bool]] = field(default_factory=dict)
+
+    def upstream_of(self, cfg: PipelineConfig) -> tuple[str, ...]:
+        """The upstream stages this stage reads under ``cfg``."""
+        return tuple(up for up in self.upstream if up not in self.when or self.when[up](cfg))
 
 
 TARGET_IDENTITY = ("target.model", "target.revision", "target.tokenizer")
@@ -84,9 +91,15 @@ STAGES: tuple[StageSpec, ...] = (
               reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}),
     # evaluate's prompts come from generate.source / heldout_fraction (the held-out share), so those two
     # fields enter its id even when evaluate.counts names the count artifact directly.
-    StageSpec("evaluate", "jobs.evaluate", "evaluation", upstream=("count",),
+    # The EAGLE-3 drafter learns from the calibration set with the draft vocabulary of count; the target
+    # runs in float32 (CPU, DDP) or as DeepSpeed casts it, so target.dtype does not enter its id.
+    StageSpec("train_drafter", "jobs.train_drafter", "eagle3_drafter", upstream=("generate", "count"),
+              reads=(*TARGET_IDENTITY, "train_drafter"),
+              overrides={"generate": "train_drafter.calibration", "count": "train_drafter.counts"}),
+    StageSpec("evaluate", "jobs.evaluate", "evaluation", upstream=("count", "train_drafter"),
               reads=(*TARGET_IDENTITY, "target.dtype", "generate.source", "generate.heldout_fraction",
-                     "evaluate"), overrides={"count": "evaluate.counts"}, models=_evaluate_models),
+                     "evaluate"), overrides={"count": "evaluate.counts", "train_drafter": "evaluate.eagle3"},
+              models=_evaluate_models, when={"train_drafter": lambda cfg: "eagle3" in cfg.evaluate.methods}),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 
@@ -169,7 +182,7 @@ class Plan:
                 return
             need.add(name)
             step = self.stages[name]
-            for up in step.spec.upstream:
+            for up in step.inputs:
                 if up not in step.explicit and not self.stages[up].cached:
                     visit(up)
 
@@ -205,7 +218,7 @@ def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
         row = spec(name)
         inputs: dict[str, tuple[str, Path]] = {}
         explicit = set()
-        for up in row.upstream:
+        for up in row.upstream_of(cfg):
             named = _get(cfg, row.overrides[up]) if up in row.overrides else None
             if named:
                 path = Path(named).expanduser().resolve()

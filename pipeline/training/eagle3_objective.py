@@ -11,7 +11,9 @@ features as at inference) while the input tokens move on by one per step. Row ``
 
 The loss is ``Σ_s decay^s · CE_s`` (decay 0.8 as in the EAGLE-3 and SpecForge code), ``CE_s`` the soft
 cross-entropy to the target's next-token distribution restricted to the draft vocabulary (target logits
-gathered at the draft ids and softmaxed over them), averaged over the rows whose predicted token
+gathered at the draft ids and softmaxed over them), averaged per example (then over the batch's examples,
+so that the harness may split a global batch freely; SpecForge averages over the batch's tokens, which
+weights long answers more) over the rows whose predicted token
 ``x_{t+2+s}`` carries the calibration ``loss_mask`` (assistant tokens) and whose full-vocabulary target
 argmax lies in the draft vocabulary (SpecForge's position mask: elsewhere the restricted distribution is
 not the target's). Top-1 accuracy counts a row as right when the drafter's argmax is the target's
@@ -91,10 +93,10 @@ def _shift(x: torch.Tensor, by: int, fill: int | bool = 0) -> torch.Tensor:
 
 def _head_loss(drafter: Eagle3Drafter, hidden: torch.Tensor, target_p: torch.Tensor,
                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted sum of soft cross-entropies of one step's rows, and the drafter's argmax there."""
+    """Per-example weighted sums ``(B,)`` of one step's soft cross-entropies, and the drafter's argmax."""
     logits = drafter.logits(hidden).float()
     cross_entropy = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1)
-    return (cross_entropy * weight).sum(), logits.argmax(-1)
+    return (cross_entropy * weight).sum(-1), logits.argmax(-1)
 
 
 def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -145,9 +147,11 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
             weight = learnable.float()
         # Checkpointed: this step's (B, rows, V_draft) logits are freed here and rebuilt in backward, so
         # the steps' logits never coexist, not even in the autograd graph.
-        total, draft_top = checkpoint(_head_loss, drafter, hidden[:, :rows], target_p[:, 1 + s:], weight,
-                                      use_reentrant=False)
-        losses.append(total / weight.sum().clamp(min=1))
+        sums, draft_top = checkpoint(_head_loss, drafter, hidden[:, :rows], target_p[:, 1 + s:], weight,
+                                     use_reentrant=False)
+        # Per example, then over examples: a batch's loss is a mean of per-example terms, so splitting a
+        # global batch over ranks and micro-batches does not change the step (the harness's contract).
+        losses.append((sums / weight.sum(-1).clamp(min=1)).mean())
         correct.append(((draft_top == target_top[:, 1 + s:]) & learnable).sum())
         counted.append(predicted.sum())
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,7 +246,15 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
         raise DrafterError("The module to train has no parameter with requires_grad=True.",
                            fix="Unfreeze the parameters to train before calling fit().")
 
-    trainer = L.Trainer(max_steps=max(total, 1), accumulate_grad_batches=accumulation, logger=False,
+    plugins = []
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    if SLURMEnvironment.detect():
+        # Our checkpoints resume a requeued job; Lightning's SIGUSR1 requeue would write (and later load) a
+        # pickled checkpoint of its own.
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # frozen parts stay in eval
+    trainer = L.Trainer(max_steps=max(total, 1), plugins=plugins, accumulate_grad_batches=accumulation, logger=False,
                         enable_checkpointing=False, use_distributed_sampler=False, enable_model_summary=False,
                         enable_progress_bar=cfg.progress_bar, num_sanity_val_steps=0,
                         default_root_dir=str(staging), **trainer_arguments(cfg, strategy, world))

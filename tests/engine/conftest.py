@@ -150,9 +150,12 @@ def assert_counts_match(counts: torch.Tensor, probs: torch.Tensor, n: int, what:
 def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
     """Registry inputs for every method from loaded tiny-kit roles (``{role: (model, tokenizer)}``).
 
-    The shortlist is the target's first 256 ids plus EOS.
+    The shortlist is the target's first 256 ids plus EOS; the EAGLE-3 head (untrained, seeded) drafts
+    over those ids, on the target's device and in its dtype.
     """
+    from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from pipeline.engine.methods import ProposerInputs
+    from pipeline.vocab.counting import eagle3_offset_maps
     from pipeline.vocab.maps import VocabMap
 
     target, target_tok = kit["target"]
@@ -160,6 +163,13 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
     vocab = target.get_output_embeddings().weight.shape[0]
     first = torch.arange(min(256, vocab))
     shortlist = torch.unique(torch.cat([first, torch.tensor([target_tok.eos_token_id])]))
+    embedding = target.get_input_embeddings()
+    config = Eagle3Config.from_target(target.config, draft_vocab_size=int(shortlist.numel()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        eagle3 = Eagle3Drafter(config, embedding)
+    eagle3 = eagle3.to(device=embedding.weight.device, dtype=embedding.weight.dtype).eval()
+    eagle3.set_vocab_maps(*eagle3_offset_maps(shortlist.numpy(), config.target_vocab_size))
     return ProposerInputs(
         drafter=kit["drafter"][0],
         shortlist=shortlist,
@@ -167,5 +177,6 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
         drafter_other_tokenizer=other_tok,
         target_tokenizer=target_tok,
         vocab_map=VocabMap.build(target_tok, other_tok),
+        eagle3=eagle3,
         target_vocab_size=vocab,
     )

@@ -1,5 +1,6 @@
 """The engine on a CUDA GPU with the trained tiny kit: greedy equality for every method, the first
-emitted token's law at temperature 1, and CPU/GPU agreement. Marked ``gpu``: skipped without CUDA.
+emitted token's law at temperature 1, and CPU/GPU agreement; plus EAGLE-3 with a head trained on the GPU
+(tests/engine/test_eagle3_proposer.py's checks). Marked ``gpu``: skipped without CUDA.
 
 Models run in float64 on the GPU so batched verification and one-token decoding agree far below any
 argmax gap (cuBLAS picks different kernels for different shapes; in float32 an exact near-tie could flip).
@@ -95,3 +96,15 @@ def test_cuda_and_cpu_logits_agree(cuda_kit) -> None:
         cpu = target.to("cpu")(ids).logits
     target.to("cuda")
     assert torch.allclose(gpu, cpu, atol=1e-9, rtol=0)
+
+
+def test_eagle3_trained_head_on_cuda(target, prompts) -> None:
+    """EAGLE-3 with a head trained on the GPU (the random float64 target of conftest.py, copied to CUDA):
+    greedy equality for gamma 1, 3, 5 with drafts accepted and rejected, q on the GPU in float64 and
+    equal to the law recomputed from scratch. (The registry's eagle3 on the kit, untrained, runs in
+    test_greedy_equals_autoregressive_on_cuda.)"""
+    import copy
+
+    from tests.engine.test_eagle3_proposer import check_on_device
+
+    check_on_device(copy.deepcopy(target).to("cuda"), prompts)

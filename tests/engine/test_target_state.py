@@ -51,11 +51,12 @@ def kit(tiny_kit) -> dict[str, Any]:
 
 
 class _Recording:
-    """Wraps a proposer, asks for :data:`LAYERS`, and keeps a copy of each (context, state) it gets."""
+    """Wraps a proposer, asks for :data:`LAYERS` (then any other layers the proposer reads itself, as
+    EAGLE-3 does), and keeps a copy of each (context, state) it gets."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.name = inner, inner.name
-        self.target_layers = LAYERS
+        self.target_layers = LAYERS + tuple(layer for layer in inner.target_layers if layer not in LAYERS)
         self.rounds: list[tuple[list[int], TargetState]] = []
 
     def reset(self) -> None:
@@ -73,13 +74,13 @@ class _Recording:
 
 def _check_state(target: torch.nn.Module, context: list[int], state: TargetState) -> None:
     prefix = context[:-1]
-    assert state.layers == LAYERS and state.length == len(prefix)
+    assert state.layers[: len(LAYERS)] == LAYERS and state.length == len(prefix)
     if not prefix:
         assert all(h.shape[0] == 0 for h in state.hidden)
         return
     with torch.no_grad():
         out = target(torch.tensor([prefix]), output_hidden_states=True)
-    for layer, got in zip(LAYERS, state.hidden, strict=True):
+    for layer, got in zip(state.layers, state.hidden, strict=True):
         want = out.hidden_states[layer][0]
         assert got.shape == want.shape, (layer, got.shape, want.shape)
         if layer == 0:

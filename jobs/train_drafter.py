@@ -1,0 +1,142 @@
+"""Stage ``train_drafter``: an EAGLE-3 drafter trained on the target's own answers (EAGLE-3, §3).
+
+Run alone with ``drafter train_drafter --config configs/tiny.yaml`` (it reuses, or first builds, the
+calibration set of ``generate`` and the draft vocabulary of ``count``). The frozen target computes its
+low/mid/high features and logits inside every training step (no hidden-state dump; ``features=cached``
+writes one to the staging directory after printing its size), the drafter learns by the unrolled
+training-time test on the assistant tokens, and the checkpoint kept is the one with the best simulated
+accepted length on held-out calibration rows. Training runs under the harness
+(:mod:`pipeline.training.harness`): DeepSpeed ZeRO on GPUs, DDP or one process on CPU, resumable after
+a kill from ``<workdir>/staging/<id>``. The artifact holds ``model.safetensors`` +
+``eagle3_config.json`` (:mod:`pipeline.drafters.store`), the serving exports under ``exports/``, and
+``training.json`` (steps, best evaluation, strategy, DeepSpeed config, throughput).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+from pipeline.config.schema import identity
+from pipeline.config.sections import PipelineConfig
+from pipeline.errors import DrafterError
+from pipeline.orchestration.artifacts import Artifact
+from pipeline.orchestration.dag import plan
+from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.orchestration.tracking import tracking_uri
+
+
+def _vocab_maps(counts: Artifact, target_vocab_size: int) -> tuple:
+    """The count artifact's EAGLE-3 ``d2t``/``t2d``, ``t2d`` padded to the target's embedding rows."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    maps = load_file(str(counts.file("eagle3_maps.safetensors")))
+    d2t, t2d = maps["d2t"], maps["t2d"].astype(bool)
+    if t2d.size > target_vocab_size:
+        raise DrafterError(f"The draft vocabulary of count artifact {counts.id} is for a larger vocabulary.",
+                           expected=f"t2d over at most the target's {target_vocab_size} embedding rows",
+                           found=f"t2d of length {t2d.size}",
+                           fix="Use the count artifact made with this target's tokenizer.")
+    return d2t, np.pad(t2d, (0, target_vocab_size - t2d.size))
+
+
+def _check_disk(rows: list, cfg: PipelineConfig, run: StageRun, hidden: int, dtype: object) -> None:
+    from pipeline.training.eagle3_task import feature_bytes
+
+    need = feature_bytes(rows, hidden, dtype)
+    free = shutil.disk_usage(run.staging).free
+    limit = cfg.train_drafter.features_disk_limit_gb * 1e9
+    run.log(f"features=cached: the feature cache needs {need / 1e9:.3f} GB for {len(rows)} rows "
+            f"({free / 1e9:.1f} GB free under {run.staging}, limit {limit / 1e9:g} GB)")
+    if need > limit or need > free:
+        raise DrafterError(
+            "The cached target features would not fit.",
+            expected=f"at most {min(limit, free) / 1e9:.3f} GB (train_drafter.features_disk_limit_gb and the "
+                     "free disk)", found=f"{need / 1e9:.3f} GB needed",
+            fix="Use train_drafter.features=online (no disk), fewer rows (generate.limit, max_length), or "
+                "raise features_disk_limit_gb on a larger disk.")
+
+
+def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact) -> BuildResult | None:
+    import torch
+
+    from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from pipeline.drafters.store import save_drafter
+    from pipeline.models.target import Target
+    from pipeline.training.eagle3_task import CalibrationRows, Eagle3Task, FeatureCache
+    from pipeline.training.harness import fit
+
+    td = cfg.train_drafter
+    target_ = Target(cfg.target)
+    tokenizer = target_.tokenizer()
+    target = target_.model(dtype="float32")  # the strategy casts (DeepSpeed bf16) or keeps fp32 (CPU)
+    d2t, t2d = _vocab_maps(counts, int(target.config.vocab_size))
+    config = Eagle3Config.from_target(target.config, draft_vocab_size=int(d2t.size),
+                                      aux_layer_ids=tuple(td.aux_layer_ids) if td.aux_layer_ids else None)
+    torch.manual_seed(td.init_seed)
+    drafter = Eagle3Drafter(config, target.get_input_embeddings())
+    drafter.set_vocab_maps(d2t, t2d)
+    data = CalibrationRows(calibration.path / "data", max_length=td.max_length, eval_fraction=td.eval_fraction,
+                           eval_max_rows=td.eval_max_rows, min_length=td.ttt_steps + 2)
+    train_tokens = sum(len(r.input_ids) for r in data.train)
+    run.log(f"{len(data.train)} training rows ({train_tokens} tokens), {len(data.heldout)} held-out rows; "
+            f"dropped {data.dropped}; aux layers {config.aux_layer_ids}, draft vocab {config.draft_vocab_size}")
+    cache = None
+    if td.features == "cached":
+        _check_disk(data.train, cfg, run, config.hidden_size, target.dtype)
+        cache = FeatureCache(run.staging / "features", target, config.aux_layer_ids)
+        started = time.perf_counter()
+        built = cache.build(data.train)
+        run.log(f"feature cache: {built} rows computed in {time.perf_counter() - started:.1f} s")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    task = Eagle3Task(drafter, target, data.heldout, ttt_steps=td.ttt_steps, decay=td.ttt_decay, pad_id=pad,
+                      cache=cache)
+    result = fit(task, data.train, td.train, run.staging / "train", tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path),
+                 experiment=cfg.mlflow.experiment, run_name=f"{run.artifact_id}/training",
+                 identity={"drafter": dataclasses.asdict(config), "train_drafter": identity(td),
+                           "inputs": [calibration.id, counts.id]})
+    if not result.is_global_zero:
+        return None
+    best = result.best or {}
+    metrics = {"train_steps": result.steps, "train_rows": len(data.train), "train_tokens": train_tokens,
+               "heldout_rows": len(data.heldout), "train_seconds": round(result.seconds, 2),
+               "world_size": result.world_size}
+    metrics.update({f"final.{k}": round(v, 6) for k, v in result.metrics.items() if not k.startswith("eval.")})
+    if best:
+        metrics["best_step"] = best["step"]
+        metrics.update({f"best.{k}": round(v, 6) for k, v in best["metrics"].items()})
+    run.log(f"trained {result.steps} steps on {result.world_size} rank(s) ({result.strategy}); best simulated "
+            f"tau {best.get('score', float('nan')):.3f} at step {best.get('step')}")
+    report = {"steps": result.steps, "resumed_from": result.start_step, "strategy": result.strategy,
+              "world_size": result.world_size, "deepspeed_config": result.deepspeed_config, "best": best,
+              "last_step_metrics": result.metrics, "mlflow_run_id": result.mlflow_run_id,
+              "features": td.features, "rows": {"train": len(data.train), "heldout": len(data.heldout),
+                                                "dropped": data.dropped, "train_tokens": train_tokens},
+              "aux_layer_ids": list(config.aux_layer_ids), "draft_vocab_size": config.draft_vocab_size,
+              "counts": counts.id, "calibration": calibration.id}
+
+    def write(out: Path) -> None:
+        save_drafter(drafter, out)
+        _exports(cfg, drafter, target, out / "exports")
+        (out / "training.json").write_text(json.dumps(report, indent=2))
+
+    return BuildResult(write, metrics)
+
+
+def _exports(cfg: PipelineConfig, drafter: object, target: object, out: Path) -> None:
+    """The serving layouts: EAGLE-3 / SGLang (``exports/eagle3``) and ``speculators`` for vLLM."""
+    from pipeline.drafters.export import export_eagle3, export_speculators
+
+    export_eagle3(drafter, out / "eagle3", target_model=cfg.target.model, target_config=target.config)
+    export_speculators(drafter, out / "speculators", target_model=cfg.target.model, target_config=target.config)
+
+
+def main(cfg: PipelineConfig) -> Artifact | None:
+    """Train (or reuse) the EAGLE-3 drafter this config plans for."""
+    step = plan(cfg, ["train_drafter"])["train_drafter"]
+    calibration, counts = step.input("generate"), step.input("count")
+    return run_stage(cfg, step, [calibration, counts], build=lambda run: _build(cfg, run, calibration, counts))

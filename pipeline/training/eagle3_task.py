@@ -1,0 +1,258 @@
+"""EAGLE-3 training as a harness task: calibration rows in, the training-time-test loss out.
+
+:class:`CalibrationRows` turns a calibration artifact (the target's own answers, from ``generate``) into
+training and held-out rows: ``input_ids`` cut to ``max_length`` and the assistant ``loss_mask``; a
+conversation's rows go to the held-out side when the hash of its ``prompt_id`` falls under
+``eval_fraction`` (stable whatever the shard layout). :class:`Eagle3Task` is the module
+:func:`pipeline.training.harness.fit` trains: it holds the drafter (trained) and the frozen target, which
+computes the low/mid/high features and logits **online** inside each training step (EAGLE-3 §3.1), or
+reads them from a :class:`FeatureCache` written once before training (the offline mode that costs disk;
+:func:`feature_bytes` says how much before anything is written). Its ``evaluate()`` is the checkpoint
+choice of the stage: the simulated accepted length (``1 + Σ_k Π_{i≤k} acc_i``, per-step top-1 agreement
+with the target over the held-out rows, EAGLE-3 §4's acceptance length under a greedy chain) — the
+cheap stand-in for the τ the ``evaluate`` stage then measures in the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.drafters.eagle3 import Eagle3Drafter
+from pipeline.errors import DrafterError
+from pipeline.training.eagle3_objective import simulated_tau, target_features, ttt_loss
+
+
+@dataclass(frozen=True)
+class Row:
+    """One calibration turn: token ids as the target read them and the assistant loss mask."""
+
+    index: int
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def heldout(prompt_id: str, fraction: float) -> bool:
+    """Whether conversation ``prompt_id`` is held out (a hash threshold: stable across shards and runs)."""
+    digest = hashlib.sha256(f"eagle3-eval:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+class CalibrationRows:
+    """Training and held-out rows of a calibration artifact's ``data/`` shards.
+
+    Args:
+        directory: the calibration artifact's ``data`` directory (Arrow shards).
+        max_length: tokens kept per row (the start: prompt, then the answer's first tokens).
+        eval_fraction: share of conversations held out for the simulated-τ evaluation.
+        eval_max_rows: most held-out rows kept (the evaluation's cost).
+        min_length: shortest row kept (the unrolled test needs ``ttt_steps + 2`` tokens).
+    """
+
+    def __init__(self, directory: Path, *, max_length: int, eval_fraction: float, eval_max_rows: int,
+                 min_length: int) -> None:
+        from pipeline.data.calibration import read_shard, shard_files
+
+        files = shard_files(directory)
+        if not files:
+            raise DrafterError(f"The calibration set at {directory} holds no shards.",
+                               fix="Rerun `drafter generate` for this config.")
+        self.train: list[Row] = []
+        self.heldout: list[Row] = []
+        self.dropped = {"no_assistant_tokens": 0, "too_short": 0}
+        for path in files:
+            table = read_shard(path)
+            if "loss_mask" not in table.column_names:
+                raise DrafterError(
+                    f"The calibration shard {path.name} has no loss_mask column.",
+                    expected="columns input_ids and loss_mask (1 on the assistant's tokens)",
+                    found=f"columns {table.column_names}",
+                    fix="Build the calibration set with `drafter generate` (it writes the loss mask).")
+            for row in table.select(["input_ids", "loss_mask", "prompt_id"]).to_pylist():
+                ids, mask = row["input_ids"][:max_length], row["loss_mask"][:max_length]
+                if not any(mask[2:]):
+                    self.dropped["no_assistant_tokens"] += 1
+                    continue
+                if len(ids) < min_length:
+                    self.dropped["too_short"] += 1
+                    continue
+                side = self.heldout if heldout(row["prompt_id"], eval_fraction) else self.train
+                side.append(Row(len(self.train) + len(self.heldout), ids, mask))
+        self.heldout = self.heldout[:eval_max_rows]
+        if not self.train:
+            raise DrafterError(
+                f"The calibration set at {directory} leaves no rows to train the EAGLE-3 drafter on.",
+                expected="at least one row with assistant (loss-masked) tokens outside the held-out share",
+                found=f"{len(self.heldout)} held-out rows; dropped {self.dropped}",
+                fix="Generate more calibration data (generate.limit), or lower train_drafter.eval_fraction.")
+        if not self.heldout:
+            raise DrafterError(
+                "No held-out calibration rows to choose the EAGLE-3 checkpoint on.",
+                expected=f"some of the {len(self.train)} rows' conversations under eval_fraction",
+                found="none", fix="Raise train_drafter.eval_fraction or generate more calibration data.")
+
+
+def pad_batch(rows: Sequence[Row], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask``, ``loss_mask`` (0 on padding) and row ``index``."""
+    length = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    attention = torch.zeros(len(rows), length, dtype=torch.long)
+    loss = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row.input_ids)
+        ids[i, :n] = torch.tensor(row.input_ids)
+        attention[i, :n] = 1
+        loss[i, :n] = torch.tensor(row.loss_mask)
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss,
+            "index": torch.tensor([r.index for r in rows])}
+
+
+def feature_bytes(rows: Sequence[Row], hidden_size: int, dtype: torch.dtype) -> int:
+    """Disk a feature cache of ``rows`` takes: per token the three aux layers and the final hidden state."""
+    tokens = sum(len(r.input_ids) for r in rows)
+    return tokens * 4 * hidden_size * torch.empty((), dtype=dtype).element_size()
+
+
+class FeatureCache:
+    """Target features of every training row, written once (the offline mode), read back per batch.
+
+    Per row, ``<dir>/<index>.safetensors`` holds ``aux`` ``(T, 3H)`` and ``last`` ``(T, H)`` (the final
+    normed hidden state; the target's logits are its LM head applied to it, recomputed per batch so the
+    ``(T, V)`` logits never touch the disk). Each file is written atomically, so a killed run resumes by
+    computing only the missing rows. Ranks start at different rows and skip files that exist.
+    """
+
+    def __init__(self, directory: Path, target: nn.Module, aux_layer_ids: Sequence[int]) -> None:
+        self.directory, self.target, self.aux = directory, target, tuple(aux_layer_ids)
+
+    def path(self, index: int) -> Path:
+        return self.directory / f"{index:09d}.safetensors"
+
+    @torch.no_grad()
+    def build(self, rows: Sequence[Row], rank: int = 0, world_size: int = 1, batch_size: int = 8) -> int:
+        """Compute the missing rows (this rank's share first, then any left); returns rows computed."""
+        from safetensors.torch import save_file
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        order = list(rows[rank::world_size]) + [r for i, r in enumerate(rows) if i % world_size != rank]
+        device = next(self.target.parameters()).device
+        done = 0
+        for start in range(0, len(order), batch_size):
+            todo = [r for r in order[start : start + batch_size] if not self.path(r.index).is_file()]
+            if not todo:
+                continue
+            batch = {k: v.to(device) for k, v in pad_batch(todo).items()}
+            out = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              output_hidden_states=True, use_cache=False, logits_to_keep=1)
+            aux = torch.cat([out.hidden_states[i] for i in self.aux], dim=-1)
+            for i, row in enumerate(todo):
+                n = len(row.input_ids)
+                tmp = self.path(row.index).with_suffix(f".tmp-{os.getpid()}")
+                save_file({"aux": aux[i, :n].cpu().contiguous(),
+                           "last": out.hidden_states[-1][i, :n].cpu().contiguous()}, str(tmp))
+                os.replace(tmp, self.path(row.index))
+                done += 1
+        return done
+
+    def load(self, index: torch.Tensor, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded ``(aux (B, T, 3H), last (B, T, H))`` for the rows ``index``."""
+        from safetensors.torch import load_file
+
+        parts = [load_file(str(self.path(int(i)))) for i in index]
+        aux = torch.zeros(len(parts), length, parts[0]["aux"].shape[-1], dtype=parts[0]["aux"].dtype)
+        last = torch.zeros(len(parts), length, parts[0]["last"].shape[-1], dtype=parts[0]["last"].dtype)
+        for i, part in enumerate(parts):
+            n = part["aux"].shape[0]
+            aux[i, :n], last[i, :n] = part["aux"], part["last"]
+        return aux.to(device), last.to(device)
+
+
+class Eagle3Task(nn.Module):
+    """The harness module: a trainable EAGLE-3 drafter on a frozen target.
+
+    Args:
+        drafter: the drafter (its ``d2t``/``t2d`` set from the ``count`` artifact).
+        target: the frozen target (a submodule, so it moves with the task; it stays in eval mode).
+        heldout: rows scored by :meth:`evaluate`.
+        ttt_steps: unrolled steps ``K`` of the training-time test.
+        decay: weight ``decay^s`` of step ``s``.
+        pad_id: token id used to pad batches (masked out everywhere).
+        eval_batch_size: rows per forward in :meth:`evaluate`.
+        cache: a built :class:`FeatureCache` (offline mode) or None (online: the target runs every step).
+    """
+
+    selection_metric = "simulated_tau"
+
+    def __init__(self, drafter: Eagle3Drafter, target: nn.Module, heldout: Sequence[Row], *, ttt_steps: int,
+                 decay: float, pad_id: int = 0, eval_batch_size: int = 8, cache: FeatureCache | None = None) -> None:
+        super().__init__()
+        self.drafter, self.target = drafter, target.eval().requires_grad_(False)
+        self.heldout_rows, self.ttt_steps, self.decay = list(heldout), ttt_steps, decay
+        self.pad_id, self.eval_batch_size, self.cache = pad_id, eval_batch_size, cache
+        self.aux_layer_ids = drafter.config.aux_layer_ids
+
+    def train(self, mode: bool = True) -> Eagle3Task:
+        super().train(mode)
+        self.target.eval()  # frozen: never dropout, whatever Lightning toggles
+        return self
+
+    def collate(self, rows: Sequence[Row]) -> dict[str, torch.Tensor]:
+        return pad_batch(rows, self.pad_id)
+
+    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["attention_mask"].sum())
+
+    def _features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cache is None:
+            return target_features(self.target, batch["input_ids"], batch["attention_mask"], self.aux_layer_ids)
+        device = batch["input_ids"].device
+        aux, last = self.cache.load(batch["index"], batch["input_ids"].shape[1], device)
+        with torch.no_grad():
+            logits = self.target.get_output_embeddings()(last.to(self.target.dtype))
+        return aux, logits
+
+    def _ttt(self, batch: dict[str, torch.Tensor]) -> Any:
+        hidden, logits = self._features(batch)
+        hidden = hidden.to(next(self.drafter.parameters()).dtype)
+        return ttt_loss(self.drafter, batch["input_ids"], batch["loss_mask"], hidden, logits,
+                        steps=self.ttt_steps, decay=self.decay)
+
+    def training_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        result = self._ttt(batch)
+        metrics = {f"acc_{s}": result.per_step_acc[s] for s in range(self.ttt_steps)}
+        metrics["train_simulated_tau"] = result.simulated_tau
+        return result.loss, metrics
+
+    forward = training_step
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Per-step top-1 agreement with the target over the held-out rows and the simulated τ."""
+        device = next(self.drafter.parameters()).device
+        correct = torch.zeros(self.ttt_steps, dtype=torch.float64)
+        tokens = torch.zeros(self.ttt_steps, dtype=torch.float64)
+        loss = 0.0
+        for start in range(0, len(self.heldout_rows), self.eval_batch_size):
+            rows = self.heldout_rows[start : start + self.eval_batch_size]
+            batch = {k: v.to(device) for k, v in pad_batch(rows, self.pad_id).items()}
+            hidden, logits = target_features(self.target, batch["input_ids"], batch["attention_mask"],
+                                             self.aux_layer_ids)
+            result = ttt_loss(self.drafter, batch["input_ids"], batch["loss_mask"],
+                              hidden.to(next(self.drafter.parameters()).dtype), logits,
+                              steps=self.ttt_steps, decay=self.decay)
+            correct += result.per_step_correct.double().cpu()
+            tokens += result.per_step_tokens.double().cpu()
+            loss += float(result.loss) * len(rows)
+        acc = correct / tokens.clamp(min=1)
+        out = {f"acc_{s}": float(a) for s, a in enumerate(acc)}
+        out["simulated_tau"] = float(simulated_tau(acc))
+        out["loss"] = loss / max(1, len(self.heldout_rows))
+        out["tokens"] = float(tokens[0])
+        return out

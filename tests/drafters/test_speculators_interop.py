@@ -1,0 +1,234 @@
+"""Our exports read by the ``speculators`` package itself (vLLM's EAGLE-3 training/packaging library), in
+its own virtualenv: speculators 0.9.0 pins transformers <= 5.19 and datasets <= 5.1, which conflict with
+ours (see ../shared/FACTS.md).
+
+The venv (``torch==2.13.0 speculators==0.9.0``, then torchvision/torchaudio removed: the versions pip
+pulls in do not match that torch and break ``import transformers``) is built once under
+``$DRAFTER_CACHE/venvs/speculators-0.9.0/``; a stamp written after the last step marks it complete, so an
+interrupted build is redone (measured here, 2 busy cores, pip cache warm: 116-174 s; both tests then
+~50 s). If it cannot be built the tests fail, saying why: they are never skipped.
+
+Each test writes a small random-weight drafter and its target (``save_pretrained``: speculators reads the
+verifier's config, lm_head and final norm from ``speculators_config.verifier.name_or_path``), feeds fixed token ids and 3H
+features through speculators' own ``Eagle3DraftModel.forward`` (3 unrolled steps, its default attention:
+flex attention with a block mask, which needs the sequence length to be a multiple of 128 once extended
+for later steps) in a subprocess, and compares what its ``lm_head`` and final ``norm`` see, step by step,
+with :class:`Eagle3Drafter` over a :class:`TTTCache` on the same inputs. speculators' forward returns only
+argmax ids, so the per-step logits and pre-norm hidden states are taken with forward hooks.
+
+Tolerance: float32, ``atol = rtol = 1e-5`` on logits of size ~2. Both sides compute the same float32 graph
+with different kernels (flex attention vs our explicit softmax over the unrolled steps), so they differ by
+rounding only: measured, step 0 identical and steps 1-2 within 6e-7. A wrong key, norm, mask or residual
+gives differences of order 1 (``norm_before_residual: true`` in the config: 0.5 at step 0).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache
+from pipeline.drafters.export import SPECULATORS_KEYS, export_eagle3, export_speculators
+from pipeline.tiny.spec import default_cache_dir
+from pipeline.vocab.counting import eagle3_offset_maps
+
+pytestmark = pytest.mark.interop
+
+PINS = ("torch==2.13.0", "speculators==0.9.0")
+VENV_NAME = "speculators-0.9.0"
+INSTALL_TIMEOUT_S = 1800
+H, V, VD, T, STEPS = 32, 1000, 40, 128, 3
+ATOL = RTOL = 1e-5
+
+# Runs inside the speculators venv. argv: mode ("load" a speculators dir, or "convert" an EAGLE-3 dir with
+# speculators' Eagle3Converter first), model dir, verifier dir, inputs, outputs, scratch dir.
+SCRIPT = r'''
+import json, sys
+import torch
+from importlib.metadata import version
+from safetensors.torch import load_file, save_file
+from speculators.models.eagle3 import Eagle3DraftModel
+
+mode, model_dir, verifier_dir, inputs_path, out_path, scratch = sys.argv[1:7]
+if mode == "convert":
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+    aux = json.load(open(model_dir + "/config.json"))["drafter_pipeline"]["aux_layer_ids"]
+    Eagle3Converter().convert(model_dir, scratch, base_model=verifier_dir, validate=False,
+                              eagle_aux_hidden_state_layer_ids=aux)
+    model_dir = scratch
+model = Eagle3DraftModel.from_pretrained(model_dir).eval()
+if mode == "convert":
+    # The converted checkpoint has no embedding (an EAGLE-3 export has none). speculators 0.9.0 then
+    # means to take the verifier's but under transformers 5.19 finds uninitialised memory instead of its
+    # NaN sentinel and keeps it; its own loader, told to overwrite, does the intended thing.
+    model._load_verifier_weights(overwrite_embed_tokens=True)
+x = load_file(inputs_path)
+logits, pre_norm = [], []
+model.lm_head.register_forward_hook(lambda mod, args, out: logits.append(out.detach().clone()))
+model.norm.register_forward_pre_hook(lambda mod, args: pre_norm.append(args[0].detach().clone()))
+with torch.no_grad():
+    tokens = model(hidden_states=x["hidden"], input_ids=x["input_ids"],
+                   document_ids=torch.zeros_like(x["input_ids"]), position_ids=x["position_ids"],
+                   ttt_steps=int(x["steps"]))
+out = {f"logits_{s}": t for s, t in enumerate(logits)}
+out.update({f"hidden_{s}": t for s, t in enumerate(pre_norm)})
+out.update({f"tokens_{s}": t for s, t in enumerate(tokens)})
+out.update({"state." + k: v.contiguous() for k, v in model.state_dict().items()})
+save_file(out, out_path)
+print(json.dumps({"attn_implementation": model._attn_impl,
+                  "aux_layer_ids": list(model.config.eagle_aux_hidden_state_layer_ids),
+                  "norm_before_residual": model.config.norm_before_residual,
+                  "torch": version("torch"), "transformers": version("transformers"),
+                  "speculators": version("speculators")}))
+'''
+
+
+# --- the venv --------------------------------------------------------------------------------------
+
+def _run(cmd: list[str], what: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run a build step; on failure, fail the test with the command and the end of its output."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_clean_env())
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"Building the speculators venv: {what} took over {timeout:.0f} s: {' '.join(cmd)}")
+    if done.returncode:
+        noise = "WARNING: Location 'file:"  # pip's notes on absent local indexes configured on this machine
+        tail = "\n".join(line for line in (done.stdout + done.stderr).splitlines() if noise not in line)[-3000:]
+        pytest.fail(f"Building the speculators venv: {what} failed (exit {done.returncode}).\n"
+                    f"command: {' '.join(cmd)}\n{tail}\n"
+                    f"It needs pip to reach PyPI; delete {_venv_dir()} to start over.")
+    return done
+
+
+def _clean_env() -> dict[str, str]:
+    """Our environment without what would leak our venv or repo into the other interpreter; offline HF."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONNOUSERSITE="1")
+    return env
+
+
+def _venv_dir() -> Path:
+    return default_cache_dir() / "venvs" / VENV_NAME
+
+
+def ensure_speculators_venv() -> Path:
+    """The venv's python, building the venv first unless a complete one (stamp present) exists."""
+    venv = _venv_dir()
+    python, stamp = venv / "bin" / "python", venv / ".complete"
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f".{VENV_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second pytest waits for the first one's build
+        if stamp.is_file() and json.loads(stamp.read_text()).get("pins") == list(PINS) and python.exists():
+            return python
+        shutil.rmtree(venv, ignore_errors=True)  # a half-built one, from an interrupted run
+        started = time.monotonic()
+        _run([sys.executable, "-m", "venv", str(venv)], "creating the venv", 300)
+        pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+        _run([*pip, "install", "-q", *PINS], f"pip install {' '.join(PINS)}", INSTALL_TIMEOUT_S)
+        _run([*pip, "uninstall", "-y", "-q", "torchvision", "torchaudio"], "removing torchvision/torchaudio", 300)
+        _run([str(python), "-c", "from speculators.models.eagle3 import Eagle3DraftModel"],
+             "importing speculators", 300)
+        stamp.write_text(json.dumps({"pins": list(PINS), "build_seconds": round(time.monotonic() - started, 1)}))
+        return python
+
+
+@pytest.fixture(scope="module")
+def speculators_python() -> Path:
+    return ensure_speculators_venv()
+
+
+# --- the drafter and the comparison ----------------------------------------------------------------
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Eagle3Drafter, LlamaConfig, Path, dict[str, torch.Tensor]]:
+    """A random 3-layer Llama target saved for speculators, a random drafter on its embedding, inputs."""
+    torch.manual_seed(0)
+    target_config = LlamaConfig(hidden_size=H, intermediate_size=88, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=8, num_hidden_layers=3, vocab_size=V, rms_norm_eps=1e-6,
+                                max_position_embeddings=2 * T, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    target = LlamaForCausalLM(target_config).float()
+    target.save_pretrained(tmp_path / "target")
+    drafter = Eagle3Drafter(Eagle3Config.from_target(target_config, VD), target.model.embed_tokens)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))  # not ones: a misplaced norm must show
+    drafter.set_vocab_maps(*eagle3_offset_maps(np.sort(np.random.default_rng(0).choice(V, VD, replace=False)), V))
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"input_ids": torch.randint(0, V, (1, T), generator=gen),
+              "hidden": torch.randn(1, T, 3 * H, generator=gen),
+              "position_ids": torch.arange(1, T + 1).unsqueeze(0),  # speculators' own default, explicit
+              "steps": torch.tensor(STEPS)}
+    return drafter, target_config, tmp_path / "target", inputs
+
+
+def ours(drafter: Eagle3Drafter, inputs: dict[str, torch.Tensor]) -> tuple[list, list]:
+    """Per-step logits and pre-norm hidden of the unrolled test, fed as speculators feeds it: step ``s``
+    reads the ids shifted left by ``s`` (zero-padded), the previous step's output, positions + ``s``."""
+    ids, hidden, positions = inputs["input_ids"], inputs["hidden"], inputs["position_ids"]
+    cache, logits, pre_norm = TTTCache(), [], []
+    with torch.no_grad():
+        for s in range(STEPS):
+            step_ids = torch.cat([ids[:, s:], ids.new_zeros(1, s)], dim=1)
+            hidden = drafter.step(step_ids, hidden, positions + s, cache)
+            pre_norm.append(hidden)
+            logits.append(drafter.logits(hidden))
+    return logits, pre_norm
+
+
+def run_speculators(python: Path, mode: str, model_dir: Path, verifier: Path, inputs: dict[str, torch.Tensor],
+                    work: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    save_file({k: v.contiguous() for k, v in inputs.items()}, str(work / "inputs.safetensors"))
+    (work / "script.py").write_text(SCRIPT)
+    cmd = [str(python), str(work / "script.py"), mode, str(model_dir), str(verifier),
+           str(work / "inputs.safetensors"), str(work / "outputs.safetensors"), str(work / "converted")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_clean_env(), cwd=work)
+    assert done.returncode == 0, f"speculators could not load/run the export:\n{done.stderr[-4000:]}"
+    return load_file(work / "outputs.safetensors"), json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(drafter: Eagle3Drafter, inputs: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    logits, pre_norm = ours(drafter, inputs)
+    for s in range(STEPS):
+        for name, mine in ((f"logits_{s}", logits[s]), (f"hidden_{s}", pre_norm[s])):
+            diff = (theirs[name] - mine).abs().max().item()
+            assert theirs[name].shape == mine.shape, name
+            assert torch.allclose(theirs[name], mine, atol=ATOL, rtol=RTOL), f"{name}: max |diff| {diff:.2e}"
+        assert torch.equal(theirs[f"tokens_{s}"], logits[s].argmax(-1)), s
+    # Every tensor speculators used is ours (or the target's embedding), none left at its NaN/random init.
+    state = {**drafter.trainable_state_dict(), "embed_tokens.weight": drafter.embed_tokens.weight}
+    for key in SPECULATORS_KEYS:
+        assert torch.equal(theirs["state." + key], state[key.replace("layers.0.", "midlayer.")]), key
+
+
+def test_speculators_loads_and_runs_our_speculators_export(speculators_python: Path, setup, tmp_path: Path) -> None:
+    drafter, target_config, target_dir, inputs = setup
+    out = export_speculators(drafter, tmp_path / "spec", target_model=str(target_dir), target_config=target_config)
+    theirs, info = run_speculators(speculators_python, "load", out, target_dir, inputs, tmp_path)
+    assert info["speculators"] == "0.9.0" and info["attn_implementation"] == "simple_flex_attention"
+    assert info["aux_layer_ids"] == [0, 1, 2] and info["norm_before_residual"] is False
+    compare(drafter, inputs, theirs)
+
+
+def test_speculators_converts_and_runs_our_eagle3_export(speculators_python: Path, setup, tmp_path: Path) -> None:
+    """speculators' Eagle3Converter reads the EAGLE-3 layout (config.json fields incl. the legacy
+    rope_theta, midlayer.* weights, t2d for the target vocabulary) as it reads EAGLE-repo checkpoints.
+    The script then makes speculators take the embedding from the verifier explicitly (see SCRIPT)."""
+    drafter, target_config, target_dir, inputs = setup
+    out = export_eagle3(drafter, tmp_path / "eagle3", target_model=str(target_dir), target_config=target_config)
+    theirs, info = run_speculators(speculators_python, "convert", out, target_dir, inputs, tmp_path)
+    assert info["speculators"] == "0.9.0" and info["aux_layer_ids"] == [0, 1, 2]
+    compare(drafter, inputs, theirs)
