@@ -95,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="default", help="kit profile: default (~10 min) or test (~2 min)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     p = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run")
-    p.add_argument("what", choices=["count", "eval"],
+    p.add_argument("what", choices=["count", "eval", "train"],
                    help="count: vectorised counting vs collections.Counter; eval: every speculative method vs "
-                        "autoregressive decoding on this device (no MLflow needed)")
+                        "autoregressive decoding on this device (no MLflow needed); train: one EAGLE-3 training "
+                        "step vs the frozen target's forward on the same batch (needs generate and count built)")
+    p.add_argument("--steps", type=int, default=10, help="train: timed repetitions of each")
     p.add_argument("--tokens", type=int, default=2_000_000, help="count: synthetic calibration tokens")
     p.add_argument("--calibration", default=None, help="count: a calibration artifact to count instead")
     p.add_argument("--counts", default=None, help="eval: the count artifact whose shortlists to evaluate")
@@ -254,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
                              default=str))
             return 0
         if args.command == "bench":
+            if args.what == "train":
+                from jobs.train_drafter import bench
+
+                print(bench(_load(args), steps=args.steps))
+                return 0
             if args.what == "count":
                 from pipeline.evaluation.bench import bench_count
 

@@ -18,7 +18,9 @@ import dataclasses
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
@@ -61,14 +63,26 @@ def _check_disk(rows: list, cfg: PipelineConfig, run: StageRun, hidden: int, dty
                 "raise features_disk_limit_gb on a larger disk.")
 
 
-def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact) -> BuildResult | None:
+@dataclass
+class Prepared:
+    """What training needs, built from the config and the two input artifacts."""
+
+    target: Any
+    tokenizer: Any
+    config: Any
+    drafter: Any
+    data: Any
+    pad_id: int
+
+
+def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact) -> Prepared:
+    """The frozen target, a freshly initialised drafter on the count artifact's draft vocabulary, and the
+    calibration rows split into training and held-out (the DeepSpeed test trains exactly this)."""
     import torch
 
     from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from pipeline.drafters.store import save_drafter
     from pipeline.models.target import Target
-    from pipeline.training.eagle3_task import CalibrationRows, Eagle3Task, FeatureCache
-    from pipeline.training.harness import fit
+    from pipeline.training.eagle3_task import CalibrationRows
 
     td = cfg.train_drafter
     target_ = Target(cfg.target)
@@ -82,6 +96,18 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     drafter.set_vocab_maps(d2t, t2d)
     data = CalibrationRows(calibration.path / "data", max_length=td.max_length, eval_fraction=td.eval_fraction,
                            eval_max_rows=td.eval_max_rows, min_length=td.ttt_steps + 2)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return Prepared(target, tokenizer, config, drafter, data, pad)
+
+
+def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact) -> BuildResult | None:
+    from pipeline.drafters.store import save_drafter
+    from pipeline.training.eagle3_task import Eagle3Task, FeatureCache
+    from pipeline.training.harness import fit
+
+    td = cfg.train_drafter
+    ready = prepare(cfg, calibration, counts)
+    target, config, drafter, data = ready.target, ready.config, ready.drafter, ready.data
     train_tokens = sum(len(r.input_ids) for r in data.train)
     run.log(f"{len(data.train)} training rows ({train_tokens} tokens), {len(data.heldout)} held-out rows; "
             f"dropped {data.dropped}; aux layers {config.aux_layer_ids}, draft vocab {config.draft_vocab_size}")
@@ -92,11 +118,10 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
         started = time.perf_counter()
         built = cache.build(data.train)
         run.log(f"feature cache: {built} rows computed in {time.perf_counter() - started:.1f} s")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    task = Eagle3Task(drafter, target, data.heldout, ttt_steps=td.ttt_steps, decay=td.ttt_decay, pad_id=pad,
-                      cache=cache)
-    result = fit(task, data.train, td.train, run.staging / "train", tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path),
-                 experiment=cfg.mlflow.experiment, run_name=f"{run.artifact_id}/training",
+    task = Eagle3Task(drafter, target, data.heldout, ttt_steps=td.ttt_steps, decay=td.ttt_decay,
+                      pad_id=ready.pad_id, cache=cache)
+    result = fit(task, data.train, td.train, run.staging / "train",
+                 tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path), experiment=cfg.mlflow.experiment, run_name=f"{run.artifact_id}/training",
                  identity={"drafter": dataclasses.asdict(config), "train_drafter": identity(td),
                            "inputs": [calibration.id, counts.id]})
     if not result.is_global_zero:
@@ -140,3 +165,55 @@ def main(cfg: PipelineConfig) -> Artifact | None:
     step = plan(cfg, ["train_drafter"])["train_drafter"]
     calibration, counts = step.input("generate"), step.input("count")
     return run_stage(cfg, step, [calibration, counts], build=lambda run: _build(cfg, run, calibration, counts))
+
+
+def bench(cfg: PipelineConfig, steps: int = 10) -> str:
+    """One training step (target features online, the unrolled test forward and backward, AdamW) against
+    the frozen target's forward alone on the same micro-batch: the floor online training cannot beat.
+    Both are timed in this run on this device (CUDA when present); the result is a table of ratios."""
+    import torch
+
+    from pipeline.training.eagle3_objective import target_features
+    from pipeline.training.eagle3_task import Eagle3Task
+
+    step = plan(cfg, ["train_drafter"])["train_drafter"]
+    ready = prepare(cfg, step.input("generate"), step.input("count"))
+    td = cfg.train_drafter
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    task = Eagle3Task(ready.drafter, ready.target, ready.data.heldout, ttt_steps=td.ttt_steps, decay=td.ttt_decay,
+                      pad_id=ready.pad_id).to(device)
+    micro = min(td.train.micro_batch_size, len(ready.data.train))
+    batch = {k: v.to(device) for k, v in task.collate(ready.data.train[:micro]).items()}
+    optimizer = torch.optim.AdamW([p for p in task.parameters() if p.requires_grad], lr=td.train.lr)
+
+    def forward() -> None:
+        target_features(ready.target, batch["input_ids"], batch["attention_mask"], ready.config.aux_layer_ids)
+
+    def train_step() -> None:
+        loss, _ = task.training_step(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def timed(fn: Any) -> float:
+        for _ in range(2):  # warm-up: allocator, kernels
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / steps
+
+    target_s, step_s = timed(forward), timed(train_step)
+    tokens = int(batch["attention_mask"].sum())
+    name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    lines = [f"EAGLE-3 training step vs target forward on {name}: micro-batch {micro} rows, {tokens} tokens, "
+             f"ttt_steps {td.ttt_steps}, draft vocab {ready.config.draft_vocab_size}, {steps} timed repetitions",
+             "| what | ms | tokens/s | vs target forward |", "|---|---|---|---|",
+             f"| target forward (features + logits) | {target_s * 1e3:.1f} | {tokens / target_s:.0f} | 1.00× |",
+             f"| training step (online features + TTT fwd/bwd + AdamW) | {step_s * 1e3:.1f} | {tokens / step_s:.0f} "
+             f"| {step_s / target_s:.2f}× |"]
+    return "\n".join(lines)

@@ -111,10 +111,11 @@ def test_dtype_is_part_of_what_a_stage_computes(tmp_path: Path, tiny_kit) -> Non
 
 
 def test_evaluate_id_follows_its_prompts_even_with_explicit_counts(tmp_path: Path, tiny_kit) -> None:
-    cfg = small_cfg(tmp_path)
+    no_head = "evaluate.methods=[full,shortlist,tli]"  # eagle3 would plan train_drafter (see test_train_drafter)
+    cfg = small_cfg(tmp_path, no_head)
     generate.main(cfg)
     counts = count.main(cfg)
-    named = [f"evaluate.counts={counts.path}"]
+    named = [f"evaluate.counts={counts.path}", no_head]
     base = plan(small_cfg(tmp_path, *named), ["evaluate"])
     assert list(base.stages) == ["evaluate"] and base["evaluate"].inputs["count"][0] == counts.id
     assert base["evaluate"].id == plan(cfg, ["evaluate"])["evaluate"].id  # the path itself is not hashed
@@ -152,7 +153,7 @@ def test_drafter_plan_prints_ids_and_cache_status(tmp_path: Path, tiny_kit, caps
     capsys.readouterr()  # Lightning's own console output
     assert cli_main(args) == 0
     status = {r["stage"]: r["status"] for r in json.loads(capsys.readouterr().out)}
-    assert status == {"generate": "cached", "count": "to run", "evaluate": "to run"}
+    assert status == {"generate": "cached", "count": "to run", "train_drafter": "to run", "evaluate": "to run"}
     assert cli_main(["plan", f"workdir={tmp_path}", *SMALL]) == 0
     table = capsys.readouterr().out
-    assert "generate-" in table and "cached" in table and "2 stage(s) to run" in table
+    assert "generate-" in table and "cached" in table and "3 stage(s) to run" in table

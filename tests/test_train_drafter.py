@@ -109,6 +109,9 @@ def test_a_rerun_is_a_cache_hit_and_run_settings_keep_the_id(trained) -> None:
     with_head = plan(td_cfg(cfg.workdir_path, "evaluate.methods=[shortlist,eagle3]"), ["evaluate"])["evaluate"]
     without = plan(td_cfg(cfg.workdir_path, "evaluate.methods=[shortlist]"), ["evaluate"])["evaluate"]
     assert with_head.inputs["train_drafter"][0] == art.id and "train_drafter" not in without.inputs
+    # A named drafter artifact replaces the planned one, by its id.
+    named = plan(td_cfg(cfg.workdir_path, "evaluate.methods=[eagle3]", f"evaluate.eagle3={art.path}"), ["evaluate"])
+    assert "train_drafter" not in named.stages and named["evaluate"].inputs["train_drafter"] == (art.id, art.path)
 
 
 def test_kill_minus_9_then_rerun_ends_bit_identical(trained, tmp_path: Path) -> None:
@@ -206,3 +209,111 @@ def test_a_draft_vocabulary_from_another_tokenizer_is_refused(trained, tmp_path:
     with pytest.raises(DrafterError, match=r"built for a different target(.|\n)*vocab_hash"):
         train_drafter.main(td_cfg(tmp_path, f"train_drafter.counts={foreign.path}",
                                   f"train_drafter.calibration={artifacts['generate'].path}"))
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_on_cpu_trains_the_stage_module_like_the_harness(trained, tmp_path: Path) -> None:
+    """The ZeRO-2 config the stage generates (bf16 off: CPU trains fp32), through ``deepspeed.initialize``
+    on CPU, training the stage's own Eagle3Task on the same batches, seeds, AdamW and schedule as the
+    harness run of the fixture. Tolerance: 1e-4 relative on each of the first 8 step losses (both compute
+    the same fp32 update and differ only in clipping arithmetic; a wrong lr, beta, clip or accumulation
+    scale moves them by far more at lr 3e-3)."""
+    cfg, art, _ = trained
+    record = json.loads(art.file("training.json").read_text())
+    client = MlflowClient(f"sqlite:///{cfg.workdir_path / 'mlflow.db'}")
+    harness = [m.value for m in sorted(client.get_metric_history(record["mlflow_run_id"], "loss"),
+                                       key=lambda m: m.step)][:8]
+    args = {"overrides": [f"workdir={cfg.workdir}", *SMALL, *TRAIN, "train_drafter.train.bf16=false"],
+            "calibration": str(art.path.parent / record["calibration"]),
+            "counts": str(art.path.parent / record["counts"]), "steps": 8, "out": str(tmp_path / "ds.json")}
+    done = subprocess.run([sys.executable, "-m", "tests.test_train_drafter", json.dumps(args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "ds.json").read_text())
+    from pipeline.training.strategy import deepspeed_config
+
+    assert result["deepspeed_config"] == deepspeed_config(td_cfg(tmp_path, "train_drafter.train.bf16=false")
+                                                          .train_drafter.train)
+    assert result["deepspeed_config"]["zero_optimization"]["stage"] == 2
+    assert result["losses"] == pytest.approx(harness, rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_lightning_deepspeed_stage_2_trains_the_drafter_on_gpu(trained, tmp_path: Path) -> None:
+    """On a CUDA machine: the stage under Lightning's DeepSpeed ZeRO-2 strategy in bf16, end to end, and the
+    published drafter decodes losslessly on the GPU (greedy output equals the target's own)."""
+    cfg, art, _ = trained
+    record = json.loads(art.file("training.json").read_text())
+    named = [f"train_drafter.calibration={art.path.parent / record['calibration']}",
+             f"train_drafter.counts={art.path.parent / record['counts']}"]
+    gpu = td_cfg(tmp_path, *named, "train_drafter.train.strategy=deepspeed", "train_drafter.train.accelerator=gpu",
+                 "train_drafter.train.devices=1", "train_drafter.train.bf16=true")
+    head = train_drafter.main(gpu)
+    trained_on = json.loads(head.file("training.json").read_text())
+    assert trained_on["strategy"] == "deepspeed" and trained_on["deepspeed_config"]["bf16"] == {"enabled": True}
+    assert trained_on["deepspeed_config"]["zero_optimization"]["stage"] == 2
+    assert trained_on["best"]["score"] > 1.0
+    from pipeline.engine.loop import generate_autoregressive, generate_speculative
+    from pipeline.engine.methods import ProposerInputs, build_proposer
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.target import Target
+
+    target = Target(gpu.target).model("cuda", dtype="float32")
+    proposer = build_proposer("eagle3", ProposerInputs(eagle3=load_drafter(head.path, target)))
+    prompt = Target(gpu.target).tokenizer()("The weather today is")["input_ids"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    greedy = SamplingParams()
+    ar = generate_autoregressive(target, prompt, 24, greedy, gen, None)
+    spec = generate_speculative(target, proposer, prompt, 24, 3, greedy, gen, None)
+    assert spec.tokens == ar.tokens
+
+
+def _deepspeed_script(args: dict) -> None:
+    """Train the stage's module with deepspeed.initialize on CPU, as the harness would (see the test)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import deepspeed
+
+    from jobs.train_drafter import prepare
+    from pipeline.orchestration.artifacts import load_artifact
+    from pipeline.training.eagle3_task import Eagle3Task
+    from pipeline.training.harness import trainable_parameters
+    from pipeline.training.strategy import build_optimizer, build_scheduler, deepspeed_config
+
+    cfg = load_config(None, args["overrides"])
+    td, train = cfg.train_drafter, cfg.train_drafter.train
+    ready = prepare(cfg, load_artifact(Path(args["calibration"])), load_artifact(Path(args["counts"])))
+    task = Eagle3Task(ready.drafter, ready.target, ready.data.heldout, ttt_steps=td.ttt_steps, decay=td.ttt_decay,
+                      pad_id=ready.pad_id)
+    micro, accumulation = train.batch_layout(1)
+    total = train.max_steps
+    sampler = ckpt.StepBatchSampler(len(ready.data.train), micro_batch_size=micro, accumulation=accumulation,
+                                    world_size=1, rank=0, seed=train.seed, start_step=0, total_steps=total)
+    params = list(trainable_parameters(task).values())
+    optimizer = build_optimizer(params, train, deepspeed=True)
+    scheduler = build_scheduler(optimizer, train, total)
+    ds_config = deepspeed_config(train)
+    engine, _, _, _ = deepspeed.initialize(model=task, model_parameters=params, optimizer=optimizer,
+                                           lr_scheduler=scheduler, config=dict(ds_config))
+    losses = []
+    for step in range(args["steps"]):
+        step_losses = []
+        for m in range(accumulation):
+            torch.manual_seed(ckpt.derive_seed(train.seed, "micro", step, m))
+            batch = task.collate([ready.data.train[i] for i in sampler.indices(step, m)])
+            loss, _ = engine(batch)
+            engine.backward(loss)
+            engine.step()
+            step_losses.append(float(loss))
+        losses.append(sum(step_losses) / len(step_losses))
+    Path(args["out"]).write_text(json.dumps({"losses": losses, "deepspeed_config": ds_config}))
+
+
+if __name__ == "__main__":
+    _deepspeed_script(json.loads(sys.argv[1]))
