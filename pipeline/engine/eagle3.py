@@ -35,7 +35,7 @@ import torch
 from torch import Generator, Tensor
 
 from pipeline.drafters.eagle3 import Eagle3Drafter, KVCache
-from pipeline.engine.proposers import Proposal
+from pipeline.engine.proposers import Proposal, require_context
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState, common_prefix_length
 from pipeline.errors import DrafterError
@@ -148,13 +148,7 @@ class Eagle3Proposer:
             DrafterError: If ``state`` does not hold the target's hidden states at :attr:`target_layers`
                 for every position of ``context`` but the newest.
         """
-        if not context:
-            raise DrafterError(
-                "cannot draft from an empty context",
-                expected="at least one prompt token",
-                found="0 tokens",
-                fix="pass a non-empty prompt",
-            )
+        require_context(context)
         hidden = self._features(state, context)
         device = self.drafter.fc.weight.device
         if gamma <= 0 or len(context) < 2:

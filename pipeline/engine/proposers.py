@@ -75,6 +75,17 @@ class Proposer(Protocol):
         ...
 
 
+def require_context(context: Sequence[int]) -> None:
+    """Raise :class:`DrafterError` for an empty context (there is nothing to draft from)."""
+    if not context:
+        raise DrafterError(
+            "cannot draft from an empty context",
+            expected="at least one prompt token",
+            found="0 tokens",
+            fix="pass a non-empty prompt",
+        )
+
+
 def _draft(
     session: ModelSession,
     context: list[int],
@@ -89,13 +100,7 @@ def _draft(
     ``logits_of`` turns the session's output row into logits; ``token_of`` maps an index of the
     distribution to the token id fed back to the drafter.
     """
-    if not context:
-        raise DrafterError(
-            "cannot draft from an empty context",
-            expected="at least one prompt token",
-            found="0 tokens",
-            fix="pass a non-empty prompt",
-        )
+    require_context(context)
     row = session.move_to(context)[-1]
     tokens: list[int] = []
     dists: list[Tensor] = []

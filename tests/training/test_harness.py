@@ -66,6 +66,19 @@ class SimulatedCrash(Exception):
     pass
 
 
+def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Make the harness raise :class:`SimulatedCrash` right after checkpoint ``step`` lands."""
+    real_save = ckpt.save_checkpoint
+
+    def crash(*args: object, **kwargs: object) -> Path:
+        path = real_save(*args, **kwargs)
+        if args[1] == step:
+            raise SimulatedCrash(f"after the step-{step} checkpoint")
+        return path
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", crash)
+
+
 def dataset(n: int = N_EXAMPLES) -> list[dict]:
     g = torch.Generator().manual_seed(123)
     x = torch.randn(n, 8, generator=g)
@@ -175,15 +188,7 @@ def test_resume_after_a_crash_is_bit_identical(tmp_path: Path, monkeypatch: pyte
     result = fit(reference, data, cfg, tmp_path / "a")
     assert result.steps == 16 and result.start_step == 0 and result.strategy == "single"
 
-    real_save = ckpt.save_checkpoint
-
-    def crash_after_step_8(*args: object, **kwargs: object) -> Path:
-        path = real_save(*args, **kwargs)
-        if args[1] == 8:
-            raise SimulatedCrash("after the step-8 checkpoint")
-        return path
-
-    monkeypatch.setattr(ckpt, "save_checkpoint", crash_after_step_8)
+    crash_after_checkpoint(monkeypatch, 8)
     with pytest.raises(SimulatedCrash, match="after the step-8 checkpoint"):
         fit(TinyRegressor(), data, cfg, tmp_path / "b")
     monkeypatch.undo()
@@ -263,15 +268,7 @@ def test_best_evaluated_weights_are_kept_and_survive_a_resume(tmp_path: Path,
     last = ckpt.load_weights(ckpt.checkpoints(tmp_path / "a")[-1])
     assert not all(torch.equal(last[k], p) for k, p in trainable_parameters(model).items())
 
-    real_save = ckpt.save_checkpoint
-
-    def crash_after_step_8(*args: object, **kwargs: object) -> Path:
-        path = real_save(*args, **kwargs)
-        if args[1] == 8:
-            raise SimulatedCrash("after the step-8 checkpoint")
-        return path
-
-    monkeypatch.setattr(ckpt, "save_checkpoint", crash_after_step_8)
+    crash_after_checkpoint(monkeypatch, 8)
     with pytest.raises(SimulatedCrash, match="after the step-8 checkpoint"):
         fit(ScoredRegressor(), data, cfg, tmp_path / "b")
     monkeypatch.undo()
