@@ -25,7 +25,13 @@ def tiny_kit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     from pipeline.tiny import build_kit
 
     preset = os.environ.get("DRAFTER_CACHE")
-    cache = Path(preset) if preset else tmp_path_factory.mktemp("drafter-cache")
+    if preset:
+        cache = Path(preset)
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest-xdist workers share their session's temp root: one kit, built once (the build is locked).
+        cache = tmp_path_factory.getbasetemp().parent / "drafter-cache"
+    else:
+        cache = tmp_path_factory.mktemp("drafter-cache")
     kit = build_kit("test", cache, log=lambda _line: None)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DRAFTER_CACHE", str(cache))

@@ -104,14 +104,19 @@ def test_pull_round_trip_and_tampering(evaluated, mlflow_server: MlflowServer, t
     # tamper with a payload in the server's artifact store: the pull must refuse and leave nothing behind
     stored = [p for p in (mlflow_server.root / "artifacts").rglob("shortlists.safetensors")]
     assert stored
-    for path in stored:
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0xFF
-        path.write_bytes(bytes(data))
-    capsys.readouterr()
-    assert cli(["pull", f"{record['name']}@champion", "--to", str(tmp_path / "evil"), *common]) == 2
-    assert "shortlists.safetensors" in capsys.readouterr().err
-    assert not (tmp_path / "evil").exists()
+    originals = {path: path.read_bytes() for path in stored}
+    try:
+        for path, blob in originals.items():
+            data = bytearray(blob)
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+        capsys.readouterr()
+        assert cli(["pull", f"{record['name']}@champion", "--to", str(tmp_path / "evil"), *common]) == 2
+        assert "shortlists.safetensors" in capsys.readouterr().err
+        assert not (tmp_path / "evil").exists()
+    finally:  # the server's store is shared with the other tests of this module (the EAGLE-3 bundle)
+        for path, blob in originals.items():
+            path.write_bytes(blob)
     # a bundle built for another target is refused
     assert cli(["pull", f"{record['name']}@champion", "--to", str(tmp_path / "other"), "--expect-target",
                 "tiny:test/drafter_other", *common]) == 2

@@ -2,6 +2,7 @@
 client; a dead server fails fast and clearly; a server that dies mid-stage loses nothing."""
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -115,3 +116,16 @@ def test_helpers() -> None:
     assert redact("https://user:secret@host/x") == "https://***@host/x"
     assert flatten({"a": {"b": 1, "c": [1, 2]}}) == {"a.b": "1", "a.c": "[1, 2]"}
     check_reachable("sqlite:///x.db", load_config(None).mlflow)  # local stores need no probe
+
+
+def test_a_configured_store_does_not_leak_into_the_environment(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlflow.set_tracking_uri exports $MLFLOW_TRACKING_URI; a later config in the same process must still
+    get its own default store, not the previous config's server."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    _stage(_cfg(tmp_path, f"sqlite:///{tmp_path / 'elsewhere.db'}"), [])
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    later = load_config(None, [f"workdir={tmp_path / 'later'}"])
+    from pipeline.orchestration.tracking import tracking_uri
+
+    assert tracking_uri(later.mlflow, later.workdir_path) == f"sqlite:///{tmp_path / 'later' / 'mlflow.db'}"

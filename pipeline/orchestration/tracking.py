@@ -99,11 +99,28 @@ def _configure_client_retries(cfg: MlflowConfig) -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(cfg.timeout_s * 2, 10))))
 
 
+def use_store(uri: str) -> None:
+    """Point MLflow's fluent API at ``uri`` without touching ``$MLFLOW_TRACKING_URI``.
+
+    ``mlflow.set_tracking_uri`` also exports the URI to the environment (for subprocesses); this pipeline
+    reads that variable as the user's choice, so a stage logged to one config's store would otherwise
+    send the next config in the same process (a notebook, a test session) to it.
+    """
+    import mlflow
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 def ensure_experiment(uri: str, name: str, workdir: Path) -> str:
     """Experiment id for ``name``, created with a local artifact root when the store is a file/sqlite."""
     import mlflow
 
-    mlflow.set_tracking_uri(uri)
+    use_store(uri)
     exp = mlflow.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
