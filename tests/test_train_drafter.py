@@ -120,7 +120,11 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(trained, tmp_path: Path) -> 
     # Share the upstream artifacts: name them, so only train_drafter runs here.
     inputs = [f"train_drafter.calibration={art.path.parent / json.loads(art.file('training.json').read_text())['calibration']}",
               f"train_drafter.counts={art.path.parent / json.loads(art.file('training.json').read_text())['counts']}"]
-    cmd = [sys.executable, "-m", "jobs.cli", "train_drafter", f"workdir={workdir}", *SMALL, *TRAIN, *inputs]
+    # The CLI reads configs/tiny.yaml when no --config is given; this file leaves the built-in defaults
+    # that td_cfg() starts from, so the killed run and the rerun plan the same artifact.
+    (tmp_path / "base.yaml").write_text(f"workdir: {workdir}\n")
+    cmd = [sys.executable, "-m", "jobs.cli", "train_drafter", "--config", str(tmp_path / "base.yaml"), *SMALL,
+           *TRAIN, *inputs]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 300

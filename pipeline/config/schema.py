@@ -256,22 +256,27 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """Rows (dotted key, type, default, doc) for every leaf option of ``cls``, for ``--help``."""
+def describe(cls: type, prefix: str = "", defaults: Any = None) -> list[tuple[str, str, str, str]]:
+    """Rows (dotted key, type, default, doc) for every leaf option of ``cls``, for ``--help``.
+
+    ``defaults`` is the instance whose values are shown (a parent's default for a nested section, which may
+    differ from the nested class's own defaults)."""
     rows = []
     docs = field_docs(cls)
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            rows.extend(describe(tp, key + "."))
-            continue
-        if f.default is not dataclasses.MISSING:
+        if defaults is not None:
+            default = getattr(defaults, f.name)
+        elif f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
             default = f.default_factory()  # type: ignore[misc]
         else:
             default = "(required)"
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, key + ".", default if dataclasses.is_dataclass(default) else None))
+            continue
         rows.append((key, _type_name(tp), repr(to_dict(default)), docs.get(f.name, "")))
     return rows
