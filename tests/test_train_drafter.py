@@ -125,8 +125,10 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(trained, tmp_path: Path) -> 
     (tmp_path / "base.yaml").write_text(f"workdir: {workdir}\n")
     cmd = [sys.executable, "-m", "jobs.cli", "train_drafter", "--config", str(tmp_path / "base.yaml"), *SMALL,
            *TRAIN, *inputs]
+    # CPU results are bit-identical at a fixed thread count (it sets the reduction order); other tests in
+    # this worker may have changed this process's count, so the killed run gets the same one.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())})
     deadline = time.monotonic() + 300
     staging = None
     while time.monotonic() < deadline and proc.poll() is None:
