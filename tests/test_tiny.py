@@ -219,13 +219,13 @@ class FakeRecipe:
             (out / role).mkdir()
             (out / role / "config.json").write_text("{}")
             if self.fail:
-                raise KeyboardInterrupt  # interrupted half way through writing the kit
+                raise KeyboardInterrupt("half way through writing the kit")  # interrupted mid-write
         return {"fake": True}
 
 
 def test_interrupted_build_does_not_break_the_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(recipe, "build_into", FakeRecipe(fail=True))
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="half way through writing the kit"):
         build_kit("test", tmp_path, log=lambda _l: None)
     tiny = tmp_path / "tiny"
     assert not (tiny / f"test-{kit_hash('test')}").exists()
