@@ -17,12 +17,21 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+
+
+def _chosen_metrics(prefix: str, gates: Any) -> dict[str, float]:
+    """The headline figures of a gate set's chosen configuration, as ``<prefix>.<metric>``."""
+    if gates.chosen is None:
+        return {}
+    return {f"{prefix}.{k}": v for k, v in gates.chosen.metrics().items()
+            if k in ("tau", "speedup", "mbsu", "acceptance_rate")}
 
 
 def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact, eagle3: Artifact | None) -> BuildResult:
@@ -33,14 +42,10 @@ def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact, eagle3: Art
     results = evaluate_matrix(cfg, counts_art, run.fingerprint, run.log, eagle3)
     metrics = {"eval_seconds": round(time.perf_counter() - started, 2), "gates_passed": int(results.gates.passed),
                "lossless_passed": int(results.lossless)}
-    if results.gates.chosen is not None:
-        metrics.update({f"chosen.{k}": v for k, v in results.gates.chosen.metrics().items()
-                        if k in ("tau", "speedup", "mbsu", "acceptance_rate")})
+    metrics.update(_chosen_metrics("chosen", results.gates))
     if results.eagle3_gates is not None:
         metrics["eagle3_gates_passed"] = int(results.eagle3_gates.passed)
-        if results.eagle3_gates.chosen is not None:
-            metrics.update({f"eagle3.{k}": v for k, v in results.eagle3_gates.chosen.metrics().items()
-                            if k in ("tau", "speedup", "mbsu", "acceptance_rate")})
+        metrics.update(_chosen_metrics("eagle3", results.eagle3_gates))
     for row in results.rows:
         metrics[f"{row.tag}.tau"] = row.tau
         if row.speedup is not None:

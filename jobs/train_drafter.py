@@ -121,7 +121,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     task = Eagle3Task(drafter, target, data.heldout, ttt_steps=td.ttt_steps, decay=td.ttt_decay,
                       pad_id=ready.pad_id, cache=cache)
     result = fit(task, data.train, td.train, run.staging / "train",
-                 tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path), experiment=cfg.mlflow.experiment, run_name=f"{run.artifact_id}/training",
+                 tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path), experiment=cfg.mlflow.experiment,
+                 run_name=f"{run.artifact_id}/training",
                  identity={"drafter": dataclasses.asdict(config), "train_drafter": identity(td),
                            "inputs": [calibration.id, counts.id]})
     if not result.is_global_zero:

@@ -41,6 +41,14 @@ def td_cfg(workdir: Path, *extra: str) -> PipelineConfig:
     return load_config(None, [f"workdir={workdir}", *SMALL, *TRAIN, *extra])
 
 
+def named_inputs(art) -> list[str]:  # noqa: ANN001 - an Artifact
+    """Overrides that name the calibration set and count artifact ``art`` was trained on (only
+    train_drafter then runs)."""
+    record = json.loads(art.file("training.json").read_text())
+    return [f"train_drafter.calibration={art.path.parent / record['calibration']}",
+            f"train_drafter.counts={art.path.parent / record['counts']}"]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, tiny_kit):
     workdir = tmp_path_factory.mktemp("train-drafter")
@@ -118,8 +126,7 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(trained, tmp_path: Path) -> 
     cfg, art, _ = trained
     workdir = tmp_path / "killed"
     # Share the upstream artifacts: name them, so only train_drafter runs here.
-    inputs = [f"train_drafter.calibration={art.path.parent / json.loads(art.file('training.json').read_text())['calibration']}",
-              f"train_drafter.counts={art.path.parent / json.loads(art.file('training.json').read_text())['counts']}"]
+    inputs = named_inputs(art)
     # The CLI reads configs/tiny.yaml when no --config is given; this file leaves the built-in defaults
     # that td_cfg() starts from, so the killed run and the rerun plan the same artifact.
     (tmp_path / "base.yaml").write_text(f"workdir: {workdir}\n")
@@ -155,9 +162,7 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(trained, tmp_path: Path) -> 
 
 def test_cached_features_refuse_to_exceed_the_disk_limit(trained, tmp_path: Path) -> None:
     cfg, art, _ = trained
-    record = json.loads(art.file("training.json").read_text())
-    named = [f"train_drafter.calibration={art.path.parent / record['calibration']}",
-             f"train_drafter.counts={art.path.parent / record['counts']}"]
+    named = named_inputs(art)
     tight = td_cfg(tmp_path, *named, "train_drafter.features=cached", "train_drafter.features_disk_limit_gb=1e-6")
     with pytest.raises(DrafterError, match=r"cached target features would not fit(.|\n)*GB needed"):
         train_drafter.main(tight)
@@ -168,9 +173,7 @@ def test_cached_features_train_the_same_drafter_as_online(trained, tmp_path: Pat
     """Offline features are computed in other batches (other padding) than online ones, so float32 rounding
     differs in the last bits; after 24 steps every weight agrees to 1e-4 absolute."""
     cfg, art, _ = trained
-    record = json.loads(art.file("training.json").read_text())
-    named = [f"train_drafter.calibration={art.path.parent / record['calibration']}",
-             f"train_drafter.counts={art.path.parent / record['counts']}"]
+    named = named_inputs(art)
     cached = train_drafter.main(td_cfg(tmp_path, *named, "train_drafter.features=cached"))
     assert list(tmp_path.glob("staging/*/features/*.safetensors")) == []  # scratch is dropped after publishing
     ours, reference = load_file(str(cached.file("model.safetensors"))), load_file(str(art.file("model.safetensors")))
@@ -180,9 +183,7 @@ def test_cached_features_train_the_same_drafter_as_online(trained, tmp_path: Pat
 
 def test_bad_input_is_refused_before_training(trained, tmp_path: Path) -> None:
     cfg, art, _ = trained
-    record = json.loads(art.file("training.json").read_text())
-    named = [f"train_drafter.calibration={art.path.parent / record['calibration']}",
-             f"train_drafter.counts={art.path.parent / record['counts']}"]
+    named = named_inputs(art)
     with pytest.raises(DrafterError, match=r"aux_layer_ids do not name three target feature layers(.|\n)*\[0, 3\]"):
         train_drafter.main(td_cfg(tmp_path, *named, "train_drafter.aux_layer_ids=[0,1,7]"))
     with pytest.raises(DrafterError, match="leaves no rows to train"):
@@ -250,9 +251,7 @@ def test_lightning_deepspeed_stage_2_trains_the_drafter_on_gpu(trained, tmp_path
     """On a CUDA machine: the stage under Lightning's DeepSpeed ZeRO-2 strategy in bf16, end to end, and the
     published drafter decodes losslessly on the GPU (greedy output equals the target's own)."""
     cfg, art, _ = trained
-    record = json.loads(art.file("training.json").read_text())
-    named = [f"train_drafter.calibration={art.path.parent / record['calibration']}",
-             f"train_drafter.counts={art.path.parent / record['counts']}"]
+    named = named_inputs(art)
     gpu = td_cfg(tmp_path, *named, "train_drafter.train.strategy=deepspeed", "train_drafter.train.accelerator=gpu",
                  "train_drafter.train.devices=1", "train_drafter.train.bf16=true")
     head = train_drafter.main(gpu)

@@ -429,7 +429,6 @@ def load_eagle3_export(path: str | Path, target_embedding: nn.Embedding) -> Eagl
                                  f"num_hidden_layers {doc.get('num_hidden_layers')}",
                            fix="A speculators export is read by speculators/vLLM, not by this loader.")
     weights = _read_weights(path)
-    check_keys(weights, SERVING_KEYS, f"EAGLE-3 export {path}")
     rope = dict(doc.get("rope_parameters") or {"rope_type": "default", **(doc.get("rope_scaling") or {}),
                                                 "rope_theta": doc.get("rope_theta", 10000.0)})
     theta = float(rope.pop("rope_theta", 10000.0))
@@ -448,11 +447,24 @@ def load_eagle3_export(path: str | Path, target_embedding: nn.Embedding) -> Eagl
     except KeyError as err:
         raise DrafterError(f"{path}/{CONFIG} lacks the field {err.args[0]!r}.",
                            fix="Re-export the drafter with export_eagle3.") from err
+    return drafter_from_weights(config, target_embedding, weights, f"{path}/{WEIGHTS}")
+
+
+def drafter_from_weights(config: Eagle3Config, target_embedding: nn.Embedding, weights: dict[str, torch.Tensor],
+                         where: str) -> Eagle3Drafter:
+    """An :class:`Eagle3Drafter` of ``config`` on ``target_embedding`` holding ``weights`` (keyed as
+    ``SERVING_KEYS``), in the weights' dtype, its ``d2t``/``t2d`` checked by ``set_vocab_maps``.
+
+    Raises:
+        DrafterError: other keys than ``SERVING_KEYS``, invalid vocabulary maps, or shapes that do not fit
+            ``config`` (``where`` names the file).
+    """
+    check_keys(weights, SERVING_KEYS, where)
     drafter = Eagle3Drafter(config, target_embedding).to(weights["fc.weight"].dtype)
     drafter.set_vocab_maps(weights["d2t"], weights["t2d"])
     try:
         drafter.load_state_dict(weights, strict=True)
     except RuntimeError as err:
-        raise DrafterError(f"The weights in {path}/{WEIGHTS} do not fit its {CONFIG}.", found=str(err),
+        raise DrafterError(f"The weights in {where} do not fit their config.", found=str(err),
                            fix="Re-export the drafter instead of editing the files.") from err
     return drafter

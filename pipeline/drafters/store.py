@@ -24,20 +24,13 @@ def save_drafter(drafter: Eagle3Drafter, out: Path) -> None:
     """Write ``eagle3_config.json`` and ``model.safetensors`` into ``out`` (a stage's temp directory)."""
     from safetensors.torch import save_file
 
+    from pipeline.drafters.export import check_keys
+
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.trainable_state_dict().items()}
-    check_keys(state.keys(), f"the drafter to save into {out}")
+    check_keys(state, SERVING_KEYS, f"the drafter to save into {out}")
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG).write_text(json.dumps(dataclasses.asdict(drafter.config), indent=2))
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
-
-
-def check_keys(keys: Any, what: str) -> None:
-    """Raise unless ``keys`` are exactly the serving keys."""
-    keys = set(keys)
-    missing, extra = sorted(set(SERVING_KEYS) - keys), sorted(keys - set(SERVING_KEYS))
-    if missing or extra:
-        raise DrafterError(f"The EAGLE-3 weights of {what} do not have the expected keys.",
-                           expected=f"exactly {list(SERVING_KEYS)}", found=f"missing {missing}, extra {extra}")
 
 
 def load_config(path: Path) -> Eagle3Config:
@@ -53,10 +46,12 @@ def load_drafter(path: Path, target: Any) -> Eagle3Drafter:
     """The drafter stored under ``path``, on ``target``'s embedding, device and dtype, in eval mode.
 
     Raises:
-        DrafterError: If the target's shape differs from the drafter's config or the weights' keys or
-            shapes differ from what the config implies.
+        DrafterError: If the target's shape differs from the drafter's config, or the weights' keys,
+            vocabulary maps or shapes are not what the config implies.
     """
     from safetensors.torch import load_file
+
+    from pipeline.drafters.export import drafter_from_weights
 
     path = Path(path)
     config = load_config(path)
@@ -68,12 +63,5 @@ def load_drafter(path: Path, target: Any) -> Eagle3Drafter:
                            expected=f"(hidden, vocab, layers) = {want}", found=f"{got} in the target loaded",
                            fix="Evaluate it with the target it was trained on (train_drafter's fingerprint).")
     embedding = target.get_input_embeddings()
-    drafter = Eagle3Drafter(config, embedding)
-    state = load_file(str(path / WEIGHTS))
-    check_keys(state.keys(), str(path))
-    try:
-        drafter.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise DrafterError(f"The EAGLE-3 weights at {path} do not fit its config.",
-                           found=str(err).splitlines()[0][:300]) from err
+    drafter = drafter_from_weights(config, embedding, load_file(str(path / WEIGHTS)), str(path / WEIGHTS))
     return drafter.to(device=embedding.weight.device, dtype=embedding.weight.dtype).eval()

@@ -209,8 +209,8 @@ class Eagle3Task(nn.Module):
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["attention_mask"].sum())
 
-    def _features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cache is None:
+    def _features(self, batch: dict[str, torch.Tensor], cached: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if not cached:
             return target_features(self.target, batch["input_ids"], batch["attention_mask"], self.aux_layer_ids)
         device = batch["input_ids"].device
         aux, last = self.cache.load(batch["index"], batch["input_ids"].shape[1], device)
@@ -218,14 +218,15 @@ class Eagle3Task(nn.Module):
             logits = self.target.get_output_embeddings()(last.to(self.target.dtype))
         return aux, logits
 
-    def _ttt(self, batch: dict[str, torch.Tensor]) -> Any:
-        hidden, logits = self._features(batch)
+    def _ttt(self, batch: dict[str, torch.Tensor], cached: bool) -> Any:
+        """The training-time test of ``batch``; ``cached``: features from the cache (training rows only)."""
+        hidden, logits = self._features(batch, cached)
         hidden = hidden.to(next(self.drafter.parameters()).dtype)
         return ttt_loss(self.drafter, batch["input_ids"], batch["loss_mask"], hidden, logits,
                         steps=self.ttt_steps, decay=self.decay)
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        result = self._ttt(batch)
+        result = self._ttt(batch, cached=self.cache is not None)
         metrics = {f"acc_{s}": result.per_step_acc[s] for s in range(self.ttt_steps)}
         metrics["train_simulated_tau"] = result.simulated_tau
         return result.loss, metrics
@@ -242,11 +243,7 @@ class Eagle3Task(nn.Module):
         for start in range(0, len(self.heldout_rows), self.eval_batch_size):
             rows = self.heldout_rows[start : start + self.eval_batch_size]
             batch = {k: v.to(device) for k, v in pad_batch(rows, self.pad_id).items()}
-            hidden, logits = target_features(self.target, batch["input_ids"], batch["attention_mask"],
-                                             self.aux_layer_ids)
-            result = ttt_loss(self.drafter, batch["input_ids"], batch["loss_mask"],
-                              hidden.to(next(self.drafter.parameters()).dtype), logits,
-                              steps=self.ttt_steps, decay=self.decay)
+            result = self._ttt(batch, cached=False)  # held-out rows are never in the feature cache
             correct += result.per_step_correct.double().cpu()
             tokens += result.per_step_tokens.double().cpu()
             loss += float(result.loss) * len(rows)
