@@ -125,12 +125,16 @@ def _summary(cfg, artifacts: dict) -> str:
         keys = [k for k in ("rows", "assistant_tokens", "tokens_per_s", "tokens_counted", "distinct_tokens",
                             "lossless_passed", "gates_passed", "chosen.tau", "chosen.mbsu", "chosen.speedup",
                             "train_steps", "best.simulated_tau", "train_seconds", "eagle3_gates_passed",
-                            "eagle3.tau", "eagle3.mbsu", "eagle3.speedup")
+                            "eagle3.tau", "eagle3.mbsu", "eagle3.speedup", "clusters", "max_over_mean",
+                            "cluster_seconds", "dynaspec_gates_passed", "dynaspec.tau", "dynaspec.mbsu",
+                            "dynaspec.speedup")
                 if k in art.metrics]
         figures = ", ".join(f"{k}={art.metrics[k]}" for k in keys)
         lines.append(f"{stage:<14} {art.id}  {figures}")
         lines.append(f"{'':<14} {art.path}")
-        for suffix in ("registration.json", "registration-eagle3.json"):
+        from pipeline.evaluation.matrix import REGISTRATION_FILES
+
+        for suffix in REGISTRATION_FILES.values():
             registration = art.path.parent / f"{art.id}.{suffix}"
             if registration.is_file():
                 reg = json.loads(registration.read_text())

@@ -34,15 +34,19 @@ def _chosen_metrics(prefix: str, gates: Any) -> dict[str, float]:
             if k in ("tau", "speedup", "mbsu", "acceptance_rate")}
 
 
-def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact, eagle3: Artifact | None) -> BuildResult:
+def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact, eagle3: Artifact | None,
+           routing: tuple[Artifact, Artifact] | None) -> BuildResult:
     from pipeline.evaluation.matrix import evaluate_matrix
     from pipeline.evaluation.report import write_report
 
     started = time.perf_counter()
-    results = evaluate_matrix(cfg, counts_art, run.fingerprint, run.log, eagle3)
+    results = evaluate_matrix(cfg, counts_art, run.fingerprint, run.log, eagle3, routing)
     metrics = {"eval_seconds": round(time.perf_counter() - started, 2), "gates_passed": int(results.gates.passed),
                "lossless_passed": int(results.lossless)}
     metrics.update(_chosen_metrics("chosen", results.gates))
+    if results.dynaspec_gates is not None:
+        metrics["dynaspec_gates_passed"] = int(results.dynaspec_gates.passed)
+        metrics.update(_chosen_metrics("dynaspec", results.dynaspec_gates))
     if results.eagle3_gates is not None:
         metrics["eagle3_gates_passed"] = int(results.eagle3_gates.passed)
         metrics.update(_chosen_metrics("eagle3", results.eagle3_gates))
@@ -70,12 +74,13 @@ def main(cfg: PipelineConfig) -> Artifact | None:
                 "evaluate.drafter_other (TLI/Union/SLEM handle different tokenizers).")
     counts_art = step.input("count")
     eagle3 = step.input("train_drafter") if "train_drafter" in step.inputs else None
-    inputs = [counts_art] + ([eagle3] if eagle3 is not None else [])
-    artifact = run_stage(cfg, step, inputs, build=lambda run: _build(cfg, run, counts_art, eagle3))
+    routing = (step.input("cluster"), step.input("train_router")) if "train_router" in step.inputs else None
+    inputs = [counts_art] + ([eagle3] if eagle3 is not None else []) + (list(routing) if routing else [])
+    artifact = run_stage(cfg, step, inputs, build=lambda run: _build(cfg, run, counts_art, eagle3, routing))
     if artifact is not None and cfg.evaluate.register:
         from pipeline.evaluation.matrix import register_bundle
         from pipeline.evaluation.results import EvaluationResults
 
         results = EvaluationResults.from_dict(json.loads(artifact.file("report.json").read_text()))
-        register_bundle(cfg, results, artifact, counts_art, eagle3)
+        register_bundle(cfg, results, artifact, counts_art, eagle3, routing)
     return artifact

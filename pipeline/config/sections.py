@@ -195,6 +195,70 @@ class TrainDrafterConfig:
                     "three layer indices or null", self.aux_layer_ids)
 
 
+@dataclass
+class ClusterConfig:
+    drafter: str = "tiny:default/drafter"
+    """The drafter whose LM head is clustered (DynaSpec routes over this head; evaluate.drafter must be it)."""
+    clusters: int = 64
+    """M, the number of token clusters (spherical k-means; sizes left unbalanced, DynaSpec §4.2)."""
+    niter: int = 25
+    """Lloyd iterations per k-means run."""
+    redo: int = 3
+    """Independent k-means runs; the one with the best objective is kept."""
+    seed: int = 0
+    """FAISS k-means seed (the clustering is a function of the head, M, niter, redo and this)."""
+    max_points_per_centroid: int | None = None
+    """Rows FAISS samples per centroid for training (null: every row; the final assignment always covers
+    every token)."""
+    device: str = run_setting("auto")
+    """auto (FAISS-GPU when it sees a GPU), cpu or cuda. A run setting: the same k-means either way."""
+
+    def __post_init__(self) -> None:
+        check_value(self.clusters >= 2, "cluster.clusters", "an integer >= 2", self.clusters)
+        check_value(self.niter >= 1 and self.redo >= 1, "cluster.niter/redo", "integers >= 1", (self.niter, self.redo))
+        check_value(self.device in ("auto", "cpu", "cuda"), "cluster.device", "auto, cpu or cuda", self.device)
+        check_value(self.max_points_per_centroid is None or self.max_points_per_centroid >= 1,
+                    "cluster.max_points_per_centroid", "a positive integer or null", self.max_points_per_centroid)
+
+
+def _router_training() -> TrainConfig:
+    return TrainConfig(lr=1e-3, warmup_steps=20, global_batch_size=16, micro_batch_size=16, epochs=4,
+                       eval_every=50, checkpoint_every=50, schedule="cosine", min_lr_ratio=0.1)
+
+
+@dataclass
+class TrainRouterConfig:
+    calibration: str | None = input_override()
+    """Train on this calibration artifact directory instead of the one ``generate`` builds for this config."""
+    counts: str | None = input_override()
+    """Compare with the frequency shortlists of this count artifact instead of the one ``count`` builds."""
+    clusters: str | None = input_override()
+    """Route over this cluster artifact instead of the one ``cluster`` builds for this config."""
+    top_l: int = 8
+    """L: a cluster is a positive label at a position when it holds one of the full-vocabulary drafter's
+    top-L tokens there (DynaSpec §4.2, training the router)."""
+    hidden_size: int = 256
+    """Width of the router's hidden layer (a 2-layer ReLU MLP on [E(x_t), h_(t-1)])."""
+    max_length: int = 512
+    """Tokens kept per calibration row."""
+    eval_fraction: float = 0.05
+    """Share of calibration conversations (by id hash) held out to score checkpoints and measure recall."""
+    eval_max_rows: int = 64
+    """Most held-out rows scored."""
+    init_seed: int = 0
+    """Seed of the router's initial weights."""
+    train: TrainConfig = field(default_factory=_router_training)
+    """Optimiser, schedule, batch, strategy and checkpoints (the shared harness; DeepSpeed on GPUs)."""
+
+    def __post_init__(self) -> None:
+        check_value(self.top_l >= 1, "train_router.top_l", "an integer >= 1", self.top_l)
+        check_value(self.hidden_size >= 1, "train_router.hidden_size", "an integer >= 1", self.hidden_size)
+        check_value(self.max_length >= 2, "train_router.max_length", "an integer >= 2", self.max_length)
+        check_value(0 < self.eval_fraction < 1, "train_router.eval_fraction", "a number in (0, 1)",
+                    self.eval_fraction)
+        check_value(self.eval_max_rows >= 1, "train_router.eval_max_rows", "an integer >= 1", self.eval_max_rows)
+
+
 EVAL_METHODS = METHOD_NAMES  # the proposer registry, pipeline.engine.methods
 
 
@@ -226,6 +290,16 @@ class EvaluateConfig:
     eagle3: str | None = input_override()
     """Use this train_drafter artifact directory (an EAGLE-3 drafter) for method ``eagle3`` instead of the one
     ``train_drafter`` builds for this config (its artifact id, not this path, enters the evaluate id)."""
+    clusters: str | None = input_override()
+    """Use this cluster artifact directory for the DynaSpec methods instead of the one ``cluster`` builds."""
+    router: str | None = input_override()
+    """Use this train_router artifact directory for the DynaSpec methods instead of the one ``train_router``
+    builds (it must have been trained for the clustering used)."""
+    dynaspec_match: str = "top_k_512"
+    """The FR-Spec shortlist whose size the DynaSpec-F, DynaSpec-PA and PA-FR rows match on average over each
+    γ's draft positions (budgets chosen from the router's held-out size curve; sizes measured and reported)."""
+    dynaspec_k_min: int = 1
+    """Floor of the position-aware budgets (Eq. 3 and PA-FR reach 0 at late positions otherwise)."""
     temperature: float = 0.0
     """Decoding temperature for the metrics (0 = greedy). Greedy equality with autoregressive decoding
     is checked on every prompt whatever this is."""
@@ -281,6 +355,7 @@ class EvaluateConfig:
                "auto, tau, speedup or mbsu", self.primary_metric)
         check_value("shortlist" not in self.methods or bool(self.shortlists), "evaluate.shortlists",
                "at least one shortlist name when method shortlist is on", self.shortlists)
+        check_value(self.dynaspec_k_min >= 1, "evaluate.dynaspec_k_min", "an integer >= 1", self.dynaspec_k_min)
 
 
 @dataclass
@@ -297,6 +372,10 @@ class PipelineConfig:
     """Stage ``count``: token frequencies and shortlists."""
     train_drafter: TrainDrafterConfig = field(default_factory=TrainDrafterConfig)
     """Stage ``train_drafter``: the EAGLE-3 drafter (Lightning + DeepSpeed), on the calibration set."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Stage ``cluster``: spherical k-means (FAISS) of the drafter's LM head (DynaSpec)."""
+    train_router: TrainRouterConfig = field(default_factory=TrainRouterConfig)
+    """Stage ``train_router``: the DynaSpec cluster router, on the calibration set."""
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     """Stage ``evaluate``: speculative decoding vs autoregressive, gates, registration."""
 

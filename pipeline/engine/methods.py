@@ -33,6 +33,12 @@ class ProposerInputs:
         vocab_map: ``VocabMap.build(target_tokenizer, drafter_other_tokenizer)`` (``tli``, ``union``).
         eagle3: A :class:`~pipeline.drafters.eagle3.Eagle3Drafter` trained for this target, on the target's
             device (it holds the target's embedding by reference) (``eagle3``).
+        clustering: The :class:`~pipeline.dynaspec.clusters.Clustering` of ``drafter``'s LM head (``dynaspec``,
+            ``dynaspec_pa``).
+        router: A :class:`~pipeline.dynaspec.router.Router` trained for that clustering (``dynaspec``,
+            ``dynaspec_pa``).
+        policy: A :class:`~pipeline.dynaspec.budget.ShortlistPolicy`: budgets, kept tokens, frequency ranking
+            (``dynaspec``, ``dynaspec_pa``, ``pa_fr``).
         target_vocab_size: The target's logit width (``q``'s width); ``None`` lets each proposer infer it.
         name: Label for metrics and reports; ``None`` keeps the proposer's default.
     """
@@ -44,6 +50,9 @@ class ProposerInputs:
     target_tokenizer: Any = None
     vocab_map: Any = None
     eagle3: Any = None
+    clustering: Any = None
+    router: Any = None
+    policy: Any = None
     target_vocab_size: int | None = None
     name: str | None = None
 
@@ -124,6 +133,36 @@ def _eagle3(inputs: ProposerInputs) -> Proposer:
     return Eagle3Proposer(inputs.eagle3, target_vocab_size=inputs.target_vocab_size, **_label(inputs))
 
 
+def _routed(kind: str) -> Callable[[ProposerInputs], Proposer]:
+    def build(inputs: ProposerInputs) -> Proposer:
+        from pipeline.engine.dynaspec import RoutedShortlistProposer
+
+        policy = inputs.policy
+        budget = policy.fixed if kind == "fixed" else policy.pa
+        if budget is None:
+            raise DrafterError(f"The shortlist policy has no {kind} cluster budget.", expected="a ClusterBudget",
+                               found="None", fix="Build the policy with match_budgets (evaluate does).")
+        return RoutedShortlistProposer(inputs.drafter, inputs.clustering, inputs.router, budget,
+                                       keep_ids=policy.keep_ids, target_vocab_size=inputs.target_vocab_size,
+                                       **_label(inputs))
+
+    return build
+
+
+def _pa_fr(inputs: ProposerInputs) -> Proposer:
+    from pipeline.engine.dynaspec import PositionAwareFrequencyProposer
+
+    policy = inputs.policy
+    if policy.ranking is None or policy.pa_fr_kmax is None:
+        raise DrafterError("The shortlist policy has no frequency ranking or PA-FR budget.",
+                           expected="ranking and pa_fr_kmax set", found="None",
+                           fix="Take the ranking from the count artifact (evaluate does).")
+    return PositionAwareFrequencyProposer(inputs.drafter, policy.ranking, policy.pa_fr_kmax, keep_ids=policy.keep_ids,
+                                          k_min=policy.k_min, target_vocab_size=inputs.target_vocab_size,
+                                          **_label(inputs))
+
+
+_ROUTED = frozenset({"drafter", "clustering", "router", "policy"})
 _OTHER = frozenset({"drafter_other", "drafter_other_tokenizer", "target_tokenizer"})
 
 METHODS: dict[str, MethodSpec] = {
@@ -136,6 +175,12 @@ METHODS: dict[str, MethodSpec] = {
             _shortlist,
             "same-tokenizer drafter, LM head cut to a static shortlist (FR-Spec / VocabTrim)",
         ),
+        MethodSpec("dynaspec", _ROUTED, _routed("fixed"),
+                   "same-tokenizer drafter, head on router-chosen clusters, fixed budget (DynaSpec-F, §4.2)"),
+        MethodSpec("dynaspec_pa", _ROUTED, _routed("pa"),
+                   "same-tokenizer drafter, head on router-chosen clusters, position-aware budget (DynaSpec Eq. 3)"),
+        MethodSpec("pa_fr", frozenset({"drafter", "policy"}), _pa_fr,
+                   "same-tokenizer drafter, position-aware frequency shortlist (DynaSpec App. A.3)"),
         MethodSpec(
             "tli",
             _OTHER | {"vocab_map"},

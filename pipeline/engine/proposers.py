@@ -86,6 +86,91 @@ def require_context(context: Sequence[int]) -> None:
         )
 
 
+class HeadStats:
+    """What a proposer's LM head did: mean shortlist size per draft position and head seconds per step.
+
+    ``sizes[t]`` / ``counts[t]`` is the mean number of logits computed at draft position ``t``; ``seconds``
+    covers the head alone (shortlist selection, gather and matmul; on CUDA synchronised), ``router_seconds``
+    the DynaSpec router. The evaluate stage resets it before a decode and reads it after.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.sizes: list[float] = []
+        self.counts: list[int] = []
+        self.seconds = 0.0
+        self.router_seconds = 0.0
+        self.steps = 0
+
+    def add(self, position: int, size: int, seconds: float) -> None:
+        while len(self.sizes) <= position:
+            self.sizes.append(0.0)
+            self.counts.append(0)
+        self.sizes[position] += size
+        self.counts[position] += 1
+        self.seconds += seconds
+        self.steps += 1
+
+    def per_position(self) -> list[float]:
+        return [s / c for s, c in zip(self.sizes, self.counts) if c]
+
+    def mean_size(self) -> float | None:
+        return sum(self.sizes) / self.steps if self.steps else None
+
+    def ms_per_step(self) -> float | None:
+        return 1e3 * self.seconds / self.steps if self.steps else None
+
+
+class LinearHead:
+    """A drafter's LM head as a callable on hidden states, over all rows or a given subset of them.
+
+    Mirrors what some families do to logits in ``forward()`` (``logit_scale``, ``final_logit_softcapping``)
+    so q matches the drafter's own head; :meth:`rows` gives the ``(k, d)`` weight of a shortlist once.
+    """
+
+    def __init__(self, model: torch.nn.Module, rows: Tensor | None = None) -> None:
+        head = model.get_output_embeddings()
+        with torch.no_grad():
+            weight = head.weight if rows is None else head.weight[rows]
+            self.weight = weight.detach() if rows is None else weight.detach().clone()
+            bias = getattr(head, "bias", None)
+            self.bias = None if bias is None else (bias.detach() if rows is None else bias[rows].detach().clone())
+        config = getattr(model, "config", None)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.logit_scale = getattr(config, "logit_scale", None)
+
+    def finish(self, logits: Tensor) -> Tensor:
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.no_grad()
+    def __call__(self, hidden: Tensor, index: Tensor | None = None) -> Tensor:
+        """Logits of every row, or of the rows ``index`` only (a gathered ``(k, d)`` matmul)."""
+        if index is None:
+            return self.finish(torch.nn.functional.linear(hidden, self.weight, self.bias))
+        weight = self.weight.index_select(0, index)
+        bias = None if self.bias is None else self.bias.index_select(0, index)
+        return self.finish(torch.nn.functional.linear(hidden, weight, bias))
+
+
+def timed_call(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and its wall time (CUDA synchronised before and after, so the time is its own)."""
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - start
+
+
 def _draft(
     session: ModelSession,
     context: list[int],
@@ -94,28 +179,31 @@ def _draft(
     generator: torch.Generator,
     logits_of: Callable[[Tensor], Tensor],
     token_of: Callable[[int], int],
+    stats: HeadStats | None = None,
 ) -> tuple[list[int], list[Tensor]]:
     """Sample ``gamma`` tokens autoregressively from ``session``; token ids and their distributions.
 
     ``logits_of`` turns the session's output row into logits; ``token_of`` maps an index of the
-    distribution to the token id fed back to the drafter.
+    distribution to the token id fed back to the drafter; ``stats`` (optional) records the head's time
+    and width per draft position.
     """
     require_context(context)
     row = session.move_to(context)[-1]
     tokens: list[int] = []
     dists: list[Tensor] = []
     for step in range(gamma):
-        probs = standardise(logits_of(row), params)
+        if stats is None:
+            logits = logits_of(row)
+        else:
+            logits, seconds = timed_call(session.device, lambda: logits_of(row))
+            stats.add(step, int(logits.shape[-1]), seconds)
+        probs = standardise(logits, params)
         token = token_of(int(sample(probs, generator)))
         tokens.append(token)
         dists.append(probs)
         if step + 1 < gamma:
             row = session.feed([token])[-1]
     return tokens, dists
-
-
-def _identity(logits: Tensor) -> Tensor:
-    return logits
 
 
 class FullHeadProposer:
@@ -131,11 +219,14 @@ class FullHeadProposer:
     def __init__(
         self, model: torch.nn.Module, *, target_vocab_size: int | None = None, name: str = "full_head"
     ) -> None:
-        self.session = ModelSession(model)
+        # The body runs in the session and the head here, so the head's own time can be measured.
+        self.session = ModelSession(model, body_only=True)
         self.name = name
         self.target_layers: tuple[int, ...] = ()
         self.target_vocab_size = target_vocab_size
-        self._head_rows = model.get_output_embeddings().weight.shape[0]
+        self.head = LinearHead(model)
+        self._head_rows = self.head.weight.shape[0]
+        self.head_stats = HeadStats()
 
     def reset(self) -> None:
         """Forget the cached sequence; see :class:`Proposer`."""
@@ -145,7 +236,7 @@ class FullHeadProposer:
         self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
     ) -> Proposal:
         """Draft ``gamma`` tokens from the full head; see :class:`Proposer`."""
-        tokens, dists = _draft(self.session, context, gamma, params, generator, _identity, int)
+        tokens, dists = _draft(self.session, context, gamma, params, generator, self.head, int, self.head_stats)
         width = self.target_vocab_size
         if not tokens:
             return Proposal([], torch.zeros(0, width or self._head_rows, dtype=torch.float64))
@@ -213,14 +304,8 @@ class ShortlistProposer:
             )
         self.shortlist = shortlist.to(self.session.device)
         self._shortlist_ids = shortlist.tolist()
-        with torch.no_grad():
-            self._weight = head.weight[self.shortlist].detach().clone()
-            bias = getattr(head, "bias", None)
-            self._bias = None if bias is None else bias[self.shortlist].detach().clone()
-        config = getattr(model, "config", None)
-        # Some families post-process logits in forward(); mirror it so q matches the drafter's head.
-        self._softcap = getattr(config, "final_logit_softcapping", None)
-        self._logit_scale = getattr(config, "logit_scale", None)
+        self.head = LinearHead(model, self.shortlist)  # the (k, d) rows, sliced once
+        self.head_stats = HeadStats()
 
     @staticmethod
     def check(shortlist: Tensor, tokenizer: Any, prompts: Sequence[Sequence[int]] = ()) -> None:
@@ -262,21 +347,12 @@ class ShortlistProposer:
     def _token_id(self, index: int) -> int:
         return int(self._shortlist_ids[index])
 
-    @torch.no_grad()
-    def _logits(self, hidden: Tensor) -> Tensor:
-        """The shortlisted head: a ``(k, d)`` matmul on the body's last hidden state."""
-        logits = torch.nn.functional.linear(hidden, self._weight, self._bias)
-        if self._logit_scale is not None:
-            logits = logits * self._logit_scale
-        if self._softcap is not None:
-            logits = torch.tanh(logits / self._softcap) * self._softcap
-        return logits
-
     def propose(
         self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
     ) -> Proposal:
         """Draft ``gamma`` tokens from the shortlisted head; see :class:`Proposer`."""
-        tokens, dists = _draft(self.session, context, gamma, params, generator, self._logits, self._token_id)
+        tokens, dists = _draft(self.session, context, gamma, params, generator, self.head, self._token_id,
+                              self.head_stats)
         q = torch.zeros(len(tokens), self.target_vocab_size, dtype=torch.float64, device=self.session.device)
         if tokens:
             q[:, self.shortlist] = torch.stack(dists)

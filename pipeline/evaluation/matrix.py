@@ -71,15 +71,18 @@ def speed_metric(ev: EvaluateConfig, device: str) -> str:
 
 
 def evaluate_matrix(cfg: PipelineConfig, counts: Artifact, target_fingerprint: dict,
-                    log: Callable[[str], None], eagle3: Artifact | None = None) -> EvaluationResults:
+                    log: Callable[[str], None], eagle3: Artifact | None = None,
+                    routing: tuple[Artifact, Artifact] | None = None) -> EvaluationResults:
     """Load the target, build the prompts, run the whole matrix and decide the gates (the draft-vocabulary
-    bundle's, and the EAGLE-3 bundle's when ``eagle3``, a train_drafter artifact, is evaluated)."""
+    bundle's; the EAGLE-3 bundle's when ``eagle3``, a train_drafter artifact, is evaluated; the DynaSpec
+    bundle's when ``routing``, the (cluster, train_router) artifacts, is)."""
     ev = cfg.evaluate
     device = resolve_device(ev)
     target_ = Target(cfg.target)
     tokenizer = target_.tokenizer()
     target = target_.model(device)
-    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), counts, device, log, eagle3)
+    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), counts, device, log, eagle3,
+                          routing)
     rows, checks = evaluator.run()
     thresholds = {"speed_metric": speed_metric(ev, device), "tau_min": ev.gate_tau_min,
                   "speed_min": ev.gate_speed_min}
@@ -90,10 +93,16 @@ def evaluate_matrix(cfg: PipelineConfig, counts: Artifact, target_fingerprint: d
         inputs["eagle3"] = eagle3.id
         eagle3_gates = decide_gates(rows, checks, method="eagle3", **thresholds)
         eagle3_training = simulated_figures(eagle3)
+    dynaspec_gates = None
+    if routing is not None:
+        inputs["cluster"], inputs["train_router"] = routing[0].id, routing[1].id
+        gated = "dynaspec_pa" if "dynaspec_pa" in ev.methods else "dynaspec"
+        dynaspec_gates = decide_gates(rows, checks, method=gated, **thresholds)
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return EvaluationResults(rows=rows, checks=checks, gates=gates, device=device_name,
                              target=target_fingerprint, inputs=inputs, eagle3_gates=eagle3_gates,
-                             eagle3_training=eagle3_training)
+                             eagle3_training=eagle3_training, dynaspec_gates=dynaspec_gates,
+                             dynaspec_policy=evaluator.policy_record)
 
 
 def simulated_figures(eagle3: Artifact) -> dict:
@@ -134,10 +143,12 @@ class Evaluator:
 
     def __init__(self, cfg: PipelineConfig, target: torch.nn.Module, tokenizer: Any,
                  prompts: dict[str, list[list[int]]], counts: Artifact, device: str,
-                 log: Callable[[str], None], eagle3: Artifact | None = None) -> None:
+                 log: Callable[[str], None], eagle3: Artifact | None = None,
+                 routing: tuple[Artifact, Artifact] | None = None) -> None:
         self.cfg, self.ev = cfg, cfg.evaluate
         self.target, self.tokenizer, self.prompts = target, tokenizer, prompts
-        self.counts, self.device, self.log, self.eagle3 = counts, device, log, eagle3
+        self.counts, self.device, self.log, self.eagle3, self.routing = counts, device, log, eagle3, routing
+        self.policy_record: dict | None = None
         self.eos = tokenizer.eos_token_id
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.params = SamplingParams(temperature=self.ev.temperature, top_p=self.ev.top_p)
@@ -158,7 +169,16 @@ class Evaluator:
         if same:
             drafter = load_model(ev.drafter, dtype=self.cfg.target.dtype, device=self.device)
             base = ProposerInputs(drafter=drafter, target_vocab_size=self.vocab)
+            policy = routed = None
+            if any("policy" in spec.needs for spec in same):
+                policy, routed = self._policy(drafter, [spec.name for spec in same if "router" in spec.needs])
             for spec in same:
+                if "policy" in spec.needs:
+                    inputs = dataclasses.replace(base, policy=policy, **routed if "router" in spec.needs else {})
+                    proposer = build_proposer(spec.name, inputs)
+                    yield (spec.name, ev.drafter, None, None, proposer,
+                           shortlist_param_ratio(drafter, self.target, int(round(self._match_size))))
+                    continue
                 if "shortlist" not in spec.needs:
                     yield (spec.name, ev.drafter, None, None, build_proposer(spec.name, base),
                            parameter_ratio(drafter, self.target))
@@ -202,6 +222,68 @@ class Evaluator:
             for spec in other:
                 yield spec.name, ev.drafter_other, None, None, build_proposer(spec.name, inputs), ratio
 
+    def _policy(self, drafter: torch.nn.Module, routed_methods: list[str]) -> tuple[Any, dict]:
+        """Budgets of DynaSpec-F/PA and PA-FR matched, per γ, to the FR-Spec shortlist ``dynaspec_match``:
+        cluster budgets from the router's held-out size curve, PA-FR's kmax from its exact sizes."""
+        import json
+
+        from pipeline.dynaspec.budget import ShortlistPolicy, match_budgets, match_pa_fr
+        from pipeline.vocab.counting import frequency_ranking
+        from pipeline.vocab.tokens import eos_ids
+
+        ev = self.ev
+        lists = load_shortlists(self.counts)
+        if ev.dynaspec_match not in lists:
+            raise DrafterError(f"evaluate.dynaspec_match names shortlist {ev.dynaspec_match!r}, which count "
+                               f"artifact {self.counts.id} does not have.", expected=f"one of {sorted(lists)}",
+                               found=ev.dynaspec_match, fix="Set evaluate.dynaspec_match to one of them.")
+        size = float(lists[ev.dynaspec_match].size)
+        self._match_size = size
+        keep = tuple(eos_ids(self.tokenizer))
+        ranking = frequency_ranking(self.counts)
+        fields: dict[str, Any] = {"pa_fr_kmax": {g: match_pa_fr(ranking.size, size, g, ev.dynaspec_k_min)
+                                                 for g in ev.gammas}}
+        routed: dict[str, Any] = {}
+        record: dict[str, Any] = {"match": ev.dynaspec_match, "match_size": int(size), "keep_ids": list(keep),
+                                  "pa_fr_kmax": {str(g): k for g, k in fields["pa_fr_kmax"].items()}}
+        if routed_methods:
+            from pipeline.dynaspec.clusters import Clustering
+            from pipeline.dynaspec.router import load_router
+
+            if self.routing is None:
+                raise DrafterError(f"Methods {routed_methods} are evaluated but no cluster/router artifacts were given.",
+                                   fix="Run `drafter evaluate` (it builds cluster and train_router first) or set "
+                                       "evaluate.clusters and evaluate.router.")
+            clusters, router_art = self.routing
+            clustering = Clustering.load(clusters.path)
+            head = drafter.get_output_embeddings().weight
+            clustering.check_head(head, f"evaluate.drafter {ev.drafter!r}")
+            router, meta = load_router(router_art.path, clustering, head)
+            curve = json.loads(router_art.file("routing.json").read_text())["size"]
+            budgets = {g: match_budgets(curve, size, g, ev.dynaspec_k_min) for g in ev.gammas}
+            fields["fixed"] = {g: b[0] for g, b in budgets.items()}
+            fields["pa"] = {g: b[1] for g, b in budgets.items()}
+            routed = {"clustering": clustering, "router": router.to(self.device)}
+            record.update({"clusters": clusters.id, "router": router_art.id, "num_clusters": clustering.num_clusters,
+                           "fixed": {str(g): b[0].to_dict() for g, b in budgets.items()},
+                           "pa": {str(g): b[1].to_dict() for g, b in budgets.items()},
+                           "predicted_size": {str(g): {"fixed": curve[b[0].k1 - 1],
+                                                       "pa": sum(curve[b[1].at(t) - 1] for t in range(g)) / g}
+                                              for g, b in budgets.items()}})
+        self.policy_record = record
+        self.log(f"shortlist budgets matched to {ev.dynaspec_match} ({int(size)} tokens): {record}")
+        return ShortlistPolicy(keep_ids=keep, ranking=ranking, k_min=ev.dynaspec_k_min,
+                               match=f"{ev.dynaspec_match}: {int(size)} tokens", **fields), routed
+
+    def _budget_label(self, method: str, gamma: int) -> str | None:
+        record = self.policy_record or {}
+        if method == "pa_fr":
+            return f"kmax{record['pa_fr_kmax'][str(gamma)]}"
+        if method in ("dynaspec", "dynaspec_pa"):
+            b = record["fixed" if method == "dynaspec" else "pa"][str(gamma)]
+            return f"k{b['k1']}" if method == "dynaspec" else f"k0_{b['k0']}-k1_{b['k1']}"
+        return None
+
     def _decode_all(self, items: list[list[int]], proposer: Any, gamma: int, params: SamplingParams,
                     seed: int) -> list[Any]:
         gen = self._generator(seed)
@@ -225,17 +307,31 @@ class Evaluator:
             rows.append(self._row(task, "ar", None, 0, None, None, summarize(ar, ar, None), True))
             self.log(f"{task}: autoregressive {rows[-1].tokens_per_s:.1f} tokens/s")
             for method, drafter, shortlist, size, proposer, ratio in configs:
+                stats = getattr(proposer, "head_stats", None)
                 for gamma in self.ev.gammas:
+                    if stats is not None:
+                        stats.reset()
                     greedy_runs = self._decode_all(items, proposer, gamma, GREEDY, 0)
                     mismatched = [(p, a.tokens, r.tokens) for p, r, a in zip(items, greedy_runs, ar_greedy)
                                   if r.tokens != a.tokens]
                     ties = sum(self._is_tie(*m) for m in mismatched)
                     equal = not mismatched
+                    if sampled and stats is not None:
+                        stats.reset()
                     runs = self._decode_all(items, proposer, gamma, self.params, 1) if sampled else greedy_runs
-                    row = self._row(task, method, drafter, gamma, shortlist, size, summarize(runs, ar, ratio), equal)
+                    budget = self._budget_label(method, gamma)
+                    row = self._row(task, method, drafter, gamma, shortlist or budget, size,
+                                    summarize(runs, ar, ratio), equal)
+                    if stats is not None and stats.steps:
+                        row.budget, row.draft_vocab_mean = budget, stats.mean_size()
+                        row.draft_vocab_per_position = stats.per_position()
+                        row.head_ms_per_step = stats.ms_per_step()
+                        if budget is not None:
+                            row.shortlist_size = int(round(stats.mean_size()))
                     rows.append(row)
-                    self.log(f"{task}: {method}{':' + shortlist if shortlist else ''} γ={gamma} "
-                             f"τ={row.tau:.2f} speedup={row.speedup:.2f} greedy_equal={equal}")
+                    self.log(f"{task}: {method}{':' + row.shortlist if row.shortlist else ''} γ={gamma} "
+                             f"τ={row.tau:.2f} speedup={row.speedup:.2f} greedy_equal={equal}"
+                             + (f" head rows/step={row.draft_vocab_mean:.0f}" if row.draft_vocab_mean else ""))
                     checks.append(LosslessCheck(
                         name=f"greedy_equal[{task}/{method}{'/' + shortlist if shortlist else ''}/γ={gamma}]",
                         passed=ties == len(mismatched),
@@ -300,15 +396,18 @@ class Evaluator:
                        greedy_equal=equal)
 
 
-REGISTRATION_FILES = {"draft-vocab": "registration.json", "eagle3": "registration-eagle3.json"}
+REGISTRATION_FILES = {"draft-vocab": "registration.json", "eagle3": "registration-eagle3.json",
+                      "dynaspec": "registration-dynaspec.json"}
 """Bundle kind → the record written beside the evaluation artifact as ``<evaluation id>.<file>``."""
 
 
 def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation: Artifact,
-                    counts: Artifact, eagle3: Artifact | None = None) -> dict[str, dict | None]:
+                    counts: Artifact, eagle3: Artifact | None = None,
+                    routing: tuple[Artifact, Artifact] | None = None) -> dict[str, dict | None]:
     """Register each bundle whose gates passed: the draft-vocabulary bundle (count artifact + evaluation
-    report) and, when evaluated, the EAGLE-3 bundle (train_drafter artifact with its weights, config and
-    serving exports + the count artifact's draft vocabulary + the report).
+    report); when evaluated, the EAGLE-3 bundle (train_drafter artifact with its weights, config and
+    serving exports + the count artifact's draft vocabulary + the report); and the DynaSpec bundle (cluster
+    artifact + train_router artifact + the report with the matched budgets).
 
     Takes the results it is given (fresh from the matrix, or read back from a cached evaluation), never
     re-reading them from the report on its own.
@@ -321,6 +420,11 @@ def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation:
     if eagle3 is not None and results.eagle3_gates is not None:
         records["eagle3"] = _register_one(cfg, results, results.eagle3_gates, "eagle3",
                                           [eagle3, counts, evaluation], evaluation)
+    if routing is not None and results.dynaspec_gates is not None:
+        # clusters + router (with the clustering and drafter head it was trained for) + the report, whose
+        # dynaspec_policy holds the matched budgets per γ
+        records["dynaspec"] = _register_one(cfg, results, results.dynaspec_gates, "dynaspec",
+                                            [*routing, evaluation], evaluation)
     return records
 
 

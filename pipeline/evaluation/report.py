@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.evaluation.results import EvaluationResults
 
-METHOD_ORDER = ("ar", "full", "shortlist", "eagle3", "tli", "union", "slem")
+METHOD_ORDER = ("ar", "full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "eagle3", "tli", "union", "slem")
 MISSING = "—"
 
 Row = dict[str, Any]
@@ -373,6 +373,50 @@ def eagle3_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SHORTLIST_METHODS = ("full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa")
+SHORTLIST_HEADERS = ["task", "γ", "method", "budget", "head rows / step", "rows per draft position", "τ",
+                     "τ share of full", "head ms / step", "head ms vs full"]
+
+
+def shortlist_rows(results: dict, match: str | None = None) -> list[list[str]]:
+    """Full head, FR-Spec static (only the shortlist DynaSpec was matched to), PA-FR, DynaSpec-F and -PA per
+    task and γ: measured head rows per step and per draft position, τ as a share of the full head's τ, and
+    the head's own time against the full head's."""
+    rows = _rows(results)
+    full = {(r.get("task"), r.get("gamma")): r for r in rows if r.get("method") == "full"}
+    out = []
+    for r in sorted((r for r in rows if r.get("method") in SHORTLIST_METHODS),
+                    key=lambda r: (str(r.get("task")), r.get("gamma") or 0, SHORTLIST_METHODS.index(r["method"]))):
+        if r["method"] == "shortlist" and match is not None and r.get("shortlist") != match:
+            continue
+        base = full.get((r.get("task"), r.get("gamma"))) or {}
+        tau, tau_full = _num(r.get("tau")), _num(base.get("tau"))
+        ms, ms_full = _num(r.get("head_ms_per_step")), _num(base.get("head_ms_per_step"))
+        per_position = r.get("draft_vocab_per_position") or []
+        out.append([_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _text(r.get("method")),
+                    _text(r.get("budget") or r.get("shortlist")), _fmt(r.get("draft_vocab_mean"), ".0f"),
+                    " / ".join(_fmt(x, ".0f") for x in per_position) or MISSING, _fmt(tau),
+                    _fmt(100 * tau / tau_full if tau is not None and tau_full else None, ".1f", "%"),
+                    _fmt(ms, ".3f"), _fmt(ms / ms_full if ms is not None and ms_full else None, ".2f", "×")])
+    return out
+
+
+def dynaspec_markdown(results: dict) -> str:
+    """The context-dependent shortlist section of report.md ('' when no DynaSpec/PA-FR row exists)."""
+    policy = results.get("dynaspec_policy")
+    if policy is None:
+        return ""
+    gates = results.get("dynaspec_gates")
+    verdict = f": gates **{_verdict(gates.get('passed'))}**" if gates is not None else ""
+    lines = [f"## Shortlists at matched size (DynaSpec, PA-FR, FR-Spec){verdict}", "",
+             f"Budgets matched per γ to FR-Spec shortlist {_text(policy.get('match'))} "
+             f"({_text(policy.get('match_size'))} tokens); router {_text(policy.get('router'))} over "
+             f"{_text(policy.get('num_clusters'))} clusters ({_text(policy.get('clusters'))}).", "",
+             "| " + " | ".join(SHORTLIST_HEADERS) + " |", "|" + "---|" * len(SHORTLIST_HEADERS)]
+    lines += ["| " + " | ".join(row) + " |" for row in shortlist_rows(results, policy.get("match"))]
+    return "\n".join(lines) + "\n"
+
+
 def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) -> Path:
     """Write ``out_dir/report.html``: one self-contained page (inline CSS and SVG, nothing external).
 
@@ -404,6 +448,15 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
                   f"<p class='note'>Checkpoint kept at step {esc(_text(training.get('step')))} by held-out "
                   "simulated τ; measured τ is the engine's.</p>",
                   _html_table(EAGLE3_HEADERS, eagle3_rows(results), {1, 2, 3, 4})]
+    if (policy := results.get("dynaspec_policy")) is not None:
+        ds_gates = results.get("dynaspec_gates")
+        parts += [f"<h2>Shortlists at matched size (DynaSpec, PA-FR, FR-Spec)"
+                  + (f": {_verdict_html(ds_gates.get('passed'))}" if ds_gates is not None else "") + "</h2>",
+                  f"<p class='note'>Budgets matched per γ to FR-Spec shortlist {esc(_text(policy.get('match')))} "
+                  f"({esc(_text(policy.get('match_size')))} tokens).</p>"]
+        if ds_gates is not None:
+            parts.append(_checks_html(ds_gates.get("checks")))
+        parts.append(_html_table(SHORTLIST_HEADERS, shortlist_rows(results, policy.get("match")), {1, 4, 6, 7, 8, 9}))
     parts.append("<h2>Results</h2>")
     table = [[fn(r) for _, fn in COLUMNS] for r in rows]
     numeric = {3, *range(5, len(COLUMNS) - 1)}  # γ and τ … MBSU are right-aligned
@@ -449,7 +502,8 @@ def write_report(results: EvaluationResults | dict, out_dir: Path) -> list[Path]
     verdict = _verdict((results.get("gates") or {}).get("passed"))
     md_path = out_dir / "report.md"
     md = f"# Drafter evaluation: {model}\n\nDevice: {device} · gates: **{verdict}**\n\n{markdown_table(results)}\n"
-    if extra := eagle3_markdown(results):
-        md += "\n" + extra
+    for extra in (eagle3_markdown(results), dynaspec_markdown(results)):
+        if extra:
+            md += "\n" + extra
     md_path.write_text(md, encoding="utf-8")
     return [json_path, html_path, md_path]

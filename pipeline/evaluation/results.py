@@ -45,6 +45,15 @@ class EvalRow:
     drafter_ms_per_step: float | None
     target_ms_per_step: float | None
     greedy_equal: bool
+    budget: str | None = None
+    """Shortlist budget of a context-dependent method at this γ (DynaSpec ``k12`` / ``k0_30-k1_12``, PA-FR
+    ``kmax700``)."""
+    draft_vocab_mean: float | None = None
+    """Mean number of head rows evaluated per draft step (the shortlist size; the vocabulary for full)."""
+    draft_vocab_per_position: list[float] | None = None
+    """Mean head rows at each draft position t = 0..γ-1."""
+    head_ms_per_step: float | None = None
+    """Milliseconds per draft step spent in the LM head alone (selection + gather + matmul)."""
 
     @property
     def tag(self) -> str:
@@ -118,6 +127,10 @@ class EvaluationResults:
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     eagle3_gates: Gates | None = None
     """The EAGLE-3 bundle's verdict (its best γ), when method ``eagle3`` was evaluated."""
+    dynaspec_gates: Gates | None = None
+    """The DynaSpec bundle's verdict (DynaSpec-PA's best γ, or DynaSpec-F's when PA is not evaluated)."""
+    dynaspec_policy: dict | None = None
+    """How the DynaSpec and PA-FR budgets were matched: the FR-Spec shortlist, its size, budgets per γ."""
     eagle3_training: dict | None = None
     """What train_drafter predicted for the evaluated EAGLE-3 drafter: the checkpoint's step and its
     held-out simulated τ and per-step accuracies, shown beside the τ measured here."""
@@ -133,7 +146,9 @@ class EvaluationResults:
                 "gates": dataclasses.asdict(self.gates), "device": self.device, "target": self.target,
                 "inputs": self.inputs, "created": self.created,
                 "eagle3_gates": dataclasses.asdict(self.eagle3_gates) if self.eagle3_gates else None,
-                "eagle3_training": self.eagle3_training}
+                "eagle3_training": self.eagle3_training,
+                "dynaspec_gates": dataclasses.asdict(self.dynaspec_gates) if self.dynaspec_gates else None,
+                "dynaspec_policy": self.dynaspec_policy}
 
     @classmethod
     def from_dict(cls, data: dict) -> EvaluationResults:
@@ -150,7 +165,8 @@ class EvaluationResults:
             checks=[LosslessCheck(**c) for c in data["lossless"]["checks"]],
             gates=gates(data["gates"]), device=data["device"], target=data["target"], inputs=data["inputs"],
             created=data["created"], eagle3_gates=gates(data.get("eagle3_gates")),
-            eagle3_training=data.get("eagle3_training"))
+            eagle3_training=data.get("eagle3_training"), dynaspec_gates=gates(data.get("dynaspec_gates")),
+            dynaspec_policy=data.get("dynaspec_policy"))
 
 
 def _mean(rows: list[EvalRow], key: str) -> float:
@@ -172,8 +188,9 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
         speed_metric: ``speedup`` (measured; meaningful on CUDA) or ``mbsu`` (the CPU proxy).
         tau_min: Minimum mean accepted length τ of the chosen configuration.
         speed_min: Minimum of its speed metric.
-        method: ``shortlist`` (the draft-vocabulary bundle: configurations are shortlist × γ) or ``eagle3``
-            (the EAGLE-3 bundle: configurations are γ).
+        method: ``shortlist`` (the draft-vocabulary bundle: configurations are shortlist × γ), ``eagle3``
+            (the EAGLE-3 bundle: configurations are γ) or ``dynaspec_pa`` / ``dynaspec`` (the DynaSpec bundle:
+            configurations are γ with their matched budgets).
     """
     if speed_metric not in SPEED_METRICS:
         raise ValueError(f"speed_metric must be one of {SPEED_METRICS}, not {speed_metric!r}")

@@ -52,6 +52,20 @@ def _evaluate_models(cfg: PipelineConfig) -> dict:
     return models
 
 
+def _cluster_models(cfg: PipelineConfig) -> dict:
+    from pipeline.models.loading import fingerprint
+
+    return {"drafter": fingerprint(cfg.cluster.drafter)}
+
+
+ROUTED_METHODS = ("dynaspec", "dynaspec_pa")
+"""Evaluate methods that read the cluster and train_router artifacts."""
+
+
+def _routed(cfg: PipelineConfig) -> bool:
+    return any(m in cfg.evaluate.methods for m in ROUTED_METHODS)
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """One row of the DAG table.
@@ -96,10 +110,20 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("train_drafter", "jobs.train_drafter", "eagle3_drafter", upstream=("generate", "count"),
               reads=(*TARGET_IDENTITY, "train_drafter"),
               overrides={"generate": "train_drafter.calibration", "count": "train_drafter.counts"}),
-    StageSpec("evaluate", "jobs.evaluate", "evaluation", upstream=("count", "train_drafter"),
+    # DynaSpec: the drafter's head is clustered (no upstream: it reads only a model), the router learns from
+    # the calibration set with the clustering, and compares itself with count's frequency shortlists.
+    StageSpec("cluster", "jobs.cluster", "token_clusters", reads=(*TARGET_IDENTITY, "cluster"),
+              models=_cluster_models),
+    StageSpec("train_router", "jobs.train_router", "cluster_router", upstream=("generate", "count", "cluster"),
+              reads=(*TARGET_IDENTITY, "train_router"), models=_cluster_models,
+              overrides={"generate": "train_router.calibration", "count": "train_router.counts",
+                         "cluster": "train_router.clusters"}),
+    StageSpec("evaluate", "jobs.evaluate", "evaluation", upstream=("count", "train_drafter", "cluster", "train_router"),
               reads=(*TARGET_IDENTITY, "target.dtype", "generate.source", "generate.heldout_fraction",
-                     "evaluate"), overrides={"count": "evaluate.counts", "train_drafter": "evaluate.eagle3"},
-              models=_evaluate_models, when={"train_drafter": lambda cfg: "eagle3" in cfg.evaluate.methods}),
+                     "evaluate"), overrides={"count": "evaluate.counts", "train_drafter": "evaluate.eagle3",
+                                             "cluster": "evaluate.clusters", "train_router": "evaluate.router"},
+              models=_evaluate_models, when={"train_drafter": lambda cfg: "eagle3" in cfg.evaluate.methods,
+                                             "cluster": _routed, "train_router": _routed}),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 

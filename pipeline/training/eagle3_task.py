@@ -54,10 +54,11 @@ class CalibrationRows:
         eval_fraction: share of conversations held out for the simulated-τ evaluation.
         eval_max_rows: most held-out rows kept (the evaluation's cost).
         min_length: shortest row kept (the unrolled test needs ``ttt_steps + 2`` tokens).
+        what: what is trained, for error messages.
     """
 
     def __init__(self, directory: Path, *, max_length: int, eval_fraction: float, eval_max_rows: int,
-                 min_length: int) -> None:
+                 min_length: int, what: str = "the EAGLE-3 drafter") -> None:
         from pipeline.data.calibration import read_shard, shard_files
 
         files = shard_files(directory)
@@ -88,15 +89,15 @@ class CalibrationRows:
         self.heldout = self.heldout[:eval_max_rows]
         if not self.train:
             raise DrafterError(
-                f"The calibration set at {directory} leaves no rows to train the EAGLE-3 drafter on.",
+                f"The calibration set at {directory} leaves no rows to train {what} on.",
                 expected="at least one row with assistant (loss-masked) tokens outside the held-out share",
                 found=f"{len(self.heldout)} held-out rows; dropped {self.dropped}",
-                fix="Generate more calibration data (generate.limit), or lower train_drafter.eval_fraction.")
+                fix="Generate more calibration data (generate.limit), or lower the stage's eval_fraction.")
         if not self.heldout:
             raise DrafterError(
-                "No held-out calibration rows to choose the EAGLE-3 checkpoint on.",
+                f"No held-out calibration rows to choose the checkpoint of {what} on.",
                 expected=f"some of the {len(self.train)} rows' conversations under eval_fraction",
-                found="none", fix="Raise train_drafter.eval_fraction or generate more calibration data.")
+                found="none", fix="Raise the stage's eval_fraction (train_drafter, train_router) or generate more calibration data.")
 
 
 def pad_batch(rows: Sequence[Row], pad_id: int = 0) -> dict[str, torch.Tensor]:

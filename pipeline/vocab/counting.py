@@ -146,3 +146,11 @@ def load_shortlists(artifact) -> dict[str, np.ndarray]:  # noqa: ANN001 - an Art
     from safetensors.numpy import load_file
 
     return load_file(str(artifact.file("shortlists.safetensors")))
+
+
+def frequency_ranking(artifact) -> np.ndarray:  # noqa: ANN001 - an Artifact of kind token_counts
+    """Every token id of a ``count`` artifact, most frequent first (ties: lower id first), as FR-Spec ranks."""
+    from safetensors.numpy import load_file
+
+    counts = load_file(str(artifact.file("counts.safetensors")))["counts"]
+    return _by_frequency(counts).astype(np.int64)

@@ -241,3 +241,18 @@ def representatives(tokenizer: Any) -> dict[Meaning, int]:
         if meaning not in best or (rank, token_id) < best[meaning]:
             best[meaning] = (rank, token_id)
     return {meaning: token_id for meaning, (_, token_id) in best.items()}
+
+
+def eos_ids(tokenizer: Any) -> list[int]:
+    """The tokenizer's end-of-sequence id(s), which every draft shortlist must contain.
+
+    Raises:
+        DrafterError: The tokenizer has none.
+    """
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if not ids:
+        raise DrafterError("The target's tokenizer has no EOS token, which every draft shortlist must keep.",
+                           expected="tokenizer.eos_token_id set", found="None",
+                           fix="Use a tokenizer with an end-of-sequence token.")
+    return ids

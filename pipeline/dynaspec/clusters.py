@@ -1,0 +1,222 @@
+"""Token clusters of an LM head: spherical k-means with FAISS (DynaSpec §4.2, "Vocabulary partition").
+
+Each row ``W[v]`` of the drafter's output embedding (the paper's column ``W_LM[:, v]``; Hugging Face
+stores the head as ``(V, d)``) is normalised to unit length, and the rows are clustered by spherical
+k-means (inner-product assignment, centroids renormalised each iteration) into ``M`` clusters whose sizes
+are left unbalanced, as the paper prescribes: semantically dense regions keep large clusters. Every
+token lands in exactly one cluster (the final assignment is a nearest-centroid search over *all* rows,
+not only the rows FAISS sampled for training). :class:`Clustering` is what the ``cluster`` stage writes
+and what the router and the routed proposer read; it carries the SHA-256 of the head it was computed
+from so that it is never applied to another head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import DrafterError
+
+CLUSTERS_FILE = "clusters.safetensors"
+SUMMARY_FILE = "clusters.json"
+
+
+def head_sha256(weight: Any) -> str:
+    """SHA-256 of an LM head's weight (shape, dtype and bytes), the identity a clustering is tied to."""
+    import torch
+
+    tensor = weight.detach().to("cpu").contiguous() if isinstance(weight, torch.Tensor) else torch.as_tensor(weight)
+    digest = hashlib.sha256(f"{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+    digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def normalised_rows(weight: Any) -> np.ndarray:
+    """The head's rows as unit vectors, float32 C-contiguous (what FAISS takes). A zero row stays zero."""
+    import torch
+
+    rows = weight.detach().to("cpu", torch.float32).numpy() if isinstance(weight, torch.Tensor) else np.asarray(
+        weight, dtype=np.float32)
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    return np.ascontiguousarray(rows / np.maximum(norms, 1e-12), dtype=np.float32)
+
+
+@dataclass
+class Clustering:
+    """A partition of the vocabulary into ``M`` clusters of an LM head's unit rows.
+
+    Attributes:
+        assignment: ``(V,)`` int64, the cluster of each token id.
+        centroids: ``(M, d)`` float32 unit centroids.
+        head_sha256: :func:`head_sha256` of the head clustered.
+        meta: How it was computed (backend, seconds, iterations, objective).
+    """
+
+    assignment: np.ndarray
+    centroids: np.ndarray
+    head_sha256: str
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.assignment = np.asarray(self.assignment, dtype=np.int64)
+        self.centroids = np.asarray(self.centroids, dtype=np.float32)
+        m = self.num_clusters
+        if self.assignment.ndim != 1 or (self.assignment.size and (self.assignment.min() < 0
+                                                                   or self.assignment.max() >= m)):
+            raise DrafterError("A token clustering assigns tokens to clusters that do not exist.",
+                               expected=f"one cluster id in [0, {m}) per token",
+                               found=f"ids in [{self.assignment.min()}, {self.assignment.max()}]",
+                               fix="Rebuild it with `drafter cluster`.")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.assignment.size)
+
+    @property
+    def num_clusters(self) -> int:
+        return int(self.centroids.shape[0])
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Tokens per cluster, ``(M,)``."""
+        return np.bincount(self.assignment, minlength=self.num_clusters)
+
+    def content_sha256(self) -> str:
+        """SHA-256 of the assignment and centroids: what a router records as the clustering it was trained for."""
+        digest = hashlib.sha256(self.head_sha256.encode())
+        digest.update(self.assignment.tobytes())
+        digest.update(self.centroids.tobytes())
+        return digest.hexdigest()
+
+    def layout(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(order, offsets)``: token ids sorted by cluster (stable: ascending ids inside a cluster), and
+        ``offsets[m]:offsets[m+1]`` the slice of ``order`` that is cluster ``m``."""
+        order = np.argsort(self.assignment, kind="stable")
+        offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        return order.astype(np.int64), offsets
+
+    def summary(self, special_ids: list[int] | None = None) -> dict:
+        """Sizes and imbalance (the paper leaves clusters unbalanced; this says how much)."""
+        sizes = self.sizes
+        nonzero = sizes[sizes > 0]
+        share = sizes / max(sizes.sum(), 1)
+        entropy = float(-(share[share > 0] * np.log(share[share > 0])).sum())
+        out = {"vocab_size": self.vocab_size, "clusters": self.num_clusters, "empty_clusters": int((sizes == 0).sum()),
+               "size_min": int(sizes.min()), "size_max": int(sizes.max()), "size_mean": float(sizes.mean()),
+               "size_median": float(np.median(sizes)), "size_std": float(sizes.std()),
+               "max_over_mean": float(sizes.max() / max(sizes.mean(), 1e-12)),
+               # exp(entropy) / M: 1.0 for equal sizes, -> 1/M when one cluster holds everything
+               "effective_clusters_share": float(np.exp(entropy) / self.num_clusters),
+               "largest_10_share": float(np.sort(share)[::-1][:10].sum()),
+               "nonempty_clusters": int(nonzero.size), "head_sha256": self.head_sha256, **self.meta}
+        if special_ids:
+            out["special_token_clusters"] = {int(t): int(self.assignment[t]) for t in special_ids
+                                             if 0 <= t < self.vocab_size}
+        return out
+
+    def check_head(self, weight: Any, what: str = "the drafter's LM head") -> None:
+        """Refuse to apply this clustering to a head it was not computed from."""
+        rows = int(weight.shape[0])
+        if rows != self.vocab_size:
+            raise DrafterError(f"The token clustering is for an LM head of another size than {what}.",
+                               expected=f"{rows} rows (tokens)", found=f"a clustering of {self.vocab_size} tokens",
+                               fix="Cluster this drafter's head (`drafter cluster` with cluster.drafter set to it).")
+        found = head_sha256(weight)
+        if found != self.head_sha256:
+            raise DrafterError(f"The token clustering was computed from another LM head than {what}.",
+                               expected=f"head sha256 {found[:16]}…", found=f"clustering of head {self.head_sha256[:16]}…",
+                               fix="Cluster this drafter's head (`drafter cluster` with cluster.drafter set to it), "
+                                   "or evaluate with the drafter the clustering was made for.")
+
+    def save(self, directory: str | Path, special_ids: list[int] | None = None) -> None:
+        from safetensors.numpy import save_file
+
+        directory = Path(directory)
+        save_file({"assignment": self.assignment, "centroids": self.centroids}, str(directory / CLUSTERS_FILE),
+                  metadata={"head_sha256": self.head_sha256})
+        (directory / SUMMARY_FILE).write_text(json.dumps(self.summary(special_ids), indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Clustering:
+        """Read a ``cluster`` artifact's clustering (safetensors; no pickle)."""
+        from safetensors import safe_open
+        from safetensors.numpy import load_file
+
+        path = Path(directory) / CLUSTERS_FILE
+        if not path.is_file():
+            raise DrafterError(f"No token clustering at {directory}.", expected=f"{CLUSTERS_FILE} (a cluster artifact)",
+                               found="no such file", fix="Point at a `drafter cluster` artifact directory.")
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="numpy") as handle:
+            head = (handle.metadata() or {}).get("head_sha256", "")
+        meta = json.loads((Path(directory) / SUMMARY_FILE).read_text()) if (Path(directory) / SUMMARY_FILE).is_file() else {}
+        keep = {k: meta[k] for k in ("backend", "seconds", "niter", "redo", "seed", "objective") if k in meta}
+        return cls(tensors["assignment"], tensors["centroids"], head, keep)
+
+
+def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int = 1, seed: int = 0,
+                     use_gpu: bool | None = None, max_points_per_centroid: int | None = None,
+                     verbose: bool = False) -> Clustering:
+    """Spherical k-means of the head's unit rows with FAISS (DynaSpec §4.2).
+
+    Args:
+        weight: ``(V, d)`` LM-head weight (torch or numpy).
+        clusters: ``M``; at most ``V``.
+        niter: Lloyd iterations per run.
+        redo: Independent runs (different seeds); the one with the best objective is kept.
+        seed: FAISS's seed: the same weight and arguments give the same clustering.
+        use_gpu: FAISS-GPU (``faiss-gpu``) when True; None: when CUDA GPUs are visible to FAISS.
+        max_points_per_centroid: FAISS samples at most this many rows per centroid for training; None
+            trains on every row. The assignment always covers every row.
+        verbose: FAISS's progress lines.
+
+    Returns:
+        The :class:`Clustering` (assignment by nearest centroid under inner product, every token in
+        exactly one cluster).
+    """
+    import faiss
+
+    x = normalised_rows(weight)
+    vocab, dim = x.shape
+    if not 1 <= clusters <= vocab:
+        raise DrafterError("The number of token clusters does not fit the vocabulary.",
+                           expected=f"cluster.clusters in [1, {vocab}] (the head has {vocab} rows)",
+                           found=str(clusters), fix="Set cluster.clusters to a smaller number.")
+    gpus = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+    if use_gpu is None:
+        use_gpu = gpus > 0
+    if use_gpu and gpus == 0:
+        raise DrafterError("cluster.device=cuda but FAISS sees no GPU.",
+                           expected="faiss-gpu (pip install '.[gpu]') on a machine with CUDA",
+                           found=f"faiss {faiss.__version__} with 0 GPUs", fix="Use cluster.device=auto or cpu.")
+    started = time.perf_counter()
+    kmeans = faiss.Kmeans(dim, clusters, niter=niter, nredo=redo, seed=seed, spherical=True, gpu=bool(use_gpu),
+                          verbose=verbose, max_points_per_centroid=max_points_per_centroid or vocab,
+                          min_points_per_centroid=1)
+    kmeans.train(x)
+    centroids = np.ascontiguousarray(kmeans.centroids, dtype=np.float32)
+    index = faiss.IndexFlatIP(dim)
+    index.add(centroids)
+    _, nearest = index.search(x, 1)
+    seconds = time.perf_counter() - started
+    objective = float(kmeans.obj[-1]) if len(kmeans.obj) else float("nan")
+    meta = {"backend": f"faiss-{'gpu' if use_gpu else 'cpu'} {faiss.__version__}", "seconds": round(seconds, 4),
+            "niter": niter, "redo": redo, "seed": seed, "objective": objective}
+    return Clustering(nearest[:, 0].astype(np.int64), centroids, head_sha256(weight), meta)
+
+
+def sklearn_kmeans_seconds(weight: Any, clusters: int, *, niter: int = 20, seed: int = 0) -> float:
+    """Seconds scikit-learn's ``KMeans`` (Lloyd, one init) takes on the same unit rows: the baseline the
+    FAISS timing is compared with (it is Euclidean k-means on unit vectors, the usual stand-in)."""
+    from sklearn.cluster import KMeans
+
+    x = normalised_rows(weight)
+    started = time.perf_counter()
+    KMeans(n_clusters=clusters, n_init=1, max_iter=niter, tol=0.0, random_state=seed, algorithm="lloyd").fit(x)
+    return time.perf_counter() - started

@@ -1,0 +1,306 @@
+"""Context-dependent draft shortlists: DynaSpec's routed head and the position-aware frequency shortlist.
+
+:class:`RoutedShortlistProposer` (DynaSpec, Zhang et al., §4.2–4.3 and Alg. 1): at draft position ``t``
+the router scores the ``M`` token clusters from ``[E(x_t), h_{t-1}]``, the top ``k_c(t)`` clusters
+(a fixed ``k`` — DynaSpec-F — or Eq. 3's position-aware budget — DynaSpec-PA) form the shortlist, and
+the drafter's head is evaluated on those rows only: the head's rows are stored once sorted by cluster,
+so a shortlist is a handful of contiguous blocks gathered into one ``(B, d)`` matrix for a single matmul
+(never the full head then a mask). Tokens the caller must always be able to draft (EOS) are added when
+their cluster is not chosen. ``q`` is the softmax over the shortlist (after the sampling transforms)
+scattered into target ids — exactly the law the drafts are drawn from, so verification over the full
+vocabulary keeps decoding lossless. On CUDA the router runs on a side stream while the drafter body
+computes ``h_t`` (§4.3, Fig. 1); on CPU they run one after the other.
+
+:class:`PositionAwareFrequencyProposer` (App. A.3, PA-FR): the ``K_fr(t)`` most frequent tokens of the
+calibration set, a prefix of the frequency ranking, so the head's rows are stored once in ranking order
+and each position's head is a zero-copy slice.
+
+Both record the head's time and the shortlist size per draft position (:class:`HeadStats`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Generator, Tensor
+
+from pipeline.dynaspec.budget import ClusterBudget, pa_fr
+from pipeline.engine.proposers import HeadStats, LinearHead, Proposal, require_context, timed_call
+from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.session import ModelSession, TargetState
+from pipeline.errors import DrafterError
+
+
+def _per_gamma(value: Any, gamma: int, what: str) -> Any:
+    """``value`` itself, or the budget matched for draft length ``gamma`` when budgets are per γ.
+
+    The decode loop drafts fewer than its γ near ``max_new_tokens``; such a round uses the budget of the
+    smallest matched γ above it (its first positions' budgets, which is what that round drafts)."""
+    if not isinstance(value, Mapping):
+        return value
+    if not value:
+        raise DrafterError(f"No {what} given.", expected="at least one γ", found="none",
+                           fix="Match budgets for the γ the decoder uses.")
+    if gamma in value:
+        return value[gamma]
+    above = [g for g in value if g >= gamma]
+    return value[min(above)] if above else value[max(value)]
+
+
+def _keep_tensor(keep_ids: Sequence[int], vocab: int, device: torch.device) -> Tensor:
+    keep = sorted({int(t) for t in keep_ids})
+    bad = [t for t in keep if not 0 <= t < vocab]
+    if bad:
+        raise DrafterError("Tokens to keep in every shortlist lie outside the drafter's vocabulary.",
+                           expected=f"ids in [0, {vocab})", found=str(bad), fix="Pass the target's EOS id(s).")
+    return torch.tensor(keep, dtype=torch.long, device=device)
+
+
+def _require_keep(keep_ids: Sequence[int], what: str) -> None:
+    if not list(keep_ids):
+        raise DrafterError(f"The {what} would exclude the end-of-sequence token.",
+                           expected="keep_ids holding the target's EOS id(s)", found="no ids to keep",
+                           fix="Pass keep_ids=[tokenizer.eos_token_id] (evaluate does this).")
+
+
+class RoutedHead:
+    """A drafter's LM head stored by cluster, evaluated on the union of chosen clusters.
+
+    Args:
+        model: The drafter (its output embedding is the head).
+        clustering: The head's :class:`~pipeline.dynaspec.clusters.Clustering` (checked against the head).
+        keep_ids: Token ids in every shortlist (EOS).
+    """
+
+    def __init__(self, model: torch.nn.Module, clustering: Any, keep_ids: Sequence[int]) -> None:
+        weight = model.get_output_embeddings().weight
+        clustering.check_head(weight)
+        device = weight.device
+        order, offsets = clustering.layout()
+        self.order = torch.from_numpy(order).to(device)
+        self.offsets = torch.from_numpy(offsets).to(device)
+        self.sizes = self.offsets[1:] - self.offsets[:-1]
+        self.assignment = torch.from_numpy(clustering.assignment).to(device)
+        self.head = LinearHead(model, self.order)  # rows in cluster order: a cluster is one contiguous block
+        self.num_clusters = clustering.num_clusters
+        keep = _keep_tensor(keep_ids, clustering.vocab_size, device)
+        position = torch.empty_like(self.order)
+        position[self.order] = torch.arange(self.order.numel(), device=device)
+        self.keep_clusters = self.assignment[keep]
+        self.keep_rows = position[keep]
+
+    def select(self, clusters: Tensor) -> Tensor:
+        """Row indices (into the cluster-sorted head) of the chosen clusters' union, plus kept tokens."""
+        clusters = torch.sort(clusters).values
+        lengths = self.sizes[clusters]
+        starts = self.offsets[clusters]
+        total = int(lengths.sum())
+        # arange over each [start, start + length) block, concatenated, without a Python loop
+        shift = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
+        rows = torch.arange(total, device=clusters.device) + shift
+        if self.keep_rows.numel():
+            chosen = torch.zeros(self.num_clusters, dtype=torch.bool, device=clusters.device)
+            chosen[clusters] = True
+            extra = self.keep_rows[~chosen[self.keep_clusters]]
+            if extra.numel():
+                rows = torch.cat([rows, extra])
+        return rows
+
+    def logits(self, hidden: Tensor, rows: Tensor) -> Tensor:
+        """Logits of ``rows`` only: one gathered ``(B, d)`` block, one matmul."""
+        return self.head(hidden, rows)
+
+    def token_ids(self, rows: Tensor) -> Tensor:
+        return self.order[rows]
+
+
+class RoutedShortlistProposer:
+    """DynaSpec: a same-tokenizer drafter whose head is evaluated on router-chosen clusters.
+
+    Args:
+        model: The drafter (a Hugging Face causal LM sharing the target's tokenizer).
+        clustering: Its head's clustering.
+        router: A :class:`~pipeline.dynaspec.router.Router` trained for that clustering and drafter.
+        budget: A :class:`ClusterBudget`, or one per draft length γ (budgets matched to a size per γ).
+        keep_ids: Tokens every shortlist contains (the target's EOS): required.
+        target_vocab_size: Width of ``q`` (defaults to the head's rows).
+        name: Label in metrics and reports.
+        overlap: On CUDA, run the router on a side stream overlapping the drafter body.
+    """
+
+    def __init__(self, model: torch.nn.Module, clustering: Any, router: torch.nn.Module,
+                 budget: ClusterBudget | Mapping[int, ClusterBudget], *, keep_ids: Sequence[int],
+                 target_vocab_size: int | None = None, name: str = "dynaspec", overlap: bool = True) -> None:
+        _require_keep(keep_ids, "routed shortlist")
+        for b in (budget.values() if isinstance(budget, Mapping) else [budget]):
+            b.check(clustering.num_clusters)
+        if getattr(router, "num_clusters", clustering.num_clusters) != clustering.num_clusters:
+            raise DrafterError("The router scores another number of clusters than the clustering has.",
+                               expected=f"{clustering.num_clusters} clusters", found=f"{router.num_clusters}",
+                               fix="Train the router for this clustering (`drafter train_router`).")
+        self.session = ModelSession(model, body_only=True)
+        self.routed = RoutedHead(model, clustering, keep_ids)
+        self.embed = model.get_input_embeddings()
+        device = self.session.device
+        self.router = router.to(device=device, dtype=self.embed.weight.dtype).eval()
+        self.budget = budget
+        self.name, self.target_layers = name, ()
+        self.target_vocab_size = target_vocab_size or clustering.vocab_size
+        self.head_stats = HeadStats()
+        self._side = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
+
+    def reset(self) -> None:
+        """Forget the cached sequence; see :class:`~pipeline.engine.proposers.Proposer`."""
+        self.session.reset()
+
+    @torch.no_grad()
+    def _route(self, token: int, previous: Tensor, k: int) -> Tensor:
+        """Top-``k`` clusters for ``[E(x_t), h_{t-1}]``."""
+        x = self.embed(torch.tensor([token], device=previous.device))[0]
+        scores = self.router(torch.cat([x, previous]).unsqueeze(0))[0]
+        return torch.topk(scores, k).indices
+
+    def _route_and_step(self, token: int, previous: Tensor, k: int, advance: bool) -> tuple[Tensor, Tensor | None]:
+        """Route for position ``t`` and, when ``advance``, feed ``token`` to the body (its ``h_t``) at the same
+        time: on a CUDA side stream the router overlaps the body (DynaSpec Fig. 1)."""
+        import time
+
+        if self._side is None:
+            start = time.perf_counter()
+            clusters = self._route(token, previous, k)
+            self.head_stats.router_seconds += time.perf_counter() - start
+            return clusters, (self.session.feed([token])[-1] if advance else None)
+        main = torch.cuda.current_stream(previous.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            clusters = self._route(token, previous, k)
+        hidden = self.session.feed([token])[-1] if advance else None
+        main.wait_stream(self._side)
+        clusters.record_stream(main)
+        return clusters, hidden
+
+    def _head(self, hidden: Tensor, clusters: Tensor) -> tuple[Tensor, Tensor]:
+        """(token ids, logits) of the chosen clusters' shortlist."""
+        rows = self.routed.select(clusters)
+        return self.routed.token_ids(rows), self.routed.logits(hidden, rows)
+
+    @torch.no_grad()
+    def propose(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
+    ) -> Proposal:
+        """Draft ``gamma`` tokens from routed shortlists; see :class:`~pipeline.engine.proposers.Proposer`."""
+        require_context(context)
+        budget = _per_gamma(self.budget, gamma, "DynaSpec cluster budget")
+        rows = self.session.move_to(context, keep=min(2, len(context)))
+        hidden = rows[-1]
+        previous = rows[-2] if rows.shape[0] == 2 else torch.zeros_like(hidden)  # h_{t-1}; none before t = 0
+        token = context[-1]
+        tokens: list[int] = []
+        dists: list[Tensor] = []
+        for t in range(gamma):
+            if t > 0:  # route for x_t while the body computes h_t
+                clusters, hidden_next = self._route_and_step(token, hidden, budget.at(t), advance=True)
+                previous, hidden = hidden, hidden_next
+            else:
+                clusters, _ = self._route_and_step(token, previous, budget.at(t), advance=False)
+            (ids, logits), seconds = timed_call(hidden.device, lambda: self._head(hidden, clusters))
+            self.head_stats.add(t, int(ids.numel()), seconds)
+            probs = standardise(logits, params)
+            token = int(ids[int(sample(probs, generator))])
+            tokens.append(token if token < self.target_vocab_size else -1)  # no target id: always rejected
+            full = torch.zeros(self.target_vocab_size, dtype=torch.float64, device=hidden.device)
+            inside = ids < self.target_vocab_size
+            full[ids[inside]] = probs[inside]
+            dists.append(full)
+        # the last drafted token was never fed: the session holds context + tokens[:-1]
+        return Proposal(tokens, torch.stack(dists) if dists else torch.zeros(0, self.target_vocab_size,
+                                                                                dtype=torch.float64))
+
+
+class PositionAwareFrequencyProposer:
+    """PA-FR (DynaSpec App. A.3): the ``K_fr(t)`` most frequent tokens at draft position ``t``.
+
+    Args:
+        model: The drafter (shares the target's tokenizer).
+        ranking: Token ids, most frequent first (from the ``count`` artifact's counts).
+        kmax: ``K_fr(0) = K_fr(1)``; an int, or one per draft length γ.
+        keep_ids: Tokens every shortlist contains (EOS): required.
+        k_min: Floor of the decay.
+        target_vocab_size: Width of ``q``.
+        name: Label in metrics and reports.
+    """
+
+    def __init__(self, model: torch.nn.Module, ranking: Sequence[int] | np.ndarray, kmax: int | Mapping[int, int],
+                 *, keep_ids: Sequence[int], k_min: int = 1, target_vocab_size: int | None = None,
+                 name: str = "pa_fr") -> None:
+        _require_keep(keep_ids, "position-aware frequency shortlist")
+        weight = model.get_output_embeddings().weight
+        vocab = weight.shape[0]
+        ranking = torch.as_tensor(np.asarray(ranking), dtype=torch.long)
+        if ranking.numel() == 0 or torch.unique(ranking).numel() != ranking.numel() or int(ranking.max()) >= vocab \
+                or int(ranking.min()) < 0:
+            raise DrafterError("The frequency ranking is not a list of distinct token ids of this drafter.",
+                               expected=f"distinct ids in [0, {vocab})", found=f"{ranking.numel()} ids",
+                               fix="Take the ranking from this target's count artifact.")
+        for k in (kmax.values() if isinstance(kmax, Mapping) else [kmax]):
+            if not 1 <= k <= ranking.numel():
+                raise DrafterError("The PA-FR budget does not fit the ranking.",
+                                   expected=f"kmax in [1, {ranking.numel()}]", found=str(k),
+                                   fix="Lower kmax (evaluate.dynaspec_match picks it).")
+        self.session = ModelSession(model, body_only=True)
+        device = self.session.device
+        self.ranking = ranking.to(device)
+        self.head = LinearHead(model, self.ranking)  # rows in ranking order: K_fr(t) rows are a prefix
+        keep = _keep_tensor(keep_ids, vocab, device)
+        rank_of = torch.full((vocab,), vocab, dtype=torch.long, device=device)
+        rank_of[self.ranking] = torch.arange(self.ranking.numel(), device=device)
+        self._keep, self._keep_rank = keep, rank_of[keep]
+        self._keep_head = LinearHead(model, keep)
+        self.kmax, self.k_min = kmax, k_min
+        self.name, self.target_layers = name, ()
+        self.target_vocab_size = target_vocab_size or vocab
+        self.head_stats = HeadStats()
+
+    def reset(self) -> None:
+        self.session.reset()
+
+    def _logits(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """(logits, token ids) of the first ``k`` ranked rows (a slice: no copy) plus missing kept tokens."""
+        logits = self.head.finish(torch.nn.functional.linear(
+            hidden, self.head.weight[:k], None if self.head.bias is None else self.head.bias[:k]))
+        ids = self.ranking[:k]
+        missing = self._keep_rank >= k
+        if bool(missing.any()):
+            logits = torch.cat([logits, self._keep_head(hidden)[missing]])
+            ids = torch.cat([ids, self._keep[missing]])
+        return logits, ids
+
+    @torch.no_grad()
+    def propose(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
+    ) -> Proposal:
+        """Draft ``gamma`` tokens, position ``t`` from the ``K_fr(t)`` most frequent tokens."""
+        require_context(context)
+        kmax = _per_gamma(self.kmax, gamma, "PA-FR budget")
+        hidden = self.session.move_to(context)[-1]
+        tokens: list[int] = []
+        dists: list[Tensor] = []
+        token = context[-1]
+        for t in range(gamma):
+            if t > 0:
+                hidden = self.session.feed([token])[-1]
+            k = pa_fr(kmax, t, self.k_min)
+            (logits, ids), seconds = timed_call(hidden.device, lambda: self._logits(hidden, k))
+            self.head_stats.add(t, int(ids.numel()), seconds)
+            probs = standardise(logits, params)
+            token = int(ids[int(sample(probs, generator))])
+            tokens.append(token if token < self.target_vocab_size else -1)
+            full = torch.zeros(self.target_vocab_size, dtype=torch.float64, device=hidden.device)
+            inside = ids < self.target_vocab_size
+            full[ids[inside]] = probs[inside]
+            dists.append(full)
+        return Proposal(tokens, torch.stack(dists) if dists else torch.zeros(0, self.target_vocab_size,
+                                                                                dtype=torch.float64))
