@@ -95,11 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="default", help="kit profile: default (~10 min) or test (~2 min)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     p = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run")
-    p.add_argument("what", choices=["count", "eval", "train"],
+    p.add_argument("what", choices=["count", "eval", "train", "head", "cluster"],
                    help="count: vectorised counting vs collections.Counter; eval: every speculative method vs "
                         "autoregressive decoding on this device (no MLflow needed); train: one EAGLE-3 training "
-                        "step vs the frozen target's forward on the same batch (needs generate and count built)")
-    p.add_argument("--steps", type=int, default=10, help="train: timed repetitions of each")
+                        "step vs the frozen target's forward on the same batch (needs generate and count built); head: one "
+                        "draft step's LM head, full vs static 32k vs DynaSpec-routed, at 128k x 4096 and the tiny "
+                        "kit's size; cluster: FAISS spherical k-means vs scikit-learn KMeans")
+    p.add_argument("--steps", type=int, default=10, help="train, head: timed repetitions of each")
     p.add_argument("--tokens", type=int, default=2_000_000, help="count: synthetic calibration tokens")
     p.add_argument("--calibration", default=None, help="count: a calibration artifact to count instead")
     p.add_argument("--counts", default=None, help="eval: the count artifact whose shortlists to evaluate")
@@ -264,6 +266,19 @@ def main(argv: list[str] | None = None) -> int:
                 from jobs.train_drafter import bench
 
                 print(bench(_load(args), steps=args.steps))
+                return 0
+            if args.what == "head":
+                from pipeline.dynaspec.bench import bench_head, head_table
+
+                results = [bench_head(repeats=args.steps)]
+                results.append(bench_head(vocab=2048, hidden=96, clusters=64, static=512, routed_share=0.25,
+                                          router_hidden=256, repeats=max(args.steps, 200)))
+                print(head_table(results))
+                return 0
+            if args.what == "cluster":
+                from pipeline.dynaspec.bench import bench_cluster
+
+                print(bench_cluster())
                 return 0
             if args.what == "count":
                 from pipeline.evaluation.bench import bench_count

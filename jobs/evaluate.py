@@ -9,7 +9,10 @@ greedy output token for token on every prompt, and at temperature 1 the first em
 distribution must pass a chi-square test against the target's p. Gates (losslessness, τ, speed) decide
 whether the bundle (the count artifact's draft vocabularies + this report) is registered in MLflow; with
 method ``eagle3`` the EAGLE-3 drafter of ``train_drafter`` is decoded too and, gated on its own best γ,
-registered as a second bundle (weights, config, serving exports, draft vocabulary, report).
+registered as a second bundle (weights, config, serving exports, draft vocabulary, report). With
+methods ``dynaspec``/``dynaspec_pa`` the router of ``train_router`` routes over the clusters of ``cluster``;
+those rows and ``pa_fr`` are run at the mean shortlist size of the FR-Spec shortlist
+``evaluate.dynaspec_match``, and the DynaSpec bundle (clusters, router, report) is gated and registered.
 """
 
 from __future__ import annotations

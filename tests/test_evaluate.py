@@ -16,6 +16,7 @@ from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
 from tests.mlflow_server import MlflowServer
 from tests.test_stages import SMALL
+from tests.test_dynaspec_stages import ROUTER
 from tests.test_train_drafter import TRAIN
 
 EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/drafter_other",
@@ -24,7 +25,8 @@ EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/
         # float64 makes batched verification and one-token decoding round identically, so greedy outputs must
         # agree bit for bit (no tie tolerance); the sampling check uses 600 draws per method, p-value >= 1e-4.
         "target.dtype=float64", "evaluate.tie_tolerance=0", "evaluate.sampling_check_samples=600",
-        "evaluate.gate_tau_min=1.05", "evaluate.gate_speed_min=0.5", *TRAIN, "mlflow.experiment=evaluate-tests"]
+        "evaluate.gate_tau_min=1.05", "evaluate.gate_speed_min=0.5", *TRAIN, *ROUTER, "evaluate.dynaspec_match=top_k_64",
+        "mlflow.experiment=evaluate-tests"]
 
 
 def eval_cfg(workdir: Path, uri: str, *extra: str) -> PipelineConfig:
@@ -43,12 +45,13 @@ def test_every_method_is_lossless_on_the_tiny_kit(evaluated) -> None:
     _, _, results = evaluated
     methods = {(r["task"], r["method"]) for r in results["rows"]}
     assert methods == {(t, m) for t in ("chat", "code")
-                       for m in ("ar", "full", "shortlist", "eagle3", "tli", "union", "slem")}
+                       for m in ("ar", "full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "eagle3", "tli",
+                                 "union", "slem")}
     for row in results["rows"]:
         assert row["greedy_equal"] is True, row  # token for token, every prompt, every γ
     names = [c["name"] for c in results["lossless"]["checks"]]
-    # full, 2 shortlists, eagle3, tli, union, slem
-    assert sum(n.startswith("first_token_distribution") for n in names) == 7
+    # full, 2 shortlists, pa_fr, dynaspec, dynaspec_pa, eagle3, tli, union, slem
+    assert sum(n.startswith("first_token_distribution") for n in names) == 10
     for check in results["lossless"]["checks"]:
         if check["name"].startswith("first_token_distribution"):
             verified = int(check["detail"].split("first-round drafts verified: ")[1].split()[0])
@@ -184,3 +187,28 @@ def test_drafter_with_another_tokenizer_cannot_use_same_vocab_methods(tmp_path: 
 def test_non_positive_gamma_is_a_config_error(gammas: str) -> None:
     with pytest.raises(DrafterError, match="evaluate.gammas"):
         load_config(None, [f"evaluate.gammas={gammas}"])
+
+
+def test_dynaspec_rows_are_matched_and_their_bundle_registered(evaluated, mlflow_server: MlflowServer) -> None:
+    """DynaSpec-F, DynaSpec-PA and PA-FR rows carry their budget, measured head rows per draft position
+    (PA decays with position; each mean within a factor 2 of the FR-Spec shortlist it was matched to) and
+    head time; the DynaSpec bundle (clusters + router + report) passes its gates and is registered."""
+    cfg, artifact, results = evaluated
+    policy = results["dynaspec_policy"]
+    assert policy["match"] == "top_k_64" and policy["keep_ids"]
+    for row in results["rows"]:
+        if row["method"] in ("pa_fr", "dynaspec", "dynaspec_pa"):
+            assert row["budget"] and row["head_ms_per_step"] > 0, row
+            assert 0.5 * policy["match_size"] <= row["draft_vocab_mean"] <= 2 * policy["match_size"], row
+            assert len(row["draft_vocab_per_position"]) == row["gamma"]
+            if row["method"] != "dynaspec" and row["gamma"] == 4:
+                assert row["draft_vocab_per_position"][0] > row["draft_vocab_per_position"][-1], row
+        if row["method"] == "full":
+            assert row["draft_vocab_mean"] == 1024  # the whole head
+    assert results["dynaspec_gates"]["passed"], results["dynaspec_gates"]
+    record = json.loads((artifact.path.parent / f"{artifact.id}.registration-dynaspec.json").read_text())
+    assert record["name"].endswith("-dynaspec")
+    version = MlflowClient(tracking_uri=mlflow_server.uri).get_model_version_by_alias(record["name"], "champion")
+    components = version.tags["drafter.components"]
+    assert results["inputs"]["cluster"] in components and results["inputs"]["train_router"] in components
+    assert "Shortlists at matched size" in artifact.file("report.md").read_text()

@@ -275,7 +275,9 @@ class EvaluateConfig:
     """Tokens decoded per prompt."""
     methods: list[str] = field(default_factory=lambda: list(EVAL_METHODS))
     """Speculative methods besides the autoregressive baseline: full (same-tokenizer drafter, full head),
-    shortlist (its head cut to each shortlist below), tli, union, slem (different-tokenizer drafter)."""
+    shortlist (its head cut to each shortlist below), pa_fr (position-aware frequency shortlist), dynaspec /
+    dynaspec_pa (router-chosen clusters, fixed / Eq. 3 budget; need cluster and train_router), eagle3 (needs
+    train_drafter), tli, union, slem (different-tokenizer drafter)."""
     gammas: list[int] = field(default_factory=lambda: [4])
     """Draft lengths to try (each a row of the matrix)."""
     drafter: str = "tiny:default/drafter"

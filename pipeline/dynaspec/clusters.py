@@ -28,12 +28,15 @@ SUMMARY_FILE = "clusters.json"
 
 
 def head_sha256(weight: Any) -> str:
-    """SHA-256 of an LM head's weight (shape, dtype and bytes), the identity a clustering is tied to."""
+    """SHA-256 of an LM head's weight rounded to bfloat16 (and its shape): the identity a clustering and a
+    router are tied to. Rounding first makes the same checkpoint match whether it was loaded in float32,
+    float64 or bfloat16 (the cluster stage reads float32, evaluate the target's dtype); another head differs."""
     import torch
 
-    tensor = weight.detach().to("cpu").contiguous() if isinstance(weight, torch.Tensor) else torch.as_tensor(weight)
-    digest = hashlib.sha256(f"{tuple(tensor.shape)}|{tensor.dtype}|".encode())
-    digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    tensor = weight.detach() if isinstance(weight, torch.Tensor) else torch.as_tensor(np.asarray(weight))
+    tensor = tensor.to("cpu", torch.bfloat16).contiguous()
+    digest = hashlib.sha256(f"{tuple(tensor.shape)}|bfloat16|".encode())
+    digest.update(tensor.view(torch.int16).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
 
 

@@ -4,8 +4,8 @@
 the router scores the ``M`` token clusters from ``[E(x_t), h_{t-1}]``, the top ``k_c(t)`` clusters
 (a fixed ``k`` — DynaSpec-F — or Eq. 3's position-aware budget — DynaSpec-PA) form the shortlist, and
 the drafter's head is evaluated on those rows only: the head's rows are stored once sorted by cluster,
-so a shortlist is a handful of contiguous blocks gathered into one ``(B, d)`` matrix for a single matmul
-(never the full head then a mask). Tokens the caller must always be able to draft (EOS) are added when
+so a shortlist is a handful of contiguous blocks — on CUDA gathered into one ``(B, d)`` matrix for a
+single GEMM, on CPU multiplied block by block as views (no copy) — never the full head then a mask. Tokens the caller must always be able to draft (EOS) are added when
 their cluster is not chosen. ``q`` is the softmax over the shortlist (after the sampling transforms)
 scattered into target ids — exactly the law the drafts are drawn from, so verification over the full
 vocabulary keeps decoding lossless. On CUDA the router runs on a side stream while the drafter body
@@ -75,7 +75,7 @@ class RoutedHead:
         keep_ids: Token ids in every shortlist (EOS).
     """
 
-    def __init__(self, model: torch.nn.Module, clustering: Any, keep_ids: Sequence[int]) -> None:
+    def __init__(self, model: torch.nn.Module, clustering: Any, keep_ids: Sequence[int], mode: str = "auto") -> None:
         weight = model.get_output_embeddings().weight
         clustering.check_head(weight)
         device = weight.device
@@ -91,6 +91,13 @@ class RoutedHead:
         position[self.order] = torch.arange(self.order.numel(), device=device)
         self.keep_clusters = self.assignment[keep]
         self.keep_rows = position[keep]
+        if mode not in ("auto", "gather", "blocks"):
+            raise DrafterError("Unknown routed-head mode.", expected="auto, gather or blocks", found=repr(mode))
+        # CUDA: one gather + one GEMM (few launches); CPU: one matmul per contiguous run of chosen clusters
+        # on views of the cluster-sorted rows (no copy: a gather costs more than the matmul it feeds here).
+        self.mode = ("gather" if device.type == "cuda" else "blocks") if mode == "auto" else mode
+        self._offsets = offsets.tolist()
+        self._keep = list(zip(self.keep_clusters.tolist(), self.keep_rows.tolist()))
 
     def select(self, clusters: Tensor) -> Tensor:
         """Row indices (into the cluster-sorted head) of the chosen clusters' union, plus kept tokens."""
@@ -108,6 +115,26 @@ class RoutedHead:
             if extra.numel():
                 rows = torch.cat([rows, extra])
         return rows
+
+    def shortlist(self, hidden: Tensor, clusters: Tensor) -> tuple[Tensor, Tensor]:
+        """``(token ids, logits)`` of the chosen clusters' union plus kept tokens (ids in the order of the
+        logits; the same set and values in either mode)."""
+        if self.mode == "gather":
+            rows = self.select(clusters)
+            return self.order[rows], self.head(hidden, rows)
+        chosen = sorted(set(clusters.tolist()))
+        runs: list[list[int]] = []
+        for c in chosen:  # merge adjacent clusters into one contiguous block
+            if runs and runs[-1][1] == self._offsets[c]:
+                runs[-1][1] = self._offsets[c + 1]
+            else:
+                runs.append([self._offsets[c], self._offsets[c + 1]])
+        picked = set(chosen)
+        runs += [[row, row + 1] for cluster, row in self._keep if cluster not in picked]
+        weight, bias = self.head.weight, self.head.bias
+        parts = [torch.nn.functional.linear(hidden, weight[a:b], None if bias is None else bias[a:b]) for a, b in runs]
+        ids = torch.cat([self.order[a:b] for a, b in runs])
+        return ids, self.head.finish(torch.cat(parts) if len(parts) > 1 else parts[0])
 
     def logits(self, hidden: Tensor, rows: Tensor) -> Tensor:
         """Logits of ``rows`` only: one gathered ``(B, d)`` block, one matmul."""
@@ -184,8 +211,7 @@ class RoutedShortlistProposer:
 
     def _head(self, hidden: Tensor, clusters: Tensor) -> tuple[Tensor, Tensor]:
         """(token ids, logits) of the chosen clusters' shortlist."""
-        rows = self.routed.select(clusters)
-        return self.routed.token_ids(rows), self.routed.logits(hidden, rows)
+        return self.routed.shortlist(hidden, clusters)
 
     @torch.no_grad()
     def propose(

@@ -151,7 +151,8 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
     """Registry inputs for every method from loaded tiny-kit roles (``{role: (model, tokenizer)}``).
 
     The shortlist is the target's first 256 ids plus EOS; the EAGLE-3 head (untrained, seeded) drafts
-    over those ids, on the target's device and in its dtype.
+    over those ids, on the target's device and in its dtype; DynaSpec routes over a 16-cluster FAISS
+    clustering of the drafter's head with an untrained seeded router; PA-FR ranks ids in id order.
     """
     from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from pipeline.engine.methods import ProposerInputs
@@ -170,8 +171,23 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
         eagle3 = Eagle3Drafter(config, embedding)
     eagle3 = eagle3.to(device=embedding.weight.device, dtype=embedding.weight.dtype).eval()
     eagle3.set_vocab_maps(*eagle3_offset_maps(shortlist.numpy(), config.target_vocab_size))
+    from pipeline.dynaspec.budget import ClusterBudget, ShortlistPolicy
+    from pipeline.dynaspec.clusters import spherical_kmeans
+    from pipeline.dynaspec.router import Router
+
+    drafter = kit["drafter"][0]
+    head = drafter.get_output_embeddings().weight
+    clustering = spherical_kmeans(head, 16, niter=10, seed=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        router = Router(2 * head.shape[1], 16, 16).to(device=head.device, dtype=head.dtype).eval()
+    policy = ShortlistPolicy(keep_ids=(target_tok.eos_token_id,), fixed=ClusterBudget("fixed", 4),
+                             pa=ClusterBudget("pa", 4, 8), pa_fr_kmax=256, ranking=torch.arange(head.shape[0]).numpy())
     return ProposerInputs(
-        drafter=kit["drafter"][0],
+        clustering=clustering,
+        router=router,
+        policy=policy,
+        drafter=drafter,
         shortlist=shortlist,
         drafter_other=other,
         drafter_other_tokenizer=other_tok,

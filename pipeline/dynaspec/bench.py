@@ -1,0 +1,159 @@
+"""Benchmarks for DynaSpec's parts, each printing ratios against a baseline timed in the same run.
+
+:func:`bench_head`: one draft step's LM head at a realistic size (default 128k × 4096, Llama-3-8B's head)
+and at the tiny kit's size: the full head, a static FR-Spec head (a pre-sliced ``(k, d)`` matrix), and
+the routed head (router MLP + top-k + the chosen clusters' rows, the code the proposer runs: rows stored
+by cluster, one gathered GEMM on CUDA, per-block matmuls on views on CPU), with the routed shortlist sized like DynaSpec's (≈ 28k of 128k). Weights are
+synthetic (latency does not depend on their values) and the clusters unbalanced (log-normal sizes).
+
+:func:`bench_cluster`: spherical k-means with FAISS against scikit-learn's ``KMeans`` on the same unit
+rows (and FAISS-GPU when FAISS sees a GPU).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class _Head(torch.nn.Module):
+    """A bare LM head with the accessor the proposers use."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after 3 warm-up calls (CUDA synchronised)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def unbalanced_assignment(vocab: int, clusters: int, seed: int = 0) -> np.ndarray:
+    """A token → cluster map with log-normal cluster sizes (every cluster non-empty), tokens shuffled."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.lognormal(0.0, 0.8, clusters)
+    sizes = np.maximum(1, np.floor(sizes / sizes.sum() * (vocab - clusters)).astype(np.int64) + 1)
+    sizes[np.argmax(sizes)] += vocab - sizes.sum()
+    return rng.permutation(np.repeat(np.arange(clusters), sizes))
+
+
+def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, static: int = 32_768,
+               routed_share: float = 0.22, router_hidden: int = 512, repeats: int = 50, device: str | None = None,
+               dtype: str | None = None) -> dict:
+    """Time one draft step's head: full vs static vs routed (router + selection + gathered matmul).
+
+    Args:
+        vocab, hidden: The head's shape.
+        clusters: M.
+        static: Rows of the static FR-Spec head.
+        routed_share: Target share of the vocabulary in the routed shortlist (DynaSpec ≈ 28.7k / 128k).
+        router_hidden: Width of the router MLP (input 2 × hidden).
+        repeats: Timed calls per variant (median reported).
+        device: cpu or cuda (default: cuda when present).
+        dtype: float32 (CPU default) or bfloat16 (CUDA default).
+
+    Returns:
+        ``{"device", "shape", "rows", "ms", "vs_full"}``.
+    """
+    from pipeline.dynaspec.clusters import Clustering, head_sha256
+    from pipeline.dynaspec.router import Router
+    from pipeline.engine.dynaspec import RoutedHead
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = getattr(torch, dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(device=dev, dtype=dt)
+    h = torch.randn(hidden, generator=gen).to(device=dev, dtype=dt)
+    assignment = unbalanced_assignment(vocab, clusters)
+    clustering = Clustering(assignment, np.zeros((clusters, hidden), np.float32), head_sha256(weight))
+    model = _Head(weight)
+    routed = RoutedHead(model, clustering, keep_ids=[0])
+    router = Router(2 * hidden, router_hidden, clusters).to(device=dev, dtype=dt).eval()
+    feature = torch.randn(2 * hidden, generator=gen).to(device=dev, dtype=dt)
+    # k: clusters whose mean union size is the routed share (by the mean cluster size)
+    k = max(1, min(clusters, round(routed_share * clusters)))
+    static_rows = weight[:static].clone()
+    chosen = torch.topk(router(feature), k).indices
+
+    @torch.no_grad()
+    def full() -> torch.Tensor:
+        return torch.nn.functional.linear(h, weight)
+
+    @torch.no_grad()
+    def static_head() -> torch.Tensor:
+        return torch.nn.functional.linear(h, static_rows)
+
+    @torch.no_grad()
+    def gather_only() -> torch.Tensor:
+        return routed.shortlist(h, chosen)[1]
+
+    @torch.no_grad()
+    def routed_step() -> torch.Tensor:
+        return routed.shortlist(h, torch.topk(router(feature), k).indices)[1]
+
+    @torch.no_grad()
+    def router_only() -> torch.Tensor:
+        return torch.topk(router(feature), k).indices
+
+    rows = int(routed.shortlist(h, chosen)[0].numel())
+    ms = {name: 1e3 * _timed(fn, dev, repeats) for name, fn in
+          (("full", full), ("static", static_head), ("routed", routed_step), ("routed_gather_matmul", gather_only),
+           ("router_mlp_topk", router_only))}
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    return {"device": name, "dtype": str(dt).replace("torch.", ""), "shape": [vocab, hidden], "clusters": clusters,
+            "k": k, "rows": {"full": vocab, "static": static, "routed": rows}, "ms": ms,
+            "vs_full": {n: v / ms["full"] for n, v in ms.items()}}
+
+
+def head_table(results: list[dict]) -> str:
+    lines = ["| head | device | dtype | rows | full ms | static ms (× full) | routed ms (× full) | of which shortlist head | router |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ms, vs = r["ms"], r["vs_full"]
+        lines.append(f"| {r['shape'][0]}×{r['shape'][1]}, M={r['clusters']}, k={r['k']} | {r['device']} | {r['dtype']} | "
+                     f"{r['rows']['full']} / {r['rows']['static']} / {r['rows']['routed']} | {ms['full']:.3f} | "
+                     f"{ms['static']:.3f} ({vs['static']:.2f}×) | {ms['routed']:.3f} ({vs['routed']:.2f}×) | "
+                     f"{ms['routed_gather_matmul']:.3f} | {ms['router_mlp_topk']:.3f} |")
+    return "\n".join(lines)
+
+
+def bench_cluster(rows: int = 32_768, dim: int = 1024, clusters: int = 256, niter: int = 20,
+                  sklearn: bool = True) -> str:
+    """FAISS spherical k-means vs scikit-learn KMeans on the same synthetic unit rows (ratios printed)."""
+    import faiss
+
+    from pipeline.dynaspec.clusters import sklearn_kmeans_seconds, spherical_kmeans
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(rows, dim, generator=gen)
+    lines = [f"k-means of {rows} × {dim} unit rows into {clusters} clusters, {niter} iterations, 1 run "
+             f"({torch.get_num_threads()} CPU threads)", "| implementation | seconds | vs FAISS-CPU |", "|---|---|---|"]
+    cpu = spherical_kmeans(weight, clusters, niter=niter, redo=1, use_gpu=False).meta["seconds"]
+    lines.append(f"| faiss-cpu {faiss.__version__} (spherical) | {cpu:.2f} | 1.00× |")
+    if faiss.get_num_gpus() > 0:
+        gpu = spherical_kmeans(weight, clusters, niter=niter, redo=1, use_gpu=True).meta["seconds"]
+        lines.append(f"| faiss-gpu (spherical) | {gpu:.2f} | {gpu / cpu:.2f}× |")
+    if sklearn:
+        sk = sklearn_kmeans_seconds(weight, clusters, niter=niter)
+        lines.append(f"| scikit-learn KMeans (lloyd) | {sk:.2f} | {sk / cpu:.2f}× |")
+    return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""The DynaSpec stages on the tiny kit's test profile: ``cluster`` (FAISS spherical k-means of the drafter's
+head) and ``train_router`` (the router under the shared harness, its held-out routing curves), their
+artifacts, a kill -9 mid-training then a rerun ending bit-identical, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jobs import cluster, evaluate, run, train_router
+from pipeline.config.sections import PipelineConfig, load_config
+from pipeline.dynaspec.budget import ClusterBudget, eq3, match_budgets, match_pa_fr, pa_fr
+from pipeline.dynaspec.clusters import Clustering, head_sha256, spherical_kmeans
+from pipeline.errors import DrafterError
+from pipeline.orchestration.dag import plan
+from pipeline.training import checkpoints as ckpt
+from tests.test_stages import SMALL
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTERS = 16
+ROUTER = ["cluster.drafter=tiny:test/drafter", f"cluster.clusters={CLUSTERS}", "train_router.eval_fraction=0.2",
+          "train_router.hidden_size=64", "train_router.train.max_steps=24", "train_router.train.global_batch_size=8",
+          "train_router.train.micro_batch_size=4", "train_router.train.eval_every=8",
+          "train_router.train.checkpoint_every=4", "train_router.train.warmup_steps=2",
+          "train_router.train.progress_bar=false", "mlflow.experiment=dynaspec-tests"]
+
+
+def ds_cfg(workdir: Path, *extra: str) -> PipelineConfig:
+    return load_config(None, [f"workdir={workdir}", *SMALL, *ROUTER, *extra])
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory: pytest.TempPathFactory, tiny_kit):
+    cfg = ds_cfg(tmp_path_factory.mktemp("dynaspec"))
+    artifacts = run(cfg, ["train_router"])  # generate, count, cluster first
+    return cfg, artifacts
+
+
+def test_budgets_follow_eq3_and_app_a3() -> None:
+    """Eq. 3 with k0=12, k1=8: 12, 8, ⌊10/4⌋=2, ⌊11/6⌋=1, ⌊12/8⌋=1, then clamped at k_min instead of 0;
+    PA-FR with kmax=600: 600, 600, 200, 150, 120; matching picks the budget closest to the size asked for."""
+    assert [eq3(12, 8, t) for t in range(7)] == [12, 8, 2, 1, 1, 1, 1]
+    assert (8 + 10) // 20 == 0 and eq3(12, 8, 10) == 1 and eq3(12, 8, 10, k_min=2) == 2  # guarded zero
+    assert [pa_fr(600, t) for t in range(5)] == [600, 600, 200, 150, 120]
+    sizes = [10.0 * k for k in range(1, 17)]  # 10 tokens per cluster
+    fixed, pa = match_budgets(sizes, 55.0, gamma=4)
+    assert fixed.k1 in (5, 6) and pa.k1 == fixed.k1 and pa.k0 > pa.k1
+    assert abs(np.mean([sizes[pa.at(t) - 1] for t in range(4)]) - 55.0) <= 10
+    kmax = match_pa_fr(1000, 100.0, gamma=4)
+    assert abs(np.mean([pa_fr(kmax, t) for t in range(4)]) - 100.0) <= 1
+    for bad, match in ((ClusterBudget("pa", 8, 8), "k0 > k1"), (ClusterBudget("pa", 8, 17), "more clusters"),
+                       (ClusterBudget("fixed", 0), "more clusters than exist \\(or fewer")):
+        with pytest.raises(DrafterError, match=match):
+            bad.check(16)
+
+
+def test_faiss_clustering_is_a_seeded_partition(tiny_kit) -> None:
+    """Every token in exactly one cluster (the assignment covers all rows, not FAISS's training sample),
+    unit centroids, the same clustering for the same seed and another for another seed, a safetensors round
+    trip keyed to the head's SHA-256."""
+    from transformers import AutoModelForCausalLM
+
+    head = AutoModelForCausalLM.from_pretrained(tiny_kit.path("drafter")).get_output_embeddings().weight
+    a = spherical_kmeans(head, CLUSTERS, seed=0, max_points_per_centroid=8)  # trains on a sample
+    assert a.assignment.shape == (head.shape[0],) and a.sizes.sum() == head.shape[0] and (a.sizes > 0).all()
+    np.testing.assert_allclose(np.linalg.norm(a.centroids, axis=1), 1.0, atol=1e-5)
+    assert np.array_equal(a.assignment, spherical_kmeans(head, CLUSTERS, seed=0, max_points_per_centroid=8).assignment)
+    assert not np.array_equal(a.assignment, spherical_kmeans(head, CLUSTERS, seed=1).assignment)
+    # nearest centroid by inner product on unit rows: the assignment is the argmax
+    rows = head.detach().numpy() / np.linalg.norm(head.detach().numpy(), axis=1, keepdims=True)
+    assert np.array_equal(a.assignment, np.argmax(rows @ a.centroids.T, axis=1))
+    with pytest.raises(DrafterError, match="does not fit"):
+        spherical_kmeans(head, head.shape[0] + 1)
+
+
+def test_cluster_artifact(routed) -> None:
+    cfg, artifacts = routed
+    art = artifacts["cluster"]
+    clustering = Clustering.load(art.path)
+    summary = json.loads(art.file("clusters.json").read_text())
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.models.loading import resolve_ref
+
+    head = AutoModelForCausalLM.from_pretrained(resolve_ref("tiny:test/drafter").location).get_output_embeddings().weight
+    assert clustering.head_sha256 == head_sha256(head) == summary["head_sha256"]
+    assert clustering.num_clusters == CLUSTERS and clustering.sizes.sum() == head.shape[0]
+    assert summary["special_token_clusters"] and summary["size_max"] >= summary["size_min"] >= 1
+    assert art.metrics["cluster_seconds"] > 0
+    # FAISS-GPU or CPU is a run setting: the same id
+    assert plan(ds_cfg(cfg.workdir_path, "cluster.device=cpu"), ["cluster"])["cluster"].id == art.id
+    assert cluster.main(cfg).id == art.id  # a cache hit
+
+
+def test_router_artifact_and_routing_curves(routed) -> None:
+    """The router is saved with what it was trained for; held-out curves over k = 1..M: sizes and retained
+    masses grow with k and reach the whole vocabulary (mass 1) at k = M; the static comparison has the
+    routed shortlist's mean size; the kept checkpoint is the best held-out loss."""
+    _, artifacts = routed
+    art = artifacts["train_router"]
+    config = json.loads(art.file("router_config.json").read_text())
+    clustering = Clustering.load(artifacts["cluster"].path)
+    assert config["clustering_sha256"] == clustering.content_sha256() and config["clusters"] == artifacts["cluster"].id
+    curves = json.loads(art.file("routing.json").read_text())
+    assert curves["positions"] > 0 and curves["k"] == list(range(1, CLUSTERS + 1))
+    for key in ("size", "drafter_mass", "target_mass", "drafter_top_l_recall"):
+        assert all(b >= a - 1e-9 for a, b in zip(curves[key], curves[key][1:])), key
+    assert curves["size"][-1] == pytest.approx(clustering.vocab_size)
+    for key in ("drafter_mass", "target_mass", "drafter_top_l_recall", "static_target_mass"):
+        assert curves[key][-1] == pytest.approx(1.0, abs=1e-9), key
+    assert all(abs(s - r) <= 1.0 for s, r in zip(curves["static_size"], curves["size"]))
+    training = json.loads(art.file("training.json").read_text())
+    assert training["best"]["metric"] == "neg_loss" and training["steps"] == 24
+
+
+def test_kill_minus_9_then_rerun_ends_bit_identical(routed, tmp_path: Path) -> None:
+    cfg, artifacts = routed
+    art = artifacts["train_router"]
+    workdir = tmp_path / "killed"
+    names = json.loads(art.file("router_config.json").read_text())
+    inputs = [f"train_router.calibration={art.path.parent / names['calibration']}",
+              f"train_router.counts={art.path.parent / names['counts']}",
+              f"train_router.clusters={art.path.parent / names['clusters']}"]
+    (tmp_path / "base.yaml").write_text(f"workdir: {workdir}\n")
+    cmd = [sys.executable, "-m", "jobs.cli", "train_router", "--config", str(tmp_path / "base.yaml"), *SMALL,
+           *ROUTER, *inputs]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())})
+    deadline, staging = time.monotonic() + 300, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list(workdir.glob("staging/*/train/step-*"))
+        if any(int(p.name[len(ckpt.PREFIX):]) >= 8 for p in found):
+            staging = found[0].parent
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, f"train_router ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    landed = [int(p.name[len(ckpt.PREFIX):]) for p in ckpt.checkpoints(staging)]
+    assert landed and max(landed) < 24, "the kill must land mid-run"
+    assert not list((workdir / "artifacts").glob("train_router-*"))  # nothing published
+    resumed = train_router.main(ds_cfg(workdir, *inputs))
+    assert json.loads(resumed.file("training.json").read_text())["resumed_from"] == max(landed)
+    assert resumed.id == art.id
+    ours, reference = load_file(str(resumed.file("router.safetensors"))), load_file(str(art.file("router.safetensors")))
+    assert ours.keys() == reference.keys()
+    for key in ours:
+        assert torch.equal(ours[key], reference[key]), key
+
+
+def test_bad_input(routed, tmp_path: Path) -> None:
+    """A drafter with another tokenizer, a router for another clustering, a match shortlist count does not
+    have, bad cluster counts: clear errors before any decoding."""
+    cfg, artifacts = routed
+    with pytest.raises(DrafterError, match="cluster.clusters"):
+        ds_cfg(tmp_path, "cluster.clusters=1")
+    with pytest.raises(DrafterError, match="does not share the target's tokenizer|fewer LM-head rows"):
+        cluster.main(ds_cfg(tmp_path, "cluster.drafter=tiny:test/drafter_other"))
+    names = json.loads(artifacts["train_router"].file("router_config.json").read_text())
+    shared = [f"evaluate.counts={artifacts['count'].path}", "evaluate.methods=[dynaspec]",
+              "evaluate.prompts_per_task=1", "evaluate.max_new_tokens=4", "evaluate.sampling_check_samples=0",
+              "evaluate.register=false", "evaluate.dynaspec_match=top_k_64", "evaluate.tasks=[code]"]
+    other = cluster.main(ds_cfg(tmp_path, "cluster.clusters=8"))  # another clustering of the same head
+    with pytest.raises(DrafterError, match="trained for another token clustering"):
+        evaluate.main(ds_cfg(tmp_path, *shared, f"evaluate.clusters={other.path}",
+                             f"evaluate.router={artifacts['train_router'].path}"))
+    with pytest.raises(DrafterError, match="dynaspec_match"):
+        evaluate.main(ds_cfg(tmp_path, *shared, "evaluate.dynaspec_match=top_k_5",
+                             f"evaluate.clusters={artifacts['cluster'].path}",
+                             f"evaluate.router={artifacts['train_router'].path}"))
+    assert names["clusters"] == artifacts["cluster"].id
