@@ -5,11 +5,7 @@ artifacts, a kill -9 mid-training then a rerun ending bit-identical, and bad inp
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +19,7 @@ from pipeline.dynaspec.budget import ClusterBudget, eq3, match_budgets, match_pa
 from pipeline.dynaspec.clusters import Clustering, head_sha256, spherical_kmeans
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
-from pipeline.training import checkpoints as ckpt
+from tests.killing import kill_after_checkpoint
 from tests.test_stages import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,21 +130,7 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(routed, tmp_path: Path) -> N
     (tmp_path / "base.yaml").write_text(f"workdir: {workdir}\n")
     cmd = [sys.executable, "-m", "jobs.cli", "train_router", "--config", str(tmp_path / "base.yaml"), *SMALL,
            *ROUTER, *inputs]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())})
-    deadline, staging = time.monotonic() + 300, None
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = list(workdir.glob("staging/*/train/step-*"))
-        if any(int(p.name[len(ckpt.PREFIX):]) >= 8 for p in found):
-            staging = found[0].parent
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, f"train_router ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    landed = [int(p.name[len(ckpt.PREFIX):]) for p in ckpt.checkpoints(staging)]
-    assert landed and max(landed) < 24, "the kill must land mid-run"
-    assert not list((workdir / "artifacts").glob("train_router-*"))  # nothing published
+    landed = kill_after_checkpoint(cmd, workdir, at_step=8, total=24, stage="train_router")
     resumed = train_router.main(ds_cfg(workdir, *inputs))
     assert json.loads(resumed.file("training.json").read_text())["resumed_from"] == max(landed)
     assert resumed.id == art.id

@@ -15,8 +15,8 @@ from jobs.cli import main as cli
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
 from tests.mlflow_server import MlflowServer
-from tests.test_stages import SMALL
 from tests.test_dynaspec_stages import ROUTER
+from tests.test_stages import SMALL
 from tests.test_train_drafter import TRAIN
 
 EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/drafter_other",

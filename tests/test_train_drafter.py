@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
 from pipeline.training import checkpoints as ckpt
 from pipeline.training.eagle3_task import CalibrationRows
+from tests.killing import kill_after_checkpoint
 from tests.test_stages import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,24 +131,7 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(trained, tmp_path: Path) -> 
     (tmp_path / "base.yaml").write_text(f"workdir: {workdir}\n")
     cmd = [sys.executable, "-m", "jobs.cli", "train_drafter", "--config", str(tmp_path / "base.yaml"), *SMALL,
            *TRAIN, *inputs]
-    # CPU results are bit-identical at a fixed thread count (it sets the reduction order); other tests in
-    # this worker may have changed this process's count, so the killed run gets the same one.
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())})
-    deadline = time.monotonic() + 300
-    staging = None
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = list(workdir.glob("staging/*/train/step-*"))
-        if any(int(p.name[len(ckpt.PREFIX):]) >= 8 for p in found):
-            staging = found[0].parent
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, f"train_drafter ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    landed = [int(p.name[len(ckpt.PREFIX):]) for p in ckpt.checkpoints(staging)]
-    assert landed and max(landed) < 24, "the kill must land mid-run"
-    assert not list((workdir / "artifacts").glob("train_drafter-*"))  # nothing published
+    landed = kill_after_checkpoint(cmd, workdir, at_step=8, total=24, stage="train_drafter")
     resumed = train_drafter.main(td_cfg(workdir, *inputs))
     record = json.loads(resumed.file("training.json").read_text())
     assert record["resumed_from"] == max(landed)

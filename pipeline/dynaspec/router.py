@@ -206,6 +206,12 @@ def load_router(directory: str | Path, clustering: Any, drafter_head: Tensor | N
     return router.eval(), config
 
 
+def _cumulative_by_cluster(x: Tensor, assignment: Tensor, order: Tensor, m: int) -> Tensor:
+    """``(N, M)``: row n's mass of ``x`` in its first k clusters of ``order``, for every k."""
+    out = torch.zeros(x.shape[0], m, dtype=torch.float64, device=x.device)
+    return out.index_add_(1, assignment, x).gather(1, order).cumsum(1)
+
+
 @torch.no_grad()
 def routing_curves(router: Router, drafter: nn.Module, target: nn.Module, rows: Sequence[Any],
                    clustering: Any, ranking: np.ndarray, *, top_l: int, keep_ids: Sequence[int] = (),
@@ -248,10 +254,7 @@ def routing_curves(router: Router, drafter: nn.Module, target: nn.Module, rows: 
         topl = torch.zeros_like(q).scatter_(-1, top, q.gather(-1, top))
         # Per cluster: mass of q, p, top-L q; then accumulate along the router's order.
         order = torch.argsort(scores, dim=-1, descending=True)  # (N, M)
-        def by_cluster(x: Tensor) -> Tensor:
-            out = torch.zeros(x.shape[0], m, dtype=torch.float64, device=device)
-            return out.index_add_(1, assignment, x).gather(1, order).cumsum(1)
-        qc, pc, lc = by_cluster(q), by_cluster(p), by_cluster(topl)
+        qc, pc, lc = (_cumulative_by_cluster(x, assignment, order, m) for x in (q, p, topl))
         sc = sizes[order].cumsum(1)
         if keep.numel():  # keep_ids join every shortlist: add them where their cluster is not yet chosen
             rank = torch.argsort(order, dim=1)  # rank[n, c] = position of cluster c in row n's order

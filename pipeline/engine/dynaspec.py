@@ -66,6 +66,24 @@ def _require_keep(keep_ids: Sequence[int], what: str) -> None:
                            fix="Pass keep_ids=[tokenizer.eos_token_id] (evaluate does this).")
 
 
+def _draw(ids: Tensor, logits: Tensor, params: SamplingParams, generator: Generator, width: int
+          ) -> tuple[int, Tensor]:
+    """Sample a token from a shortlist's logits: the token id, and the law (over the shortlist, after the
+    sampling transforms) scattered into a ``width``-wide target-id row (ids beyond it carry no target mass)."""
+    probs = standardise(logits, params)
+    token = int(ids[int(sample(probs, generator))])
+    row = torch.zeros(width, dtype=torch.float64, device=logits.device)
+    inside = ids < width
+    row[ids[inside]] = probs[inside]
+    return token, row
+
+
+def _proposal(tokens: list[int], rows: list[Tensor], width: int) -> Proposal:
+    """Drafted tokens (``-1`` for one with no target id: always rejected) and their q rows."""
+    q = torch.stack(rows) if rows else torch.zeros(0, width, dtype=torch.float64)
+    return Proposal([t if t < width else -1 for t in tokens], q)
+
+
 class RoutedHead:
     """A drafter's LM head stored by cluster, evaluated on the union of chosen clusters.
 
@@ -232,18 +250,13 @@ class RoutedShortlistProposer:
                 previous, hidden = hidden, hidden_next
             else:
                 clusters, _ = self._route_and_step(token, previous, budget.at(t), advance=False)
-            (ids, logits), seconds = timed_call(hidden.device, lambda: self._head(hidden, clusters))
+            (ids, logits), seconds = timed_call(hidden.device, self._head, hidden, clusters)
             self.head_stats.add(t, int(ids.numel()), seconds)
-            probs = standardise(logits, params)
-            token = int(ids[int(sample(probs, generator))])
-            tokens.append(token if token < self.target_vocab_size else -1)  # no target id: always rejected
-            full = torch.zeros(self.target_vocab_size, dtype=torch.float64, device=hidden.device)
-            inside = ids < self.target_vocab_size
-            full[ids[inside]] = probs[inside]
-            dists.append(full)
+            token, row = _draw(ids, logits, params, generator, self.target_vocab_size)
+            tokens.append(token)
+            dists.append(row)
         # the last drafted token was never fed: the session holds context + tokens[:-1]
-        return Proposal(tokens, torch.stack(dists) if dists else torch.zeros(0, self.target_vocab_size,
-                                                                                dtype=torch.float64))
+        return _proposal(tokens, dists, self.target_vocab_size)
 
 
 class PositionAwareFrequencyProposer:
@@ -319,14 +332,9 @@ class PositionAwareFrequencyProposer:
             if t > 0:
                 hidden = self.session.feed([token])[-1]
             k = pa_fr(kmax, t, self.k_min)
-            (logits, ids), seconds = timed_call(hidden.device, lambda: self._logits(hidden, k))
+            (logits, ids), seconds = timed_call(hidden.device, self._logits, hidden, k)
             self.head_stats.add(t, int(ids.numel()), seconds)
-            probs = standardise(logits, params)
-            token = int(ids[int(sample(probs, generator))])
-            tokens.append(token if token < self.target_vocab_size else -1)
-            full = torch.zeros(self.target_vocab_size, dtype=torch.float64, device=hidden.device)
-            inside = ids < self.target_vocab_size
-            full[ids[inside]] = probs[inside]
-            dists.append(full)
-        return Proposal(tokens, torch.stack(dists) if dists else torch.zeros(0, self.target_vocab_size,
-                                                                                dtype=torch.float64))
+            token, row = _draw(ids, logits, params, generator, self.target_vocab_size)
+            tokens.append(token)
+            dists.append(row)
+        return _proposal(tokens, dists, self.target_vocab_size)

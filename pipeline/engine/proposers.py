@@ -158,14 +158,14 @@ class LinearHead:
         return self.finish(torch.nn.functional.linear(hidden, weight, bias))
 
 
-def timed_call(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
-    """``fn()`` and its wall time (CUDA synchronised before and after, so the time is its own)."""
+def timed_call(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and its wall time (CUDA synchronised before and after, so the time is its own)."""
     import time
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return out, time.perf_counter() - start
@@ -195,7 +195,7 @@ def _draft(
         if stats is None:
             logits = logits_of(row)
         else:
-            logits, seconds = timed_call(session.device, lambda: logits_of(row))
+            logits, seconds = timed_call(session.device, logits_of, row)
             stats.add(step, int(logits.shape[-1]), seconds)
         probs = standardise(logits, params)
         token = token_of(int(sample(probs, generator)))

@@ -450,7 +450,7 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
                   _html_table(EAGLE3_HEADERS, eagle3_rows(results), {1, 2, 3, 4})]
     if (policy := results.get("dynaspec_policy")) is not None:
         ds_gates = results.get("dynaspec_gates")
-        parts += [f"<h2>Shortlists at matched size (DynaSpec, PA-FR, FR-Spec)"
+        parts += ["<h2>Shortlists at matched size (DynaSpec, PA-FR, FR-Spec)"
                   + (f": {_verdict_html(ds_gates.get('passed'))}" if ds_gates is not None else "") + "</h2>",
                   f"<p class='note'>Budgets matched per γ to FR-Spec shortlist {esc(_text(policy.get('match')))} "
                   f"({esc(_text(policy.get('match_size')))} tokens).</p>"]

@@ -196,3 +196,20 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
         eagle3=eagle3,
         target_vocab_size=vocab,
     )
+
+
+def verify_blocks(p: torch.Tensor, q: torch.Tensor, n: int, generator: torch.Generator,
+                  chunk: int = 20_000) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Speculative sampling of ``n`` independent blocks with fixed rows: ``x_i ~ q_i`` (``q``: ``(γ, V)``),
+    verified against ``p`` (``(γ+1, V)``) by the loop's ``verify_speculative``, in chunks that keep its
+    ``(blocks, γ+1, V)`` float64 temporaries small. Returns ``(drafts (n, γ), accepted (n,), next token (n,))``."""
+    from pipeline.engine.verify import verify_speculative
+
+    x = torch.multinomial(q, n, replacement=True, generator=generator).T
+    accepted, emitted = [], []
+    for start in range(0, n, chunk):
+        part = x[start : start + chunk]
+        k, token = verify_speculative(p.expand(len(part), -1, -1), q.expand(len(part), -1, -1), part, generator)
+        accepted.append(k)
+        emitted.append(token)
+    return x, torch.cat(accepted), torch.cat(emitted)

@@ -25,9 +25,8 @@ from pipeline.engine.methods import ProposerInputs, build_proposer
 from pipeline.engine.proposers import Proposal
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import TargetState
-from pipeline.engine.verify import verify_speculative
 from pipeline.errors import DrafterError
-from tests.engine.conftest import assert_counts_match
+from tests.engine.conftest import assert_counts_match, verify_blocks
 
 GREEDY = SamplingParams()
 CLUSTERS = 24
@@ -216,15 +215,8 @@ def test_verify_level_output_law_and_acceptance_law(kit, method: str) -> None:
     p, q = _real_case(kit, build_proposer(method, _inputs(kit)), SamplingParams(temperature=1.0))
     a = torch.minimum(p[:3], q).sum(-1)
     gen = torch.Generator().manual_seed(5)
-    n, chunk = 200_000, 25_000
-    x = torch.multinomial(q, n, replacement=True, generator=gen).T
-    accepted, emitted = [], []
-    for start in range(0, n, chunk):
-        part = x[start : start + chunk]
-        k, token = verify_speculative(p.expand(len(part), -1, -1), q.expand(len(part), -1, -1), part, gen)
-        accepted.append(k)
-        emitted.append(token)
-    n_accepted, next_token = torch.cat(accepted), torch.cat(emitted)
+    n = 200_000
+    x, n_accepted, next_token = verify_blocks(p, q, n, gen)  # x_i ~ q_i, verified block by block
     first = torch.where(n_accepted >= 1, x[:, 0], next_token)
     assert_counts_match(torch.bincount(first, minlength=p.shape[1]), p[0], n, "first emitted token")
     assert int((q[0][first] == 0).sum()) > 0  # emitted off the shortlist, through the residual

@@ -30,11 +30,10 @@ from pipeline.engine.methods import ProposerInputs, build_proposer
 from pipeline.engine.proposers import Proposal
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState
-from pipeline.engine.verify import verify_speculative
 from pipeline.errors import DrafterError
 from pipeline.training.eagle3_objective import target_features, ttt_loss
 from pipeline.vocab.counting import eagle3_offset_maps
-from tests.engine.conftest import assert_counts_match
+from tests.engine.conftest import assert_counts_match, verify_blocks
 
 GREEDY = SamplingParams()
 DRAFT_VOCAB = 150
@@ -322,15 +321,8 @@ def test_verify_level_output_law_and_acceptance_law(target, eagle3, prompts) -> 
     outside = ~eagle3.t2d
     a = torch.minimum(p[:3], q).sum(-1)
     gen = torch.Generator().manual_seed(5)
-    n, chunk = 200_000, 20_000  # chunks keep the verifier's (blocks, 4, V) float64 temporaries ~200 MB
-    x = torch.multinomial(q, n, replacement=True, generator=gen).T  # (n, 3): x_i ~ q_i
-    accepted, emitted = [], []
-    for start in range(0, n, chunk):
-        part = x[start : start + chunk]
-        k, token = verify_speculative(p.expand(len(part), -1, -1), q.expand(len(part), -1, -1), part, gen)
-        accepted.append(k)
-        emitted.append(token)
-    n_accepted, next_token = torch.cat(accepted), torch.cat(emitted)
+    n = 200_000
+    x, n_accepted, next_token = verify_blocks(p, q, n, gen)  # x_i ~ q_i, verified block by block
     first = torch.where(n_accepted >= 1, x[:, 0], next_token)
     assert_counts_match(torch.bincount(first, minlength=p.shape[1]), p[0], n, "first emitted token")
     assert int(outside[first].sum()) > 0  # emitted through the residual, off the draft vocabulary
