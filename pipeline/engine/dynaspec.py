@@ -298,6 +298,7 @@ class PositionAwareFrequencyProposer:
         rank_of[self.ranking] = torch.arange(self.ranking.numel(), device=device)
         self._keep, self._keep_rank = keep, rank_of[keep]
         self._keep_head = LinearHead(model, keep)
+        self._extra: dict[int, tuple[Tensor, Tensor | None, Tensor] | None] = {}
         self.kmax, self.k_min = kmax, k_min
         self.name, self.target_layers = name, ()
         self.target_vocab_size = target_vocab_size or vocab
@@ -308,14 +309,19 @@ class PositionAwareFrequencyProposer:
 
     def _logits(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """(logits, token ids) of the first ``k`` ranked rows (a slice: no copy) plus missing kept tokens."""
-        logits = self.head.finish(torch.nn.functional.linear(
-            hidden, self.head.weight[:k], None if self.head.bias is None else self.head.bias[:k]))
+        if k not in self._extra:  # kept tokens ranked below k: their rows are appended (decided once per k)
+            missing = self._keep_rank >= k
+            keep = self._keep_head
+            self._extra[k] = None if not bool(missing.any()) else (
+                keep.weight[missing], None if keep.bias is None else keep.bias[missing], self._keep[missing])
+        bias = None if self.head.bias is None else self.head.bias[:k]
+        logits = torch.nn.functional.linear(hidden, self.head.weight[:k], bias)  # a view: no copy
         ids = self.ranking[:k]
-        missing = self._keep_rank >= k
-        if bool(missing.any()):
-            logits = torch.cat([logits, self._keep_head(hidden)[missing]])
-            ids = torch.cat([ids, self._keep[missing]])
-        return logits, ids
+        if self._extra[k] is not None:
+            weight, extra_bias, extra_ids = self._extra[k]
+            logits = torch.cat([logits, torch.nn.functional.linear(hidden, weight, extra_bias)])
+            ids = torch.cat([ids, extra_ids])
+        return self.head.finish(logits), ids
 
     @torch.no_grad()
     def propose(
