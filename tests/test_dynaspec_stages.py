@@ -42,6 +42,13 @@ def routed(tmp_path_factory: pytest.TempPathFactory, tiny_kit):
     return cfg, artifacts
 
 
+def named_inputs(art) -> list[str]:  # noqa: ANN001 - a train_router Artifact
+    """Overrides naming the calibration set, counts and clustering ``art`` was trained on (only train_router
+    then runs)."""
+    names = json.loads(art.file("router_config.json").read_text())
+    return [f"train_router.{key}={art.path.parent / names[key]}" for key in ("calibration", "counts", "clusters")]
+
+
 def test_budgets_follow_eq3_and_app_a3() -> None:
     """Eq. 3 with k0=12, k1=8: 12, 8, ⌊10/4⌋=2, ⌊11/6⌋=1, ⌊12/8⌋=1, then clamped at k_min instead of 0;
     PA-FR with kmax=600: 600, 600, 200, 150, 120; matching picks the budget closest to the size asked for."""
@@ -123,10 +130,7 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(routed, tmp_path: Path) -> N
     cfg, artifacts = routed
     art = artifacts["train_router"]
     workdir = tmp_path / "killed"
-    names = json.loads(art.file("router_config.json").read_text())
-    inputs = [f"train_router.calibration={art.path.parent / names['calibration']}",
-              f"train_router.counts={art.path.parent / names['counts']}",
-              f"train_router.clusters={art.path.parent / names['clusters']}"]
+    inputs = named_inputs(art)
     (tmp_path / "base.yaml").write_text(f"workdir: {workdir}\n")
     cmd = [sys.executable, "-m", "jobs.cli", "train_router", "--config", str(tmp_path / "base.yaml"), *SMALL,
            *ROUTER, *inputs]
@@ -161,3 +165,43 @@ def test_bad_input(routed, tmp_path: Path) -> None:
                              f"evaluate.clusters={artifacts['cluster'].path}",
                              f"evaluate.router={artifacts['train_router'].path}"))
     assert names["clusters"] == artifacts["cluster"].id
+
+
+@pytest.mark.gpu
+def test_router_trains_under_lightning_deepspeed_and_routes_losslessly_on_gpu(routed, tmp_path: Path) -> None:
+    """On a CUDA machine: train_router under Lightning's DeepSpeed ZeRO-2 strategy in bf16, end to end; then the
+    routed proposer on the GPU, router on a side stream overlapping the drafter body, gives greedy output equal
+    to the target's own and the same q as the same proposer without the side stream."""
+    from pipeline.dynaspec.router import load_router
+    from pipeline.engine.dynaspec import RoutedShortlistProposer
+    from pipeline.engine.loop import generate_autoregressive, generate_speculative
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.engine.session import TargetState
+    from pipeline.models.loading import load_model
+    from pipeline.models.target import Target
+
+    _, artifacts = routed
+    gpu = ds_cfg(tmp_path, *named_inputs(artifacts["train_router"]), "train_router.train.strategy=deepspeed",
+                 "train_router.train.accelerator=gpu", "train_router.train.devices=1", "train_router.train.bf16=true")
+    art = train_router.main(gpu)
+    training = json.loads(art.file("training.json").read_text())
+    assert training["strategy"] == "deepspeed" and training["deepspeed_config"]["zero_optimization"]["stage"] == 2
+    target = Target(gpu.target).model("cuda", dtype="float32")
+    drafter = load_model(gpu.cluster.drafter, dtype="float32", device="cuda").eval()
+    clustering = Clustering.load(artifacts["cluster"].path)
+    router, _ = load_router(art.path, clustering, drafter.get_output_embeddings().weight)
+    eos = [Target(gpu.target).tokenizer().eos_token_id]
+    budget = ClusterBudget("pa", 4, 8)
+    overlapped = RoutedShortlistProposer(drafter, clustering, router, budget, keep_ids=eos)
+    plain = RoutedShortlistProposer(drafter, clustering, router, budget, keep_ids=eos, overlap=False)
+    assert overlapped._side is not None and plain._side is None
+    prompt = Target(gpu.target).tokenizer()("The weather today is")["input_ids"]
+    greedy = SamplingParams()
+    ar = generate_autoregressive(target, prompt, 24, greedy, torch.Generator(device="cuda").manual_seed(0), None)
+    spec = generate_speculative(target, overlapped, prompt, 24, 4, greedy, torch.Generator(device="cuda"), None)
+    assert spec.tokens == ar.tokens
+    params = SamplingParams(temperature=1.0)
+    a = overlapped.propose(prompt, 4, params, torch.Generator(device="cuda").manual_seed(1), TargetState())
+    b = plain.propose(prompt, 4, params, torch.Generator(device="cuda").manual_seed(1), TargetState())
+    assert a.tokens == b.tokens
+    torch.testing.assert_close(a.q, b.q, rtol=0, atol=1e-6)
