@@ -153,7 +153,8 @@ def test_drafter_plan_prints_ids_and_cache_status(tmp_path: Path, tiny_kit, caps
     capsys.readouterr()  # Lightning's own console output
     assert cli_main(args) == 0
     status = {r["stage"]: r["status"] for r in json.loads(capsys.readouterr().out)}
-    assert status == {"generate": "cached", "count": "to run", "train_drafter": "to run", "evaluate": "to run"}
+    assert status == {"generate": "cached", "count": "to run", "train_drafter": "to run", "cluster": "to run",
+                      "train_router": "to run", "evaluate": "to run"}
     assert cli_main(["plan", f"workdir={tmp_path}", *SMALL]) == 0
     table = capsys.readouterr().out
     assert "generate-" in table and "cached" in table and "3 stage(s) to run" in table
