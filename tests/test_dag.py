@@ -157,4 +157,4 @@ def test_drafter_plan_prints_ids_and_cache_status(tmp_path: Path, tiny_kit, caps
                       "train_router": "to run", "evaluate": "to run"}
     assert cli_main(["plan", f"workdir={tmp_path}", *SMALL]) == 0
     table = capsys.readouterr().out
-    assert "generate-" in table and "cached" in table and "3 stage(s) to run" in table
+    assert "generate-" in table and "cached" in table and "5 stage(s) to run" in table
