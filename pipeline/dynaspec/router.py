@@ -237,7 +237,7 @@ def routing_curves(router: Router, drafter: nn.Module, target: nn.Module, rows: 
     rank_of[torch.as_tensor(ranking[:vocab], device=device)] = torch.arange(vocab, device=device)
     totals = {key: torch.zeros(m, dtype=torch.float64) for key in
               ("size", "drafter_top_l_recall", "drafter_mass", "target_mass")}
-    parts: dict[str, list[Tensor]] = {"size": [], "q": [], "p": [], "topl": []}
+    parts: dict[str, list[Tensor]] = {"q": [], "p": [], "topl": []}
     positions = 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]

@@ -227,10 +227,6 @@ class RoutedShortlistProposer:
         clusters.record_stream(main)
         return clusters, hidden
 
-    def _head(self, hidden: Tensor, clusters: Tensor) -> tuple[Tensor, Tensor]:
-        """(token ids, logits) of the chosen clusters' shortlist."""
-        return self.routed.shortlist(hidden, clusters)
-
     @torch.no_grad()
     def propose(
         self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
@@ -250,7 +246,7 @@ class RoutedShortlistProposer:
                 previous, hidden = hidden, hidden_next
             else:
                 clusters, _ = self._route_and_step(token, previous, budget.at(t), advance=False)
-            (ids, logits), seconds = timed_call(hidden.device, self._head, hidden, clusters)
+            (ids, logits), seconds = timed_call(hidden.device, self.routed.shortlist, hidden, clusters)
             self.head_stats.add(t, int(ids.numel()), seconds)
             token, row = _draw(ids, logits, params, generator, self.target_vocab_size)
             tokens.append(token)

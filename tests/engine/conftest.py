@@ -213,3 +213,12 @@ def verify_blocks(p: torch.Tensor, q: torch.Tensor, n: int, generator: torch.Gen
         accepted.append(k)
         emitted.append(token)
     return x, torch.cat(accepted), torch.cat(emitted)
+
+
+def assert_acceptance_law(p: torch.Tensor, q: torch.Tensor, accepted: torch.Tensor, n: int) -> None:
+    """The accepted count of ``n`` verified γ-blocks follows ``[1-a0, a0(1-a1), …, a0…a_{γ-1}]`` with
+    ``a_i = Σ min(p_i, q_i)`` (Leviathan et al. 2023, Thm. 3.5), outcome by outcome (:func:`assert_counts_match`)."""
+    gamma = q.shape[0]
+    a = torch.minimum(p[:gamma], q).sum(-1)
+    law = torch.stack([a[:k].prod() * (1 - a[k]) for k in range(gamma)] + [a.prod()])
+    assert_counts_match(torch.bincount(accepted, minlength=gamma + 1), law, n, "accepted count")
