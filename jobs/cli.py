@@ -95,12 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="default", help="kit profile: default (~10 min) or test (~2 min)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     p = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run")
-    p.add_argument("what", choices=["count", "eval", "train", "head", "cluster"],
+    p.add_argument("what", choices=["count", "eval", "train", "head", "cluster", "rdk"],
                    help="count: vectorised counting vs collections.Counter; eval: every speculative method vs "
                         "autoregressive decoding on this device (no MLflow needed); train: one EAGLE-3 training "
                         "step vs the frozen target's forward on the same batch (needs generate and count built); head: one "
                         "draft step's LM head, full vs static 32k vs DynaSpec-routed, at 128k x 4096 and the tiny "
-                        "kit's size; cluster: FAISS spherical k-means vs scikit-learn KMeans")
+                        "kit's size; cluster: FAISS spherical k-means vs scikit-learn KMeans; rdk: moment estimation "
+                        "throughput and memory vs a dense |T|^2 matrix, and one draft step of TLI vs RDK-Taylor vs the "
+                        "prior mix vs exact sparse RDK at 128k")
     p.add_argument("--steps", type=int, default=10, help="train, head: timed repetitions of each")
     p.add_argument("--tokens", type=int, default=2_000_000, help="count: synthetic calibration tokens")
     p.add_argument("--calibration", default=None, help="count: a calibration artifact to count instead")
@@ -279,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
                 from pipeline.dynaspec.bench import bench_cluster
 
                 print(bench_cluster())
+                return 0
+            if args.what == "rdk":
+                from pipeline.rdk.bench import bench_estimation, bench_redistribution
+
+                print(json.dumps({"estimation": bench_estimation(),
+                                  "redistribution": bench_redistribution(repeats=args.steps)}, indent=2))
                 return 0
             if args.what == "count":
                 from pipeline.evaluation.bench import bench_count

@@ -13,6 +13,9 @@ registered as a second bundle (weights, config, serving exports, draft vocabular
 methods ``dynaspec``/``dynaspec_pa`` the router of ``train_router`` routes over the clusters of ``cluster``;
 those rows and ``pa_fr`` are run at the mean shortlist size of the FR-Spec shortlist
 ``evaluate.dynaspec_match``, and the DynaSpec bundle (clusters, router, report) is gated and registered.
+With the RDK methods the same-tokenizer drafter is pruned to each level of ``estimate_rdk`` (``pruned``: TLI only;
+``rdk``/``rdk_taylor``/``rdk_prior``: redistributed) and the other-tokenizer drafter drafts through
+``tli_rdk*``; the RDK bundle (moments, kept sets, τ, report) is gated on the best redistributed configuration.
 """
 
 from __future__ import annotations
@@ -38,18 +41,21 @@ def _chosen_metrics(prefix: str, gates: Any) -> dict[str, float]:
 
 
 def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact, eagle3: Artifact | None,
-           routing: tuple[Artifact, Artifact] | None) -> BuildResult:
+           routing: tuple[Artifact, Artifact] | None, rdk: Artifact | None) -> BuildResult:
     from pipeline.evaluation.matrix import evaluate_matrix
     from pipeline.evaluation.report import write_report
 
     started = time.perf_counter()
-    results = evaluate_matrix(cfg, counts_art, run.fingerprint, run.log, eagle3, routing)
+    results = evaluate_matrix(cfg, counts_art, run.fingerprint, run.log, eagle3, routing, rdk)
     metrics = {"eval_seconds": round(time.perf_counter() - started, 2), "gates_passed": int(results.gates.passed),
                "lossless_passed": int(results.lossless)}
     metrics.update(_chosen_metrics("chosen", results.gates))
     if results.dynaspec_gates is not None:
         metrics["dynaspec_gates_passed"] = int(results.dynaspec_gates.passed)
         metrics.update(_chosen_metrics("dynaspec", results.dynaspec_gates))
+    if results.rdk_gates is not None:
+        metrics["rdk_gates_passed"] = int(results.rdk_gates.passed)
+        metrics.update(_chosen_metrics("rdk", results.rdk_gates))
     if results.eagle3_gates is not None:
         metrics["eagle3_gates_passed"] = int(results.eagle3_gates.passed)
         metrics.update(_chosen_metrics("eagle3", results.eagle3_gates))
@@ -78,12 +84,14 @@ def main(cfg: PipelineConfig) -> Artifact | None:
     counts_art = step.input("count")
     eagle3 = step.input("train_drafter") if "train_drafter" in step.inputs else None
     routing = (step.input("cluster"), step.input("train_router")) if "train_router" in step.inputs else None
-    inputs = [counts_art] + ([eagle3] if eagle3 is not None else []) + (list(routing) if routing else [])
-    artifact = run_stage(cfg, step, inputs, build=lambda run: _build(cfg, run, counts_art, eagle3, routing))
+    rdk = step.input("estimate_rdk") if "estimate_rdk" in step.inputs else None
+    inputs = ([counts_art] + ([eagle3] if eagle3 is not None else []) + (list(routing) if routing else [])
+              + ([rdk] if rdk is not None else []))
+    artifact = run_stage(cfg, step, inputs, build=lambda run: _build(cfg, run, counts_art, eagle3, routing, rdk))
     if artifact is not None and cfg.evaluate.register:
         from pipeline.evaluation.matrix import register_bundle
         from pipeline.evaluation.results import EvaluationResults
 
         results = EvaluationResults.from_dict(json.loads(artifact.file("report.json").read_text()))
-        register_bundle(cfg, results, artifact, counts_art, eagle3, routing)
+        register_bundle(cfg, results, artifact, counts_art, eagle3, routing, rdk)
     return artifact

@@ -65,10 +65,12 @@ def test_plan_runs_nothing_and_follows_the_cache(tmp_path: Path, tiny_kit) -> No
 
 def test_run_settings_stay_out_of_every_id(tmp_path: Path, tiny_kit) -> None:
     here = small_cfg(tmp_path, "generate.devices=1", "generate.accelerator=cpu", "generate.num_nodes=1",
-                     "count.workers=1", "evaluate.register=true")
+                     "count.workers=1", "evaluate.register=true", "estimate_rdk.devices=1",
+                     "estimate_rdk.accelerator=cpu")
     there = small_cfg(tmp_path, "generate.devices=8", "generate.accelerator=gpu", "generate.num_nodes=4",
                       "count.workers=16", "evaluate.register=false", "evaluate.promote=true",
-                      "target.trust_remote_code=true", "mlflow.experiment=elsewhere")
+                      "target.trust_remote_code=true", "mlflow.experiment=elsewhere", "estimate_rdk.devices=8",
+                      "estimate_rdk.accelerator=gpu", "estimate_rdk.num_nodes=2")
     a, b = plan(here), plan(there)
     assert [s.id for s in a.stages.values()] == [s.id for s in b.stages.values()]
     assert list(a.stages) == list(STAGE_NAMES)
@@ -154,7 +156,7 @@ def test_drafter_plan_prints_ids_and_cache_status(tmp_path: Path, tiny_kit, caps
     assert cli_main(args) == 0
     status = {r["stage"]: r["status"] for r in json.loads(capsys.readouterr().out)}
     assert status == {"generate": "cached", "count": "to run", "train_drafter": "to run", "cluster": "to run",
-                      "train_router": "to run", "evaluate": "to run"}
+                      "train_router": "to run", "estimate_rdk": "to run", "evaluate": "to run"}
     assert cli_main(["plan", f"workdir={tmp_path}", *SMALL]) == 0
     table = capsys.readouterr().out
-    assert "generate-" in table and "cached" in table and "5 stage(s) to run" in table
+    assert "generate-" in table and "cached" in table and "6 stage(s) to run" in table

@@ -259,6 +259,51 @@ class TrainRouterConfig:
         check_value(self.eval_max_rows >= 1, "train_router.eval_max_rows", "an integer >= 1", self.eval_max_rows)
 
 
+@dataclass
+class EstimateRdkConfig:
+    calibration: str | None = input_override()
+    """Estimate on this calibration artifact directory instead of the one ``generate`` builds for this config."""
+    counts: str | None = input_override()
+    """Take the frequency ranking (pruning levels) from this count artifact instead of the one ``count`` builds."""
+    top_k: int = 64
+    """Entries of each target distribution kept for the sparse second moment S (the mass they cover is reported)."""
+    max_length: int = 512
+    """Tokens kept per calibration row."""
+    batch_size: int = 8
+    """Rows per target forward."""
+    shard_rows: int = 64
+    """Rows per saved partial sum: the unit a killed job resumes from and ranks split."""
+    heldout_fraction: float = 0.05
+    """Share of calibration conversations (by id hash) held out for the τ grid and the α table, never estimated on."""
+    heldout_max_positions: int = 1024
+    """Most held-out answer positions analysed (τ and the prior weight chosen on half, α reported on the other)."""
+    keep_fractions: list[float] = field(default_factory=lambda: [0.25, 0.1, 0.025, 0.0025])
+    """FR pruning levels of the same-tokenizer drafter (evaluate.drafter): shares of the vocabulary kept (EOS and the
+    other specials always added)."""
+    taus: list[float] = field(default_factory=lambda: [1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5])
+    """The τ grid of RDK's affinity (Eq. 2); each kept set takes the τ with the best held-out α."""
+    accelerator: str = run_setting("auto")
+    """Lightning accelerator for the estimation pass (auto, cpu, gpu)."""
+    devices: int | str = run_setting(1)
+    """Lightning devices; ranks estimate disjoint shards and rank 0 adds their sums."""
+    num_nodes: int = run_setting(1)
+    """Nodes (Slurm)."""
+
+    def __post_init__(self) -> None:
+        check_value(self.top_k >= 1, "estimate_rdk.top_k", "an integer >= 1", self.top_k)
+        check_value(self.max_length >= 2 and self.batch_size >= 1 and self.shard_rows >= 1,
+                    "estimate_rdk.max_length/batch_size/shard_rows", "max_length >= 2, the others >= 1",
+                    (self.max_length, self.batch_size, self.shard_rows))
+        check_value(0 < self.heldout_fraction < 1, "estimate_rdk.heldout_fraction", "a number in (0, 1)",
+                    self.heldout_fraction)
+        check_value(self.heldout_max_positions >= 2, "estimate_rdk.heldout_max_positions", "an integer >= 2",
+                    self.heldout_max_positions)
+        check_value(bool(self.keep_fractions) and all(0 < f <= 1 for f in self.keep_fractions),
+                    "estimate_rdk.keep_fractions", "shares of the vocabulary in (0, 1]", self.keep_fractions)
+        check_value(bool(self.taus) and all(t > 0 for t in self.taus), "estimate_rdk.taus",
+                    "positive temperatures (RDK Eq. 2 needs tau > 0)", self.taus)
+
+
 EVAL_METHODS = METHOD_NAMES  # the proposer registry, pipeline.engine.methods
 
 
@@ -277,7 +322,9 @@ class EvaluateConfig:
     """Speculative methods besides the autoregressive baseline: full (same-tokenizer drafter, full head),
     shortlist (its head cut to each shortlist below), pa_fr (position-aware frequency shortlist), dynaspec /
     dynaspec_pa (router-chosen clusters, fixed / Eq. 3 budget; need cluster and train_router), eagle3 (needs
-    train_drafter), tli, union, slem (different-tokenizer drafter)."""
+    train_drafter), tli, union, slem (different-tokenizer drafter); pruned / rdk / rdk_taylor / rdk_prior (the
+    same-tokenizer drafter pruned to each estimate_rdk level, without and with RDK redistribution) and tli_rdk /
+    tli_rdk_taylor / tli_rdk_prior (the different-tokenizer drafter, TLI then RDK; all need estimate_rdk)."""
     gammas: list[int] = field(default_factory=lambda: [4])
     """Draft lengths to try (each a row of the matrix)."""
     drafter: str = "tiny:default/drafter"
@@ -292,6 +339,11 @@ class EvaluateConfig:
     eagle3: str | None = input_override()
     """Use this train_drafter artifact directory (an EAGLE-3 drafter) for method ``eagle3`` instead of the one
     ``train_drafter`` builds for this config (its artifact id, not this path, enters the evaluate id)."""
+    rdk_levels: list[str] | None = None
+    """estimate_rdk kept sets the same-tokenizer RDK rows (pruned, rdk, rdk_taylor, rdk_prior) decode with, by name
+    (``keep_<fraction>``); null for every pruning level. The held-out α table covers every level either way."""
+    rdk: str | None = input_override()
+    """Use this estimate_rdk artifact directory for the RDK methods instead of the one ``estimate_rdk`` builds."""
     clusters: str | None = input_override()
     """Use this cluster artifact directory for the DynaSpec methods instead of the one ``cluster`` builds."""
     router: str | None = input_override()
@@ -378,6 +430,8 @@ class PipelineConfig:
     """Stage ``cluster``: spherical k-means (FAISS) of the drafter's LM head (DynaSpec)."""
     train_router: TrainRouterConfig = field(default_factory=TrainRouterConfig)
     """Stage ``train_router``: the DynaSpec cluster router, on the calibration set."""
+    estimate_rdk: EstimateRdkConfig = field(default_factory=EstimateRdkConfig)
+    """Stage ``estimate_rdk``: the target's token moments and RDK affinities (pruned and foreign drafters)."""
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     """Stage ``evaluate``: speculative decoding vs autoregressive, gates, registration."""
 

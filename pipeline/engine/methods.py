@@ -39,6 +39,9 @@ class ProposerInputs:
             ``dynaspec_pa``).
         policy: A :class:`~pipeline.dynaspec.budget.ShortlistPolicy`: budgets, kept tokens, frequency ranking
             (``dynaspec``, ``dynaspec_pa``, ``pa_fr``).
+        rdk: An :class:`~pipeline.rdk.prior.RDKPrior` (an ``estimate_rdk`` artifact) for this target (``pruned``,
+            ``rdk*``, ``tli_rdk*``).
+        rdk_level: Its kept set a same-tokenizer method drafts over (``keep_<fraction>``; ``pruned``, ``rdk*``).
         target_vocab_size: The target's logit width (``q``'s width); ``None`` lets each proposer infer it.
         name: Label for metrics and reports; ``None`` keeps the proposer's default.
     """
@@ -53,6 +56,8 @@ class ProposerInputs:
     clustering: Any = None
     router: Any = None
     policy: Any = None
+    rdk: Any = None
+    rdk_level: str | None = None
     target_vocab_size: int | None = None
     name: str | None = None
 
@@ -162,6 +167,33 @@ def _pa_fr(inputs: ProposerInputs) -> Proposer:
                                           **_label(inputs))
 
 
+def _pruned(inputs: ProposerInputs) -> Proposer:
+    from pipeline.engine.proposers import ShortlistProposer
+
+    kept = inputs.rdk.level(inputs.rdk_level).kept
+    return ShortlistProposer(inputs.drafter, kept, target_vocab_size=inputs.target_vocab_size, **_label(inputs))
+
+
+def _redistributed(kind: str, other: bool) -> Callable[[ProposerInputs], Proposer]:
+    def build(inputs: ProposerInputs) -> Proposer:
+        from pipeline.engine import rdk
+        from pipeline.rdk.prior import INTERSECTION
+
+        if other:
+            return rdk.RedistributedTLIProposer(
+                inputs.drafter_other, inputs.drafter_other_tokenizer, inputs.target_tokenizer, inputs.vocab_map,
+                inputs.rdk.transform(kind, INTERSECTION), target_vocab_size=inputs.target_vocab_size,
+                **_label(inputs))
+        return rdk.RedistributedShortlistProposer(inputs.drafter, inputs.rdk.transform(kind, inputs.rdk_level),
+                                                  target_vocab_size=inputs.target_vocab_size, **_label(inputs))
+
+    return build
+
+
+_RDK_SUMMARY = {"rdk": "exact sparse affinity M^T q' (RDK Alg. 1, Eq. 2)",
+                "rdk_taylor": "first-order Taylor form with the calibration prior (RDK Eq. 3)",
+                "rdk_prior": "rank-one affinity limit: q' mixed with the prior on out-of-vocabulary tokens"}
+_PRUNED = frozenset({"drafter", "rdk", "rdk_level"})
 _ROUTED = frozenset({"drafter", "clustering", "router", "policy"})
 _OTHER = frozenset({"drafter_other", "drafter_other_tokenizer", "target_tokenizer"})
 
@@ -199,6 +231,14 @@ METHODS: dict[str, MethodSpec] = {
             _slem,
             "other-tokenizer drafter, string-level exact match (Timor et al. 2025, Alg. 2)",
         ),
+        MethodSpec("pruned", _PRUNED, _pruned,
+                   "same-tokenizer drafter pruned to an RDK level's frequent tokens, TLI only (RDK's baseline)"),
+        *(MethodSpec(kind, _PRUNED, _redistributed(kind, False),
+                     f"same-tokenizer drafter pruned to an RDK level, then {_RDK_SUMMARY[kind]}")
+          for kind in _RDK_SUMMARY),
+        *(MethodSpec(f"tli_{kind}", _OTHER | {"vocab_map", "rdk"}, _redistributed(kind, True),
+                     f"other-tokenizer drafter, TLI onto T∩D, then {_RDK_SUMMARY[kind]}")
+          for kind in _RDK_SUMMARY),
         MethodSpec(
             "eagle3",
             frozenset({"eagle3"}),

@@ -72,17 +72,18 @@ def speed_metric(ev: EvaluateConfig, device: str) -> str:
 
 def evaluate_matrix(cfg: PipelineConfig, counts: Artifact, target_fingerprint: dict,
                     log: Callable[[str], None], eagle3: Artifact | None = None,
-                    routing: tuple[Artifact, Artifact] | None = None) -> EvaluationResults:
+                    routing: tuple[Artifact, Artifact] | None = None, rdk: Artifact | None = None) -> EvaluationResults:
     """Load the target, build the prompts, run the whole matrix and decide the gates (the draft-vocabulary
     bundle's; the EAGLE-3 bundle's when ``eagle3``, a train_drafter artifact, is evaluated; the DynaSpec
-    bundle's when ``routing``, the (cluster, train_router) artifacts, is)."""
+    bundle's when ``routing``, the (cluster, train_router) artifacts, is; the RDK bundle's when ``rdk``, an
+    estimate_rdk artifact, is)."""
     ev = cfg.evaluate
     device = resolve_device(ev)
     target_ = Target(cfg.target)
     tokenizer = target_.tokenizer()
     target = target_.model(device)
     evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), counts, device, log, eagle3,
-                          routing)
+                          routing, rdk)
     rows, checks = evaluator.run()
     thresholds = {"speed_metric": speed_metric(ev, device), "tau_min": ev.gate_tau_min,
                   "speed_min": ev.gate_speed_min}
@@ -98,11 +99,30 @@ def evaluate_matrix(cfg: PipelineConfig, counts: Artifact, target_fingerprint: d
         inputs["cluster"], inputs["train_router"] = routing[0].id, routing[1].id
         gated = "dynaspec_pa" if "dynaspec_pa" in ev.methods else "dynaspec"
         dynaspec_gates = decide_gates(rows, checks, method=gated, **thresholds)
+    rdk_gates = rdk_analysis = None
+    if rdk is not None:
+        inputs["estimate_rdk"] = rdk.id
+        rdk_gates = decide_gates(rows, checks, method=REDISTRIBUTED, **thresholds)
+        rdk_analysis = rdk_record(rdk)
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return EvaluationResults(rows=rows, checks=checks, gates=gates, device=device_name,
                              target=target_fingerprint, inputs=inputs, eagle3_gates=eagle3_gates,
                              eagle3_training=eagle3_training, dynaspec_gates=dynaspec_gates,
-                             dynaspec_policy=evaluator.policy_record)
+                             dynaspec_policy=evaluator.policy_record, rdk_gates=rdk_gates, rdk_analysis=rdk_analysis)
+
+
+REDISTRIBUTED = ("rdk", "rdk_taylor", "rdk_prior", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior")
+"""The RDK bundle's candidate methods (``pruned`` is their TLI baseline, not part of the bundle)."""
+
+
+def rdk_record(rdk: Artifact) -> dict:
+    """estimate_rdk's choices and held-out α per kept set, for the report (no τ curves: they stay in rdk.json)."""
+    import json
+
+    record = json.loads(rdk.file("rdk.json").read_text())
+    levels = {name: {k: v for k, v in item.items() if k != "tau_curve"} for name, item in record["levels"].items()}
+    keep = ("top_k", "count", "covered", "nnz", "sparse_bytes", "dense_bytes", "contexts_per_s", "positions")
+    return {"artifact": rdk.id, "levels": levels, **{k: record.get(k) for k in keep}}
 
 
 def simulated_figures(eagle3: Artifact) -> dict:
@@ -144,10 +164,12 @@ class Evaluator:
     def __init__(self, cfg: PipelineConfig, target: torch.nn.Module, tokenizer: Any,
                  prompts: dict[str, list[list[int]]], counts: Artifact, device: str,
                  log: Callable[[str], None], eagle3: Artifact | None = None,
-                 routing: tuple[Artifact, Artifact] | None = None) -> None:
+                 routing: tuple[Artifact, Artifact] | None = None, rdk: Artifact | None = None) -> None:
         self.cfg, self.ev = cfg, cfg.evaluate
         self.target, self.tokenizer, self.prompts = target, tokenizer, prompts
         self.counts, self.device, self.log, self.eagle3, self.routing = counts, device, log, eagle3, routing
+        self.rdk = rdk
+        self._rdk_prior: Any = None
         self.policy_record: dict | None = None
         self.eos = tokenizer.eos_token_id
         self.vocab = target.get_output_embeddings().weight.shape[0]
@@ -173,6 +195,14 @@ class Evaluator:
             if any("policy" in spec.needs for spec in same):
                 policy, routed = self._policy(drafter, [spec.name for spec in same if "router" in spec.needs])
             for spec in same:
+                if "rdk" in spec.needs:
+                    prior = self._prior()
+                    for level in ev.rdk_levels or prior.names("pruned"):
+                        size = int(prior.level(level).kept.numel())
+                        inputs = dataclasses.replace(base, rdk=prior, rdk_level=level, name=f"{spec.name}:{level}")
+                        yield (spec.name, ev.drafter, level, size, build_proposer(spec.name, inputs),
+                               shortlist_param_ratio(drafter, self.target, size))
+                    continue
                 if "policy" in spec.needs:
                     inputs = dataclasses.replace(base, policy=policy, **routed if "router" in spec.needs else {})
                     proposer = build_proposer(spec.name, inputs)
@@ -218,9 +248,23 @@ class Evaluator:
                 self.log(f"vocabulary intersection with {ev.drafter_other}: {vocab_map.intersection_size} tokens")
             inputs = ProposerInputs(drafter_other=other_model, drafter_other_tokenizer=other_tok,
                                     target_tokenizer=self.tokenizer, vocab_map=vocab_map,
-                                    target_vocab_size=self.vocab)
+                                    target_vocab_size=self.vocab,
+                                    rdk=self._prior() if any("rdk" in spec.needs for spec in other) else None)
             for spec in other:
                 yield spec.name, ev.drafter_other, None, None, build_proposer(spec.name, inputs), ratio
+
+    def _prior(self) -> Any:
+        """The estimate_rdk artifact as an :class:`~pipeline.rdk.prior.RDKPrior`, checked against this target."""
+        if self._rdk_prior is None:
+            from pipeline.rdk.prior import RDKPrior
+            from pipeline.vocab.tokens import vocab_hash
+
+            if self.rdk is None:
+                raise DrafterError("RDK methods are evaluated but no estimate_rdk artifact was given.",
+                                   fix="Run `drafter evaluate` (it builds estimate_rdk first) or set evaluate.rdk.")
+            self._rdk_prior = RDKPrior.load(self.rdk.path)
+            self._rdk_prior.check_target(vocab_hash(self.tokenizer), self.vocab)
+        return self._rdk_prior
 
     def _policy(self, drafter: torch.nn.Module, routed_methods: list[str]) -> tuple[Any, dict]:
         """Budgets of DynaSpec-F/PA and PA-FR matched, per γ, to the FR-Spec shortlist ``dynaspec_match``:
@@ -397,17 +441,19 @@ class Evaluator:
 
 
 REGISTRATION_FILES = {"draft-vocab": "registration.json", "eagle3": "registration-eagle3.json",
-                      "dynaspec": "registration-dynaspec.json"}
+                      "dynaspec": "registration-dynaspec.json", "rdk": "registration-rdk.json"}
 """Bundle kind → the record written beside the evaluation artifact as ``<evaluation id>.<file>``."""
 
 
 def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation: Artifact,
                     counts: Artifact, eagle3: Artifact | None = None,
-                    routing: tuple[Artifact, Artifact] | None = None) -> dict[str, dict | None]:
+                    routing: tuple[Artifact, Artifact] | None = None,
+                    rdk: Artifact | None = None) -> dict[str, dict | None]:
     """Register each bundle whose gates passed: the draft-vocabulary bundle (count artifact + evaluation
     report); when evaluated, the EAGLE-3 bundle (train_drafter artifact with its weights, config and
-    serving exports + the count artifact's draft vocabulary + the report); and the DynaSpec bundle (cluster
-    artifact + train_router artifact + the report with the matched budgets).
+    serving exports + the count artifact's draft vocabulary + the report); the DynaSpec bundle (cluster
+    artifact + train_router artifact + the report with the matched budgets); and the RDK bundle (estimate_rdk
+    artifact: μ, sparse S, kept-token maps, τ and prior weights + the report).
 
     Takes the results it is given (fresh from the matrix, or read back from a cached evaluation), never
     re-reading them from the report on its own.
@@ -425,6 +471,9 @@ def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation:
         # dynaspec_policy holds the matched budgets per γ
         records["dynaspec"] = _register_one(cfg, results, results.dynaspec_gates, "dynaspec",
                                             [*routing, evaluation], evaluation)
+    if rdk is not None and results.rdk_gates is not None:
+        # the estimate_rdk artifact (mu, sparse second moment, kept-token sets, tau and prior weight per set) + the report
+        records["rdk"] = _register_one(cfg, results, results.rdk_gates, "rdk", [rdk, evaluation], evaluation)
     return records
 
 

@@ -13,49 +13,37 @@ from __future__ import annotations
 import html
 import io
 import json
-import math
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from pipeline.evaluation.cells import (  # noqa: F401 - re-exported for callers of this module
+    METHOD_ORDER,
+    MISSING,
+    Row,
+    _fmt,
+    _num,
+    _rank,
+    _rows,
+    _shortlist_label,
+    _text,
+    _tick,
+    _verdict,
+)
 from pipeline.evaluation.results import EvaluationResults
-
-METHOD_ORDER = ("ar", "full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "eagle3", "tli", "union", "slem")
-MISSING = "—"
-
-Row = dict[str, Any]
-
-
-def _num(value: Any) -> float | None:
-    """``value`` as a finite float, else None (bools, strings, NaN and inf are not numbers here)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
-    number = _num(value)
-    return MISSING if number is None else f"{number:{spec}}{suffix}"
-
-
-def _text(value: Any) -> str:
-    return MISSING if value is None or value == "" else str(value)
-
-
-def _shortlist_label(row: Row) -> str:
-    name, size = row.get("shortlist"), _num(row.get("shortlist_size"))
-    if name is None and size is None:
-        return MISSING
-    return f"{_text(name)} ({int(size)})" if size is not None else _text(name)
-
-
-def _tick(passed: Any) -> str:
-    return {True: "✓", False: "✗"}.get(passed, MISSING)
-
-
-def _rank(method: Any) -> int:
-    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
-
+from pipeline.evaluation.sections import (
+    EAGLE3_HEADERS,
+    RDK_ANALYSIS_HEADERS,
+    RDK_DECODE_HEADERS,
+    SHORTLIST_HEADERS,
+    dynaspec_markdown,
+    eagle3_markdown,
+    eagle3_rows,
+    rdk_analysis_rows,
+    rdk_decode_rows,
+    rdk_markdown,
+    shortlist_rows,
+)
 
 # (header, cell) for the table; the same columns in Markdown and HTML.
 COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
@@ -72,14 +60,6 @@ COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
     ("MBSU", lambda r: _fmt(r.get("mbsu"), ".2f", "×")),
     ("lossless", lambda r: _tick(r.get("greedy_equal"))),
 ]
-
-
-def _rows(results: dict, task: str | None = None) -> list[Row]:
-    """The result rows that are dicts, of ``task`` if given, ordered by task then method (stable)."""
-    rows = [r for r in results.get("rows") or [] if isinstance(r, dict)]
-    if task is not None:
-        rows = [r for r in rows if r.get("task") == task]
-    return sorted(rows, key=lambda r: (str(r.get("task")), _rank(r.get("method"))))
 
 
 def markdown_table(results: dict, task: str | None = None) -> str:
@@ -290,10 +270,6 @@ th{background:#f3f3f3}td.n{text-align:right;font-variant-numeric:tabular-nums}
 .note{color:#777;font-style:italic}svg{max-width:100%;height:auto}"""
 
 
-def _verdict(passed: Any) -> str:
-    return {True: "PASSED", False: "FAILED"}.get(passed, "NOT EVALUATED")
-
-
 def _verdict_html(passed: Any) -> str:
     css = {True: "pass", False: "fail"}.get(passed, "none")
     return f'<span class="{css}">{_verdict(passed)}</span>'
@@ -324,97 +300,6 @@ def _checks_html(checks: Any) -> str:
     if not rows:
         return '<p class="note">No checks recorded.</p>'
     return _html_table(["check", "passed", "value", "threshold", "detail"], rows)
-
-
-def simulated_tau_at(training: dict, gamma: int) -> float | None:
-    """The simulated τ of a γ-token chain from train_drafter's per-step held-out accuracies
-    (``1 + Σ_{k<γ} Π_{i≤k} acc_i``; steps beyond those trained count as misses)."""
-    acc, k = [], 0
-    while f"acc_{k}" in training and k < gamma:
-        acc.append(float(training[f"acc_{k}"]))
-        k += 1
-    if not acc:
-        return None
-    total, survive = 1.0, 1.0
-    for a in acc:
-        survive *= a
-        total += survive
-    return total
-
-
-def eagle3_rows(results: dict) -> list[list[str]]:
-    """(task, γ, simulated τ, measured τ, measured/simulated) per eagle3 row: how well train_drafter's
-    cheap held-out metric predicted the τ the engine measured."""
-    training = results.get("eagle3_training") or {}
-    out = []
-    for r in _rows(results):
-        if r.get("method") != "eagle3":
-            continue
-        sim = simulated_tau_at(training, int(r.get("gamma") or 0))
-        tau = _num(r.get("tau"))
-        ratio = tau / sim if sim and tau is not None else None
-        out.append([_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _fmt(sim), _fmt(tau), _fmt(ratio)])
-    return out
-
-
-EAGLE3_HEADERS = ["task", "γ", "simulated τ (train_drafter, held-out)", "measured τ (engine)", "measured / simulated"]
-
-
-def eagle3_markdown(results: dict) -> str:
-    """The EAGLE-3 section of report.md ('' when eagle3 was not evaluated)."""
-    gates = results.get("eagle3_gates")
-    if gates is None:
-        return ""
-    training = results.get("eagle3_training") or {}
-    lines = [f"## EAGLE-3 drafter {_text(training.get('artifact'))}: gates **{_verdict(gates.get('passed'))}**",
-             "", f"Checkpoint kept at step {_text(training.get('step'))} (best held-out simulated τ).", "",
-             "| " + " | ".join(EAGLE3_HEADERS) + " |", "|" + "---|" * len(EAGLE3_HEADERS)]
-    lines += ["| " + " | ".join(row) + " |" for row in eagle3_rows(results)]
-    return "\n".join(lines) + "\n"
-
-
-SHORTLIST_METHODS = ("full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa")
-SHORTLIST_HEADERS = ["task", "γ", "method", "budget", "head rows / step", "rows per draft position", "τ",
-                     "τ share of full", "head ms / step", "head ms vs full"]
-
-
-def shortlist_rows(results: dict, match: str | None = None) -> list[list[str]]:
-    """Full head, FR-Spec static (only the shortlist DynaSpec was matched to), PA-FR, DynaSpec-F and -PA per
-    task and γ: measured head rows per step and per draft position, τ as a share of the full head's τ, and
-    the head's own time against the full head's."""
-    rows = _rows(results)
-    full = {(r.get("task"), r.get("gamma")): r for r in rows if r.get("method") == "full"}
-    out = []
-    for r in sorted((r for r in rows if r.get("method") in SHORTLIST_METHODS),
-                    key=lambda r: (str(r.get("task")), r.get("gamma") or 0, SHORTLIST_METHODS.index(r["method"]))):
-        if r["method"] == "shortlist" and match is not None and r.get("shortlist") != match:
-            continue
-        base = full.get((r.get("task"), r.get("gamma"))) or {}
-        tau, tau_full = _num(r.get("tau")), _num(base.get("tau"))
-        ms, ms_full = _num(r.get("head_ms_per_step")), _num(base.get("head_ms_per_step"))
-        per_position = r.get("draft_vocab_per_position") or []
-        out.append([_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _text(r.get("method")),
-                    _text(r.get("budget") or r.get("shortlist")), _fmt(r.get("draft_vocab_mean"), ".0f"),
-                    " / ".join(_fmt(x, ".0f") for x in per_position) or MISSING, _fmt(tau),
-                    _fmt(100 * tau / tau_full if tau is not None and tau_full else None, ".1f", "%"),
-                    _fmt(ms, ".3f"), _fmt(ms / ms_full if ms is not None and ms_full else None, ".2f", "×")])
-    return out
-
-
-def dynaspec_markdown(results: dict) -> str:
-    """The context-dependent shortlist section of report.md ('' when no DynaSpec/PA-FR row exists)."""
-    policy = results.get("dynaspec_policy")
-    if policy is None:
-        return ""
-    gates = results.get("dynaspec_gates")
-    verdict = f": gates **{_verdict(gates.get('passed'))}**" if gates is not None else ""
-    lines = [f"## Shortlists at matched size (DynaSpec, PA-FR, FR-Spec){verdict}", "",
-             f"Budgets matched per γ to FR-Spec shortlist {_text(policy.get('match'))} "
-             f"({_text(policy.get('match_size'))} tokens); router {_text(policy.get('router'))} over "
-             f"{_text(policy.get('num_clusters'))} clusters ({_text(policy.get('clusters'))}).", "",
-             "| " + " | ".join(SHORTLIST_HEADERS) + " |", "|" + "---|" * len(SHORTLIST_HEADERS)]
-    lines += ["| " + " | ".join(row) + " |" for row in shortlist_rows(results, policy.get("match"))]
-    return "\n".join(lines) + "\n"
 
 
 def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) -> Path:
@@ -457,6 +342,15 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
         if ds_gates is not None:
             parts.append(_checks_html(ds_gates.get("checks")))
         parts.append(_html_table(SHORTLIST_HEADERS, shortlist_rows(results, policy.get("match")), {1, 4, 6, 7, 8, 9}))
+    if results.get("rdk_analysis") is not None:
+        rdk_gates = results.get("rdk_gates")
+        parts += ["<h2>Out-of-vocabulary drafting (RDK)"
+                  + (f": {_verdict_html(rdk_gates.get('passed'))}" if rdk_gates is not None else "") + "</h2>",
+                  "<p class='note'>Held-out α at temperature 1 (τ and prior weight chosen on half the positions).</p>",
+                  _html_table(RDK_ANALYSIS_HEADERS, rdk_analysis_rows(results), {1, 2, 3, 4, 5, 6, 7, 8}),
+                  _html_table(RDK_DECODE_HEADERS, rdk_decode_rows(results), {1, 4, 5})]
+        if rdk_gates is not None:
+            parts.append(_checks_html(rdk_gates.get("checks")))
     parts.append("<h2>Results</h2>")
     table = [[fn(r) for _, fn in COLUMNS] for r in rows]
     numeric = {3, *range(5, len(COLUMNS) - 1)}  # γ and τ … MBSU are right-aligned
@@ -502,7 +396,7 @@ def write_report(results: EvaluationResults | dict, out_dir: Path) -> list[Path]
     verdict = _verdict((results.get("gates") or {}).get("passed"))
     md_path = out_dir / "report.md"
     md = f"# Drafter evaluation: {model}\n\nDevice: {device} · gates: **{verdict}**\n\n{markdown_table(results)}\n"
-    for extra in (eagle3_markdown(results), dynaspec_markdown(results)):
+    for extra in (eagle3_markdown(results), dynaspec_markdown(results), rdk_markdown(results)):
         if extra:
             md += "\n" + extra
     md_path.write_text(md, encoding="utf-8")

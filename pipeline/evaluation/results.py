@@ -131,6 +131,10 @@ class EvaluationResults:
     """The DynaSpec bundle's verdict (DynaSpec-PA's best γ, or DynaSpec-F's when PA is not evaluated)."""
     dynaspec_policy: dict | None = None
     """How the DynaSpec and PA-FR budgets were matched: the FR-Spec shortlist, its size, budgets per γ."""
+    rdk_gates: Gates | None = None
+    """The RDK bundle's verdict (the best redistributed configuration: method × kept set × γ)."""
+    rdk_analysis: dict | None = None
+    """estimate_rdk's held-out analysis per kept set: τ, prior weight, α of TLI / RDK / Taylor / prior mix / oracle."""
     eagle3_training: dict | None = None
     """What train_drafter predicted for the evaluated EAGLE-3 drafter: the checkpoint's step and its
     held-out simulated τ and per-step accuracies, shown beside the τ measured here."""
@@ -148,7 +152,9 @@ class EvaluationResults:
                 "eagle3_gates": dataclasses.asdict(self.eagle3_gates) if self.eagle3_gates else None,
                 "eagle3_training": self.eagle3_training,
                 "dynaspec_gates": dataclasses.asdict(self.dynaspec_gates) if self.dynaspec_gates else None,
-                "dynaspec_policy": self.dynaspec_policy}
+                "dynaspec_policy": self.dynaspec_policy,
+                "rdk_gates": dataclasses.asdict(self.rdk_gates) if self.rdk_gates else None,
+                "rdk_analysis": self.rdk_analysis}
 
     @classmethod
     def from_dict(cls, data: dict) -> EvaluationResults:
@@ -166,7 +172,8 @@ class EvaluationResults:
             gates=gates(data["gates"]), device=data["device"], target=data["target"], inputs=data["inputs"],
             created=data["created"], eagle3_gates=gates(data.get("eagle3_gates")),
             eagle3_training=data.get("eagle3_training"), dynaspec_gates=gates(data.get("dynaspec_gates")),
-            dynaspec_policy=data.get("dynaspec_policy"))
+            dynaspec_policy=data.get("dynaspec_policy"), rdk_gates=gates(data.get("rdk_gates")),
+            rdk_analysis=data.get("rdk_analysis"))
 
 
 def _mean(rows: list[EvalRow], key: str) -> float:
@@ -175,7 +182,7 @@ def _mean(rows: list[EvalRow], key: str) -> float:
 
 
 def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metric: str, tau_min: float,
-                 speed_min: float, method: str = "shortlist") -> Gates:
+                 speed_min: float, method: str | tuple[str, ...] = "shortlist") -> Gates:
     """The verdict, a pure function of the results: lossless, and the best configuration of ``method``
     (highest mean speed metric over tasks, then τ) reaches the τ and speed minimums.
 
@@ -190,16 +197,21 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
         speed_min: Minimum of its speed metric.
         method: ``shortlist`` (the draft-vocabulary bundle: configurations are shortlist × γ), ``eagle3``
             (the EAGLE-3 bundle: configurations are γ) or ``dynaspec_pa`` / ``dynaspec`` (the DynaSpec bundle:
-            configurations are γ with their matched budgets).
+            configurations are γ with their matched budgets); a tuple of methods (the RDK bundle:
+            configurations are method × kept set × γ, named ``<method>:<kept set>``).
     """
     if speed_metric not in SPEED_METRICS:
         raise ValueError(f"speed_metric must be one of {SPEED_METRICS}, not {speed_metric!r}")
     lossless = all(c.passed for c in checks)
     gate_checks = {"lossless": GateCheck(lossless, lossless, True, f"{len(checks)} checks")}
     candidates: dict[tuple[str, int], list[EvalRow]] = {}
+    several = not isinstance(method, str)
+    label = "/".join(method) if several else method
     for row in rows:
-        if row.method == method and (method != "shortlist" or row.shortlist is not None):
-            candidates.setdefault((row.shortlist, row.gamma), []).append(row)
+        if (row.method in method if several else row.method == method) and (
+                method != "shortlist" or row.shortlist is not None):
+            name = f"{row.method}:{row.shortlist}" if several else row.shortlist
+            candidates.setdefault((name, row.gamma), []).append(row)
     chosen = None
     if candidates:
         (name, gamma), best = max(candidates.items(),
@@ -213,7 +225,7 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
         gate_checks[f"{speed_metric}_min"] = GateCheck(value >= speed_min, value, speed_min,
                                                        f"mean {speed_metric} of {where}")
     else:
-        gate_checks[f"{method}_evaluated"] = GateCheck(
-            False, False, True, f"no {method} configuration was evaluated: nothing to register")
+        gate_checks[f"{label}_evaluated"] = GateCheck(
+            False, False, True, f"no {label} configuration was evaluated: nothing to register")
     return Gates(passed=all(c.passed for c in gate_checks.values()), checks=gate_checks, chosen=chosen,
                  speed_metric=speed_metric)

@@ -58,6 +58,24 @@ def _cluster_models(cfg: PipelineConfig) -> dict:
     return {"drafter": fingerprint(cfg.cluster.drafter)}
 
 
+def _rdk_models(cfg: PipelineConfig) -> dict:
+    from pipeline.models.loading import fingerprint
+
+    ev = cfg.evaluate
+    models = {"drafter": fingerprint(ev.drafter)}
+    if ev.drafter_other:
+        models["drafter_other"] = fingerprint(ev.drafter_other)
+    return models
+
+
+RDK_METHODS = ("pruned", "rdk", "rdk_taylor", "rdk_prior", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior")
+"""Evaluate methods that read the estimate_rdk artifact."""
+
+
+def _rdk(cfg: PipelineConfig) -> bool:
+    return any(m in cfg.evaluate.methods for m in RDK_METHODS)
+
+
 ROUTED_METHODS = ("dynaspec", "dynaspec_pa")
 """Evaluate methods that read the cluster and train_router artifacts."""
 
@@ -118,12 +136,19 @@ STAGES: tuple[StageSpec, ...] = (
               reads=(*TARGET_IDENTITY, "train_router"), models=_cluster_models,
               overrides={"generate": "train_router.calibration", "count": "train_router.counts",
                          "cluster": "train_router.clusters"}),
-    StageSpec("evaluate", "jobs.evaluate", "evaluation", upstream=("count", "train_drafter", "cluster", "train_router"),
+    # RDK: the target's moments on the calibration set, pruning levels from count's ranking; the held-out
+    # analysis that picks tau runs evaluate's drafters, so they (and nothing else of evaluate) enter its id.
+    StageSpec("estimate_rdk", "jobs.estimate_rdk", "rdk_affinity", upstream=("generate", "count"),
+              reads=(*TARGET_IDENTITY, "target.dtype", "estimate_rdk", "evaluate.drafter", "evaluate.drafter_other"),
+              overrides={"generate": "estimate_rdk.calibration", "count": "estimate_rdk.counts"}, models=_rdk_models),
+    StageSpec("evaluate", "jobs.evaluate", "evaluation",
+              upstream=("count", "train_drafter", "cluster", "train_router", "estimate_rdk"),
               reads=(*TARGET_IDENTITY, "target.dtype", "generate.source", "generate.heldout_fraction",
                      "evaluate"), overrides={"count": "evaluate.counts", "train_drafter": "evaluate.eagle3",
-                                             "cluster": "evaluate.clusters", "train_router": "evaluate.router"},
+                                             "cluster": "evaluate.clusters", "train_router": "evaluate.router",
+                                             "estimate_rdk": "evaluate.rdk"},
               models=_evaluate_models, when={"train_drafter": lambda cfg: "eagle3" in cfg.evaluate.methods,
-                                             "cluster": _routed, "train_router": _routed}),
+                                             "cluster": _routed, "train_router": _routed, "estimate_rdk": _rdk}),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 

@@ -1,0 +1,255 @@
+"""Stage ``estimate_rdk``: the target's next-token moments and RDK's affinities (Timor et al., RDK §4, Eq. 2).
+
+Run alone with ``drafter estimate_rdk --config configs/tiny.yaml`` (it reuses, or first builds, the calibration set
+of ``generate`` and the counts of ``count``). A Lightning ``predict`` pass runs the frozen target over the
+calibration rows' answer positions, shard by shard: each shard's sums (``Σp`` and the sparse ``Σ p_K p_Kᵀ`` of
+each distribution's top-k entries, :mod:`pipeline.rdk.moments`) are saved atomically to the staging directory,
+so a killed job resumes from the shards it finished and ranks (``estimate_rdk.devices``/``num_nodes``) split
+the shards; rank 0 adds them up. Then, on held-out conversations, it measures α for TLI and each redistribution
+for every kept set — the FR pruning levels of ``evaluate.drafter`` and ``T ∩ D`` of ``evaluate.drafter_other`` —
+and chooses τ (grid) and the prior weight (:func:`pipeline.rdk.prior.analyse`). Writes ``moments.safetensors``,
+``kept.safetensors`` and ``rdk.json`` (choices, α table, τ curves, throughput, memory against a dense |T|²).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pipeline.config.sections import PipelineConfig
+from pipeline.errors import DrafterError
+from pipeline.orchestration.artifacts import Artifact
+from pipeline.orchestration.dag import plan
+from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+
+SHARD = "sums-{:05d}.safetensors"
+
+
+def _batches(rows: list, size: int):
+    for start in range(0, len(rows), size):
+        yield rows[start : start + size]
+
+
+def answer_distributions(model, rows: list, batch_size: int, device) -> object:  # noqa: ANN001
+    """``(n, |T|)`` float32 next-token distributions of ``model`` at every answer position of ``rows``
+    (position ``t`` with ``loss_mask[t] = 1``, predicted from ``input_ids[:t]``), in row order."""
+    import torch
+
+    out = []
+    for batch in _batches(rows, batch_size):
+        width = max(len(r.input_ids) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        attention = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids)
+            attention[i, : len(r.input_ids)] = 1
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
+        for i, r in enumerate(batch):
+            at = [t - 1 for t in range(1, len(r.input_ids)) if r.loss_mask[t]]
+            if at:
+                out.append(torch.softmax(logits[i, at].float(), -1))
+    return torch.cat(out) if out else None
+
+
+def _make_module(cfg: PipelineConfig, shards: list[list], pending: list[int], staging: Path, vocab: int):
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from pipeline.models.target import Target
+    from pipeline.rdk.moments import MomentSums
+
+    er = cfg.estimate_rdk
+
+    class EstimateModule(L.LightningModule):
+        """Sums one shard of calibration rows per predict step and saves them atomically."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = Target(cfg.target).model()
+            self.positions = 0
+            self.seconds = 0.0
+
+        def predict_dataloader(self) -> DataLoader:
+            mine = pending[self.global_rank :: self.trainer.world_size]
+            return DataLoader(mine, batch_size=1, collate_fn=lambda b: b[0])
+
+        @torch.inference_mode()
+        def predict_step(self, shard: int, batch_idx: int) -> int:
+            start = time.perf_counter()
+            sums = MomentSums(vocab, er.top_k)
+            probs = answer_distributions(self.lm, shards[shard], er.batch_size, self.device)
+            if probs is not None:
+                sums.add(probs)
+                self.positions += probs.shape[0]
+            sums.save(staging / SHARD.format(shard))
+            self.seconds += time.perf_counter() - start
+            return sums.count
+
+    return EstimateModule()
+
+
+def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tuple[object, dict] | None:
+    """The merged moment sums (None on ranks other than 0) and the estimation figures."""
+    import lightning as L
+
+    from pipeline.rdk.moments import MomentSums
+
+    er = cfg.estimate_rdk
+    shards = [train[i : i + er.shard_rows] for i in range(0, len(train), er.shard_rows)]
+    pending = [i for i in range(len(shards)) if not (run.staging / SHARD.format(i)).is_file()]
+    run.log(f"{len(train)} rows in {len(shards)} shards; {len(shards) - len(pending)} already summed (resumed)")
+    started = time.perf_counter()
+    module = None
+    if pending:
+        module = _make_module(cfg, shards, pending, run.staging, vocab)
+        devices = int(er.devices) if isinstance(er.devices, str) and er.devices.isdigit() else er.devices
+        trainer = L.Trainer(accelerator=er.accelerator, devices=devices, num_nodes=er.num_nodes, logger=False,
+                            enable_checkpointing=False, use_distributed_sampler=False, enable_model_summary=False)
+        trainer.predict(module, return_predictions=False)
+        trainer.strategy.barrier()
+        if not trainer.is_global_zero:
+            return None
+    missing = [i for i in range(len(shards)) if not (run.staging / SHARD.format(i)).is_file()]
+    if missing:
+        raise DrafterError(f"{len(missing)} of {len(shards)} RDK moment shards are missing after estimation.",
+                           fix="Rerun the same command: finished shards are kept and only the rest run.")
+    total = MomentSums(vocab, er.top_k)
+    for i in range(len(shards)):
+        total.merge(MomentSums.load(run.staging / SHARD.format(i)))
+    seconds = module.seconds if module is not None else 0.0
+    figures = {"positions": total.count, "rows": len(train), "shards": len(shards),
+               "resumed_shards": len(shards) - len(pending), "estimate_seconds": round(time.perf_counter() - started, 2),
+               "contexts_per_s": round(module.positions / seconds, 1) if module is not None and seconds else None}
+    return total, figures
+
+
+def _heldout_inputs(cfg: PipelineConfig, heldout: list, target, kept_sets: dict, tokenizer) -> dict:  # noqa: ANN001
+    """Per kept set: (p, q_kept) at the held-out answer positions (temperature 1), at most heldout_max_positions."""
+    import torch
+
+    from pipeline.models.loading import load_model, load_tokenizer
+    from pipeline.rdk.prior import INTERSECTION
+
+    er, ev = cfg.estimate_rdk, cfg.evaluate
+    p = answer_distributions(target, heldout, er.batch_size, "cpu")
+    if p is None:
+        raise DrafterError("The held-out calibration rows have no answer positions for RDK's analysis.",
+                           fix="Raise estimate_rdk.heldout_fraction or generate more rows.")
+    limit = er.heldout_max_positions
+    p = p[:limit].double()
+    drafter = load_model(ev.drafter, dtype="float32", device="cpu").eval()
+    q_full = answer_distributions(drafter, heldout, er.batch_size, "cpu")[:limit].double()
+    logq = torch.log(q_full.clamp_min(1e-300))
+    out = {name: (p, torch.softmax(logq[:, kept], -1)) for name, kept in kept_sets.items() if name != INTERSECTION}
+    if INTERSECTION in kept_sets:
+        out[INTERSECTION] = (p, _other_positions(cfg, heldout, tokenizer, limit, load_model, load_tokenizer))
+    return out
+
+
+def _other_positions(cfg: PipelineConfig, heldout: list, tokenizer, limit: int, load_model, load_tokenizer):  # noqa: ANN001
+    """The other-tokenizer drafter's TLI distributions at the same positions: the target prefix as text,
+    re-encoded by the drafter, its last logits restricted to T ∩ D (one uncached forward per position)."""
+    import torch
+
+    from pipeline.engine.hetero import intersection_pairs
+    from pipeline.vocab.maps import VocabMap, decode_ids, encode_text
+
+    ev = cfg.evaluate
+    other = load_model(ev.drafter_other, dtype="float32", device="cpu").eval()
+    other_tok = load_tokenizer(ev.drafter_other)
+    vocab_map = VocabMap.build(tokenizer, other_tok)
+    width = other.get_output_embeddings().weight.shape[0]
+    inter_d, _, _ = intersection_pairs(vocab_map, width, len(tokenizer))
+    rows = []
+    for r in heldout:
+        for t in range(1, len(r.input_ids)):
+            if not r.loss_mask[t]:
+                continue
+            if len(rows) == limit:
+                return torch.stack(rows)
+            ids = encode_text(other_tok, decode_ids(tokenizer, r.input_ids[:t]), add_special_tokens=True)
+            with torch.no_grad():
+                logits = other(torch.tensor([ids])).logits[0, -1].double()
+            rows.append(torch.softmax(logits[inter_d], -1))
+    return torch.stack(rows)
+
+
+def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact) -> BuildResult | None:
+    from pipeline.engine.hetero import intersection_pairs
+    from pipeline.models.loading import load_model, load_tokenizer
+    from pipeline.models.target import Target
+    from pipeline.rdk.prior import INTERSECTION, RDKPrior, analyse, pruning_levels
+    from pipeline.training.eagle3_task import CalibrationRows
+    from pipeline.vocab.counting import frequency_ranking
+    from pipeline.vocab.maps import VocabMap
+    from pipeline.vocab.tokens import vocab_hash
+
+    er, ev = cfg.estimate_rdk, cfg.evaluate
+    target_ = Target(cfg.target)
+    tokenizer = target_.tokenizer()
+    data = CalibrationRows(calibration.path / "data", max_length=er.max_length, eval_fraction=er.heldout_fraction,
+                           eval_max_rows=10**9, min_length=2, what="the RDK moments")
+    if not data.train:
+        raise DrafterError("No calibration rows are left to estimate RDK's moments on.",
+                           expected="rows with assistant tokens outside the held-out share",
+                           found=f"{len(data.heldout)} held-out rows, 0 others",
+                           fix="Generate more calibration rows or lower estimate_rdk.heldout_fraction.")
+    probe = target_.model(device="cpu", dtype="float32").eval()
+    vocab = int(probe.get_output_embeddings().weight.shape[0])
+    estimated = _estimate(cfg, run, data.train, vocab)
+    if estimated is None:
+        return None
+    sums, figures = estimated
+    moments = sums.moments()
+    run.log(f"moments of {moments.count} target positions: top-{moments.top_k} entries cover "
+            f"{moments.covered:.1%} of the mass; {moments.nnz:,} stored pairs ({moments.sparse_bytes() / 2**20:.1f} MiB "
+            f"vs {moments.dense_bytes() / 2**20:.1f} MiB dense)")
+    special = sorted(set(tokenizer.all_special_ids))
+    kept_sets = pruning_levels(frequency_ranking(counts), vocab, er.keep_fractions, special)
+    if ev.drafter_other:
+        other_tok = load_tokenizer(ev.drafter_other)
+        vocab_map = VocabMap.build(tokenizer, other_tok)
+        other = load_model(ev.drafter_other, dtype="float32", device="cpu")
+        kept_sets[INTERSECTION] = intersection_pairs(vocab_map, other.get_output_embeddings().weight.shape[0],
+                                                     vocab)[1]
+    if not data.heldout:
+        raise DrafterError("No held-out calibration rows for RDK's τ grid.", expected="held-out conversations",
+                           found="0", fix="Raise estimate_rdk.heldout_fraction or generate more rows.")
+    started = time.perf_counter()
+    inputs = _heldout_inputs(cfg, data.heldout, probe, kept_sets, tokenizer)
+    levels = {}
+    for name, kept in kept_sets.items():
+        p, q_kept = inputs[name]
+        levels[name] = analyse(p[: q_kept.shape[0]], q_kept, kept, moments, er.taus,
+                               () if name == INTERSECTION else special)
+        a = levels[name].figures["alpha"]
+        run.log(f"{name} ({kept.numel()} kept, target mass {levels[name].figures['target_mass_kept']:.3f}): "
+                f"tau={levels[name].tau:g}; alpha TLI {a['tli']:.4f}, RDK {a['rdk']:.4f}, Taylor {a['rdk_taylor']:.4f}, "
+                f"prior mix {a['rdk_prior_constant']:.4f}/{a['rdk_prior_confidence']:.4f}, oracle {a['oracle_taylor']:.4f}")
+    figures["analysis_seconds"] = round(time.perf_counter() - started, 2)
+    meta = {"vocab_hash": vocab_hash(tokenizer), "vocab_size": vocab, "required_ids": special,
+            "top_k": moments.top_k, "count": moments.count, "covered": moments.covered, "nnz": moments.nnz,
+            "sparse_bytes": moments.sparse_bytes(), "dense_bytes": moments.dense_bytes(), "taus": list(er.taus),
+            "calibration": calibration.id, "counts": counts.id, "drafter": ev.drafter,
+            "drafter_other": ev.drafter_other, **figures}
+    prior = RDKPrior(moments, levels, meta)
+    metrics = {"positions": moments.count, "top_k_mass": round(moments.covered, 6), "nnz": moments.nnz,
+               "sparse_mib": round(moments.sparse_bytes() / 2**20, 3), "dense_mib": round(moments.dense_bytes() / 2**20, 3),
+               **{k: v for k, v in figures.items() if isinstance(v, (int, float))}}
+    for name, fit in levels.items():
+        metrics[f"{name}.tau"] = fit.tau
+        metrics.update({f"{name}.alpha.{k}": round(v, 6) for k, v in fit.figures["alpha"].items()})
+
+    def write(out: Path) -> None:
+        prior.save(out, sums)
+
+    return BuildResult(write, metrics)
+
+
+def main(cfg: PipelineConfig) -> Artifact | None:
+    """Estimate (or reuse) the RDK moments and affinity choices this config plans for."""
+    step = plan(cfg, ["estimate_rdk"])["estimate_rdk"]
+    calibration, counts = step.input("generate"), step.input("count")
+    return run_stage(cfg, step, [calibration, counts], build=lambda run: _build(cfg, run, calibration, counts))

@@ -1,0 +1,55 @@
+"""Formatting shared by the report and its sections: numbers that may be missing, and the row order."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+METHOD_ORDER = ("ar", "full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "eagle3", "pruned", "rdk", "rdk_taylor",
+                "rdk_prior", "tli", "union", "slem", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior", "slrs")
+MISSING = "—"
+
+Row = dict[str, Any]
+
+
+def _num(value: Any) -> float | None:
+    """``value`` as a finite float, else None (bools, strings, NaN and inf are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
+    number = _num(value)
+    return MISSING if number is None else f"{number:{spec}}{suffix}"
+
+
+def _text(value: Any) -> str:
+    return MISSING if value is None or value == "" else str(value)
+
+
+def _shortlist_label(row: Row) -> str:
+    name, size = row.get("shortlist"), _num(row.get("shortlist_size"))
+    if name is None and size is None:
+        return MISSING
+    return f"{_text(name)} ({int(size)})" if size is not None else _text(name)
+
+
+def _tick(passed: Any) -> str:
+    return {True: "✓", False: "✗"}.get(passed, MISSING)
+
+
+def _rank(method: Any) -> int:
+    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
+
+
+def _rows(results: dict, task: str | None = None) -> list[Row]:
+    """The result rows that are dicts, of ``task`` if given, ordered by task then method (stable)."""
+    rows = [r for r in results.get("rows") or [] if isinstance(r, dict)]
+    if task is not None:
+        rows = [r for r in rows if r.get("task") == task]
+    return sorted(rows, key=lambda r: (str(r.get("task")), _rank(r.get("method"))))
+
+
+def _verdict(passed: Any) -> str:
+    return {True: "PASSED", False: "FAILED"}.get(passed, "NOT EVALUATED")

@@ -1,0 +1,149 @@
+"""Report sections for the drafter families with a bundle of their own: EAGLE-3 (simulated vs measured τ),
+context-dependent shortlists at matched size (DynaSpec, PA-FR, FR-Spec) and out-of-vocabulary drafting (RDK)."""
+
+from __future__ import annotations
+
+from pipeline.evaluation.cells import MISSING, _fmt, _num, _rows, _text, _verdict
+
+
+def simulated_tau_at(training: dict, gamma: int) -> float | None:
+    """The simulated τ of a γ-token chain from train_drafter's per-step held-out accuracies
+    (``1 + Σ_{k<γ} Π_{i≤k} acc_i``; steps beyond those trained count as misses)."""
+    acc, k = [], 0
+    while f"acc_{k}" in training and k < gamma:
+        acc.append(float(training[f"acc_{k}"]))
+        k += 1
+    if not acc:
+        return None
+    total, survive = 1.0, 1.0
+    for a in acc:
+        survive *= a
+        total += survive
+    return total
+
+
+def eagle3_rows(results: dict) -> list[list[str]]:
+    """(task, γ, simulated τ, measured τ, measured/simulated) per eagle3 row: how well train_drafter's
+    cheap held-out metric predicted the τ the engine measured."""
+    training = results.get("eagle3_training") or {}
+    out = []
+    for r in _rows(results):
+        if r.get("method") != "eagle3":
+            continue
+        sim = simulated_tau_at(training, int(r.get("gamma") or 0))
+        tau = _num(r.get("tau"))
+        ratio = tau / sim if sim and tau is not None else None
+        out.append([_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _fmt(sim), _fmt(tau), _fmt(ratio)])
+    return out
+
+
+EAGLE3_HEADERS = ["task", "γ", "simulated τ (train_drafter, held-out)", "measured τ (engine)", "measured / simulated"]
+
+
+def eagle3_markdown(results: dict) -> str:
+    """The EAGLE-3 section of report.md ('' when eagle3 was not evaluated)."""
+    gates = results.get("eagle3_gates")
+    if gates is None:
+        return ""
+    training = results.get("eagle3_training") or {}
+    lines = [f"## EAGLE-3 drafter {_text(training.get('artifact'))}: gates **{_verdict(gates.get('passed'))}**",
+             "", f"Checkpoint kept at step {_text(training.get('step'))} (best held-out simulated τ).", "",
+             "| " + " | ".join(EAGLE3_HEADERS) + " |", "|" + "---|" * len(EAGLE3_HEADERS)]
+    lines += ["| " + " | ".join(row) + " |" for row in eagle3_rows(results)]
+    return "\n".join(lines) + "\n"
+
+
+SHORTLIST_METHODS = ("full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa")
+SHORTLIST_HEADERS = ["task", "γ", "method", "budget", "head rows / step", "rows per draft position", "τ",
+                     "τ share of full", "head ms / step", "head ms vs full"]
+
+
+def shortlist_rows(results: dict, match: str | None = None) -> list[list[str]]:
+    """Full head, FR-Spec static (only the shortlist DynaSpec was matched to), PA-FR, DynaSpec-F and -PA per
+    task and γ: measured head rows per step and per draft position, τ as a share of the full head's τ, and
+    the head's own time against the full head's."""
+    rows = _rows(results)
+    full = {(r.get("task"), r.get("gamma")): r for r in rows if r.get("method") == "full"}
+    out = []
+    for r in sorted((r for r in rows if r.get("method") in SHORTLIST_METHODS),
+                    key=lambda r: (str(r.get("task")), r.get("gamma") or 0, SHORTLIST_METHODS.index(r["method"]))):
+        if r["method"] == "shortlist" and match is not None and r.get("shortlist") != match:
+            continue
+        base = full.get((r.get("task"), r.get("gamma"))) or {}
+        tau, tau_full = _num(r.get("tau")), _num(base.get("tau"))
+        ms, ms_full = _num(r.get("head_ms_per_step")), _num(base.get("head_ms_per_step"))
+        per_position = r.get("draft_vocab_per_position") or []
+        out.append([_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _text(r.get("method")),
+                    _text(r.get("budget") or r.get("shortlist")), _fmt(r.get("draft_vocab_mean"), ".0f"),
+                    " / ".join(_fmt(x, ".0f") for x in per_position) or MISSING, _fmt(tau),
+                    _fmt(100 * tau / tau_full if tau is not None and tau_full else None, ".1f", "%"),
+                    _fmt(ms, ".3f"), _fmt(ms / ms_full if ms is not None and ms_full else None, ".2f", "×")])
+    return out
+
+
+def dynaspec_markdown(results: dict) -> str:
+    """The context-dependent shortlist section of report.md ('' when no DynaSpec/PA-FR row exists)."""
+    policy = results.get("dynaspec_policy")
+    if policy is None:
+        return ""
+    gates = results.get("dynaspec_gates")
+    verdict = f": gates **{_verdict(gates.get('passed'))}**" if gates is not None else ""
+    lines = [f"## Shortlists at matched size (DynaSpec, PA-FR, FR-Spec){verdict}", "",
+             f"Budgets matched per γ to FR-Spec shortlist {_text(policy.get('match'))} "
+             f"({_text(policy.get('match_size'))} tokens); router {_text(policy.get('router'))} over "
+             f"{_text(policy.get('num_clusters'))} clusters ({_text(policy.get('clusters'))}).", "",
+             "| " + " | ".join(SHORTLIST_HEADERS) + " |", "|" + "---|" * len(SHORTLIST_HEADERS)]
+    lines += ["| " + " | ".join(row) + " |" for row in shortlist_rows(results, policy.get("match"))]
+    return "\n".join(lines) + "\n"
+
+
+RDK_METHODS = ("pruned", "rdk", "rdk_taylor", "rdk_prior", "tli", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior")
+RDK_ANALYSIS_HEADERS = ["kept set", "size", "target mass kept", "τ", "α TLI", "α RDK exact", "α RDK-Taylor (prior)",
+                        "α prior mix (constant / confidence)", "α Taylor with true p (bound)"]
+RDK_DECODE_HEADERS = ["task", "γ", "kept set", "method", "τ", "α"]
+
+
+def rdk_analysis_rows(results: dict) -> list[list[str]]:
+    """estimate_rdk's held-out α at temperature 1 per kept set (τ and weights chosen on the other half)."""
+    analysis = results.get("rdk_analysis") or {}
+    out = []
+    for name, level in (analysis.get("levels") or {}).items():
+        a = level.get("alpha") or {}
+        out.append([_text(name), _fmt(level.get("size"), ".0f"), _fmt(level.get("target_mass_kept"), ".3f"),
+                    _fmt(level.get("tau"), ".0e"), _fmt(a.get("tli"), ".4f"), _fmt(a.get("rdk"), ".4f"),
+                    _fmt(a.get("rdk_taylor"), ".4f"),
+                    f"{_fmt(a.get('rdk_prior_constant'), '.4f')} / {_fmt(a.get('rdk_prior_confidence'), '.4f')}",
+                    _fmt(a.get("oracle_taylor"), ".4f")])
+    return out
+
+
+def rdk_decode_rows(results: dict) -> list[list[str]]:
+    """The decode rows of TLI and the RDK methods per task, γ and kept set (``intersection`` for tli*)."""
+    rows = [r for r in _rows(results) if r.get("method") in RDK_METHODS]
+    rows.sort(key=lambda r: (str(r.get("task")), r.get("gamma") or 0, str(r.get("shortlist") or "intersection"),
+                             RDK_METHODS.index(r["method"])))
+    return [[_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _text(r.get("shortlist") or "intersection"),
+             _text(r.get("method")), _fmt(r.get("tau")), _fmt(r.get("acceptance_rate"), ".3f")] for r in rows]
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def rdk_markdown(results: dict) -> str:
+    """The out-of-vocabulary drafting section of report.md ('' when no estimate_rdk artifact was evaluated)."""
+    analysis = results.get("rdk_analysis")
+    if analysis is None:
+        return ""
+    gates = results.get("rdk_gates")
+    verdict = f": gates **{_verdict(gates.get('passed'))}**" if gates is not None else ""
+    sparse, dense = _num(analysis.get("sparse_bytes")), _num(analysis.get("dense_bytes"))
+    lines = [f"## Out-of-vocabulary drafting (RDK){verdict}", "",
+             f"Moments from {_text(analysis.get('count'))} target positions ({_text(analysis.get('artifact'))}); "
+             f"top-{_text(analysis.get('top_k'))} entries cover {_fmt(analysis.get('covered'), '.3f')} of the mass; "
+             f"sparse second moment {_fmt(sparse / 2**20 if sparse else None, '.1f')} MiB vs "
+             f"{_fmt(dense / 2**20 if dense else None, '.1f')} MiB for a dense |T|² matrix.", "",
+             "Held-out α at temperature 1 (τ and prior weight chosen on half the positions, α on the other half):",
+             "", *_md_table(RDK_ANALYSIS_HEADERS, rdk_analysis_rows(results)), "",
+             "Decoding (the evaluation's temperature):", "", *_md_table(RDK_DECODE_HEADERS, rdk_decode_rows(results))]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,166 @@
+"""The estimate_rdk stage and the RDK rows of evaluate, end to end on the tiny kit's test profile: moments equal a
+direct recomputation, the artifact's affinity equals the dense construction on the whole vocabulary, a kill -9
+mid-estimation resumes to the same bytes, the RDK methods are lossless in evaluate and their bundle is registered
+in a real MLflow server; bad input gives clear errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import evaluate, run
+from pipeline.config.sections import PipelineConfig, load_config
+from pipeline.errors import DrafterError
+from pipeline.rdk.affinity import Affinity, dense_affinity
+from pipeline.rdk.moments import MOMENTS_FILE, MomentSums
+from pipeline.rdk.prior import INTERSECTION, RDKPrior
+from tests.killing import kill_when
+from tests.mlflow_server import MlflowServer
+from tests.test_stages import SMALL
+
+RDK = ["estimate_rdk.top_k=16", "estimate_rdk.shard_rows=2", "estimate_rdk.batch_size=2",
+       "estimate_rdk.heldout_fraction=0.2", "estimate_rdk.keep_fractions=[0.05,0.01]",
+       "estimate_rdk.taus=[1e-2,1e-3,1e-4]", "estimate_rdk.accelerator=cpu", "target.dtype=float64"]
+TAUS = [1e-2, 1e-3, 1e-4]
+
+
+def rdk_cfg(workdir: Path, *extra: str) -> PipelineConfig:
+    return load_config(None, [f"workdir={workdir}", *SMALL, *RDK, *extra])
+
+
+@pytest.fixture(scope="module")
+def estimated(tmp_path_factory: pytest.TempPathFactory, tiny_kit):
+    workdir = tmp_path_factory.mktemp("rdk")
+    cfg = rdk_cfg(workdir)
+    artifact = run(cfg, ["estimate_rdk"])["estimate_rdk"]  # builds generate and count first
+    return cfg, artifact
+
+
+def test_moments_equal_a_direct_recomputation(estimated) -> None:
+    """μ and the top-k second moment equal one unbatched forward per training row (distributions are summed from
+    float32 softmax outputs: 1e-6)."""
+    from pipeline.models.loading import load_model
+    from pipeline.orchestration.dag import plan
+    from pipeline.training.eagle3_task import CalibrationRows
+
+    cfg, artifact = estimated
+    er = cfg.estimate_rdk
+    calibration = plan(cfg, ["estimate_rdk"])["estimate_rdk"].input("generate")
+    rows = CalibrationRows(calibration.path / "data", max_length=er.max_length, eval_fraction=er.heldout_fraction,
+                           eval_max_rows=10**9, min_length=2).train
+    target = load_model(cfg.target.model, dtype=cfg.target.dtype, device="cpu").eval()
+    mu, second, n = None, {}, 0
+    with torch.no_grad():
+        for r in rows:
+            logits = target(torch.tensor([r.input_ids])).logits[0]
+            for t in range(1, len(r.input_ids)):
+                if r.loss_mask[t]:
+                    p = torch.softmax(logits[t - 1], -1).double()
+                    mu = p if mu is None else mu + p
+                    vals, idx = p.topk(er.top_k)
+                    for a, va in zip(idx.tolist(), vals.tolist()):
+                        for b, vb in zip(idx.tolist(), vals.tolist()):
+                            second[(a, b)] = second.get((a, b), 0.0) + va * vb
+                    n += 1
+    moments = MomentSums.load(artifact.path / MOMENTS_FILE).moments()
+    assert moments.count == n and moments.nnz == len(second)
+    torch.testing.assert_close(moments.mu, mu / n, rtol=0, atol=1e-6)
+    direct = torch.tensor([second[(int(a), int(b))] / n for a, b in zip(moments.rows, moments.cols)], dtype=torch.float64)
+    torch.testing.assert_close(moments.vals, direct, rtol=0, atol=1e-6)
+
+
+def test_artifact_affinity_equals_the_dense_construction_on_the_whole_vocabulary(estimated) -> None:
+    """Every kept set's affinity at its chosen τ (and at the smallest of the grid) against softmax((S − μμᵀ)/τ)
+    built densely over all 1,024 target tokens: max abs error below 1e-12."""
+    _, artifact = estimated
+    prior = RDKPrior.load(artifact.path)
+    assert set(prior.levels) == {"keep_0.05", "keep_0.01", INTERSECTION}
+    for name, fit in prior.levels.items():
+        for tau in {fit.tau, min(TAUS)}:
+            sparse = Affinity(prior.moments, fit.kept, tau).dense_rows()
+            error = float((sparse - dense_affinity(prior.moments, fit.kept, tau)).abs().max())
+            assert error < 1e-12, (name, tau, error)
+
+
+def test_analysis_table_and_figures(estimated) -> None:
+    """rdk.json: per kept set, τ from the grid with its whole curve, α of every method in [0, 1], EOS kept in the
+    pruning levels; the throughput and the memory the sparse form saves against a dense |T|² matrix."""
+    cfg, artifact = estimated
+    record = json.loads(artifact.file("rdk.json").read_text())
+    from pipeline.models.loading import load_tokenizer
+
+    eos = load_tokenizer(cfg.target.model).eos_token_id
+    prior = RDKPrior.load(artifact.path)
+    for name, level in record["levels"].items():
+        assert level["tau"] in TAUS and [c["tau"] for c in level["tau_curve"]] == TAUS
+        assert set(level["alpha"]) == {"tli", "rdk", "rdk_taylor", "rdk_prior_constant", "rdk_prior_confidence",
+                                       "oracle_taylor"}
+        assert all(0.0 <= a <= 1.0 for a in level["alpha"].values()), level["alpha"]
+        assert level["positions"]["test"] >= 10
+        if name != INTERSECTION:
+            assert eos in prior.level(name).kept.tolist()
+    assert record["levels"]["keep_0.01"]["size"] < record["levels"]["keep_0.05"]["size"] < 1024
+    assert record["sparse_bytes"] < record["dense_bytes"] and 0 < record["covered"] <= 1
+    assert artifact.metrics["contexts_per_s"] > 0 and artifact.metrics["positions"] == record["count"]
+
+
+def test_killed_estimation_resumes_to_the_same_bytes(estimated, tmp_path: Path) -> None:
+    """kill -9 after the first shard's sums land; the rerun keeps the landed shards (resumed_shards > 0) and
+    publishes moments byte-identical to an uninterrupted run."""
+    cfg, clean = estimated
+    workdir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "jobs.cli", "estimate_rdk", f"workdir={workdir}", *SMALL, *RDK]
+    kill_when(cmd, workdir, "staging/estimate_rdk-*/sums-*.safetensors", stage="estimate_rdk")
+    resumed = run(rdk_cfg(workdir), ["estimate_rdk"])["estimate_rdk"]
+    assert resumed.id == clean.id and resumed.metrics["resumed_shards"] > 0
+    assert (resumed.path / MOMENTS_FILE).read_bytes() == (clean.path / MOMENTS_FILE).read_bytes()
+
+
+RDK_EVAL = ["evaluate.methods=[pruned,rdk,rdk_taylor,rdk_prior,tli_rdk]", "evaluate.rdk_levels=[keep_0.01]",
+            "evaluate.tasks=[chat]", "evaluate.prompts_per_task=2", "evaluate.max_new_tokens=16",
+            "evaluate.max_prompt_tokens=64", "evaluate.gammas=[2]", "evaluate.tie_tolerance=0",
+            "evaluate.sampling_check_samples=200", "evaluate.gate_tau_min=1.0", "evaluate.gate_speed_min=0.1",
+            "mlflow.experiment=rdk-tests"]
+
+
+def test_rdk_rows_are_lossless_and_their_bundle_registered(estimated, mlflow_server: MlflowServer) -> None:
+    """evaluate with the RDK methods (one decoded level, evaluate.rdk_levels): a row per method, greedy output equal
+    to autoregressive on every prompt, the first-token law check passes for each, the report carries the analysis
+    of every level, and the RDK bundle (estimate_rdk artifact + report) is registered with its components."""
+    from mlflow.tracking import MlflowClient
+
+    cfg, rdk_artifact = estimated
+    cfg = load_config(None, [f"workdir={cfg.workdir}", *SMALL, *RDK, *RDK_EVAL, f"mlflow.tracking_uri={mlflow_server.uri}"])
+    artifact = run(cfg, ["evaluate"])["evaluate"]
+    results = json.loads(artifact.file("report.json").read_text())
+    got = {(r["method"], r["shortlist"]) for r in results["rows"] if r["method"] != "ar"}
+    assert got == {(m, "keep_0.01") for m in ("pruned", "rdk", "rdk_taylor", "rdk_prior")} | {("tli_rdk", None)}
+    assert all(r["greedy_equal"] for r in results["rows"]), results["rows"]
+    checks = [c for c in results["lossless"]["checks"] if c["name"].startswith("first_token_distribution")]
+    assert len(checks) == 5 and all(c["passed"] for c in results["lossless"]["checks"])
+    assert results["inputs"]["estimate_rdk"] == rdk_artifact.id
+    assert set(results["rdk_analysis"]["levels"]) == {"keep_0.05", "keep_0.01", INTERSECTION}
+    assert results["rdk_gates"]["passed"], results["rdk_gates"]
+    assert "Out-of-vocabulary drafting (RDK)" in artifact.file("report.md").read_text()
+    record = json.loads((artifact.path.parent / f"{artifact.id}.registration-rdk.json").read_text())
+    assert record["name"].endswith("-rdk")
+    version = MlflowClient(tracking_uri=mlflow_server.uri).get_model_version_by_alias(record["name"], "champion")
+    assert rdk_artifact.id in version.tags["drafter.components"]
+
+
+def test_bad_input_is_refused(estimated, tmp_path: Path) -> None:
+    """A τ ≤ 0 or a pruning level outside (0, 1] in the config, and an evaluate.rdk that is not an estimate_rdk
+    artifact: clear errors."""
+    with pytest.raises(DrafterError, match="estimate_rdk.taus"):
+        rdk_cfg(tmp_path, "estimate_rdk.taus=[0.0]")
+    with pytest.raises(DrafterError, match="estimate_rdk.keep_fractions"):
+        rdk_cfg(tmp_path, "estimate_rdk.keep_fractions=[0]")
+    cfg, _ = estimated
+    counts_dir = next(Path(cfg.workdir, "artifacts").glob("count-*"))
+    bad = rdk_cfg(tmp_path, f"evaluate.rdk={counts_dir}", "evaluate.methods=[rdk]")
+    with pytest.raises(DrafterError, match="rdk_affinity|kind"):
+        evaluate.main(bad)
