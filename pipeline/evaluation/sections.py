@@ -86,9 +86,7 @@ def dynaspec_markdown(results: dict) -> str:
     policy = results.get("dynaspec_policy")
     if policy is None:
         return ""
-    gates = results.get("dynaspec_gates")
-    verdict = f": gates **{_verdict(gates.get('passed'))}**" if gates is not None else ""
-    lines = [f"## Shortlists at matched size (DynaSpec, PA-FR, FR-Spec){verdict}", "",
+    lines = [f"## Shortlists at matched size (DynaSpec, PA-FR, FR-Spec){_gate_suffix(results.get('dynaspec_gates'))}", "",
              f"Budgets matched per γ to FR-Spec shortlist {_text(policy.get('match'))} "
              f"({_text(policy.get('match_size'))} tokens); router {_text(policy.get('router'))} over "
              f"{_text(policy.get('num_clusters'))} clusters ({_text(policy.get('clusters'))}).", "",
@@ -126,6 +124,11 @@ def rdk_decode_rows(results: dict) -> list[list[str]]:
              _text(r.get("method")), _fmt(r.get("tau")), _fmt(r.get("acceptance_rate"), ".3f")] for r in rows]
 
 
+def _gate_suffix(gates: dict | None) -> str:
+    """``: gates **PASSED**`` for a section heading ('' when the bundle was not gated)."""
+    return f": gates **{_verdict(gates.get('passed'))}**" if gates is not None else ""
+
+
 def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers), *("| " + " | ".join(r) + " |" for r in rows)]
 
@@ -135,8 +138,7 @@ def rdk_markdown(results: dict) -> str:
     analysis = results.get("rdk_analysis")
     if analysis is None:
         return ""
-    gates = results.get("rdk_gates")
-    verdict = f": gates **{_verdict(gates.get('passed'))}**" if gates is not None else ""
+    verdict = _gate_suffix(results.get("rdk_gates"))
     sparse, dense = _num(analysis.get("sparse_bytes")), _num(analysis.get("dense_bytes"))
     lines = [f"## Out-of-vocabulary drafting (RDK){verdict}", "",
              f"Moments from {_text(analysis.get('count'))} target positions ({_text(analysis.get('artifact'))}); "
