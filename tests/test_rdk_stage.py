@@ -160,7 +160,7 @@ def test_bad_input_is_refused(estimated, tmp_path: Path) -> None:
     with pytest.raises(DrafterError, match="estimate_rdk.keep_fractions"):
         rdk_cfg(tmp_path, "estimate_rdk.keep_fractions=[0]")
     cfg, _ = estimated
-    counts_dir = next(Path(cfg.workdir, "artifacts").glob("count-*"))
+    counts_dir = next(p for p in Path(cfg.workdir, "artifacts").glob("count-*") if p.is_dir())
     bad = rdk_cfg(tmp_path, f"evaluate.rdk={counts_dir}", "evaluate.methods=[rdk]")
     with pytest.raises(DrafterError, match="rdk_affinity|kind"):
         evaluate.main(bad)
