@@ -25,18 +25,15 @@ from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 SHARD = "sums-{:05d}.safetensors"
 
 
-def _batches(rows: list, size: int):
-    for start in range(0, len(rows), size):
-        yield rows[start : start + size]
-
-
 def answer_distributions(model, rows: list, batch_size: int, device) -> object:  # noqa: ANN001
     """``(n, |T|)`` float32 next-token distributions of ``model`` at every answer position of ``rows``
     (position ``t`` with ``loss_mask[t] = 1``, predicted from ``input_ids[:t]``), in row order."""
     import torch
 
+    from pipeline.data.calibration import chunks
+
     out = []
-    for batch in _batches(rows, batch_size):
+    for _, batch in chunks(rows, batch_size):
         width = max(len(r.input_ids) for r in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         attention = torch.zeros(len(batch), width, dtype=torch.long)
@@ -104,8 +101,9 @@ def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tu
     module = None
     if pending:
         module = _make_module(cfg, shards, pending, run.staging, vocab)
-        devices = int(er.devices) if isinstance(er.devices, str) and er.devices.isdigit() else er.devices
-        trainer = L.Trainer(accelerator=er.accelerator, devices=devices, num_nodes=er.num_nodes, logger=False,
+        from jobs.generate import _devices
+
+        trainer = L.Trainer(accelerator=er.accelerator, devices=_devices(er.devices), num_nodes=er.num_nodes, logger=False,
                             enable_checkpointing=False, use_distributed_sampler=False, enable_model_summary=False)
         trainer.predict(module, return_predictions=False)
         trainer.strategy.barrier()
@@ -125,11 +123,13 @@ def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tu
     return total, figures
 
 
-def _heldout_inputs(cfg: PipelineConfig, heldout: list, target, kept_sets: dict, tokenizer) -> dict:  # noqa: ANN001
-    """Per kept set: (p, q_kept) at the held-out answer positions (temperature 1), at most heldout_max_positions."""
+def _heldout_inputs(cfg: PipelineConfig, heldout: list, target, kept_sets: dict, tokenizer,  # noqa: ANN001
+                    other: tuple | None) -> dict:
+    """Per kept set: (p, q_kept) at the held-out answer positions (temperature 1), at most heldout_max_positions.
+    ``other`` is the other-tokenizer drafter as (model, tokenizer, its T ∩ D ids) when ``intersection`` is kept."""
     import torch
 
-    from pipeline.models.loading import load_model, load_tokenizer
+    from pipeline.models.loading import load_model
     from pipeline.rdk.prior import INTERSECTION
 
     er, ev = cfg.estimate_rdk, cfg.evaluate
@@ -143,25 +143,19 @@ def _heldout_inputs(cfg: PipelineConfig, heldout: list, target, kept_sets: dict,
     q_full = answer_distributions(drafter, heldout, er.batch_size, "cpu")[:limit].double()
     logq = torch.log(q_full.clamp_min(1e-300))
     out = {name: (p, torch.softmax(logq[:, kept], -1)) for name, kept in kept_sets.items() if name != INTERSECTION}
-    if INTERSECTION in kept_sets:
-        out[INTERSECTION] = (p, _other_positions(cfg, heldout, tokenizer, limit, load_model, load_tokenizer))
+    if other is not None:
+        out[INTERSECTION] = (p, _other_positions(other, heldout, tokenizer, limit))
     return out
 
 
-def _other_positions(cfg: PipelineConfig, heldout: list, tokenizer, limit: int, load_model, load_tokenizer):  # noqa: ANN001
+def _other_positions(other: tuple, heldout: list, tokenizer, limit: int):  # noqa: ANN001
     """The other-tokenizer drafter's TLI distributions at the same positions: the target prefix as text,
     re-encoded by the drafter, its last logits restricted to T ∩ D (one uncached forward per position)."""
     import torch
 
-    from pipeline.engine.hetero import intersection_pairs
-    from pipeline.vocab.maps import VocabMap, decode_ids, encode_text
+    from pipeline.vocab.maps import decode_ids, encode_text
 
-    ev = cfg.evaluate
-    other = load_model(ev.drafter_other, dtype="float32", device="cpu").eval()
-    other_tok = load_tokenizer(ev.drafter_other)
-    vocab_map = VocabMap.build(tokenizer, other_tok)
-    width = other.get_output_embeddings().weight.shape[0]
-    inter_d, _, _ = intersection_pairs(vocab_map, width, len(tokenizer))
+    model, other_tok, inter_d = other
     rows = []
     for r in heldout:
         for t in range(1, len(r.input_ids)):
@@ -171,7 +165,7 @@ def _other_positions(cfg: PipelineConfig, heldout: list, tokenizer, limit: int, 
                 return torch.stack(rows)
             ids = encode_text(other_tok, decode_ids(tokenizer, r.input_ids[:t]), add_special_tokens=True)
             with torch.no_grad():
-                logits = other(torch.tensor([ids])).logits[0, -1].double()
+                logits = model(torch.tensor([ids])).logits[0, -1].double()
             rows.append(torch.softmax(logits[inter_d], -1))
     return torch.stack(rows)
 
@@ -208,17 +202,19 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
             f"vs {moments.dense_bytes() / 2**20:.1f} MiB dense)")
     special = sorted(set(tokenizer.all_special_ids))
     kept_sets = pruning_levels(frequency_ranking(counts), vocab, er.keep_fractions, special)
+    other = None
     if ev.drafter_other:
         other_tok = load_tokenizer(ev.drafter_other)
-        vocab_map = VocabMap.build(tokenizer, other_tok)
-        other = load_model(ev.drafter_other, dtype="float32", device="cpu")
-        kept_sets[INTERSECTION] = intersection_pairs(vocab_map, other.get_output_embeddings().weight.shape[0],
-                                                     vocab)[1]
+        other_model = load_model(ev.drafter_other, dtype="float32", device="cpu").eval()
+        inter_d, inter_t, _ = intersection_pairs(VocabMap.build(tokenizer, other_tok),
+                                                 other_model.get_output_embeddings().weight.shape[0], vocab)
+        kept_sets[INTERSECTION] = inter_t
+        other = (other_model, other_tok, inter_d)
     if not data.heldout:
         raise DrafterError("No held-out calibration rows for RDK's τ grid.", expected="held-out conversations",
                            found="0", fix="Raise estimate_rdk.heldout_fraction or generate more rows.")
     started = time.perf_counter()
-    inputs = _heldout_inputs(cfg, data.heldout, probe, kept_sets, tokenizer)
+    inputs = _heldout_inputs(cfg, data.heldout, probe, kept_sets, tokenizer, other)
     levels = {}
     for name, kept in kept_sets.items():
         p, q_kept = inputs[name]
