@@ -23,11 +23,12 @@ EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/
         "evaluate.shortlists=[top_k_16,top_k_64]", "evaluate.prompts_per_task=3", "evaluate.max_new_tokens=24",
         "evaluate.max_prompt_tokens=64", "evaluate.gammas=[1,4]",
         # float64 makes batched verification and one-token decoding round identically, so greedy outputs must
-        # agree bit for bit (no tie tolerance); the sampling check uses 400 draws per method (10 methods),
+        # agree bit for bit (no tie tolerance); the sampling check uses 400 draws per method (12 methods),
         # p-value >= 1e-4; each method's law is tested at n = 200,000 in tests/engine.
         "target.dtype=float64", "evaluate.tie_tolerance=0", "evaluate.sampling_check_samples=400",
         "evaluate.gate_tau_min=1.05", "evaluate.gate_speed_min=0.5", *TRAIN, *ROUTER, "evaluate.dynaspec_match=top_k_64",
-        "evaluate.methods=[full,shortlist,pa_fr,dynaspec,dynaspec_pa,eagle3,tli,union,slem]",
+        "evaluate.methods=[full,shortlist,pa_fr,dynaspec,dynaspec_pa,eagle3,tli,union,slem,slrs,slem_bytes]",
+        "evaluate.slrs_byte_top_k=3", "evaluate.slrs_lookahead=3",
         "mlflow.experiment=evaluate-tests"]  # the RDK methods are evaluated in tests/test_rdk_stage.py
 
 
@@ -48,12 +49,12 @@ def test_every_method_is_lossless_on_the_tiny_kit(evaluated) -> None:
     methods = {(r["task"], r["method"]) for r in results["rows"]}
     assert methods == {(t, m) for t in ("chat", "code")
                        for m in ("ar", "full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "eagle3", "tli",
-                                 "union", "slem")}
+                                 "union", "slem", "slrs", "slem_bytes")}
     for row in results["rows"]:
         assert row["greedy_equal"] is True, row  # token for token, every prompt, every γ
     names = [c["name"] for c in results["lossless"]["checks"]]
-    # full, 2 shortlists, pa_fr, dynaspec, dynaspec_pa, eagle3, tli, union, slem
-    assert sum(n.startswith("first_token_distribution") for n in names) == 10
+    # full, 2 shortlists, pa_fr, dynaspec, dynaspec_pa, eagle3, tli, union, slem, slrs, slem_bytes
+    assert sum(n.startswith("first_token_distribution") for n in names) == 12
     for check in results["lossless"]["checks"]:
         if check["name"].startswith("first_token_distribution"):
             verified = int(check["detail"].split("first-round drafts verified: ")[1].split()[0])
@@ -74,6 +75,17 @@ def test_metrics_are_sane(evaluated) -> None:
             assert row["tau"] <= row["gamma"] + 1
     same = [r for r in results["rows"] if r["method"] == "full"]
     assert any(r["tau"] > 1.1 for r in same), "the distilled same-tokenizer drafter must get drafts accepted"
+    for row in results["rows"]:
+        # byte-level rows count drafter calls: SLRS at most lookahead (3) per drafted token, and it computes
+        # at least one psi row per call; SLEM's budget is 3 bytes per target token
+        if row["method"] in ("slrs", "slem_bytes", "tli", "union", "slem"):
+            assert row["drafter_calls_per_token"] > 0, row
+        if row["method"] == "slrs":
+            assert row["psi_rows_per_token"] >= row["drafter_calls_per_token"]
+            assert row["drafter_calls_per_token"] * row["new_tokens"] <= 3 * row["gamma"] * row["target_forwards"]
+        else:
+            assert row.get("psi_rows_per_token") is None
+    assert "## String-level rejection sampling (SLRS)" in artifact.file("report.md").read_text()
     assert set(p.name for p in artifact.path.iterdir()) >= {"report.json", "report.html", "report.md"}
     assert "<svg" in artifact.file("report.html").read_text()
 

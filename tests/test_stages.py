@@ -29,7 +29,8 @@ SMALL = ["target.model=tiny:test/target", "generate.limit=40", "generate.shard_s
          "generate.max_new_tokens=12", "generate.max_prompt_tokens=48", "generate.accelerator=cpu",
          "generate.devices=1", "count.top_k=[16,64]", "count.top_p=[0.9]", "count.min_count=[2]",
          "count.draft_vocab_size=64", "evaluate.drafter=tiny:test/drafter", "cluster.drafter=tiny:test/drafter",
-         "evaluate.drafter_other=tiny:test/drafter_other", "mlflow.experiment=stages", "mlflow.log_artifacts=false"]
+         "evaluate.drafter_other=tiny:test/drafter_other", "evaluate.drafter_bytes=tiny:test/drafter_bytes",
+         "mlflow.experiment=stages", "mlflow.log_artifacts=false"]
 
 
 def small_cfg(workdir: Path, *extra: str) -> PipelineConfig:

@@ -324,13 +324,23 @@ class EvaluateConfig:
     dynaspec_pa (router-chosen clusters, fixed / Eq. 3 budget; need cluster and train_router), eagle3 (needs
     train_drafter), tli, union, slem (different-tokenizer drafter); pruned / rdk / rdk_taylor / rdk_prior (the
     same-tokenizer drafter pruned to each estimate_rdk level, without and with RDK redistribution) and tli_rdk /
-    tli_rdk_taylor / tli_rdk_prior (the different-tokenizer drafter, TLI then RDK; all need estimate_rdk)."""
+    tli_rdk_taylor / tli_rdk_prior (the different-tokenizer drafter, TLI then RDK; all need estimate_rdk); slrs
+    (string-level rejection sampling, Alg. 3) and slem_bytes (its exact-match baseline) with the byte-level
+    drafter."""
     gammas: list[int] = field(default_factory=lambda: [4])
     """Draft lengths to try (each a row of the matrix)."""
     drafter: str = "tiny:default/drafter"
     """Drafter sharing the target's tokenizer (full head and shortlists)."""
     drafter_other: str | None = "tiny:default/drafter_other"
     """Drafter with a different tokenizer (TLI, Union, SLEM); null to skip those methods."""
+    drafter_bytes: str | None = "tiny:default/drafter_bytes"
+    """Byte-level drafter (a vocabulary of the 256 single bytes plus specials) for slrs and slem_bytes; null
+    to skip those methods."""
+    slrs_byte_top_k: int = 4
+    """SLRS drafting law: bytes kept per draw (the string trie's branching factor; Alg. 3 with exact psi)."""
+    slrs_lookahead: int = 4
+    """SLRS bytes per drafted string (the trie's depth, §3.4); slem_bytes drafts as many bytes per target token.
+    byte_top_k ** lookahead strings are enumerated per drafted token (at most 65,536)."""
     shortlists: list[str] = field(default_factory=lambda: ["top_k_128", "top_k_256", "top_k_512", "top_k_1024"])
     """Shortlists from the ``count`` artifact to evaluate, by name (``top_k_<k>``, ``top_p_<p>``, ...)."""
     counts: str | None = input_override()
@@ -410,6 +420,11 @@ class EvaluateConfig:
         check_value("shortlist" not in self.methods or bool(self.shortlists), "evaluate.shortlists",
                "at least one shortlist name when method shortlist is on", self.shortlists)
         check_value(self.dynaspec_k_min >= 1, "evaluate.dynaspec_k_min", "an integer >= 1", self.dynaspec_k_min)
+        for key in ("slrs_byte_top_k", "slrs_lookahead"):
+            check_value(getattr(self, key) >= 1, f"evaluate.{key}", "an integer >= 1", getattr(self, key))
+        check_value(self.slrs_byte_top_k**self.slrs_lookahead <= 1 << 16, "evaluate.slrs_byte_top_k",
+                    "byte_top_k ** lookahead <= 65536 (the SLRS trie is enumerated per drafted token)",
+                    f"{self.slrs_byte_top_k} ** {self.slrs_lookahead}")
 
 
 @dataclass

@@ -1,14 +1,15 @@
 """Proposers for a drafter whose tokenizer differs from the target's (heterogeneous vocabularies).
 
 Timor et al., "Accelerating LLM Inference with Lossless Speculative Decoding Algorithms for
-Heterogeneous Vocabularies" (ICML 2025) give three lossless ways to use such a drafter, all here:
+Heterogeneous Vocabularies" (ICML 2025) give lossless ways to use such a drafter; three are here:
 :class:`UnionProposer` (Alg. 1, the union-vocabulary baseline), :class:`SLEMProposer` (Alg. 2,
-string-level exact match) and :class:`TLIProposer` (Alg. 4, token-level intersection). Every one keeps
-the drafter's own token sequence and KV cache (a :class:`~pipeline.engine.session.ModelSession`): at
-each round the target context is decoded to text, re-encoded by the drafter tokenizer, and only the
-suffix past the longest common prefix with the cached sequence is run. TLI and Union return ``q`` in
-target-id space through a :class:`~pipeline.vocab.maps.VocabMap`; SLEM returns ``q=None`` and is
-verified by exact match.
+string-level exact match) and :class:`TLIProposer` (Alg. 4, token-level intersection); string-level
+rejection sampling (Alg. 3) needs a byte-level drafter and lives in :mod:`pipeline.engine.slrs`, on the
+bridge defined here. Every one keeps the drafter's own token sequence and KV cache (a
+:class:`~pipeline.engine.session.ModelSession`): at each round the target context is decoded to text,
+re-encoded by the drafter tokenizer, and only the suffix past the longest common prefix with the cached
+sequence is run. TLI and Union return ``q`` in target-id space through a
+:class:`~pipeline.vocab.maps.VocabMap`; SLEM returns ``q=None`` and is verified by exact match.
 """
 
 from __future__ import annotations
@@ -35,23 +36,68 @@ class _CrossVocabDrafter:
     """What every proposer here shares: the drafter's :class:`ModelSession` and the text bridge to it.
 
     The session holds the drafter's own token ids (``session.ids``) and their KV cache.
+
+    With ``keep_specials``, a target special token (BOS, chat markers, EOS) whose exact content is also a
+    special of the drafter is handed over as that drafter token instead of being dropped: a drafter
+    trained under the same chat template then sees the turns it was trained on.
     """
 
     target_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: torch.nn.Module, drafter_tokenizer: Any, target_tokenizer: Any) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        drafter_tokenizer: Any,
+        target_tokenizer: Any,
+        *,
+        keep_specials: bool = False,
+    ) -> None:
         self.session = ModelSession(model)
         self.drafter_tokenizer = as_backend(drafter_tokenizer)
         self.target_tokenizer = as_backend(target_tokenizer)
+        self.keep_specials = keep_specials
+        drafter_specials = {
+            token.content: token_id
+            for token_id, token in self.drafter_tokenizer.get_added_tokens_decoder().items()
+            if token.special
+        }
+        # Target special id -> the drafter's special with the same content, or None (dropped).
+        self.special_map: dict[int, int | None] = {
+            token_id: drafter_specials.get(token.content)
+            for token_id, token in self.target_tokenizer.get_added_tokens_decoder().items()
+            if token.special
+        }
 
     def reset(self) -> None:
         """Forget the cached sequence; see :class:`~pipeline.engine.proposers.Proposer`."""
         self.session.reset()
 
+    @property
+    def drafter_calls(self) -> int:
+        """Drafter forward calls made so far (each one sequential step of drafting latency)."""
+        return self.session.forwards
+
     def drafter_ids(self, target_context: list[int]) -> list[int]:
-        """The target context as drafter tokens (via text; specials are dropped, the drafter's BOS added)."""
-        text = decode_ids(self.target_tokenizer, target_context)
-        return encode_text(self.drafter_tokenizer, text, add_special_tokens=True)
+        """The target context as drafter tokens, via text.
+
+        Without ``keep_specials`` specials are dropped and the drafter tokenizer's own post-processing
+        (e.g. its BOS) is applied; with it, each text run between specials is re-encoded on its own and
+        shared specials are kept in place (the context's own BOS, if any, is then the drafter's).
+        """
+        if not self.keep_specials:
+            text = decode_ids(self.target_tokenizer, target_context)
+            return encode_text(self.drafter_tokenizer, text, add_special_tokens=True)
+        ids: list[int] = []
+        start = 0
+        for index, token in enumerate([*target_context, None]):
+            if token is not None and token not in self.special_map:
+                continue
+            text = decode_ids(self.target_tokenizer, target_context[start:index])
+            ids += encode_text(self.drafter_tokenizer, text, add_special_tokens=False) if text else []
+            if token is not None and self.special_map[token] is not None:
+                ids.append(self.special_map[token])
+            start = index + 1
+        return ids
 
     def _start(self, context: list[int], gamma: int) -> tuple[list[int], Tensor] | None:
         """Move the session to ``context`` in drafter ids; those ids and the next-token logits.
@@ -237,11 +283,12 @@ def align_draft(target_tokenizer: Any, context: list[int], draft_text: str, look
     """Target ids that continue ``context`` with ``draft_text``, re-aligned through a look-behind window.
 
     ``draft_text`` is encoded together with the text of the last ``lookbehind`` context tokens, since a
-    tokenizer is not injective over concatenation (the draft may merge with the context's tail). If the
-    encoding keeps the window's tokens, the draft is what follows them. If it re-splits the window but
-    still has a token boundary exactly where the window's text ends, the draft is what follows that
-    boundary. If a token straddles that point, no continuation of *these* context tokens spells the
-    text, and nothing is returned.
+    tokenizer is not injective over concatenation (the draft may merge with the context's tail). The
+    window starts after its last special token: specials are split out before tokenization, so no text
+    before one can merge with the draft. If the encoding keeps the window's tokens, the draft is what
+    follows them. If it re-splits the window but still has a token boundary exactly where the window's
+    text ends, the draft is what follows that boundary. If a token straddles that point, no
+    continuation of *these* context tokens spells the text, and nothing is returned.
 
     Args:
         target_tokenizer: The target's tokenizer.
@@ -252,17 +299,86 @@ def align_draft(target_tokenizer: Any, context: list[int], draft_text: str, look
     Returns:
         Target ids (possibly empty) whose text follows the window's text.
     """
+    return align_drafts(target_tokenizer, context, [draft_text], lookbehind)[0]
+
+
+def byte_lengths(tokenizer: Any) -> list[int] | None:
+    """Bytes each id adds to a decoded text, for a GPT-2 byte-level tokenizer (else None).
+
+    Such a tokenizer decodes by concatenating its tokens' bytes (specials skipped) and reading them as
+    UTF-8; specials add 0 bytes, and -1 marks ids whose bytes are not known (non-special added tokens).
+    """
+    from pipeline.vocab.tokens import Spelling, token_meanings
+
+    backend = as_backend(tokenizer)
+    spelling = Spelling.of(backend)
+    if not spelling.byte_level or spelling.space_sign or spelling.byte_fallback:
+        return None
+    added = backend.get_added_tokens_decoder()
+    lengths = [-1] * (max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
+    for token_id, meaning in token_meanings(backend).items():
+        if token_id not in added:
+            lengths[token_id] = len(meaning.data)
+        elif added[token_id].special:
+            lengths[token_id] = 0
+    return lengths
+
+
+def align_drafts(
+    target_tokenizer: Any,
+    context: list[int],
+    draft_texts: list[str],
+    lookbehind: int = 8,
+    token_bytes: list[int] | None = None,
+) -> list[list[int]]:
+    """:func:`align_draft` for many drafts after one context, encoded in one batch.
+
+    ``token_bytes`` (:func:`byte_lengths` of the target tokenizer) makes the re-split search cheap: a
+    window text without U+FFFD decodes only from exactly its bytes, so only a boundary where the running
+    byte count equals its length is decoded, and the search stops past it. The result is the same.
+    """
+    backend = as_backend(target_tokenizer)
     window = context[-max(1, lookbehind) :]
-    window_text = decode_ids(target_tokenizer, window)
-    encoded = encode_text(target_tokenizer, window_text + draft_text, add_special_tokens=False)
-    agreed = common_prefix_length(encoded, window)
-    if agreed == len(window):
-        return encoded[agreed:]
-    # Every boundary is tried: a prefix ending inside a multi-byte character decodes to U+FFFD and
-    # matches nothing, so there is no early exit.
+    specials = {token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special}
+    after = max((i + 1 for i, token in enumerate(window) if token in specials), default=0)
+    window = window[after:]
+    window_text = decode_ids(backend, window)
+    known = token_bytes is not None and "\ufffd" not in window_text
+    goal = len(window_text.encode("utf-8")) if known else None
+    encodings = backend.encode_batch([window_text + text for text in draft_texts], add_special_tokens=False)
+    aligned: list[list[int]] = []
+    for encoding in encodings:
+        encoded = list(encoding.ids)
+        agreed = common_prefix_length(encoded, window)
+        if agreed == len(window):
+            aligned.append(encoded[agreed:])
+            continue
+        sizes = None
+        if goal is not None and token_bytes is not None and encoded and max(encoded) < len(token_bytes):
+            sizes = [token_bytes[token] for token in encoded]
+            sizes = None if min(sizes) < 0 else sizes
+        aligned.append(_after_boundary(backend, encoded, agreed, window_text, goal, sizes))
+    return aligned
+
+
+def _after_boundary(
+    backend: Any, encoded: list[int], agreed: int, window_text: str, goal: int | None, sizes: list[int] | None
+) -> list[int]:
+    """The ids after the first boundary at or past ``agreed`` whose prefix decodes to ``window_text``."""
+    total = sum(sizes[:agreed]) if sizes is not None else 0
     for boundary in range(agreed, len(encoded) + 1):
-        if decode_ids(target_tokenizer, encoded[:boundary]) == window_text:
+        if sizes is None:
+            # Every boundary is tried: a prefix ending inside a multi-byte character decodes to U+FFFD
+            # and matches nothing, so there is no early exit.
+            if decode_ids(backend, encoded[:boundary]) == window_text:
+                return encoded[boundary:]
+            continue
+        if total > goal:
+            return []
+        if total == goal and decode_ids(backend, encoded[:boundary]) == window_text:
             return encoded[boundary:]
+        if boundary < len(encoded):
+            total += sizes[boundary]
     return []
 
 
@@ -281,6 +397,7 @@ class SLEMProposer(_CrossVocabDrafter):
         target_lookbehind: Context tokens re-encoded with the draft.
         drafter_lookbehind: Drafter tokens decoded with the draft, so its first token's leading space
             survives decoding (SentencePiece decoders strip a sequence's leading space).
+        keep_specials: Hand shared special tokens over to the drafter (see :class:`_CrossVocabDrafter`).
         name: Label used in metrics and reports.
     """
 
@@ -292,9 +409,10 @@ class SLEMProposer(_CrossVocabDrafter):
         *,
         target_lookbehind: int = 8,
         drafter_lookbehind: int = 8,
+        keep_specials: bool = False,
         name: str = "slem",
     ) -> None:
-        super().__init__(drafter, drafter_tokenizer, target_tokenizer)
+        super().__init__(drafter, drafter_tokenizer, target_tokenizer, keep_specials=keep_specials)
         self.target_lookbehind = max(1, target_lookbehind)
         self.drafter_lookbehind = max(1, drafter_lookbehind)
         self.name = name

@@ -29,6 +29,11 @@ class ProposerInputs:
         shortlist: 1-D tensor of target ids the shortlisted head keeps (``shortlist``).
         drafter_other: A causal LM with a tokenizer of its own (``tli``, ``union``, ``slem``).
         drafter_other_tokenizer: That drafter's tokenizer.
+        drafter_bytes: A causal LM whose vocabulary is the 256 single bytes plus specials (``slrs``,
+            ``slem_bytes``).
+        drafter_bytes_tokenizer: Its tokenizer.
+        byte_top_k: SLRS's bytes kept per draw (the string trie's branching factor).
+        lookahead: SLRS's bytes per drafted string; ``slem_bytes`` drafts as many bytes per target token.
         target_tokenizer: The target's tokenizer.
         vocab_map: ``VocabMap.build(target_tokenizer, drafter_other_tokenizer)`` (``tli``, ``union``).
         eagle3: A :class:`~pipeline.drafters.eagle3.Eagle3Drafter` trained for this target, on the target's
@@ -50,6 +55,10 @@ class ProposerInputs:
     shortlist: Any = None
     drafter_other: Any = None
     drafter_other_tokenizer: Any = None
+    drafter_bytes: Any = None
+    drafter_bytes_tokenizer: Any = None
+    byte_top_k: int = 4
+    lookahead: int = 4
     target_tokenizer: Any = None
     vocab_map: Any = None
     eagle3: Any = None
@@ -132,6 +141,21 @@ def _slem(inputs: ProposerInputs) -> Proposer:
     )
 
 
+def _slrs(inputs: ProposerInputs) -> Proposer:
+    from pipeline.engine.slrs import SLRSProposer
+
+    return SLRSProposer(inputs.drafter_bytes, inputs.drafter_bytes_tokenizer, inputs.target_tokenizer,
+                        byte_top_k=inputs.byte_top_k, lookahead=inputs.lookahead,
+                        target_vocab_size=inputs.target_vocab_size, **_label(inputs))
+
+
+def _slem_bytes(inputs: ProposerInputs) -> Proposer:
+    from pipeline.engine.slrs import ByteBudgetSLEMProposer
+
+    return ByteBudgetSLEMProposer(inputs.drafter_bytes, inputs.drafter_bytes_tokenizer, inputs.target_tokenizer,
+                                  bytes_per_token=inputs.lookahead, keep_specials=True, **_label(inputs))
+
+
 def _eagle3(inputs: ProposerInputs) -> Proposer:
     from pipeline.engine.eagle3 import Eagle3Proposer
 
@@ -196,6 +220,7 @@ _RDK_SUMMARY = {"rdk": "exact sparse affinity M^T q' (RDK Alg. 1, Eq. 2)",
 _PRUNED = frozenset({"drafter", "rdk", "rdk_level"})
 _ROUTED = frozenset({"drafter", "clustering", "router", "policy"})
 _OTHER = frozenset({"drafter_other", "drafter_other_tokenizer", "target_tokenizer"})
+_BYTES = frozenset({"drafter_bytes", "drafter_bytes_tokenizer", "target_tokenizer"})
 
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec
@@ -239,6 +264,10 @@ METHODS: dict[str, MethodSpec] = {
         *(MethodSpec(f"tli_{kind}", _OTHER | {"vocab_map", "rdk"}, _redistributed(kind, True),
                      f"other-tokenizer drafter, TLI onto T∩D, then {_RDK_SUMMARY[kind]}")
           for kind in _RDK_SUMMARY),
+        MethodSpec("slrs", _BYTES, _slrs,
+                   "byte-level drafter, string-level rejection sampling with exact trie psi (Timor et al. 2025, Alg. 3)"),
+        MethodSpec("slem_bytes", _BYTES, _slem_bytes,
+                   "byte-level drafter, string-level exact match with SLRS's byte budget (SLRS's baseline)"),
         MethodSpec(
             "eagle3",
             frozenset({"eagle3"}),

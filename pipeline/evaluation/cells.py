@@ -6,7 +6,8 @@ import math
 from typing import Any
 
 METHOD_ORDER = ("ar", "full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "eagle3", "pruned", "rdk", "rdk_taylor",
-                "rdk_prior", "tli", "union", "slem", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior", "slrs")
+                "rdk_prior", "tli", "union", "slem", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior", "slem_bytes",
+                "slrs")
 MISSING = "—"
 
 Row = dict[str, Any]

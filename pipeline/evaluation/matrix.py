@@ -188,6 +188,7 @@ class Evaluator:
         same = [spec for spec in specs if spec.same_tokenizer]
         heads = [spec for spec in specs if "eagle3" in spec.needs]
         other = [spec for spec in specs if "drafter_other" in spec.needs]
+        byte_level = [spec for spec in specs if "drafter_bytes" in spec.needs]
         if same:
             drafter = load_model(ev.drafter, dtype=self.cfg.target.dtype, device=self.device)
             base = ProposerInputs(drafter=drafter, target_vocab_size=self.vocab)
@@ -252,6 +253,14 @@ class Evaluator:
                                     rdk=self._prior() if any("rdk" in spec.needs for spec in other) else None)
             for spec in other:
                 yield spec.name, ev.drafter_other, None, None, build_proposer(spec.name, inputs), ratio
+        if byte_level and ev.drafter_bytes:
+            byte_model = load_model(ev.drafter_bytes, dtype=self.cfg.target.dtype, device=self.device)
+            inputs = ProposerInputs(drafter_bytes=byte_model, drafter_bytes_tokenizer=load_tokenizer(ev.drafter_bytes),
+                                    target_tokenizer=self.tokenizer, byte_top_k=ev.slrs_byte_top_k,
+                                    lookahead=ev.slrs_lookahead, target_vocab_size=self.vocab)
+            ratio = parameter_ratio(byte_model, self.target)
+            for spec in byte_level:
+                yield spec.name, ev.drafter_bytes, None, None, build_proposer(spec.name, inputs), ratio
 
     def _prior(self) -> Any:
         """The estimate_rdk artifact as an :class:`~pipeline.rdk.prior.RDKPrior`, checked against this target."""
@@ -355,6 +364,7 @@ class Evaluator:
                 for gamma in self.ev.gammas:
                     if stats is not None:
                         stats.reset()
+                    before = _drafter_counts(proposer)
                     greedy_runs = self._decode_all(items, proposer, gamma, GREEDY, 0)
                     mismatched = [(p, a.tokens, r.tokens) for p, r, a in zip(items, greedy_runs, ar_greedy)
                                   if r.tokens != a.tokens]
@@ -362,10 +372,22 @@ class Evaluator:
                     equal = not mismatched
                     if sampled and stats is not None:
                         stats.reset()
+                    if sampled:
+                        before = _drafter_counts(proposer)
                     runs = self._decode_all(items, proposer, gamma, self.params, 1) if sampled else greedy_runs
+                    counts = _drafter_counts(proposer)
                     budget = self._budget_label(method, gamma)
+                    cost = ratio
+                    if counts is not None:
+                        calls, psi_rows = (after - first for after, first in zip(counts, before, strict=True))
+                        rounds = sum(len(r.drafted_per_round) for r in runs)
+                        # c per measured drafter call: MBSU = τ / (1 + c · calls per round)
+                        cost = ratio * calls / (rounds * gamma) if rounds else ratio
                     row = self._row(task, method, drafter, gamma, shortlist or budget, size,
-                                    summarize(runs, ar, ratio), equal)
+                                    summarize(runs, ar, cost), equal)
+                    if counts is not None and row.new_tokens:
+                        row.drafter_calls_per_token = calls / row.new_tokens
+                        row.psi_rows_per_token = psi_rows / row.new_tokens if psi_rows else None
                     if stats is not None and stats.steps:
                         row.budget, row.draft_vocab_mean = budget, stats.mean_size()
                         row.draft_vocab_per_position = stats.per_position()
@@ -438,6 +460,13 @@ class Evaluator:
                        mbsu=m.mbsu, ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms,
                        drafter_ms_per_step=m.drafter_ms_per_round, target_ms_per_step=m.target_ms_per_forward,
                        greedy_equal=equal)
+
+
+def _drafter_counts(proposer: Any) -> tuple[int, int] | None:
+    """(drafter calls, psi rows) a proposer has counted so far; None if it does not count them."""
+    if proposer is None or not hasattr(proposer, "drafter_calls"):
+        return None
+    return proposer.drafter_calls, getattr(proposer, "drafter_rows", 0)
 
 
 REGISTRATION_FILES = {"draft-vocab": "registration.json", "eagle3": "registration-eagle3.json",

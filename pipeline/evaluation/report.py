@@ -36,6 +36,8 @@ from pipeline.evaluation.sections import (
     RDK_ANALYSIS_HEADERS,
     RDK_DECODE_HEADERS,
     SHORTLIST_HEADERS,
+    SLRS_HEADERS,
+    SLRS_NOTE,
     dynaspec_markdown,
     eagle3_markdown,
     eagle3_rows,
@@ -43,6 +45,8 @@ from pipeline.evaluation.sections import (
     rdk_decode_rows,
     rdk_markdown,
     shortlist_rows,
+    slrs_markdown,
+    slrs_rows,
 )
 
 # (header, cell) for the table; the same columns in Markdown and HTML.
@@ -351,6 +355,9 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
                   _html_table(RDK_DECODE_HEADERS, rdk_decode_rows(results), {1, 4, 5})]
         if rdk_gates is not None:
             parts.append(_checks_html(rdk_gates.get("checks")))
+    if slrs_table := slrs_rows(results):
+        parts += ["<h2>String-level rejection sampling (SLRS)</h2>", f"<p class='note'>{esc(SLRS_NOTE)}</p>",
+                  _html_table(SLRS_HEADERS, slrs_table, {1, 3, 4, 5, 6, 7})]
     parts.append("<h2>Results</h2>")
     table = [[fn(r) for _, fn in COLUMNS] for r in rows]
     numeric = {3, *range(5, len(COLUMNS) - 1)}  # γ and τ … MBSU are right-aligned
@@ -396,7 +403,8 @@ def write_report(results: EvaluationResults | dict, out_dir: Path) -> list[Path]
     verdict = _verdict((results.get("gates") or {}).get("passed"))
     md_path = out_dir / "report.md"
     md = f"# Drafter evaluation: {model}\n\nDevice: {device} · gates: **{verdict}**\n\n{markdown_table(results)}\n"
-    for extra in (eagle3_markdown(results), dynaspec_markdown(results), rdk_markdown(results)):
+    for extra in (eagle3_markdown(results), dynaspec_markdown(results), rdk_markdown(results),
+                  slrs_markdown(results)):
         if extra:
             md += "\n" + extra
     md_path.write_text(md, encoding="utf-8")

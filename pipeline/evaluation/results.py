@@ -54,6 +54,12 @@ class EvalRow:
     """Mean head rows at each draft position t = 0..γ-1."""
     head_ms_per_step: float | None = None
     """Milliseconds per draft step spent in the LM head alone (selection + gather + matmul)."""
+    drafter_calls_per_token: float | None = None
+    """Drafter forward calls per emitted token, for proposers that count them (other-tokenizer and byte
+    drafters; SLRS: one per trie depth, batched over its nodes). MBSU then charges ``c`` per measured call
+    instead of assuming γ calls per round."""
+    psi_rows_per_token: float | None = None
+    """SLRS only: next-byte distributions computed per emitted token to get psi exactly (the trie's nodes)."""
 
     @property
     def tag(self) -> str:

@@ -149,3 +149,31 @@ def rdk_markdown(results: dict) -> str:
              "", *_md_table(RDK_ANALYSIS_HEADERS, rdk_analysis_rows(results)), "",
              "Decoding (the evaluation's temperature):", "", *_md_table(RDK_DECODE_HEADERS, rdk_decode_rows(results))]
     return "\n".join(lines) + "\n"
+
+
+SLRS_METHODS = ("slem_bytes", "slrs")
+SLRS_HEADERS = ["task", "γ", "method", "τ", "α", "drafter calls / token", "ψ rows / token", "MBSU", "greedy equal"]
+
+
+def slrs_rows(results: dict) -> list[list[str]]:
+    """SLRS beside SLEM on the same byte drafter, per task and γ."""
+    rows = [r for r in _rows(results) if r.get("method") in SLRS_METHODS]
+    rows.sort(key=lambda r: (str(r.get("task")), r.get("gamma") or 0, SLRS_METHODS.index(r["method"])))
+    return [[_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _text(r.get("method")), _fmt(r.get("tau")),
+             _fmt(r.get("acceptance_rate"), ".3f"), _fmt(r.get("drafter_calls_per_token"), ".2f"),
+             _fmt(r.get("psi_rows_per_token"), ".1f"), _fmt(r.get("mbsu"), ".2f", "×"),
+             "yes" if r.get("greedy_equal") else "no"] for r in rows]
+
+
+SLRS_NOTE = ("Byte-level drafter: SLRS (Alg. 3; ψ computed exactly over the trie of drafted strings, one batched "
+             "drafter call per trie depth) against SLEM with the same bytes per target token. MBSU charges the "
+             "drafter's parameter ratio per measured call.")
+
+
+def slrs_markdown(results: dict) -> str:
+    """The byte-level drafter section of report.md ('' when neither slrs nor slem_bytes was evaluated)."""
+    table = slrs_rows(results)
+    if not table:
+        return ""
+    return "\n".join(["## String-level rejection sampling (SLRS)", "", SLRS_NOTE, "",
+                      *_md_table(SLRS_HEADERS, table)]) + "\n"

@@ -49,6 +49,8 @@ def _evaluate_models(cfg: PipelineConfig) -> dict:
         models["drafter"] = fingerprint(ev.drafter)
     if "drafter_other" in needs and ev.drafter_other:
         models["drafter_other"] = fingerprint(ev.drafter_other)
+    if "drafter_bytes" in needs and ev.drafter_bytes:
+        models["drafter_bytes"] = fingerprint(ev.drafter_bytes)
     return models
 
 

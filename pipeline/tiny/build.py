@@ -1,7 +1,7 @@
 """Building, caching and resolving tiny-model kits.
 
-:func:`build_kit` runs the whole recipe for a profile (data → two tokenizers → target → target-written
-text → two distilled drafters → measurements) into a temporary directory next to the cache entry and
+:func:`build_kit` runs the whole recipe for a profile (data → tokenizers → target → target-written
+text → three drafters → measurements) into a temporary directory next to the cache entry and
 renames it into place, so a kit directory is either complete or absent. An ``fcntl.flock`` lock per
 kit makes a second process wait for the first and then find the kit cached; temporary directories left
 by interrupted builds are removed under that lock. :func:`resolve_tiny_ref` turns
@@ -30,7 +30,7 @@ REF_PREFIX = "tiny:"
 
 @dataclass
 class TinyKit:
-    """A built kit: three model directories (one per role) and the report of their build.
+    """A built kit: one model directory per role (:data:`~pipeline.tiny.spec.ROLES`) and its build report.
 
     Attributes:
         root: The kit directory, ``<cache>/tiny/<profile>-<hash>``.

@@ -15,7 +15,14 @@
    target-written chats under its own template, with cross-entropy, so it learns turns and eos.
    Plain sequence-level distillation (cross-entropy on target-written text alone) was tried first
    and matched the target no better than raw text: a few minutes of CPU generate too little text.
-7. Measurements on held-out chats and on target answers to held-out prompts go into the report.
+7. The byte-level drafter (256 byte tokens, the target's specials and template; for string-level
+   rejection sampling, :mod:`pipeline.engine.slrs`) cannot be distilled against the target's
+   distributions either: one target token spans several bytes, and the target's distribution over
+   the next *byte* would need a marginal over every token that starts with it. It is trained like the
+   target, with next-byte cross-entropy, on training chats and target-written chats (the same text the
+   other drafters see), mixed half and half like the same-tokenizer drafter's rows, so it learns the
+   target's own phrasing where it can.
+8. Measurements on held-out chats and on target answers to held-out prompts go into the report.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from pipeline.data.sources import DEFAULT_HELDOUT_FRACTION, load_sharegpt, split
 from pipeline.tiny import corpus
 from pipeline.tiny.crossvocab import aligned_agreement, aligned_distill_loss, aligned_rows, shared_tokens
 from pipeline.tiny.spec import ProfileSpec
-from pipeline.tiny.text_tokenizers import train_tokenizer
+from pipeline.tiny.text_tokenizers import byte_tokenizer, train_tokenizer
 from pipeline.tiny.train import (
     build_model,
     distill_loss,
@@ -105,7 +112,7 @@ def _save(model: Any, tokenizer: Any, out_dir: Path) -> None:
 
 
 def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict:
-    """Run the recipe for ``spec`` and save ``target``, ``drafter``, ``drafter_other`` under ``out``.
+    """Run the recipe for ``spec`` and save every role of :data:`~pipeline.tiny.spec.ROLES` under ``out``.
 
     Returns:
         The report (figures of every stage), without build time, which the caller adds.
@@ -172,13 +179,34 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
         name="drafter_other (aligned soft targets)",
     )  # fmt: skip
 
+    tok_b = byte_tokenizer("bytelevel")
+    rows_b = corpus.pack(corpus.render_ids(tok_b, train_chats), spec.byte_context)
+    eval_b = corpus.pack(corpus.render_ids(tok_b, eval_chats), spec.byte_context)
+    written_b = corpus.pack(_rerender(tok_t, tok_b, prompts, answers), spec.byte_context)
+    eval_written_b = corpus.pack(_rerender(tok_t, tok_b, eval_prompts, eval_answers), spec.byte_context)
+    byte_model = build_model(spec.byte_drafter, tok_b, spec.byte_context, spec.seed + 5)
+    byte_mix = _mix(rows_b, written_b, spec.byte_steps * spec.batch_size, spec.seed + 5)
+    log(f"  drafter_bytes: {param_count(byte_model):,} params, {spec.byte_steps} steps of "
+        f"{spec.batch_size}x{spec.byte_context} bytes")  # fmt: skip
+    byte_losses = train(
+        byte_model, next_token_loss(byte_mix, spec.batch_size, spec.seed + 5), steps=spec.byte_steps,
+        lr=spec.byte_lr, seed=spec.seed + 5, log=log, name="drafter_bytes (next-byte CE)",
+    )  # fmt: skip
+
     for role, model, tok in (
         ("target", target, tok_t),
         ("drafter", drafter, tok_t),
         ("drafter_other", other, tok_o),
+        ("drafter_bytes", byte_model, tok_b),
     ):
         _save(model, tok, out / role)
     log("  measuring on held-out text")
+    target_heldout = measure(target, eval_t)
+    eval_text = [tok_t.apply_chat_template(chat, tokenize=False) for chat in eval_chats]
+    n_bytes, n_tokens = (
+        sum(map(len, tok(eval_text, add_special_tokens=False)["input_ids"])) for tok in (tok_b, tok_t)
+    )
+    bytes_per_token = n_bytes / n_tokens
     report = {
         "data": {**vars(data_report), "train_chats": len(train_chats), "eval_chats": len(eval_chats)},
         "heldout_fraction": DEFAULT_HELDOUT_FRACTION,
@@ -187,7 +215,7 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
             "vocab_size": len(tok_t),
             "uniform_loss": round(float(torch.log(torch.tensor(float(len(tok_t))))), 4),
             "final_train_loss": round(sum(target_losses[-20:]) / len(target_losses[-20:]), 4),
-            "heldout": measure(target, eval_t),
+            "heldout": target_heldout,
             "answers_ended_with_eos": round(finished, 3),
         },
         "drafter": {
@@ -206,6 +234,18 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
             "heldout_target_written": measure(other, eval_written_o),
             "heldout_aligned": aligned_agreement(target, other, eval_aligned, shared),
             "heldout_target_written_aligned": aligned_agreement(target, other, eval_written_aligned, shared),
+        },
+        "drafter_bytes": {
+            "params": param_count(byte_model),
+            "vocab_size": len(tok_b),
+            "context_bytes": spec.byte_context,
+            "final_train_loss": round(sum(byte_losses[-20:]) / len(byte_losses[-20:]), 4),
+            # Losses are nats per byte; the target's, for comparison, is its per-token loss spread
+            # over the mean bytes per target token of the held-out chats (specials count as one byte).
+            "heldout": measure(byte_model, eval_b),
+            "heldout_target_written": measure(byte_model, eval_written_b),
+            "bytes_per_target_token": round(bytes_per_token, 4),
+            "target_heldout_nats_per_byte": round(target_heldout["loss"] / bytes_per_token, 4),
         },
         "context": spec.context,
     }

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from pipeline.errors import DrafterError
 
-KIT_CODE_VERSION = "2"
-ROLES = ("target", "drafter", "drafter_other")
+# 3: the byte-level drafter (role drafter_bytes).
+KIT_CODE_VERSION = "3"
+ROLES = ("target", "drafter", "drafter_other", "drafter_bytes")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,14 @@ class ProfileSpec:
     other: ModelSpec
     other_steps: int
     other_lr: float
+    byte_drafter: ModelSpec
+    """Shape of drafter_bytes (256 byte tokens + the target's specials)."""
+    byte_context: int
+    """drafter_bytes' training row length in bytes; also its max_position_embeddings. A byte model needs
+    ~2.4 positions per target token on the kit's chats, so this sets how long a conversation it drafts
+    well in."""
+    byte_steps: int
+    byte_lr: float
     gen_prompts: int
     """Training prompts the target answers (sampled at T=1) to make distillation text."""
     gen_new_tokens: int
@@ -68,7 +77,8 @@ class ProfileSpec:
 
 
 PROFILES: dict[str, ProfileSpec] = {
-    # ~8 min on 2 idle cores (469 s measured); the embedded default's target and drafters.
+    # ~10 min on 2 idle cores (469 s measured before drafter_bytes, whose steps were timed at ~0.6x a
+    # target step: an estimated +1.5-2 min); the embedded default's target and drafters.
     "default": ProfileSpec(
         name="default",
         train_conversations=6000,
@@ -88,10 +98,15 @@ PROFILES: dict[str, ProfileSpec] = {
         other=ModelSpec(hidden=96, layers=2, heads=3, kv_heads=1, intermediate=256),
         other_steps=800,
         other_lr=3e-3,
+        byte_drafter=ModelSpec(hidden=96, layers=3, heads=3, kv_heads=1, intermediate=256),
+        byte_context=640,
+        byte_steps=1000,
+        byte_lr=3e-3,
         gen_prompts=512,
         gen_new_tokens=128,
     ),
-    # ~2 min: what pytest builds once per session.
+    # ~3.5 min (208 s measured on 2 idle cores on 2026-11-23, of which drafter_bytes' 500 steps took 44 s):
+    # what pytest builds once per session (and test_build_is_deterministic once more).
     "test": ProfileSpec(
         name="test",
         train_conversations=1500,
@@ -111,6 +126,10 @@ PROFILES: dict[str, ProfileSpec] = {
         other=ModelSpec(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=192),
         other_steps=800,
         other_lr=3e-3,
+        byte_drafter=ModelSpec(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=192),
+        byte_context=384,
+        byte_steps=500,
+        byte_lr=3e-3,
         gen_prompts=128,
         gen_new_tokens=64,
     ),

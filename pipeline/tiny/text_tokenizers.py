@@ -12,7 +12,11 @@ Two deliberately different schemes, so heterogeneous-vocabulary code paths run o
   first word) keeps ``decode(encode(s)) == s`` exact; the one text that does not round-trip is a
   literal ``'▁'`` (U+2581), which decodes as a space, as in every SentencePiece tokenizer.
 
-Neither normalises text, and both save as Hugging Face fast tokenizers that
+A third, :func:`byte_tokenizer`, is not trained: its vocabulary is the 256 single bytes (a ByteLevel
+BPE with no merges) plus the specials and chat template of a scheme, for the byte-level drafter that
+string-level rejection sampling (:mod:`pipeline.engine.slrs`) needs.
+
+None normalises text, and all save as Hugging Face fast tokenizers that
 ``AutoTokenizer.from_pretrained`` loads, chat template included.
 """
 
@@ -93,6 +97,35 @@ def train_tokenizer(scheme: str, texts: Iterable[str], vocab_size: int, *, limit
         tok.train_from_iterator(texts, trainer=trainer)
     else:
         tok = _train_metaspace(texts, vocab_size, specials, limit_alphabet)
+    return _wrap(tok, named, extra, template)
+
+
+def byte_tokenizer(scheme: str = "bytelevel") -> Any:
+    """A tokenizer whose text tokens are the 256 single bytes, with ``scheme``'s specials and template.
+
+    A ByteLevel pre-tokenizer and decoder around a BPE with an empty merge list: every byte of the UTF-8
+    text is one token, so ``decode(encode(s)) == s`` for any text. Specials come first (ids 0, 1, …, in
+    the order the trained ``scheme`` tokenizer gives them), then byte ``b`` at id ``len(specials) + b``.
+
+    Args:
+        scheme: Whose special tokens and chat template to copy (see :data:`SCHEMES`).
+
+    Returns:
+        A ``transformers.PreTrainedTokenizerFast``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from pipeline.vocab.tokens import bytes_to_unicode
+
+    named, extra, template = _specials(scheme)
+    specials = list(dict.fromkeys([*named.values(), *extra]))
+    symbols = bytes_to_unicode()
+    vocab = {token: i for i, token in enumerate([*specials, *(symbols[b] for b in range(256))])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No regex split: with no merges it could not change the tokens, only cost time.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
     return _wrap(tok, named, extra, template)
 
 

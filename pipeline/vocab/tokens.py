@@ -94,7 +94,7 @@ def vocab_hash(tokenizer: Any) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte → printable character table (bytes that print as themselves keep their
     character; the rest are shifted past 255 so no byte maps to whitespace or a control character)."""
     printable = list(range(ord("!"), ord("~") + 1))
@@ -108,7 +108,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-_UNICODE_TO_BYTE = {char: byte for byte, char in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _components(node: Any) -> list[dict[str, Any]]:

@@ -152,7 +152,8 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
 
     The shortlist is the target's first 256 ids plus EOS; the EAGLE-3 head (untrained, seeded) drafts
     over those ids, on the target's device and in its dtype; DynaSpec routes over a 16-cluster FAISS
-    clustering of the drafter's head with an untrained seeded router; PA-FR ranks ids in id order.
+    clustering of the drafter's head with an untrained seeded router; PA-FR ranks ids in id order; SLRS
+    and SLEM-on-bytes use the byte drafter with the registry's default byte_top_k and lookahead (4, 4).
     """
     from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from pipeline.engine.methods import ProposerInputs
@@ -196,6 +197,8 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
         target_tokenizer=target_tok,
         vocab_map=VocabMap.build(target_tok, other_tok),
         eagle3=eagle3,
+        drafter_bytes=kit["drafter_bytes"][0],
+        drafter_bytes_tokenizer=kit["drafter_bytes"][1],
         target_vocab_size=vocab,
     )
 

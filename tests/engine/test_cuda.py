@@ -27,7 +27,7 @@ def cuda_kit(tiny_kit):
         model = AutoModelForCausalLM.from_pretrained(tiny_kit.path(role), dtype=torch.float64).to("cuda").eval()
         return model, AutoTokenizer.from_pretrained(tiny_kit.path(role))
 
-    return {role: load(role) for role in ("target", "drafter", "drafter_other")}
+    return {role: load(role) for role in ("target", "drafter", "drafter_other", "drafter_bytes")}
 
 
 def _proposer(kit: dict, method: str):

@@ -21,6 +21,8 @@ from pipeline.engine.hetero import (
     SLEMProposer,
     TLIProposer,
     align_draft,
+    align_drafts,
+    byte_lengths,
     intersection_pairs,
     tli_draft_distribution,
     union_draft_distribution,
@@ -294,6 +296,32 @@ def test_align_draft_proposes_nothing_when_the_draft_merges_into_the_context(tok
     context = encode_text(tok_target, " the caf", add_special_tokens=False)
     assert tok_target.token_to_id("ĠcafÃ©") is not None
     assert align_draft(tok_target, context, "é served") == []
+
+
+def test_align_drafts_with_byte_sizes_finds_the_same_boundaries(tok_target: Tokenizer) -> None:
+    """The byte-size shortcut of the re-split search changes nothing: 300 random cuts of corpus
+    sentences, each context also spelt non-canonically (its last word split into single bytes, so the
+    window re-splits), with 12 drafts each, align alike with and without ``byte_lengths``."""
+    from pipeline.vocab.tokens import bytes_to_unicode
+
+    symbol = bytes_to_unicode()
+    sizes = byte_lengths(tok_target)
+    assert sizes is not None and byte_lengths(metaspace_tokenizer()) is None
+    rng = random.Random(11)
+    sentences = corpus(3)
+    found = missed = 0
+    for _ in range(300):
+        sentence = " " + rng.choice(sentences)
+        cut = rng.randint(2, len(sentence) - 2)
+        head, _, last = sentence[:cut].rpartition(" ")
+        context = encode_text(tok_target, head, add_special_tokens=False)
+        context += [tok_target.token_to_id(symbol[b]) for b in (" " + last).encode()]
+        drafts = [sentence[cut : cut + rng.randint(0, 8)] for _ in range(12)]
+        plain = align_drafts(tok_target, context, drafts, 4)
+        assert align_drafts(tok_target, context, drafts, 4, sizes) == plain
+        found += sum(bool(ids) for ids in plain)
+        missed += sum(not ids for draft, ids in zip(drafts, plain, strict=True) if draft)
+    assert found > 300 and missed > 300  # the re-split search both found and missed boundaries
 
 
 @pytest.mark.parametrize("side", ["byte_level", "metaspace"])

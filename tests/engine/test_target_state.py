@@ -47,7 +47,7 @@ def kit(tiny_kit) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
         return model, AutoTokenizer.from_pretrained(path)
 
-    return {role: load(role) for role in ("target", "drafter", "drafter_other")}
+    return {role: load(role) for role in ("target", "drafter", "drafter_other", "drafter_bytes")}
 
 
 class _Recording:
