@@ -75,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (with upstreams)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (for CI)")
+    p = sub.add_parser("submit", help="submit every stage that is not cached as a Slurm job, chained with "
+                                      "afterok dependencies; prints the job table",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (with upstreams)")
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch scripts and submit nothing")
+    p.add_argument("--json", action="store_true", help="print the job table as JSON")
+    p = sub.add_parser("status", help="each stage's artifact and Slurm job state (squeue/sacct), and why a job "
+                                      "failed or was cancelled",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (with upstreams)")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
     p = sub.add_parser("config", help="print the resolved config (after overrides) as YAML",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(p)
@@ -200,6 +213,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "plan":
         return _plan(args, cfg)
+    if args.command in ("submit", "status"):
+        return _slurm(args, cfg)
     if args.command in STAGES:
         artifacts = run(cfg, [args.command])
         if args.command in artifacts:
@@ -219,6 +234,44 @@ def _wanted(args: argparse.Namespace) -> tuple[str, ...]:
     if unknown:
         raise DrafterError(f"Unknown stage(s) {unknown}.", expected=f"some of {list(STAGES)}")
     return wanted
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    cells = [[str(row[c]) if row[c] not in (None, []) else "—" for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def _slurm(args: argparse.Namespace, cfg) -> int:
+    from pipeline.orchestration import slurm
+
+    wanted = list(_wanted(args))
+    if args.command == "status":
+        rows = [row.to_dict() for row in slurm.status(cfg, wanted)]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        for row in rows:
+            row["artifact"] = "yes" if row["artifact"] else "no"
+        print(_table(rows, ["stage", "artifact_id", "artifact", "job_id", "state", "why"]))
+        return 0
+    submitted = slurm.submit(cfg, wanted, list(args.overrides), dry_run=args.dry_run)
+    rows = [row.to_dict() for row in submitted]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if args.dry_run:
+        for row in rows:
+            if row["script"]:
+                print(f"# ---- {row['stage']} ({row['artifact_id']}) ----\n{row['script']}")
+    for row in rows:
+        row["depends_on"] = ",".join(row["depends_on"]) or None
+    print(_table(rows, ["stage", "job_id", "depends_on", "artifact_id", "status"]))
+    new = sum(row["status"] == "submitted" for row in rows)
+    print(f"\n{new} job(s) submitted" + ("" if args.dry_run else "; `drafter status` follows them"))
+    return 0
 
 
 def _plan(args: argparse.Namespace, cfg) -> int:

@@ -41,19 +41,7 @@ def tiny_kit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 # --- end tiny-model kit ----------------------------------------------------------------------------
 
 
-# --- markers: gpu and slurm tests skip, with a reason, where the hardware/service is absent ---------
-def _slurm_available() -> bool:
-    import shutil
-    import subprocess
-
-    if not shutil.which("sbatch") or not shutil.which("scontrol"):
-        return False
-    try:
-        return subprocess.run(["scontrol", "ping"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
+# --- markers: gpu tests skip, with a reason, where there is no GPU (slurm: tests/slurm_cluster.py) ---
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu = [i for i in items if i.get_closest_marker("gpu")]
     if gpu:
@@ -63,8 +51,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             skip = pytest.mark.skip(reason="needs a CUDA GPU; GPU results are recorded in README.md (Measured)")
             for item in gpu:
                 item.add_marker(skip)
-    slurm = [i for i in items if i.get_closest_marker("slurm")]
-    if slurm and not _slurm_available():
-        skip = pytest.mark.skip(reason="needs a running Slurm controller (sbatch + scontrol ping)")
-        for item in slurm:
-            item.add_marker(skip)
+

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from jobs import count, generate
-from jobs.cli import build_parser
 from jobs.cli import main as cli_main
 from pipeline.config.sections import load_config
 from pipeline.data.calibration import iter_rows
@@ -26,19 +24,6 @@ from pipeline.orchestration.dag import STAGE_NAMES, STAGES, plan
 from tests.test_stages import SMALL, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
-SLURM_ENV = {"SLURM_NTASKS_PER_NODE": "8", "SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_PER_TASK": "16"}
-
-
-def sbatch_overrides(script: str) -> list[str]:
-    """The ``key=value`` overrides the ``srun drafter ...`` line of ``slurm/<script>`` passes (Slurm
-    variables filled in as on an 8-GPU, 2-node allocation)."""
-    text = (ROOT / "slurm" / script).read_text()
-    line = " ".join(part.rstrip("\\").strip() for part in text[text.index("srun drafter"):].splitlines())
-    for var, value in SLURM_ENV.items():
-        line = line.replace(f"${{{var}}}", value)
-    argv = shlex.split(line.replace('"$CONFIG"', "CONFIG").replace('"$@"', ""))
-    args = build_parser().parse_args(argv[2:])
-    return list(args.overrides)
 
 
 def test_the_table_is_a_dag_in_order() -> None:
@@ -74,17 +59,6 @@ def test_run_settings_stay_out_of_every_id(tmp_path: Path, tiny_kit) -> None:
     a, b = plan(here), plan(there)
     assert [s.id for s in a.stages.values()] == [s.id for s in b.stages.values()]
     assert list(a.stages) == list(STAGE_NAMES)
-
-
-def test_the_readme_slurm_chain_does_not_regenerate_on_the_count_node(tmp_path: Path, tiny_kit) -> None:
-    """`sbatch slurm/generate.sbatch` then `sbatch slurm/count.sbatch`: the count job must find the
-    generate job's artifact, not plan a new calibration set of its own."""
-    gen_cmd, count_cmd = sbatch_overrides("generate.sbatch"), sbatch_overrides("count.sbatch")
-    assert any(o.startswith("generate.devices=8") for o in gen_cmd)  # the lines really differ
-    assert not any(o.startswith("generate.") for o in count_cmd)
-    on_gpu_node = plan(small_cfg(tmp_path, *gen_cmd), ["generate"])
-    on_count_node = plan(small_cfg(tmp_path, *count_cmd), ["count"])
-    assert on_gpu_node["generate"].id == on_count_node["generate"].id
 
 
 @pytest.mark.slow

@@ -1,40 +1,209 @@
-"""The sbatch scripts: valid bash with sane #SBATCH headers, an ``srun drafter <stage>`` line naming a
-real subcommand, and — the behaviour that matters — overrides that only say *where* the stage runs:
-each script plans exactly the artifacts that ``drafter <stage>`` with the same config plans, so a job
-resubmitted on other hardware, or the next stage of the chain on another node, finds them."""
+"""``drafter submit`` / ``drafter status`` and the one job template, ending on a real one-node Slurm.
 
+Without Slurm: the template is valid bash with a sane header; a submit plan's scripts carry the config's
+resources and per-stage overrides; the run settings a job adds for its allocation change no artifact id.
+With the ``slurm_cluster`` fixture (real ``slurmctld`` + ``slurmd``; ``.ci/run`` installs them): the tiny DAG
+submitted as jobs ends with the same artifact ids and bytes as ``drafter run`` in-process, a second submit
+submits nothing, a job requeued mid-``generate`` resumes and ends identically, and a failing stage cancels
+its dependants while ``drafter status`` says which and why.
+"""
+
+from __future__ import annotations
+
+import json
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from jobs import STAGES
-from pipeline.orchestration.dag import plan
-from tests.test_dag import sbatch_overrides
-from tests.test_stages import small_cfg
+from jobs import run
+from jobs.cli import main as cli_main
+from pipeline.config.sections import load_config
+from pipeline.orchestration import slurm
+from pipeline.orchestration.artifacts import load_artifact
+from pipeline.orchestration.dag import STAGE_NAMES, plan
+from tests.mlflow_server import MlflowServer
+from tests.slurm_cluster import SlurmCluster
+from tests.test_stages import SMALL, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted((ROOT / "slurm").glob("*.sbatch"))
+GPU_ALLOCATION = slurm.Resources(nodes=2, ntasks_per_node=8, gpus_per_node=8, cpus_per_task=16, mem="500G",
+                                 time="12:00:00")
+# generate → count → evaluate (shortlists only, one task): three chained jobs, a minute or two on 2 cores
+CHAIN = ["generate", "count", "evaluate"]
+SUBMIT = [*SMALL, "evaluate.methods=[shortlist]", "evaluate.tasks=[code]", "evaluate.prompts_per_task=2",
+          "evaluate.max_new_tokens=8", "evaluate.gammas=[2]", "evaluate.sampling_check_samples=0",
+          "evaluate.shortlists=[top_k_64]", "evaluate.gate_tau_min=1.0", "evaluate.gate_speed_min=0.0",
+          "slurm.cpus_per_task=1", "mlflow.experiment=slurm"]
 
 
-def test_there_is_a_script_per_stage() -> None:
-    assert {p.stem for p in SCRIPTS} >= set(STAGES)
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
-def test_script_is_valid_bash_with_a_slurm_header(script: Path) -> None:
-    text = script.read_text()
-    subprocess.run(["bash", "-n", str(script)], check=True)
+def test_template_is_valid_bash_with_a_slurm_header() -> None:
+    text = slurm.TEMPLATE.read_text()
+    subprocess.run(["bash", "-n", str(slurm.TEMPLATE)], check=True)
     assert text.startswith("#!/bin/bash") and "set -euo pipefail" in text
-    assert re.search(r"^#SBATCH --job-name=\S+", text, re.M)
-    assert re.search(r"^#SBATCH --time=\d", text, re.M)
-    assert re.search(rf"^srun drafter {script.stem} --config \"\$CONFIG\"", text, re.M)
+    for option in ("--job-name=", "--time=", "--requeue", "--signal=B:USR1@", "--open-mode=append"):
+        assert re.search(rf"^#SBATCH {re.escape(option)}", text, re.M), option
+    assert re.search(r'^srun "\$\{DRAFTER\[@\]\}" "\$\{STAGE\}" --config "\$\{CONFIG\}" "\$@" &$', text, re.M)
+    assert "trap requeue USR1" in text and 'scontrol requeue "${SLURM_JOB_ID}"' in text
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
-def test_script_plans_the_same_artifacts_as_the_plain_command(script: Path, tmp_path: Path, tiny_kit) -> None:
-    overrides = sbatch_overrides(script.name)
-    on_slurm = plan(small_cfg(tmp_path, *overrides), [script.stem])
-    plain = plan(small_cfg(tmp_path), [script.stem])
-    assert {n: s.id for n, s in on_slurm.stages.items()} == {n: s.id for n, s in plain.stages.items()}
+def test_every_stage_run_settings_keep_every_id(tmp_path: Path, tiny_kit) -> None:
+    """A job's overrides for an 8-GPU x 2-node allocation (and for a CPU one) plan every stage's id
+    unchanged: the next stage of the chain, on another node, finds the artifact."""
+    plain = plan(small_cfg(tmp_path))
+    cpu = slurm.Resources(1, 1, 0, 2, None, "1:00:00")
+    for stage in STAGE_NAMES:
+        for res in (GPU_ALLOCATION, cpu):
+            settings = slurm.run_settings(stage, res)
+            assert plan(small_cfg(tmp_path, *settings), [stage])[stage].id == plain[stage].id, (stage, settings)
+    assert slurm.run_settings("generate", GPU_ALLOCATION) == [
+        "generate.accelerator=gpu", "generate.devices=8", "generate.num_nodes=2"]
+    assert slurm.run_settings("train_drafter", GPU_ALLOCATION)[1] == "train_drafter.train.devices=8"
+    assert slurm.run_settings("evaluate", GPU_ALLOCATION) == []  # evaluate.device is part of its id
+
+
+def test_dry_run_prints_each_script_with_its_resources(tmp_path: Path, tiny_kit, capsys) -> None:
+    overrides = [f"workdir={tmp_path}", *SMALL, "slurm.partition=gpu", "slurm.account=ml", "slurm.qos=high",
+                 "slurm.time=02:00:00", "slurm.stages={generate: {gpus_per_node: 8, ntasks_per_node: 8, "
+                 "nodes: 2, mem: 400G}}", "slurm.extra=[--exclusive]"]
+    assert cli_main(["submit", "--dry-run", "--stages", "count", *overrides]) == 0
+    out = capsys.readouterr().out
+    scripts = dict(re.findall(r"^# ---- (\w+) \(\S+\) ----\n(.*?^# sbatch [^\n]*\n)", out, re.M | re.S))
+    assert set(scripts) == {"generate", "count"}
+    generate, count = scripts["generate"], scripts["count"]
+    for line in ("--partition=gpu", "--account=ml", "--qos=high", "--exclusive", "--requeue"):
+        assert f"#SBATCH {line}\n" in generate and f"#SBATCH {line}\n" in count
+    for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--mem=400G", "--time=02:00:00"):
+        assert f"#SBATCH {line}\n" in generate
+    assert "#SBATCH --nodes=1\n" in count and "--gpus-per-node" not in count
+    assert "generate.accelerator=gpu generate.devices=8 generate.num_nodes=2" in generate
+    assert re.search(r"^count\s+—\s+<generate>\s+count-", out, re.M)  # the dependency, by stage
+    assert "0 job(s) submitted" in out
+    assert not (tmp_path / "slurm").exists()  # a dry run writes nothing
+    for text in scripts.values():
+        subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_submit_without_slurm_or_with_a_bad_stage_is_refused(tmp_path: Path, tiny_kit, monkeypatch) -> None:
+    with pytest.raises(Exception, match="slurm.stages"):
+        load_config(None, ["slurm.stages={generat: {nodes: 2}}"])
+    with pytest.raises(Exception, match="slurm.stages.generate"):
+        load_config(None, ["slurm.stages={generate: {gpus: 2}}"])
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
+    cfg = small_cfg(tmp_path)
+    with pytest.raises(Exception, match="sbatch.*is not on PATH"):
+        slurm.submit(cfg, ["generate"], [])
+
+
+# --- on a real one-node Slurm ----------------------------------------------------------------------
+
+
+def _cfg(workdir: Path, uri: str, *extra: str):
+    return load_config(None, [f"workdir={workdir}", *SUBMIT, f"mlflow.tracking_uri={uri}", *extra])
+
+
+def _files(path: Path) -> dict[str, str]:
+    """Payload name → sha256, from the artifact's own manifest (verified on load)."""
+    artifact = load_artifact(path)
+    return {name: entry["sha256"] for name, entry in artifact.manifest["files"].items()}
+
+
+@pytest.fixture(scope="module")
+def submitted(tmp_path_factory: pytest.TempPathFactory, tiny_kit, slurm_cluster: SlurmCluster,
+              mlflow_server: MlflowServer):
+    """The chain submitted as jobs and waited for, and the same chain run in-process elsewhere."""
+    workdir = tmp_path_factory.mktemp("submitted")
+    cfg = _cfg(workdir, mlflow_server.uri)
+    rows = slurm.submit(cfg, CHAIN, [])
+    jobs = [row.job_id for row in rows if row.status == "submitted"]
+    slurm_cluster.wait(jobs)
+    local = run(_cfg(tmp_path_factory.mktemp("local"), mlflow_server.uri), CHAIN)
+    return cfg, rows, local
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_submitted_chain_ends_like_the_in_process_run(submitted) -> None:
+    cfg, rows, local = submitted
+    assert [(r.stage, r.status) for r in rows] == [(s, "submitted") for s in CHAIN]
+    by_stage = {r.stage: r for r in rows}
+    assert by_stage["generate"].depends_on == []
+    assert by_stage["count"].depends_on == [by_stage["generate"].job_id]
+    assert by_stage["evaluate"].depends_on == [by_stage["count"].job_id]
+    status = {row.stage: row for row in slurm.status(cfg, CHAIN)}
+    for stage in CHAIN:
+        assert status[stage].state == "COMPLETED" and status[stage].artifact, status[stage]
+        step = plan(cfg, [stage])[stage]
+        assert step.id == local[stage].id  # the same artifact ids
+        if stage != "evaluate":  # evaluate's report holds wall-clock timings; its id and rows are compared
+            assert _files(step.path) == _files(local[stage].path), stage
+    mine = json.loads((plan(cfg, ["evaluate"])["evaluate"].path / "report.json").read_text())
+    theirs = json.loads(local["evaluate"].file("report.json").read_text())
+    assert [(r["method"], r["tau"], r["new_tokens"]) for r in mine["rows"]] == [
+        (r["method"], r["tau"], r["new_tokens"]) for r in theirs["rows"]]
+    log = (cfg.workdir_path / "slurm" / "logs" / f"generate-{by_stage['generate'].job_id}.out").read_text()
+    assert "generate on 1 node(s) x 1 task(s)" in log
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_second_submit_submits_nothing(submitted, capsys) -> None:
+    cfg, _, _ = submitted
+    records = (cfg.workdir_path / "slurm" / "jobs.json").read_text()
+    again = slurm.submit(cfg, CHAIN, [])
+    assert [r.status for r in again] == ["cached"] * len(CHAIN) and all(r.job_id is None for r in again)
+    assert (cfg.workdir_path / "slurm" / "jobs.json").read_text() == records
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_requeue_mid_generate_resumes_and_ends_identically(tmp_path: Path, tiny_kit, slurm_cluster: SlurmCluster,
+                                                          mlflow_server: MlflowServer) -> None:
+    """20 shards of 2 prompts; ``scontrol requeue`` once the first shard has landed: the requeued job
+    (restart 1) resumes from the landed shards and ends with the bytes of an uninterrupted in-process run."""
+    slower = ["generate.shard_size=2", "generate.batch_size=2", "generate.max_new_tokens=24"]
+    cfg = _cfg(tmp_path / "slurm", mlflow_server.uri, *slower)
+    (row,) = slurm.submit(cfg, ["generate"], [])
+    staging = cfg.workdir_path / "staging" / row.artifact_id
+    deadline = time.monotonic() + 300
+    while not list(staging.glob("shard-*.arrow")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the first shard has landed
+    assert list(staging.glob("shard-*.arrow")) and not plan(cfg, ["generate"])["generate"].cached
+    subprocess.run(["scontrol", "requeue", row.job_id], check=True)
+    subprocess.run(["scontrol", "update", f"JobId={row.job_id}", "StartTime=now"], check=True)  # skip the back-off
+    slurm_cluster.wait([row.job_id])
+    step = plan(cfg, ["generate"])["generate"]
+    assert slurm.job_state(row.job_id).state == "COMPLETED" and step.cached
+    log = (cfg.workdir_path / "slurm" / "logs" / f"generate-{row.job_id}.out").read_text()
+    assert "restart 1" in log and "DUE TO JOB REQUEUE" in log
+    resumed = re.findall(r"in 20 shards; (\d+) already done \(resumed\)", log)
+    assert len(resumed) == 2 and resumed[0] == "0" and int(resumed[1]) >= 1, resumed
+    local = run(_cfg(tmp_path / "local", mlflow_server.uri, *slower), ["generate"])["generate"]
+    assert step.id == local.id and _files(step.path) == _files(local.path)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_failing_stage_cancels_its_dependants_and_status_says_why(tmp_path: Path, tiny_kit,
+                                                                  slurm_cluster: SlurmCluster,
+                                                                  mlflow_server: MlflowServer, capsys) -> None:
+    broken = tmp_path / "prompts.jsonl"
+    broken.write_text('{"conversations": [{"from": "human", "value": "hi"}\n')  # not JSON: generate fails
+    cfg = _cfg(tmp_path, mlflow_server.uri, f"generate.source={broken}")
+    rows = slurm.submit(cfg, CHAIN, [])
+    slurm_cluster.wait([r.job_id for r in rows])
+    status = {row.stage: row for row in slurm.status(cfg, CHAIN)}
+    assert status["generate"].state == "FAILED" and not status["generate"].artifact
+    # the CLI exits 2 on a DrafterError; status quotes its message and what was found, not srun's noise
+    assert status["generate"].why.startswith("exit 2:0; log ")
+    assert f"error: No usable conversation in {broken}. | found:    1 records, all dropped" in status["generate"].why
+    for stage in ("count", "evaluate"):
+        assert status[stage].state == "CANCELLED" and not status[stage].artifact
+    assert status["count"].why == f"cancelled: upstream generate (job {rows[0].job_id}) did not succeed"
+    assert cli_main(["status", f"workdir={tmp_path}", *SUBMIT, f"mlflow.tracking_uri={mlflow_server.uri}",
+                     f"generate.source={broken}"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^generate\s+generate-\S+\s+no\s+\d+\s+FAILED\s+exit 2:0; log \S+: error: No usable", out, re.M)
+    assert re.search(r"^count\s+count-\S+\s+no\s+\d+\s+CANCELLED\s+cancelled: upstream generate", out, re.M)

@@ -427,6 +427,59 @@ class EvaluateConfig:
                     f"{self.slrs_byte_top_k} ** {self.slrs_lookahead}")
 
 
+SLURM_RESOURCES = ("nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task", "mem", "time")
+"""Resource keys a stage may set for itself under ``slurm.stages.<stage>``."""
+
+
+@dataclass
+class SlurmConfig:
+    """How ``drafter submit`` asks Slurm for each stage's job. Every field is a run setting: where a stage runs,
+    never what it computes, so none enters an artifact id."""
+
+    partition: str | None = run_setting(None)
+    """``--partition`` of every job (null: the cluster's default)."""
+    account: str | None = run_setting(None)
+    """``--account`` (null: the user's default)."""
+    qos: str | None = run_setting(None)
+    """``--qos`` (null: none)."""
+    nodes: int = run_setting(1)
+    """Nodes per job; a stage's ranks are nodes x ntasks_per_node (Lightning reads them from Slurm)."""
+    ntasks_per_node: int = run_setting(1)
+    """Tasks (ranks) per node: one per GPU for GPU stages."""
+    gpus_per_node: int = run_setting(0)
+    """GPUs per node (0: a CPU job; the stage then runs with accelerator cpu)."""
+    cpus_per_task: int = run_setting(2)
+    """CPU cores per task."""
+    mem: str | None = run_setting(None)
+    """``--mem`` per node, e.g. ``64G`` (null: the partition's default)."""
+    time: str = run_setting("04:00:00")
+    """Wall-clock limit (``--time``). The job is signalled ``signal_seconds`` before it and requeues itself;
+    the stage resumes from its shards or checkpoints."""
+    signal_seconds: int = run_setting(90)
+    """Seconds before the time limit at which the batch script gets SIGUSR1 and requeues the job."""
+    stages: dict[str, dict] = run_setting(default_factory=dict)
+    """Per-stage resources overriding the ones above, e.g. ``{train_drafter: {nodes: 2, gpus_per_node: 8,
+    ntasks_per_node: 8, time: "24:00:00"}}``; keys from nodes, ntasks_per_node, gpus_per_node, cpus_per_task,
+    mem, time."""
+    extra: list[str] = run_setting(default_factory=list)
+    """Further sbatch options written into every script's header verbatim (e.g. ``--exclusive``)."""
+    logs: str | None = run_setting(None)
+    """Directory of the job logs (``<stage>-<job id>.out``); null: ``<workdir>/slurm/logs``."""
+
+    def __post_init__(self) -> None:
+        from pipeline.orchestration.dag import STAGE_NAMES
+
+        for key in ("nodes", "ntasks_per_node", "cpus_per_task", "signal_seconds"):
+            check_value(getattr(self, key) >= 1, f"slurm.{key}", "an integer >= 1", getattr(self, key))
+        check_value(self.gpus_per_node >= 0, "slurm.gpus_per_node", "an integer >= 0", self.gpus_per_node)
+        for stage, settings in self.stages.items():
+            check_value(stage in STAGE_NAMES, "slurm.stages", f"stage names from {list(STAGE_NAMES)}", stage)
+            check_value(isinstance(settings, dict) and set(settings) <= set(SLURM_RESOURCES),
+                        f"slurm.stages.{stage}", f"a mapping with keys from {list(SLURM_RESOURCES)}", settings)
+        check_value(all(isinstance(x, str) and x.startswith("--") for x in self.extra), "slurm.extra",
+                    "sbatch options starting with --", self.extra)
+
+
 @dataclass
 class PipelineConfig:
     workdir: str = "runs/tiny"
@@ -449,6 +502,8 @@ class PipelineConfig:
     """Stage ``estimate_rdk``: the target's token moments and RDK affinities (pruned and foreign drafters)."""
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     """Stage ``evaluate``: speculative decoding vs autoregressive, gates, registration."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """``drafter submit``: partition, account and resources of each stage's Slurm job (run settings only)."""
 
     @property
     def workdir_path(self) -> Path:

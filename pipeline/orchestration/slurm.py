@@ -1,0 +1,325 @@
+"""``drafter submit`` and ``drafter status``: the stage DAG as a chain of Slurm jobs.
+
+:func:`submit` plans the config like ``drafter run`` does, skips every stage whose artifact exists (or whose
+job for the same artifact id is still queued or running), and submits one job per remaining stage from the
+single template ``slurm/stage.sbatch``: its ``#SBATCH`` header is filled from the config's ``slurm`` section
+(partition, account, QoS, nodes, tasks, GPUs, CPUs, memory, time; per stage under ``slurm.stages``), the job
+depends on its upstream stages' jobs with ``--dependency=afterok:...`` and ``--kill-on-invalid-dep=yes``, and
+is submitted ``--requeue`` with a SIGUSR1 before its time limit on which the script requeues itself.
+
+Jobs read the *resolved* config, written once per submission under ``<workdir>/slurm/`` (so editing the
+YAML later cannot change what a queued job computes), plus the stage's run settings derived from its
+allocation (accelerator, devices per node, nodes; none of them enters an artifact id). ``generate`` and
+``estimate_rdk`` spread their shards over the job's ranks (Lightning reads them from Slurm) and rank 0
+publishes once: one job per stage keeps the dependency chain one edge per stage and the publish step inside
+the job that produced the shards, where an array job would need a separate publish job and a barrier on
+shared disk. Every submission is recorded in ``<workdir>/slurm/jobs.json`` (artifact id → job), which
+:func:`status` reads back with ``squeue`` / ``sacct`` / ``scontrol``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config.sections import SLURM_RESOURCES, PipelineConfig
+from pipeline.errors import DrafterError
+from pipeline.orchestration.artifacts import write_json_atomic
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "stage.sbatch"
+"""The one job template (``slurm/stage.sbatch`` of the repository); ``DRAFTER_SLURM_TEMPLATE`` overrides it."""
+ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+                    "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT"})
+"""Job states in which a job will still produce its artifact (a resubmission reuses it)."""
+RECORDS = "jobs.json"
+
+
+@dataclass(frozen=True)
+class Resources:
+    """One stage's allocation: ``slurm`` section defaults overridden by ``slurm.stages.<stage>``."""
+
+    nodes: int
+    ntasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int
+    mem: str | None
+    time: str
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig, stage: str) -> Resources:
+        base = {key: getattr(cfg.slurm, key) for key in SLURM_RESOURCES}
+        return cls(**{**base, **cfg.slurm.stages.get(stage, {})})
+
+
+def run_settings(stage: str, res: Resources) -> list[str]:
+    """Overrides that make ``stage`` use exactly its allocation (run settings: no artifact id changes).
+
+    ``evaluate.device`` is deliberately absent: it is part of the evaluate id (timings depend on it).
+    """
+    gpu = res.gpus_per_node > 0
+    accelerator = "gpu" if gpu else "cpu"
+    if stage in ("generate", "estimate_rdk"):
+        prefix = stage
+    elif stage in ("train_drafter", "train_router"):
+        prefix = f"{stage}.train"
+    elif stage == "cluster":
+        return [f"cluster.device={'cuda' if gpu else 'cpu'}"]
+    elif stage == "count":
+        return [f"count.workers={res.cpus_per_task}"]
+    else:
+        return []
+    return [f"{prefix}.accelerator={accelerator}", f"{prefix}.devices={res.ntasks_per_node}",
+            f"{prefix}.num_nodes={res.nodes}"]
+
+
+def _template() -> str:
+    path = Path(os.environ.get("DRAFTER_SLURM_TEMPLATE", TEMPLATE))
+    if not path.is_file():
+        raise DrafterError("The Slurm job template is missing.", expected=str(path), found="no such file",
+                           fix="Run from a checkout of the repository (slurm/stage.sbatch) or set "
+                               "DRAFTER_SLURM_TEMPLATE to a copy of it.")
+    return path.read_text()
+
+
+def header(cfg: PipelineConfig, stage: str, logs: Path) -> list[str]:
+    """The ``#SBATCH`` lines of ``stage``'s job."""
+    res, slurm = Resources.of(cfg, stage), cfg.slurm
+    lines = [f"--job-name=drafter-{stage}", f"--nodes={res.nodes}", f"--ntasks-per-node={res.ntasks_per_node}",
+             f"--cpus-per-task={res.cpus_per_task}", f"--time={res.time}"]
+    if res.gpus_per_node:
+        lines.append(f"--gpus-per-node={res.gpus_per_node}")
+    if res.mem:
+        lines.append(f"--mem={res.mem}")
+    lines += [f"--{key}={value}" for key in ("partition", "account", "qos") if (value := getattr(slurm, key))]
+    lines += ["--requeue", f"--signal=B:USR1@{slurm.signal_seconds}", "--open-mode=append",
+              f"--output={logs / f'{stage}-%j.out'}", *slurm.extra]
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def render(cfg: PipelineConfig, stage: str, logs: Path) -> str:
+    """The template with its ``#SBATCH`` block replaced by ``stage``'s header."""
+    lines = _template().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    rest = [line for line in lines[first:] if not line.startswith("#SBATCH")]
+    return "\n".join([*lines[:first], *header(cfg, stage, logs), *rest]) + "\n"
+
+
+def _slurm_dir(cfg: PipelineConfig) -> Path:
+    return cfg.workdir_path / "slurm"
+
+
+def _logs(cfg: PipelineConfig) -> Path:
+    return Path(cfg.slurm.logs).expanduser().resolve() if cfg.slurm.logs else _slurm_dir(cfg) / "logs"
+
+
+def _records(cfg: PipelineConfig) -> dict[str, dict]:
+    path = _slurm_dir(cfg) / RECORDS
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DrafterError(f"The job records {path} are not valid JSON ({err}).",
+                           fix="Delete the file: queued jobs keep running; status then knows only artifacts.") from err
+
+
+def _need(tool: str) -> str:
+    found = shutil.which(tool)
+    if found is None:
+        raise DrafterError(f"`{tool}` is not on PATH: drafter submit/status need a Slurm client.",
+                           expected=f"{tool} (Slurm's command-line tools)", found="not found",
+                           fix="Run on a Slurm login node, or `drafter submit --dry-run` to see the scripts.")
+    return found
+
+
+def _sbatch(script: Path, args: list[str], dependencies: list[str], env: dict[str, str]) -> str:
+    cmd = [_need("sbatch"), "--parsable"]
+    if dependencies:
+        cmd += [f"--dependency=afterok:{':'.join(dependencies)}", "--kill-on-invalid-dep=yes"]
+    out = subprocess.run([*cmd, str(script), *args], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise DrafterError(f"sbatch refused {script.name}: {out.stderr.strip()}",
+                           fix="Check the slurm section of the config (partition, account, qos, resources).")
+    return out.stdout.strip().split(";")[0]
+
+
+@dataclass
+class JobState:
+    """What Slurm says about a job: its state, why, and its exit code (``None`` where Slurm has forgotten it)."""
+
+    state: str | None
+    reason: str | None = None
+    exit_code: str | None = None
+
+
+def job_state(job_id: str) -> JobState:
+    """``squeue`` for live jobs, then ``sacct`` (accounting), then ``scontrol`` (jobs the controller still holds)."""
+    out = subprocess.run([_need("squeue"), "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True)
+    if out.returncode == 0 and out.stdout.strip():
+        state, reason = out.stdout.strip().splitlines()[0].split("|", 1)
+        return JobState(state, None if reason in ("None", "") else reason)
+    sacct = shutil.which("sacct")
+    if sacct:
+        out = subprocess.run([sacct, "-n", "-X", "-P", "-j", job_id, "-o", "State,Reason,ExitCode"],
+                             capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip():
+            state, reason, code = (out.stdout.strip().splitlines()[0].split("|") + ["", ""])[:3]
+            return JobState(state.split()[0], reason or None, code or None)
+    out = subprocess.run([_need("scontrol"), "show", "job", "-o", job_id], capture_output=True, text=True)
+    if out.returncode == 0 and out.stdout.strip():
+        fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
+        reason = fields.get("Reason")
+        return JobState(fields.get("JobState"), None if reason in (None, "None") else reason, fields.get("ExitCode"))
+    return JobState(None)
+
+
+@dataclass
+class Submitted:
+    """One row of the submit table."""
+
+    stage: str
+    artifact_id: str
+    job_id: str | None
+    depends_on: list[str]
+    status: str
+    script: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_run: bool = False,
+           python: str | None = None) -> list[Submitted]:
+    """Submit a job per stage of ``stages`` (and uncached upstreams) whose artifact does not exist yet.
+
+    Args:
+        cfg: The resolved config (what every job will compute).
+        stages: Stages wanted, as for ``drafter run --stages``.
+        overrides: Not used to plan (``cfg`` is already resolved); kept in the record for the reader.
+        dry_run: Render the scripts and print nothing to Slurm.
+        python: Interpreter the jobs run ``-m jobs.cli`` with (default: this one).
+
+    Returns:
+        One row per planned stage, in DAG order: ``cached``, ``queued`` (a live job for the same artifact
+        id is reused), ``submitted`` or ``dry run``.
+    """
+    import yaml
+
+    from pipeline.config.schema import to_dict
+    from pipeline.orchestration.dag import plan
+
+    the_plan = plan(cfg, stages)
+    needed = set(the_plan.needed(stages))
+    root = _slurm_dir(cfg)
+    logs = _logs(cfg)
+    records = _records(cfg) if not dry_run else {}
+    resolved = yaml.safe_dump(to_dict(cfg), sort_keys=True)
+    config_path = root / "configs" / f"{hashlib.sha256(resolved.encode()).hexdigest()[:16]}.yaml"
+    if not dry_run:
+        _need("sbatch")
+        logs.mkdir(parents=True, exist_ok=True)
+        config_path.parent.mkdir(parents=True, exist_ok=True)
+        if not config_path.is_file():
+            tmp = config_path.with_suffix(".tmp")
+            tmp.write_text(resolved)
+            os.replace(tmp, config_path)
+    env = {**os.environ, "DRAFTER_CMD": f"{shlex.quote(python or sys.executable)} -m jobs.cli"}
+    jobs: dict[str, str] = {}
+    rows: list[Submitted] = []
+    for name, step in the_plan.stages.items():
+        if name not in needed or step.cached:
+            rows.append(Submitted(name, step.id, None, [], "cached" if step.cached else "not needed"))
+            continue
+        upstream = [jobs[up] for up in step.inputs if up in jobs]
+        record = records.get(step.id)
+        if record is not None and job_state(record["job_id"]).state in ACTIVE:
+            jobs[name] = record["job_id"]
+            rows.append(Submitted(name, step.id, record["job_id"], record.get("depends_on", []), "queued",
+                                  record.get("script")))
+            continue
+        text = render(cfg, name, logs)
+        args = [name, str(config_path), *run_settings(name, Resources.of(cfg, name))]
+        script = root / "scripts" / f"{step.id}.sbatch"
+        if dry_run:
+            rows.append(Submitted(name, step.id, None, [f"<{up}>" for up in step.inputs if up in needed
+                                                        and not the_plan[up].cached],
+                                  "dry run", text + f"# sbatch {script.name} {shlex.join(args)}\n"))
+            jobs[name] = f"<{name}>"
+            continue
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(text)
+        job_id = _sbatch(script, args, upstream, env)
+        jobs[name] = job_id
+        records[step.id] = {"stage": name, "job_id": job_id, "depends_on": upstream, "script": str(script),
+                            "args": args, "overrides": overrides, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        write_json_atomic(root / RECORDS, records)
+        rows.append(Submitted(name, step.id, job_id, upstream, "submitted", str(script)))
+    return rows
+
+
+@dataclass
+class StageStatus:
+    """One row of ``drafter status``."""
+
+    stage: str
+    artifact_id: str
+    artifact: bool
+    job_id: str | None
+    state: str | None
+    why: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def _log_tail(path: Path, lines: int = 3) -> str | None:
+    """Why a job failed, from its log: the pipeline's own ``error:`` block (message and what was found), else
+    the last lines naming an error (a traceback's exception), else the last lines."""
+    if not path.is_file():
+        return None
+    text = [line.rstrip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    ours = [i for i, line in enumerate(text) if line.startswith("error: ")]
+    if ours:
+        block = text[ours[-1]: ours[-1] + 4]
+        picked = [block[0], *(line for line in block[1:] if line.lstrip().startswith("found:"))]
+    else:
+        picked = [line for line in text if "Error" in line or "error" in line][-lines:] or text[-lines:]
+    return " | ".join(line.strip() for line in picked) or None
+
+
+def status(cfg: PipelineConfig, stages: list[str]) -> list[StageStatus]:
+    """Each planned stage: whether its artifact exists, its latest job's state, and why it failed or waits."""
+    from pipeline.orchestration.dag import plan
+
+    the_plan = plan(cfg, stages)
+    records = _records(cfg)
+    by_job = {record["job_id"]: record["stage"] for record in records.values()}
+    rows = []
+    for name, step in the_plan.stages.items():
+        record = records.get(step.id)
+        if record is None:
+            rows.append(StageStatus(name, step.id, step.cached, None, None,
+                                    None if step.cached else "not submitted (drafter submit)"))
+            continue
+        state = job_state(record["job_id"])
+        why = state.reason
+        if state.state == "FAILED" or (state.state or "").startswith("NODE_FAIL") or state.state == "TIMEOUT":
+            log = _logs(cfg) / f"{name}-{record['job_id']}.out"
+            why = f"exit {state.exit_code}; log {log}: {_log_tail(log) or 'empty'}"
+        elif state.state == "CANCELLED" and state.reason == "DependencyNeverSatisfied":
+            failed = [f"{by_job.get(j, '?')} (job {j})" for j in record.get("depends_on", [])
+                      if job_state(j).state not in (None, "COMPLETED")]
+            why = f"cancelled: upstream {', '.join(failed) or 'job'} did not succeed"
+        elif state.state is None:
+            why = "Slurm no longer knows this job; see its log in " + str(_logs(cfg))
+        rows.append(StageStatus(name, step.id, step.cached, record["job_id"], state.state, why))
+    return rows
