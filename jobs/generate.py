@@ -38,7 +38,7 @@ from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 
 def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict]:
     """The calibration conversations: the source minus its held-out share, capped at ``limit``."""
-    convs, report = load_conversations(gen.source)
+    convs, report = load_conversations(gen.source, revision=gen.source_revision)
     train = split_heldout(convs, gen.heldout_fraction, heldout=False)
     if gen.limit is not None:
         train = train[: gen.limit]

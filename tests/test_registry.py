@@ -117,9 +117,15 @@ def test_register_moves_candidate_and_champion_by_primary_metric(
     worse = register(_bundle(name, components, 1.5), cfg, tmp_path / "work")
     assert (worse.version, worse.promoted) == (2, False) and "does not beat" in worse.reason
     assert _aliases(mlflow_server, name) == {"candidate": "2", "champion": "1"}
+    decisions = {v: _client(mlflow_server).get_model_version(name, v).tags["drafter.champion_decision"]
+                 for v in ("1", "2")}
+    assert decisions == {"1": "promoted: no champion yet",
+                         "2": "kept: tau 1.5 does not beat champion version 1 (2)"}
 
     better = register(_bundle(name, components, 2.5), cfg, tmp_path / "work")
     assert (better.version, better.promoted, better.aliases) == (3, True, ["candidate", "champion"])
+    assert (_client(mlflow_server).get_model_version(name, "3").tags["drafter.champion_decision"]
+            == "promoted: tau 2.5 beats champion version 1 (2)")
 
     forced = register(_bundle(name, components, 0.5), cfg, tmp_path / "work", promote=True)
     assert forced.promoted and "forced" in forced.reason

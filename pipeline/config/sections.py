@@ -68,6 +68,10 @@ class GenerateConfig:
     source: str = "sharegpt"
     """Prompts: ``sharegpt`` / ``humaneval`` (packaged), a ShareGPT-format .json/.jsonl file, a
     ``datasets.save_to_disk`` directory, or a hub dataset id."""
+    source_revision: str | None = None
+    """Hub dataset sources only: the revision to load (a commit sha pins the data; null = main). It enters the
+    id; a local file's sha256 and a saved dataset's ``datasets`` fingerprint enter it the same way, so changed
+    data reruns generate and everything after it."""
     limit: int | None = 256
     """Use at most this many conversations (after the held-out split); null for all."""
     heldout_fraction: float = 0.05

@@ -303,13 +303,15 @@ def load_humaneval() -> list[Conversation]:
     return [Conversation(row["task_id"], [{"role": "user", "content": row["prompt"]}]) for row in rows]
 
 
-def load_conversations(source: str, *, limit: int | None = None) -> tuple[list[Conversation], SourceReport]:
+def load_conversations(source: str, *, limit: int | None = None,
+                       revision: str | None = None) -> tuple[list[Conversation], SourceReport]:
     """Load conversations from a packaged set, a local file or directory, or a hub dataset.
 
     Args:
         source: ``"sharegpt"`` or ``"humaneval"`` (packaged); a ``.json``/``.jsonl`` path; a directory
             written by ``datasets.save_to_disk``; otherwise a hub id for ``datasets.load_dataset``.
         limit: Keep at most this many conversations (the first ones, in source order).
+        revision: Hub datasets only: the revision (commit sha, tag or branch) to load.
 
     Returns:
         The conversations and a report of what was read, kept and dropped.
@@ -331,11 +333,63 @@ def load_conversations(source: str, *, limit: int | None = None) -> tuple[list[C
         elif path.is_file() or _looks_like_path(source):
             convs, report = _load_file(path)
         else:
-            convs, report = _load_hub_dataset(source)
+            convs, report = _load_hub_dataset(source, revision)
     if limit is not None and len(convs) > limit:
         report.notes.append(f"limit={limit}: kept the first {limit} of {len(convs)} conversations")
         convs = convs[:limit]
     return convs, report
+
+
+_FILE_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def _file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, memoised per (path, size, mtime) for the life of the process."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _FILE_HASHES:
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        _FILE_HASHES[key] = digest.hexdigest()
+    return _FILE_HASHES[key]
+
+
+def source_fingerprint(source: str, revision: str | None = None) -> dict:
+    """What identifies the *content* of a conversation source, for artifact ids (so changed data reruns).
+
+    Packaged sets: the package and its version. A local ``.json``/``.jsonl`` file: the sha256 of its bytes.
+    A ``save_to_disk`` directory: the ``datasets`` fingerprints in its ``state.json`` files (they change
+    with every transform that wrote it), or the sha256 of every file when it has none. A hub dataset: its
+    id and ``revision`` (a commit sha pins the data; a branch name is taken at its word).
+
+    Raises:
+        DrafterError: A source that looks like a local path but does not exist.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    if source in ("sharegpt", "humaneval"):
+        package = SHAREGPT_PACKAGE if source == "sharegpt" else HUMANEVAL_PACKAGE
+        try:
+            return {"packaged": source, "package": package, "version": version(package)}
+        except PackageNotFoundError:
+            return {"packaged": source, "package": package, "version": None}
+    path = Path(source).expanduser()
+    if path.is_file():
+        return {"file": path.name, "sha256": _file_sha256(path), "bytes": path.stat().st_size}
+    if path.is_dir():
+        states = sorted(path.rglob("state.json"))
+        fingerprints = {str(p.relative_to(path)): json.loads(p.read_text()).get("_fingerprint") for p in states}
+        if states and all(fingerprints.values()):
+            return {"dataset_dir": path.name, "datasets_fingerprints": fingerprints}
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        return {"dataset_dir": path.name, "sha256": {str(p.relative_to(path)): _file_sha256(p) for p in files}}
+    if _looks_like_path(source):
+        raise DrafterError(f"Prompt source {source} does not exist.", expected="an existing .json/.jsonl file or "
+                           "a datasets.save_to_disk directory", found="no such file or directory",
+                           fix="Fix generate.source (a path is resolved against the current directory).")
+    return {"hub": source, "revision": revision or "main"}
 
 
 def _looks_like_path(source: str) -> bool:
@@ -357,11 +411,11 @@ def _load_saved_dataset(path: Path) -> tuple[list[Conversation], SourceReport]:
     return _from_dataset(loaded, str(path))
 
 
-def _load_hub_dataset(source: str) -> tuple[list[Conversation], SourceReport]:
+def _load_hub_dataset(source: str, revision: str | None = None) -> tuple[list[Conversation], SourceReport]:
     import datasets
 
     try:
-        loaded = datasets.load_dataset(source, split="train")
+        loaded = datasets.load_dataset(source, split="train", revision=revision)
     except Exception as err:  # noqa: BLE001 - any hub failure means the same thing to the user
         raise DrafterError(
             f"Could not load '{source}' as a file, a saved dataset or a hub dataset.",

@@ -40,7 +40,7 @@ def eval_prompts(cfg: PipelineConfig, tokenizer: Any) -> dict[str, list[list[int
     ev = cfg.evaluate
     prompts: dict[str, list[list[int]]] = {}
     if "chat" in ev.tasks:
-        convs, _ = load_conversations(cfg.generate.source)
+        convs, _ = load_conversations(cfg.generate.source, revision=cfg.generate.source_revision)
         held = split_heldout(convs, cfg.generate.heldout_fraction, heldout=True)
         msgs = [m for c in held if (m := first_prompt(c)) is not None][: ev.prompts_per_task]
         prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens) for m in msgs]

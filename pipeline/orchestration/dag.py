@@ -54,6 +54,12 @@ def _evaluate_models(cfg: PipelineConfig) -> dict:
     return models
 
 
+def _prompt_data(cfg: PipelineConfig) -> dict:
+    from pipeline.data.sources import source_fingerprint
+
+    return {"source": source_fingerprint(cfg.generate.source, cfg.generate.source_revision)}
+
+
 def _cluster_models(cfg: PipelineConfig) -> dict:
     from pipeline.models.loading import fingerprint
 
@@ -98,6 +104,8 @@ class StageSpec:
         reads: Config paths (sections or single fields) whose result-changing fields enter the id.
         overrides: Upstream stage → config key that may name an artifact directory to use instead.
         models: Fingerprints of models other than the target that the result depends on.
+        data: Fingerprint of the data behind a config value (a prompt file's sha256, a hub revision), so
+            changed content changes the id even where the config text did not change.
         when: Upstream stage → predicate on the config; the stage reads that input only when it holds
             (``evaluate`` reads the EAGLE-3 drafter only when method ``eagle3`` is evaluated).
     """
@@ -109,6 +117,7 @@ class StageSpec:
     reads: tuple[str, ...] = ()
     overrides: dict[str, str] = field(default_factory=dict)
     models: Callable[[PipelineConfig], dict] | None = None
+    data: Callable[[PipelineConfig], dict] | None = None
     when: dict[str, Callable[[PipelineConfig], bool]] = field(default_factory=dict)
 
     def upstream_of(self, cfg: PipelineConfig) -> tuple[str, ...]:
@@ -120,7 +129,7 @@ TARGET_IDENTITY = ("target.model", "target.revision", "target.tokenizer")
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("generate", "jobs.generate", "calibration",
-              reads=(*TARGET_IDENTITY, "target.dtype", "generate"), models=_generate_models),
+              reads=(*TARGET_IDENTITY, "target.dtype", "generate"), models=_generate_models, data=_prompt_data),
     StageSpec("count", "jobs.count", "token_counts", upstream=("generate",),
               reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}),
     # evaluate's prompts come from generate.source / heldout_fraction (the held-out share), so those two
@@ -145,12 +154,13 @@ STAGES: tuple[StageSpec, ...] = (
               overrides={"generate": "estimate_rdk.calibration", "count": "estimate_rdk.counts"}, models=_rdk_models),
     StageSpec("evaluate", "jobs.evaluate", "evaluation",
               upstream=("count", "train_drafter", "cluster", "train_router", "estimate_rdk"),
-              reads=(*TARGET_IDENTITY, "target.dtype", "generate.source", "generate.heldout_fraction",
-                     "evaluate"), overrides={"count": "evaluate.counts", "train_drafter": "evaluate.eagle3",
-                                             "cluster": "evaluate.clusters", "train_router": "evaluate.router",
-                                             "estimate_rdk": "evaluate.rdk"},
-              models=_evaluate_models, when={"train_drafter": lambda cfg: "eagle3" in cfg.evaluate.methods,
-                                             "cluster": _routed, "train_router": _routed, "estimate_rdk": _rdk}),
+              reads=(*TARGET_IDENTITY, "target.dtype", "generate.source", "generate.source_revision",
+                     "generate.heldout_fraction", "evaluate"),
+              overrides={"count": "evaluate.counts", "train_drafter": "evaluate.eagle3", "cluster": "evaluate.clusters",
+                         "train_router": "evaluate.router", "estimate_rdk": "evaluate.rdk"},
+              models=_evaluate_models, data=_prompt_data,
+              when={"train_drafter": lambda cfg: "eagle3" in cfg.evaluate.methods, "cluster": _routed,
+                    "train_router": _routed, "estimate_rdk": _rdk}),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 
@@ -282,6 +292,8 @@ def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
         config = stage_identity(cfg, row)
         if row.models is not None and (models := row.models(cfg)):
             config["models"] = models
+        if row.data is not None:
+            config["data"] = row.data(cfg)
         aid = artifact_id(name, config, [aid for aid, _ in inputs.values()], fingerprint)
         planned[name] = StagePlan(row, aid, config, fingerprint, inputs, frozenset(explicit), store / aid)
         return planned[name]

@@ -25,6 +25,7 @@ from pipeline.registry.store import (
     BUNDLE_SHA,
     CANDIDATE,
     CHAMPION,
+    DECISION,
     FINGERPRINT,
     INCOMPLETE,
     METRIC_PREFIX,
@@ -162,6 +163,8 @@ def register(
             fix="Rerun register with the same bundle: it reuses the version and sets the aliases.",
         ):
             promoted, reason = _champion_decision(client, name, number, bundle, promote)
+            # why champion moved or stayed, on the version itself (the registry UI shows it beside the metrics)
+            client.set_model_version_tag(name, number, DECISION, f"{'promoted' if promoted else 'kept'}: {reason}")
             client.set_registered_model_alias(name, CANDIDATE, number)
             if promoted:
                 client.set_registered_model_alias(name, CHAMPION, number)

@@ -24,6 +24,8 @@ BUNDLE_SHA = "drafter.bundle_sha256"
 FINGERPRINT = "drafter.fingerprint"
 PRIMARY_METRIC = "drafter.primary_metric"
 METRIC_PREFIX = "drafter.metric."
+DECISION = "drafter.champion_decision"
+"""Why alias champion moved to this version or stayed where it was (``promoted: ...`` / ``kept: ...``)."""
 CANDIDATE, CHAMPION = "candidate", "champion"
 
 

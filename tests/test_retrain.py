@@ -1,0 +1,102 @@
+"""What CI-triggered retraining relies on (``.github/workflows/retrain.yml``): changed data or settings change
+exactly the ids of the stages that must rerun, ``drafter plan`` says so, and a rerun rebuilds only those.
+
+Registration of the retrained bundle (candidate always, champion only when it beats the champion on the
+primary metric, the decision tagged on the version) is tested in tests/test_registry.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobs import run
+from jobs.cli import main as cli_main
+from pipeline.errors import DrafterError
+from pipeline.orchestration.dag import STAGE_NAMES, plan
+from tests.test_stages import SMALL, small_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+DOWNSTREAM_OF_GENERATE = {"generate", "count", "train_drafter", "train_router", "estimate_rdk", "evaluate"}
+DOWNSTREAM_OF_COUNT = DOWNSTREAM_OF_GENERATE - {"generate"}
+
+
+def _prompts(path: Path, questions: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": q},
+                                                          {"from": "gpt", "value": "ok"}]}) + "\n"
+                            for q in questions))
+    return path
+
+
+def _ids(workdir: Path, *extra: str) -> dict[str, str]:
+    return {name: step.id for name, step in plan(small_cfg(workdir, *extra)).stages.items()}
+
+
+def _changed(a: dict[str, str], b: dict[str, str]) -> set[str]:
+    return {name for name in STAGE_NAMES if a[name] != b[name]}
+
+
+QUESTIONS = [f"Question number {i}: what is {i} plus {i}?" for i in range(30)]
+
+
+def test_prompt_file_content_enters_the_ids(tmp_path: Path, tiny_kit) -> None:
+    source = _prompts(tmp_path / "prompts.jsonl", QUESTIONS)
+    before = _ids(tmp_path, f"generate.source={source}")
+    source.touch()  # a new mtime, the same bytes: nothing to rerun
+    assert _ids(tmp_path, f"generate.source={source}") == before
+    _prompts(source, [*QUESTIONS[:-1], "A different last question?"])
+    after = _ids(tmp_path, f"generate.source={source}")
+    assert _changed(before, after) == DOWNSTREAM_OF_GENERATE  # cluster reads only the drafter
+    _prompts(source, QUESTIONS)
+    assert _ids(tmp_path, f"generate.source={source}") == before  # content, not history
+
+
+def test_saved_dataset_fingerprint_and_hub_revision_enter_the_ids(tmp_path: Path, tiny_kit) -> None:
+    import datasets
+
+    rows = [{"conversations": [{"from": "human", "value": q}]} for q in QUESTIONS]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "a"))
+    datasets.Dataset.from_list(rows[:-1]).save_to_disk(str(tmp_path / "b"))
+    a, b = _ids(tmp_path, f"generate.source={tmp_path / 'a'}"), _ids(tmp_path, f"generate.source={tmp_path / 'b'}")
+    assert _changed(a, b) == DOWNSTREAM_OF_GENERATE
+    hub = ["generate.source=org/chats"]  # planned without network: the id holds the id and the revision
+    main, pinned = _ids(tmp_path, *hub), _ids(tmp_path, *hub, "generate.source_revision=3f2a9c1")
+    assert _changed(main, pinned) == DOWNSTREAM_OF_GENERATE
+    with pytest.raises(DrafterError, match="does not exist"):
+        plan(small_cfg(tmp_path, f"generate.source={tmp_path / 'missing.jsonl'}"))
+
+
+@pytest.mark.slow
+def test_a_count_change_reruns_only_count_and_its_dependants(tmp_path: Path, tiny_kit, capsys) -> None:
+    """Build generate and count, change a count setting: `drafter plan --json` lists count and everything
+    after it as "to run" and generate as cached, and the rerun reuses the generate artifact."""
+    source = _prompts(tmp_path / "prompts.jsonl", QUESTIONS)
+    base = [f"workdir={tmp_path}", *SMALL, f"generate.source={source}", "generate.limit=12"]
+    first = run(small_cfg(tmp_path, *base[1:]), ["count"])
+    capsys.readouterr()  # drop what the first run printed
+    assert cli_main(["plan", "--json", *base, "count.min_count=[3]"]) == 0
+    rows = {row["stage"]: row["status"] for row in json.loads(capsys.readouterr().out)}
+    assert rows["generate"] == "cached"
+    assert {name for name, status in rows.items() if status == "to run"} >= DOWNSTREAM_OF_COUNT
+    assert rows["count"] == "to run"
+    again = run(small_cfg(tmp_path, *base[1:], "count.min_count=[3]"), ["count"])
+    assert list(again) == ["count"] and again["count"].id != first["count"].id  # generate was not even planned to run
+    assert plan(small_cfg(tmp_path, *base[1:], "count.min_count=[3]"))["generate"].id == first["generate"].id
+    artifacts = sorted(p.name.split("-")[0] for p in (tmp_path / "artifacts").iterdir() if p.is_dir())
+    assert artifacts.count("generate") == 1 and artifacts.count("count") == 2
+
+
+def test_retrain_workflow_runs_plan_then_submit_and_publishes_the_report() -> None:
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "retrain.yml").read_text())
+    on = workflow[True] if True in workflow else workflow["on"]  # YAML 1.1 reads the key `on` as True
+    assert {"configs/**", "data/**"} <= set(on["push"]["paths"])
+    (job,) = workflow["jobs"].values()
+    assert "self-hosted" in job["runs-on"]
+    text = json.dumps(job)
+    for needle in ("drafter plan", "drafter submit", "drafter status", "drafter report", "GITHUB_STEP_SUMMARY",
+                   "secrets.MLFLOW_TRACKING_URI", "secrets.MLFLOW_TRACKING_PASSWORD"):
+        assert needle in text, needle
+    assert "MLFLOW_TRACKING_PASSWORD=" not in text  # from secrets into env, never echoed into a command
