@@ -96,3 +96,11 @@ def _flat(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = "null" if v is None else v
     return out
+
+
+def test_malformed_yaml_file_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("generate:\n  limit: 5\n count: [1, 2\n")
+    with pytest.raises(DrafterError) as err:
+        load_config(path)
+    assert "broken.yaml" in str(err.value) and "line 3" in str(err.value)

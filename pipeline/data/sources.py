@@ -255,7 +255,17 @@ def _load_file(path: Path) -> tuple[list[Conversation], SourceReport]:
             found="no such file" if not path.exists() else "a directory without a datasets dataset_info",
             fix="check the path, or use a packaged source: " + ", ".join(PACKAGED_SOURCES),
         )
-    text = path.read_text(encoding="utf-8", errors="replace")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DrafterError(
+            f"Conversation file {path} is not valid UTF-8 (byte {err.start}: {data[err.start:err.start + 1]!r}).",
+            expected="UTF-8 text (JSON is UTF-8)",
+            found=f"{err.reason} at byte {err.start} of {len(data)}",
+            fix=f"re-encode the file, e.g. `iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`; "
+                "guessing an encoding here could silently change the prompts",
+        ) from err
     if not text.strip():
         raise DrafterError(
             f"Conversation file {path} is empty.",

@@ -1,0 +1,125 @@
+"""Fault-table rows that no stage-specific test covers (README "Faults"): a kill -9 at a random moment of a
+multi-stage run, two runs on one workdir at once, a full disk, and prompts that are too long, empty or not
+UTF-8."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import run
+from pipeline.data.calibration import iter_rows
+from pipeline.data.sources import load_conversations
+from pipeline.errors import DrafterError
+from pipeline.orchestration.artifacts import load_artifact
+from pipeline.orchestration.dag import plan
+from tests.test_stages import SMALL, small_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["generate.limit=24", "generate.max_new_tokens=12", "mlflow.log_artifacts=false"]
+
+
+def _cli(workdir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "jobs.cli", *args, f"workdir={workdir}", *SMALL, *FAST]
+
+
+def _payloads(path: Path) -> dict[str, str]:
+    return {name: e["sha256"] for name, e in load_artifact(path).manifest["files"].items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, tiny_kit) -> tuple[dict, float]:
+    """generate + count run once in-process, and how long that took."""
+    started = time.monotonic()
+    artifacts = run(small_cfg(tmp_path_factory.mktemp("reference"), *FAST), ["count"])
+    return artifacts, time.monotonic() - started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kill_minus_9_at_a_random_moment_then_rerun_is_identical(seed: int, tmp_path: Path, reference) -> None:
+    """`drafter run --stages count` (generate then count) killed with SIGKILL after a seeded random delay
+    within the reference run's duration (plus the CLI's start-up); the rerun ends with the reference's ids and
+    payload bytes and no temporary directory left in the store."""
+    artifacts, duration = reference
+    workdir = tmp_path / "killed"
+    delay = random.Random(seed).uniform(0.1, 1.0) * (duration + 8)
+    proc = subprocess.Popen(_cli(workdir, "run", "--stages", "count"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run ended before the kill: the test would prove nothing"
+    run(small_cfg(workdir, *FAST), ["count"])
+    for stage in ("generate", "count"):
+        step = plan(small_cfg(workdir, *FAST), [stage])[stage]
+        assert step.id == artifacts[stage].id and _payloads(step.path) == _payloads(artifacts[stage].path)
+    assert not list((workdir / "artifacts").glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_workdir_build_once_and_agree(tmp_path: Path, tiny_kit) -> None:
+    """Two `drafter generate` processes started together on one workdir: one builds, the other waits on the
+    artifact's lock and then finds it (a cache hit); both exit 0 and the store holds one intact artifact."""
+    procs = [subprocess.Popen(_cli(tmp_path, "generate"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+             for _ in range(2)]
+    logs = [proc.communicate(timeout=600)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [log[-2000:] for log in logs]
+    built = [log for log in logs if "wrote generate-" in log]
+    waited = [log for log in logs if "cache hit: generate-" in log]
+    assert len(built) == 1 and len(waited) == 1, logs
+    assert "another process is building" in waited[0]  # it really waited on the lock
+    (artifact,) = [p for p in (tmp_path / "artifacts").iterdir() if p.is_dir() and p.name.startswith("generate-")]
+    assert list(iter_rows(load_artifact(artifact).path / "data"))  # verified on load: hashes match
+
+
+def test_full_disk_fails_clearly_and_publishes_nothing(tmp_path: Path, tiny_kit) -> None:
+    """The workdir on a 16 KiB tmpfs: generate fails with a DrafterError that says the disk is full and what to
+    do, the store holds no artifact and no temporary directory, and the same run on a larger disk succeeds."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(small)], check=True)
+    try:
+        cfg = small_cfg(small, *FAST, "mlflow.tracking_uri=" + (tmp_path / "mlruns").as_uri())
+        with pytest.raises(DrafterError, match="No space left on the device while stage generate") as err:
+            run(cfg, ["generate"])
+        assert "what to do" in str(err.value) and "no partial artifact" in str(err.value)
+        store = small / "artifacts"
+        assert not store.exists() or not [p for p in store.iterdir() if p.name != "locks"]
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert run(small_cfg(tmp_path / "large", *FAST), ["generate"])["generate"].path.is_dir()
+
+
+def test_long_empty_and_non_utf8_prompts(tmp_path: Path, tiny_kit) -> None:
+    """A prompt far longer than the context is cut to generate.max_prompt_tokens (left kept), empty turns are
+    dropped and counted, and a file that is not UTF-8 is refused naming the byte offset and the fix."""
+    long_text = "word " * 5000
+    rows = [
+        '{"conversations": [{"from": "human", "value": "' + long_text + '"}]}',
+        '{"conversations": [{"from": "human", "value": ""}]}',
+        '{"conversations": [{"from": "human", "value": "A short question?"}]}',
+    ]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(rows) + "\n")
+    convs, report = load_conversations(str(source))
+    assert len(convs) == 2 and report.records_dropped == 1
+    art = run(small_cfg(tmp_path, *FAST, f"generate.source={source}", "generate.heldout_fraction=0.01"),
+              ["generate"])["generate"]
+    lengths = [sum(1 for m in row["loss_mask"] if m == 0) for row in iter_rows(art.path / "data")]
+    assert max(lengths) <= 48 + 8  # generate.max_prompt_tokens=48 in SMALL, plus the template's tokens
+    bad = tmp_path / "latin1.jsonl"
+    data = '{"conversations": [{"from": "human", "value": "café"}]}\n'.encode("latin-1")
+    bad.write_bytes(data)
+    with pytest.raises(DrafterError, match="not valid UTF-8") as err:
+        load_conversations(str(bad))
+    assert f"byte {data.index(bytes([0xE9]))}" in str(err.value) and "iconv" in str(err.value)
