@@ -52,3 +52,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             for item in gpu:
                 item.add_marker(skip)
 
+
+
+# --- no pickle: loaders must never unpickle (the fault-table row "pickle.load raises") ---------------
+@pytest.fixture
+def pickle_forbidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every entry point of :mod:`pickle` raise for the test's duration (``torch.load`` included)."""
+    import pickle
+
+    import torch
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("pickle was called while loading an artifact")
+
+    for name in ("load", "loads", "_load", "_loads", "Unpickler", "_Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)

@@ -226,3 +226,35 @@ def test_dynaspec_rows_are_matched_and_their_bundle_registered(evaluated, mlflow
     components = version.tags["drafter.components"]
     assert results["inputs"]["cluster"] in components and results["inputs"]["train_router"] in components
     assert "Shortlists at matched size" in artifact.file("report.md").read_text()
+
+
+def test_every_loader_runs_with_pickle_forbidden(evaluated, mlflow_server: MlflowServer, tmp_path: Path,
+                                                  pickle_forbidden) -> None:
+    """With pickle.load/loads/Unpickler and torch.load raising: every artifact in the workdir loads and verifies,
+    and each kind's own loader (calibration rows, shortlists and ranking, the EAGLE-3 drafter, the clustering
+    and its router, the report) and a registry pull run to the end."""
+    from pipeline.data.calibration import iter_rows
+    from pipeline.drafters.store import load_drafter
+    from pipeline.dynaspec.clusters import Clustering
+    from pipeline.dynaspec.router import load_router
+    from pipeline.models.loading import load_model
+    from pipeline.models.target import Target
+    from pipeline.orchestration.artifacts import load_artifact
+    from pipeline.registry import pull
+    from pipeline.vocab.counting import frequency_ranking, load_shortlists
+
+    cfg, artifact, _ = evaluated
+    loaded = {load_artifact(p).manifest["stage"]: load_artifact(p)
+              for p in (cfg.workdir_path / "artifacts").iterdir() if p.is_dir() and not p.name.startswith(".")}
+    assert set(loaded) >= {"generate", "count", "train_drafter", "cluster", "train_router", "evaluate"}
+    assert list(iter_rows(loaded["generate"].path / "data"))
+    assert load_shortlists(loaded["count"]) and frequency_ranking(loaded["count"]).size
+    target = Target(cfg.target).model("cpu")
+    load_drafter(loaded["train_drafter"].path, target)
+    drafter = load_model(cfg.evaluate.drafter, dtype="float64", device="cpu")
+    clustering = Clustering.load(loaded["cluster"].path)
+    load_router(loaded["train_router"].path, clustering, drafter.get_output_embeddings().weight)
+    assert json.loads(loaded["evaluate"].file("report.json").read_text())["rows"]
+    record = json.loads((artifact.path.parent / f"{artifact.id}.registration.json").read_text())
+    pulled = pull(f"{record['name']}@champion", tmp_path / "pulled", cfg.mlflow, tmp_path / "work")
+    assert (pulled / "bundle.json").is_file()

@@ -164,3 +164,14 @@ def test_bad_input_is_refused(estimated, tmp_path: Path) -> None:
     bad = rdk_cfg(tmp_path, f"evaluate.rdk={counts_dir}", "evaluate.methods=[rdk]")
     with pytest.raises(DrafterError, match="rdk_affinity|kind"):
         evaluate.main(bad)
+
+
+def test_rdk_artifact_loads_with_pickle_forbidden(estimated, pickle_forbidden) -> None:
+    """The estimate_rdk artifact (moments, kept sets, tau, weights) loads and transforms with pickle.load/loads/
+    Unpickler and torch.load raising."""
+    from pipeline.orchestration.artifacts import load_artifact
+
+    _, artifact = estimated
+    prior = RDKPrior.load(load_artifact(artifact.path).path)
+    for name in prior.names("pruned"):
+        prior.transform("rdk", name)
