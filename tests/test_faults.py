@@ -1,5 +1,5 @@
 """Fault-table rows that no stage-specific test covers (README "Faults"): a kill -9 at a random moment of a
-multi-stage run, two runs on one workdir at once, a full disk, and prompts that are too long, empty or not
+multi-stage run, a full disk, and prompts that are too long, empty or not
 UTF-8."""
 
 from __future__ import annotations
@@ -46,11 +46,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_kit) -> tuple[dict,
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kill_minus_9_at_a_random_moment_then_rerun_is_identical(seed: int, tmp_path: Path, reference) -> None:
     """`drafter run --stages count` (generate then count) killed with SIGKILL after a seeded random delay
-    within the reference run's duration (plus the CLI's start-up); the rerun ends with the reference's ids and
+    (5-60 % of the in-process reference's duration); the rerun ends with the reference's ids and
     payload bytes and no temporary directory left in the store."""
     artifacts, duration = reference
     workdir = tmp_path / "killed"
-    delay = random.Random(seed).uniform(0.1, 1.0) * (duration + 8)
+    # the CLI run needs its start-up (imports, kit load) on top of the reference's work, so a delay within 60 %
+    # of the in-process duration lands while it runs: during start-up, generate, count or the publish
+    delay = random.Random(seed).uniform(0.05, 0.6) * duration
     proc = subprocess.Popen(_cli(workdir, "run", "--stages", "count"), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     time.sleep(delay)
@@ -61,23 +63,6 @@ def test_kill_minus_9_at_a_random_moment_then_rerun_is_identical(seed: int, tmp_
         step = plan(small_cfg(workdir, *FAST), [stage])[stage]
         assert step.id == artifacts[stage].id and _payloads(step.path) == _payloads(artifacts[stage].path)
     assert not list((workdir / "artifacts").glob(".tmp-*"))
-
-
-@pytest.mark.slow
-def test_two_runs_on_one_workdir_build_once_and_agree(tmp_path: Path, tiny_kit) -> None:
-    """Two `drafter generate` processes started together on one workdir: one builds, the other waits on the
-    artifact's lock and then finds it (a cache hit); both exit 0 and the store holds one intact artifact."""
-    procs = [subprocess.Popen(_cli(tmp_path, "generate"), cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-             for _ in range(2)]
-    logs = [proc.communicate(timeout=600)[1] for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], [log[-2000:] for log in logs]
-    built = [log for log in logs if "wrote generate-" in log]
-    waited = [log for log in logs if "cache hit: generate-" in log]
-    assert len(built) == 1 and len(waited) == 1, logs
-    assert "another process is building" in waited[0]  # it really waited on the lock
-    (artifact,) = [p for p in (tmp_path / "artifacts").iterdir() if p.is_dir() and p.name.startswith("generate-")]
-    assert list(iter_rows(load_artifact(artifact).path / "data"))  # verified on load: hashes match
 
 
 def test_full_disk_fails_clearly_and_publishes_nothing(tmp_path: Path, tiny_kit) -> None:

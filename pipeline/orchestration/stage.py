@@ -7,22 +7,18 @@ persistent staging directory (``<workdir>/staging/<id>``) where resumable stages
 across a killed run, the atomic publish, and the MLflow run. On a multi-rank launch every rank builds
 its share; only global rank zero publishes and logs.
 
-Two runs on one workdir (two ``drafter run``, or a job and a rerun) do not build the same artifact at once:
-rank zero holds an exclusive ``flock`` on ``<workdir>/locks/<id>.lock`` from the cache check to the publish,
-so the second waits and then finds the first one's artifact (a cache hit). A full disk anywhere in the build
-or the publish is reported as such, with the partial artifact removed and the staging shards kept.
+A full disk anywhere in the build or the publish is reported as such, with the partial artifact removed and
+the staging shards kept.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,27 +65,6 @@ class StageRun:
         log(self.stage, message)
 
 
-@contextmanager
-def _build_lock(workdir: Path, aid: str, stage: str) -> Iterator[None]:
-    """Rank zero's exclusive lock on building ``aid`` in ``workdir`` (a no-op on other ranks, which follow
-    rank zero through the build's collectives and would deadlock on a lock of their own)."""
-    if global_rank() != 0:
-        yield
-        return
-    locks = workdir / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    fd = os.open(locks / f"{aid}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(stage, f"another process is building {aid} in {workdir}; waiting for it")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock (also when the process is killed)
-
-
 def _cache_hit(cfg: PipelineConfig, step: StagePlan, existing: Artifact, uri: str) -> Artifact:
     if global_rank() == 0:
         log(step.spec.name, f"cache hit: {existing.id} (no work done)")
@@ -109,21 +84,17 @@ def run_stage(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
     existing = store.get(aid)
     if existing is not None:
         return _cache_hit(cfg, step, existing, uri)
-    with _build_lock(workdir, aid, stage):
-        existing = store.get(aid)  # built by whoever held the lock before us
-        if existing is not None:
-            return _cache_hit(cfg, step, existing, uri)
-        try:
-            return _build_and_publish(cfg, step, inputs, build, store, uri)
-        except OSError as err:
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT) and "No space left on device" not in str(err):
-                raise
-            raise DrafterError(f"No space left on the device while stage {stage} built or wrote {aid}.",
-                               expected=f"free space under {workdir} for the staging shards and the artifact",
-                               found=f"{type(err).__name__}: {err}",
-                               fix="Free space (or point workdir at a larger disk) and rerun: finished shards "
-                                   "and checkpoints in the staging directory are kept, no partial artifact "
-                                   "was published.") from err
+    try:
+        return _build_and_publish(cfg, step, inputs, build, store, uri)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT) and "No space left on device" not in str(err):
+            raise
+        raise DrafterError(f"No space left on the device while stage {stage} built or wrote {aid}.",
+                           expected=f"free space under {workdir} for the staging shards and the artifact",
+                           found=f"{type(err).__name__}: {err}",
+                           fix="Free space (or point workdir at a larger disk) and rerun: finished shards "
+                               "and checkpoints in the staging directory are kept, no partial artifact "
+                               "was published.") from err
 
 
 def _build_and_publish(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
