@@ -21,6 +21,7 @@ from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.training.harness import slurm_plugins
 
 SHARD = "sums-{:05d}.safetensors"
 
@@ -103,7 +104,7 @@ def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tu
         module = _make_module(cfg, shards, pending, run.staging, vocab)
         from jobs.generate import _devices
 
-        trainer = L.Trainer(accelerator=er.accelerator, devices=_devices(er.devices), num_nodes=er.num_nodes, logger=False,
+        trainer = L.Trainer(accelerator=er.accelerator, devices=_devices(er.devices), num_nodes=er.num_nodes, logger=False, plugins=slurm_plugins(),
                             enable_checkpointing=False, use_distributed_sampler=False, enable_model_summary=False)
         trainer.predict(module, return_predictions=False)
         trainer.strategy.barrier()

@@ -34,6 +34,7 @@ from pipeline.models.target import Target
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.training.harness import slurm_plugins
 
 
 def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict]:
@@ -144,7 +145,7 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
 
         module = _make_module(cfg, prompts, pending, run.staging)
         trainer = L.Trainer(accelerator=gen.accelerator, devices=_devices(gen.devices), num_nodes=gen.num_nodes,
-                            logger=False,
+                            logger=False, plugins=slurm_plugins(),
                             enable_checkpointing=False, use_distributed_sampler=False,
                             enable_model_summary=False)
         trainer.predict(module, return_predictions=False)

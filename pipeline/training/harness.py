@@ -37,6 +37,17 @@ from pipeline.training.strategy import (
 )
 
 
+def slurm_plugins() -> list:
+    """Lightning plugins for a run under Slurm: its environment *without* Lightning's auto-requeue.
+
+    Our stages resume a requeued job from their own shards and checkpoints. Lightning's handlers would write
+    (and later load) a pickled checkpoint on SIGUSR1 and swallow the SIGTERM of ``scontrol requeue`` /
+    preemption ("Bypassing SIGTERM"), so a requeued step would keep running until Slurm's SIGKILL.
+    """
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+
 def _check(ok: bool, key: str, expected: str, found: object) -> None:
     check_value(ok, f"train.{key}", expected, found)
 
@@ -246,13 +257,7 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
         raise DrafterError("The module to train has no parameter with requires_grad=True.",
                            fix="Unfreeze the parameters to train before calling fit().")
 
-    plugins = []
-    from lightning.pytorch.plugins.environments import SLURMEnvironment
-
-    if SLURMEnvironment.detect():
-        # Our checkpoints resume a requeued job; Lightning's SIGUSR1 requeue would write (and later load) a
-        # pickled checkpoint of its own.
-        plugins.append(SLURMEnvironment(auto_requeue=False))
+    plugins = slurm_plugins()
     warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # frozen parts stay in eval
     trainer = L.Trainer(max_steps=max(total, 1), plugins=plugins, accumulate_grad_batches=accumulation, logger=False,
                         enable_checkpointing=False, use_distributed_sampler=False, enable_model_summary=False,
