@@ -358,11 +358,9 @@ def _file_sha256(path: Path) -> str:
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _FILE_HASHES:
-        digest = hashlib.sha256()
-        with path.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        _FILE_HASHES[key] = digest.hexdigest()
+        from pipeline.orchestration.artifacts import sha256_file
+
+        _FILE_HASHES[key] = sha256_file(path)
     return _FILE_HASHES[key]
 
 

@@ -70,12 +70,7 @@ def _llama(vocab_size: int, seed: int, hidden: int = 64, layers: int = 2) -> tor
     return LlamaForCausalLM(config).to(torch.float64).eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine has 2 cores shared with other jobs
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -34,12 +34,7 @@ SAMPLED = SamplingParams(temperature=1.0)
 GREEDY = SamplingParams()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine has 2 cores shared with other jobs
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
 
 
 @pytest.fixture(scope="module")
