@@ -21,7 +21,7 @@ from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
-from pipeline.training.harness import slurm_plugins
+from pipeline.training.harness import shard_trainer
 
 SHARD = "sums-{:05d}.safetensors"
 
@@ -90,7 +90,6 @@ def _make_module(cfg: PipelineConfig, shards: list[list], pending: list[int], st
 
 def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tuple[object, dict] | None:
     """The merged moment sums (None on ranks other than 0) and the estimation figures."""
-    import lightning as L
 
     from pipeline.rdk.moments import MomentSums
 
@@ -102,10 +101,7 @@ def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tu
     module = None
     if pending:
         module = _make_module(cfg, shards, pending, run.staging, vocab)
-        from jobs.generate import _devices
-
-        trainer = L.Trainer(accelerator=er.accelerator, devices=_devices(er.devices), num_nodes=er.num_nodes, logger=False, plugins=slurm_plugins(),
-                            enable_checkpointing=False, use_distributed_sampler=False, enable_model_summary=False)
+        trainer = shard_trainer("estimate_rdk", er.accelerator, er.devices, er.num_nodes)
         trainer.predict(module, return_predictions=False)
         trainer.strategy.barrier()
         if not trainer.is_global_zero:

@@ -34,7 +34,7 @@ from pipeline.models.target import Target
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
-from pipeline.training.harness import slurm_plugins
+from pipeline.training.harness import shard_trainer
 
 
 def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict]:
@@ -116,10 +116,6 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
     return GenerateModule()
 
 
-def _devices(devices: int | str) -> int | str:
-    return int(devices) if isinstance(devices, str) and devices.isdigit() else devices
-
-
 def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     gen = cfg.generate
     convs, source_report = select_conversations(gen)
@@ -141,13 +137,8 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
                     if (r := raw_row(tokenizer, c, gen.max_prompt_tokens + gen.max_new_tokens)) is not None]
             write_shard(run.staging / shard_name(shard), rows)
     elif pending:
-        import lightning as L
-
         module = _make_module(cfg, prompts, pending, run.staging)
-        trainer = L.Trainer(accelerator=gen.accelerator, devices=_devices(gen.devices), num_nodes=gen.num_nodes,
-                            logger=False, plugins=slurm_plugins(),
-                            enable_checkpointing=False, use_distributed_sampler=False,
-                            enable_model_summary=False)
+        trainer = shard_trainer("generate", gen.accelerator, gen.devices, gen.num_nodes)
         trainer.predict(module, return_predictions=False)
         trainer.strategy.barrier()
         generated, gen_seconds = module.generated_tokens, module.generate_seconds

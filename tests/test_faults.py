@@ -108,3 +108,27 @@ def test_long_empty_and_non_utf8_prompts(tmp_path: Path, tiny_kit) -> None:
     with pytest.raises(DrafterError, match="not valid UTF-8") as err:
         load_conversations(str(bad))
     assert f"byte {data.index(bytes([0xE9]))}" in str(err.value) and "iconv" in str(err.value)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_generate_between_shards_and_the_rerun_resumes(tmp_path: Path, tiny_kit) -> None:
+    """SIGTERM (what preemption, ``scancel`` and ``scontrol requeue`` send first) once the first shard has
+    landed: generate stops before its next shard with an error that says so (exit 2), publishes nothing, and
+    the rerun resumes from the kept shards. Lightning's predict loop alone would ignore the signal."""
+    workdir = tmp_path / "work"
+    slower = ["generate.shard_size=1", "generate.batch_size=1", "generate.max_new_tokens=32"]
+    proc = subprocess.Popen([*_cli(workdir, "generate"), *slower], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 300
+    while not list(workdir.glob("staging/*/shard-*.arrow")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2, f"expected the SIGTERM error (exit 2), got {proc.returncode}: {stderr[-2000:]}"
+    assert "received SIGTERM" in stderr and "finished shards are kept" in stderr
+    landed = len(list(workdir.glob("staging/*/shard-*.arrow")))
+    cfg = small_cfg(workdir, *FAST, *slower)
+    step = plan(cfg, ["generate"])["generate"]
+    assert not step.cached and landed >= 1
+    metrics = run(cfg, ["generate"])["generate"].metrics
+    assert metrics["resumed_shards"] == landed < metrics["shards"], (landed, metrics)

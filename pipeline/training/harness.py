@@ -48,6 +48,33 @@ def slurm_plugins() -> list:
 
     return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
 
+
+def shard_trainer(stage: str, accelerator: str, devices: int | str, num_nodes: int):  # noqa: ANN201
+    """The Lightning trainer of a sharded predict stage (generate, estimate_rdk): one shard per predict step,
+    each written atomically by the step, ranks splitting the pending shards.
+
+    Lightning's predict loop only *notes* a SIGTERM (preemption, ``scancel``, ``scontrol requeue``) and would
+    keep producing shards until Slurm's SIGKILL, so a requeued job could race its own dying predecessor to the
+    publish. The trainer stops before the next shard instead, with an error that says the rerun resumes.
+    """
+    import lightning as L
+
+    from pipeline.errors import DrafterError
+
+    class StopOnSigterm(L.Callback):
+        def on_predict_batch_start(self, trainer, *_) -> None:  # noqa: ANN001
+            if trainer.received_sigterm:
+                raise DrafterError(f"Stage {stage} received SIGTERM (preemption, scancel or scontrol requeue) "
+                                   "and stopped after its finished shards.",
+                                   fix="Rerun the same command (a requeued Slurm job does): the finished shards "
+                                       "are kept and only the rest run.")
+
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    return L.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, logger=False,
+                     plugins=slurm_plugins(), callbacks=[StopOnSigterm()], enable_checkpointing=False,
+                     use_distributed_sampler=False, enable_model_summary=False, enable_progress_bar=False)
+
 def _check(ok: bool, key: str, expected: str, found: object) -> None:
     check_value(ok, f"train.{key}", expected, found)
 
