@@ -25,8 +25,10 @@ def free_port() -> int:
 
 
 class MlflowServer:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, app_name: str | None = None, env: dict[str, str] | None = None) -> None:
         self.root = root
+        self.app_name = app_name  # e.g. "basic-auth"
+        self.env = env or {}
         self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -37,7 +39,9 @@ class MlflowServer:
         cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
                "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
                "--artifacts-destination", (self.root / "artifacts").as_uri()]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        if self.app_name:
+            cmd += ["--app-name", self.app_name]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | self.env
         # The server's background job runner (five consumer processes) is not used by the pipeline.
         env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -132,3 +132,46 @@ def test_sigterm_stops_generate_between_shards_and_the_rerun_resumes(tmp_path: P
     assert not step.cached and landed >= 1
     metrics = run(cfg, ["generate"])["generate"].metrics
     assert metrics["resumed_shards"] == landed < metrics["shards"], (landed, metrics)
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_workdir_build_each_artifact_once(tmp_path: Path, reference) -> None:
+    """Two `drafter run --stages count` started together on one workdir: both succeed, each artifact is built
+    once (the other run waits on its lock, then reuses it: a cache hit), and the ids and payload bytes are the
+    uninterrupted reference's."""
+    artifacts, _ = reference
+    workdir = tmp_path / "shared"
+    procs = [subprocess.Popen(_cli(workdir, "run", "--stages", "count"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+             for _ in range(2)]
+    logs = [proc.communicate(timeout=900)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [log[-2000:] for log in logs]
+    for stage in ("generate", "count"):
+        built = [log for log in logs if f"{stage}: wrote " in log]
+        assert len(built) == 1, (stage, [log[-2000:] for log in logs])
+        step = plan(small_cfg(workdir, *FAST), [stage])[stage]
+        assert step.id == artifacts[stage].id and _payloads(step.path) == _payloads(artifacts[stage].path)
+    # they overlapped: one of them waited on the other's generate lock (else the test would prove nothing)
+    assert any("generate: waiting for pid" in log for log in logs), [log[-2000:] for log in logs]
+    assert not list((workdir / "artifacts").glob(".tmp-*"))
+
+
+def test_a_held_lock_stops_a_multi_rank_launch_naming_the_holder(tmp_path: Path, monkeypatch) -> None:
+    """Ranks started by srun/torchrun cannot wait with their rank 0, so a held lock stops rank 0 at once with
+    the holder's pid; a run's later ranks never take the lock."""
+    from pipeline.orchestration.lock import artifact_lock
+
+    messages: list[str] = []
+    with artifact_lock(tmp_path, "count-abc", "count", messages.append):
+        monkeypatch.setenv("SLURM_NTASKS", "2")
+        with pytest.raises(DrafterError, match=f"being built in this workdir by pid {os.getpid()}") as err:
+            with artifact_lock(tmp_path, "count-abc", "count", messages.append):
+                pass
+        assert "another workdir" in str(err.value)
+        monkeypatch.setenv("SLURM_PROCID", "1")  # a later rank: works inside its rank 0's lock
+        with artifact_lock(tmp_path, "count-abc", "count", messages.append):
+            pass
+    monkeypatch.delenv("SLURM_PROCID")
+    with artifact_lock(tmp_path, "count-abc", "count", messages.append):  # released: taken without waiting
+        pass
+    assert messages == []

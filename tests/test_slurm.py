@@ -45,7 +45,7 @@ def test_template_is_valid_bash_with_a_slurm_header() -> None:
     assert text.startswith("#!/bin/bash") and "set -euo pipefail" in text
     for option in ("--job-name=", "--time=", "--requeue", "--signal=B:USR1@", "--open-mode=append"):
         assert re.search(rf"^#SBATCH {re.escape(option)}", text, re.M), option
-    assert re.search(r'^srun "\$\{DRAFTER\[@\]\}" "\$\{STAGE\}" --config "\$\{CONFIG\}" "\$@" &$', text, re.M)
+    assert re.search(r'^srun --kill-on-bad-exit=1 "\$\{DRAFTER\[@\]\}" "\$\{STAGE\}" --config "\$\{CONFIG\}" "\$@" &$', text, re.M)
     assert "trap requeue USR1" in text and 'scontrol requeue "${SLURM_JOB_ID}"' in text
 
 

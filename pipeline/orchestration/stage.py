@@ -5,7 +5,8 @@ its :class:`~pipeline.orchestration.dag.StagePlan` (artifact id, identity, input
 :func:`run_stage`, which owns *how* a stage runs: a cache hit that does no work, a tracking-server probe before any expensive work, a
 persistent staging directory (``<workdir>/staging/<id>``) where resumable stages keep finished shards
 across a killed run, the atomic publish, and the MLflow run. On a multi-rank launch every rank builds
-its share; only global rank zero publishes and logs.
+its share; only global rank zero publishes and logs. Two runs on one workdir never build the same artifact at
+once: the second waits for the first's lock and then reuses its artifact (:mod:`pipeline.orchestration.lock`).
 
 A full disk anywhere in the build or the publish is reported as such, with the partial artifact removed and
 the staging shards kept.
@@ -14,7 +15,6 @@ the staging shards kept.
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 import sys
 import time
@@ -27,19 +27,13 @@ from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact, ArtifactStore
 from pipeline.orchestration.dag import StagePlan
+from pipeline.orchestration.lock import artifact_lock, first_rank
 from pipeline.orchestration.tracking import check_reachable, log_stage_run, logged_run, tracking_uri
 
 
 def log(stage: str, message: str) -> None:
     """Progress line on stderr (stdout stays clean for summaries)."""
     print(f"[{time.strftime('%H:%M:%S')}] {stage}: {message}", file=sys.stderr, flush=True)
-
-
-def global_rank() -> int:
-    for var in ("RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
 
 
 @dataclass
@@ -66,7 +60,7 @@ class StageRun:
 
 
 def _cache_hit(cfg: PipelineConfig, step: StagePlan, existing: Artifact, uri: str) -> Artifact:
-    if global_rank() == 0:
+    if first_rank():
         log(step.spec.name, f"cache hit: {existing.id} (no work done)")
         if logged_run(existing, uri) is None:
             log_stage_run(existing, cfg.mlflow, cfg.workdir_path, params=step.config, metrics=existing.metrics)
@@ -84,8 +78,14 @@ def run_stage(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
     existing = store.get(aid)
     if existing is not None:
         return _cache_hit(cfg, step, existing, uri)
+    if first_rank():
+        check_reachable(uri, cfg.mlflow)  # fail before hours of work (and before taking the lock), not after
     try:
-        return _build_and_publish(cfg, step, inputs, build, store, uri)
+        with artifact_lock(workdir, aid, stage, lambda message: log(stage, message)):
+            existing = store.get(aid)  # published by the run this one waited for
+            if existing is not None:
+                return _cache_hit(cfg, step, existing, uri)
+            return _build_and_publish(cfg, step, inputs, build, store, uri)
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT) and "No space left on device" not in str(err):
             raise
@@ -102,8 +102,7 @@ def _build_and_publish(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifa
                        uri: str) -> Artifact | None:
     workdir = cfg.workdir_path
     stage, aid = step.spec.name, step.id
-    if global_rank() == 0:
-        check_reachable(uri, cfg.mlflow)  # fail before hours of work, not after
+    if first_rank():
         store.sweep()
     staging = workdir / "staging" / aid
     staging.mkdir(parents=True, exist_ok=True)

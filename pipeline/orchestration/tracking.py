@@ -57,7 +57,7 @@ def check_reachable(uri: str, cfg: MlflowConfig) -> None:
         try:
             with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=cfg.timeout_s) as resp:
                 if resp.status == 200:
-                    return
+                    return _check_credentials(uri, cfg)
         except (urllib.error.URLError, OSError, TimeoutError) as err:
             last = err
         if attempt + 1 < cfg.retries:
@@ -69,6 +69,35 @@ def check_reachable(uri: str, cfg: MlflowConfig) -> None:
         fix="Start the server or fix MLFLOW_TRACKING_URI (unset it to log to the local sqlite store), "
             "then rerun: finished artifacts are reused, nothing is recomputed.",
     )
+
+
+def _check_credentials(uri: str, cfg: MlflowConfig) -> None:
+    """One authenticated read (``/health`` is open even on an auth server), so refused credentials stop a run
+    before its work, not at logging time. MLflow's client sends them (basic auth from
+    ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``, a bearer ``MLFLOW_TRACKING_TOKEN``, or an auth plugin); the
+    password is never read or shown here."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    _configure_client_retries(cfg)
+    try:
+        MlflowClient(uri).search_experiments(max_results=1)
+    except MlflowException as err:
+        code = getattr(err, "error_code", "")
+        if code not in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            return  # anything else is the logging step's to report, with the artifact kept
+        user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+        found = (f"user {user!r} from MLFLOW_TRACKING_USERNAME (password not shown)" if user
+                 else "a token from MLFLOW_TRACKING_TOKEN" if os.environ.get("MLFLOW_TRACKING_TOKEN")
+                 else "no MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN in the environment")
+        what = "refused the credentials" if code == "UNAUTHENTICATED" else "denied this user read access"
+        raise DrafterError(
+            f"The MLflow tracking server at {redact(uri)} {what} ({code}).",
+            expected="MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD of a user of that server (or "
+                     "MLFLOW_TRACKING_TOKEN) in the environment",
+            found=found,
+            fix="Export the right credentials (never in the config or the URI: those are logged) and rerun: "
+                "finished artifacts are reused, nothing is recomputed.") from None
 
 
 def git_sha() -> str:

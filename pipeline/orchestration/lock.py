@@ -1,0 +1,86 @@
+"""One builder per artifact: an advisory lock so two runs on one workdir never build the same artifact at once.
+
+Publishing alone is already race-safe (an id is a content hash and the second rename yields to the first), but
+two runs building the same id share its staging directory (``<workdir>/staging/<id>``): shards, checkpoints,
+and the first run's cleanup after its publish. So the first rank of a run takes ``<workdir>/locks/<id>.lock``
+(``flock``; released by the kernel when the process dies, so a killed run leaves no stale lock) around the build
+and publish. A second run that finds it held waits, naming the holder, and then finds the artifact in the
+store (a cache hit). Only the launching rank locks: Lightning's spawned ranks (``LOCAL_RANK`` > 0) and the
+ranks of an ``srun``/``torchrun`` launch (``RANK``/``SLURM_PROCID`` > 0) work inside their rank 0's lock. A rank
+0 whose peers were started by an external launcher cannot make them wait, so it stops at once with an error
+instead. ``flock`` is emulated over NFS (v4) by Linux; on a filesystem without locks the error says so.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pipeline.errors import DrafterError
+
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
+"""A process is a run's first rank when none of these is set to anything but 0 (Lightning's subprocess
+launcher gives its child ranks only ``LOCAL_RANK``)."""
+
+
+def first_rank() -> bool:
+    return all(os.environ.get(var, "0") == "0" for var in RANK_VARIABLES)
+
+
+def external_peers() -> bool:
+    """Whether other ranks of this run were started next to this process (srun, torchrun), not by it."""
+    return any(int(os.environ.get(var, "1") or 1) > 1 for var in ("WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"))
+
+
+def _holder(path: Path) -> str:
+    try:
+        owner = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        owner = {}
+    if not owner:
+        return "another run"
+    return f"pid {owner.get('pid')} on {owner.get('host')} (since {owner.get('since')})"
+
+
+@contextmanager
+def artifact_lock(workdir: Path, artifact_id: str, stage: str, log: Callable[[str], None]) -> Iterator[None]:
+    """Hold ``<workdir>/locks/<artifact_id>.lock`` while the body builds and publishes (first rank only)."""
+    if not first_rank():
+        yield
+        return
+    path = workdir / "locks" / f"{artifact_id}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DrafterError(f"Cannot lock {path} for stage {stage}.", found=f"{type(err).__name__}: {err}",
+                                   fix="Put workdir on a filesystem with file locks (local disk, NFSv4, Lustre "
+                                       "mounted with flock).") from err
+            holder = _holder(path)
+            if external_peers():
+                raise DrafterError(f"Artifact {artifact_id} is being built in this workdir by {holder}.",
+                                   expected="one run building each artifact of a workdir",
+                                   found=f"{path} held",
+                                   fix="Wait for that run (the rerun then reuses its artifact) or give this run "
+                                       "another workdir; this multi-rank launch cannot wait with its peers.") \
+                    from err
+            log(f"waiting for {holder}, which is building {artifact_id} in this workdir ({path})")
+            started = time.monotonic()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            log(f"lock on {artifact_id} acquired after {time.monotonic() - started:.1f} s")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "stage": stage,
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
