@@ -42,6 +42,16 @@ def tiny_kit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 
 
 # --- markers: gpu tests skip, with a reason, where there is no GPU (slurm: tests/slurm_cluster.py) ---
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, each worker's torch uses its share of the cores (two workers on two cores: one thread each;
+    oversubscribed intra-op threads made some CPU tests many times slower)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu = [i for i in items if i.get_closest_marker("gpu")]
     if gpu:
@@ -68,3 +78,14 @@ def pickle_forbidden(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("load", "loads", "_load", "_loads", "Unpickler", "_Unpickler"):
         monkeypatch.setattr(pickle, name, refuse)
     monkeypatch.setattr(torch, "load", refuse)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (the CI machine has 2 cores shared with the other xdist worker)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

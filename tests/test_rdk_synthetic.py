@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from pipeline.errors import DrafterError
 from pipeline.rdk.synthetic import METHODS, main, synthetic_study
@@ -22,12 +21,7 @@ FLOAT32 = 1e-6
 SMALL = dict(vocab=VOCAB, kept_sizes=KEPT, contexts=48, calibration=64, validation=8, taus=TAUS, chunk=16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine has 2 cores shared with other jobs (2 threads: ~30x slower here)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -247,12 +247,3 @@ def assert_acceptance_law(p: torch.Tensor, q: torch.Tensor, accepted: torch.Tens
     a = torch.minimum(p[:gamma], q).sum(-1)
     law = torch.stack([a[:k].prod() * (1 - a[k]) for k in range(gamma)] + [a.prod()])
     assert_counts_match(torch.bincount(accepted, minlength=gamma + 1), law, n, "accepted count")
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread for a module's tests (the CI machine has 2 cores shared with the other xdist worker)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

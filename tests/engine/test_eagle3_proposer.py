@@ -40,9 +40,7 @@ DRAFT_VOCAB = 150
 SEQUENCE = 48  # tokens per training sequence, prompt included
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)  # the CI machine has 2 cores shared with other jobs
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # --- building and training a drafter ---------------------------------------------------------------

@@ -70,7 +70,7 @@ def _llama(vocab_size: int, seed: int, hidden: int = 64, layers: int = 2) -> tor
     return LlamaForCausalLM(config).to(torch.float64).eval()
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,7 @@ GREEDY = SamplingParams()
 NEW_TOKENS = 32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class _Untranslatable:

@@ -34,7 +34,7 @@ SAMPLED = SamplingParams(temperature=1.0)
 GREEDY = SamplingParams()
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
