@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from jobs import STAGES, run
+from pipeline.orchestration import lock  # noqa: F401 - records the ranks the process was launched with (lock.LAUNCH_ENV)
 
 DEFAULT_CONFIG = Path("configs/tiny.yaml")
 STAGE_SECTIONS = ("workdir", "target", "mlflow")

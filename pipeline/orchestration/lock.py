@@ -28,15 +28,21 @@ from pipeline.errors import DrafterError
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
 """A process is a run's first rank when none of these is set to anything but 0 (Lightning's subprocess
 launcher gives its child ranks only ``LOCAL_RANK``)."""
+PEER_VARIABLES = ("WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
+
+LAUNCH_ENV = {var: os.environ.get(var) for var in RANK_VARIABLES + PEER_VARIABLES}
+"""The rank variables as the process was started with them (read when the CLI imports this module). When Lightning
+launches ranks from inside the run it also sets ``WORLD_SIZE``, ``LOCAL_RANK`` and ``NODE_RANK`` in the launching
+process; those must not make its next stage look like one rank of an external launch."""
 
 
 def first_rank() -> bool:
-    return all(os.environ.get(var, "0") == "0" for var in RANK_VARIABLES)
+    return all((LAUNCH_ENV[var] or "0") == "0" for var in RANK_VARIABLES)
 
 
 def external_peers() -> bool:
     """Whether other ranks of this run were started next to this process (srun, torchrun), not by it."""
-    return any(int(os.environ.get(var, "1") or 1) > 1 for var in ("WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"))
+    return any(int(LAUNCH_ENV[var] or 1) > 1 for var in PEER_VARIABLES)
 
 
 def _holder(path: Path) -> str:
