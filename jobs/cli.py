@@ -150,7 +150,7 @@ def _summary(cfg, artifacts: dict) -> str:
         figures = ", ".join(f"{k}={art.metrics[k]}" for k in keys)
         lines.append(f"{stage:<14} {art.id}  {figures}")
         lines.append(f"{'':<14} {art.path}")
-        from pipeline.evaluation.matrix import REGISTRATION_FILES
+        from pipeline.evaluation.publish import REGISTRATION_FILES
 
         for suffix in REGISTRATION_FILES.values():
             registration = art.path.parent / f"{art.id}.{suffix}"

@@ -89,7 +89,7 @@ def main(cfg: PipelineConfig) -> Artifact | None:
               + ([rdk] if rdk is not None else []))
     artifact = run_stage(cfg, step, inputs, build=lambda run: _build(cfg, run, counts_art, eagle3, routing, rdk))
     if artifact is not None and cfg.evaluate.register:
-        from pipeline.evaluation.matrix import register_bundle
+        from pipeline.evaluation.publish import register_bundle
         from pipeline.evaluation.results import EvaluationResults
 
         results = EvaluationResults.from_dict(json.loads(artifact.file("report.json").read_text()))

@@ -17,7 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline.config.sections import GenerateConfig, PipelineConfig
+from pipeline.config.sections import PipelineConfig
+from pipeline.config.stages import GenerateConfig
 from pipeline.data.calibration import (
     chunks,
     encode_prompt,

@@ -8,7 +8,8 @@ import pytest
 
 from jobs.cli import build_parser
 from pipeline.config.schema import describe, field_docs, to_dict
-from pipeline.config.sections import CountConfig, GenerateConfig, PipelineConfig, load_config
+from pipeline.config.sections import PipelineConfig, load_config
+from pipeline.config.stages import CountConfig, GenerateConfig
 from pipeline.errors import DrafterError
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))

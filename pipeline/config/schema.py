@@ -1,10 +1,11 @@
 """Typed configuration: dataclasses per section, YAML files, and ``key.path=value`` overrides.
 
-A config is a tree of dataclasses (see ``pipeline/configs.py`` for the sections). This module owns the
-generic machinery: building dataclasses from plain dicts with type checks, rejecting unknown keys with a
-message that names the key and the valid ones, applying dotted overrides from the command line, reading
-the docstring written under each field (so ``drafter <stage> --help`` documents every option without a
-second copy of the text), and serialising back to a plain dict for manifests and MLflow params.
+A config is a tree of dataclasses (the sections: ``sections.py`` for the root and shared ones, ``stages.py``
+for one per stage). This module owns the generic machinery: building dataclasses from plain dicts with type
+checks, rejecting unknown keys with a message that names the key and the valid ones, applying dotted
+overrides from the command line, reading the docstring written under each field (so ``drafter <stage>
+--help`` documents every option without a second copy of the text), and serialising back to a plain dict for
+manifests and MLflow params.
 """
 
 from __future__ import annotations

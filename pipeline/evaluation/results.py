@@ -1,6 +1,6 @@
 """Typed evaluation results: rows, losslessness checks, gates and the verdict.
 
-The evaluate stage's figures travel from the matrix (:mod:`pipeline.evaluation.matrix`) through the
+The evaluate stage's figures travel from the matrix (:mod:`pipeline.evaluation.evaluator`) through the
 report and into the registry as these dataclasses, not as dicts re-read from JSON. :func:`decide_gates`
 is a pure function of the rows and checks (plus the thresholds): the same results always give the same
 verdict, and a test can exercise the gates without decoding anything. ``report.json`` is

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config.sections import CountConfig
+from pipeline.config.stages import CountConfig
 from pipeline.data.calibration import flat_arrays, read_shard
 from pipeline.errors import DrafterError
 

@@ -66,7 +66,7 @@ def test_first_token_law_on_cuda(cuda_kit, method: str) -> None:
     (the rest pooled) must give p >= 1e-4, and no zero-probability token may ever be emitted."""
     from pipeline.engine.loop import generate_speculative
     from pipeline.engine.sampling import SamplingParams, standardise
-    from pipeline.evaluation.matrix import chi_square_first_token
+    from pipeline.evaluation.evaluator import chi_square_first_token
 
     target, tok = cuda_kit["target"]
     params = SamplingParams(temperature=1.0)

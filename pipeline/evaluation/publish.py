@@ -1,0 +1,69 @@
+"""Publishing the evaluate stage's bundles: each bundle whose gates passed goes to the MLflow Model Registry,
+and its registration record is written beside the evaluation artifact."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pipeline.config.sections import PipelineConfig
+from pipeline.evaluation.results import EvaluationResults
+from pipeline.orchestration.artifacts import Artifact, write_json_atomic
+
+REGISTRATION_FILES = {"draft-vocab": "registration.json", "eagle3": "registration-eagle3.json",
+                      "dynaspec": "registration-dynaspec.json", "rdk": "registration-rdk.json"}
+"""Bundle kind → the record written beside the evaluation artifact as ``<evaluation id>.<file>``."""
+
+
+def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation: Artifact,
+                    counts: Artifact, eagle3: Artifact | None = None,
+                    routing: tuple[Artifact, Artifact] | None = None,
+                    rdk: Artifact | None = None) -> dict[str, dict | None]:
+    """Register each bundle whose gates passed: the draft-vocabulary bundle (count artifact + evaluation
+    report); when evaluated, the EAGLE-3 bundle (train_drafter artifact with its weights, config and
+    serving exports + the count artifact's draft vocabulary + the report); the DynaSpec bundle (cluster
+    artifact + train_router artifact + the report with the matched budgets); and the RDK bundle (estimate_rdk
+    artifact: μ, sparse S, kept-token maps, τ and prior weights + the report).
+
+    Takes the results it is given (fresh from the matrix, or read back from a cached evaluation), never
+    re-reading them from the report on its own.
+
+    Returns:
+        Bundle kind → its registration record, or None where the gates failed.
+    """
+    records = {"draft-vocab": _register_one(cfg, results, results.gates, "draft-vocab", [counts, evaluation],
+                                            evaluation)}
+    if eagle3 is not None and results.eagle3_gates is not None:
+        records["eagle3"] = _register_one(cfg, results, results.eagle3_gates, "eagle3",
+                                          [eagle3, counts, evaluation], evaluation)
+    if routing is not None and results.dynaspec_gates is not None:
+        # clusters + router (with the clustering and drafter head it was trained for) + the report, whose
+        # dynaspec_policy holds the matched budgets per γ
+        records["dynaspec"] = _register_one(cfg, results, results.dynaspec_gates, "dynaspec",
+                                            [*routing, evaluation], evaluation)
+    if rdk is not None and results.rdk_gates is not None:
+        # the estimate_rdk artifact (mu, sparse second moment, kept-token sets, tau and prior weight per set) + the report
+        records["rdk"] = _register_one(cfg, results, results.rdk_gates, "rdk", [rdk, evaluation], evaluation)
+    return records
+
+
+def _register_one(cfg: PipelineConfig, results: EvaluationResults, gates: Any, kind: str,
+                  artifacts: list[Artifact], evaluation: Artifact) -> dict | None:
+    from pipeline.orchestration.stage import log
+    from pipeline.registry import Bundle, register, registered_name
+
+    if not gates.passed or gates.chosen is None:
+        log("evaluate", f"{kind} gates failed, not registered: " + "; ".join(gates.failures()))
+        return None
+    primary = cfg.evaluate.primary_metric if cfg.evaluate.primary_metric != "auto" else gates.speed_metric
+    bundle = Bundle(name=registered_name(cfg.target.model, kind), artifacts=artifacts,
+                    metrics=gates.chosen.metrics(), primary_metric=primary, gates=dataclasses.asdict(gates),
+                    fingerprint=results.target)
+    result = register(bundle, cfg.mlflow, cfg.workdir_path, promote=cfg.evaluate.promote)
+    record = {"name": result.name, "version": result.version, "aliases": result.aliases,
+              "promoted": result.promoted, "reason": result.reason, "uri": result.uri,
+              "bundle_sha256": result.bundle_sha256, "run_id": result.run_id}
+    # Beside the artifact, not inside it: the artifact is immutable, registration is an event about it.
+    write_json_atomic(evaluation.path.parent / f"{evaluation.id}.{REGISTRATION_FILES[kind]}", record)
+    log("evaluate", f"registered {result.name} version {result.version} with aliases {result.aliases}: {result.reason}")
+    return record
