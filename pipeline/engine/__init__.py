@@ -1,6 +1,7 @@
 """The speculative-decoding engine: sampling, proposers (drafters) and their registry, the model session
 with its KV cache, lossless verification, the decode loops and their metrics. Cross-tokenizer
-proposers live in :mod:`pipeline.engine.hetero`.
+proposers live in :mod:`pipeline.engine.hetero` (TLI, Union), :mod:`pipeline.engine.slem` and
+:mod:`pipeline.engine.slrs`, on the text bridge of :mod:`pipeline.engine.bridge`.
 
 Names are re-exported lazily (PEP 562), so importing a light submodule such as
 :mod:`pipeline.engine.methods` (which the config layer reads) does not import torch.

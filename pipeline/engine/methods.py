@@ -134,7 +134,7 @@ def _mapped(kind: str) -> Callable[[ProposerInputs], Proposer]:
 
 
 def _slem(inputs: ProposerInputs) -> Proposer:
-    from pipeline.engine.hetero import SLEMProposer
+    from pipeline.engine.slem import SLEMProposer
 
     return SLEMProposer(
         inputs.drafter_other, inputs.drafter_other_tokenizer, inputs.target_tokenizer, **_label(inputs)

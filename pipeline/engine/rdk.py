@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import Generator, Tensor
 
-from pipeline.engine.hetero import _CrossVocabDrafter, _empty
+from pipeline.engine.bridge import CrossVocabDrafter, empty_proposal
 from pipeline.engine.proposers import HeadStats, LinearHead, Proposal, require_context, timed_call
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import ModelSession, TargetState
@@ -96,7 +96,7 @@ class RedistributedShortlistProposer:
         require_context(context)
         width = self.target_vocab_size
         if gamma <= 0:
-            return _empty(width, self.session.device)
+            return empty_proposal(width, self.session.device)
         row = self.session.move_to(context)[-1]
         tokens: list[int] = []
         rows: list[Tensor] = []
@@ -121,7 +121,7 @@ def _fit(p: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(p, (0, width - p.shape[-1]))
 
 
-class RedistributedTLIProposer(_CrossVocabDrafter):
+class RedistributedTLIProposer(CrossVocabDrafter):
     """A drafter with another tokenizer: TLI onto ``I = T ∩ D`` (Alg. 4 of Timor et al. 2025), then RDK.
 
     The redistribution must be built for ``I`` in the drafter's order (``vocab_map.intersection_ids_target``
@@ -170,7 +170,7 @@ class RedistributedTLIProposer(_CrossVocabDrafter):
         """Draft up to ``gamma`` target tokens; see :class:`~pipeline.engine.proposers.Proposer`."""
         started = self._start(context, gamma)
         if started is None:
-            return _empty(self.target_vocab_size, self.session.device)
+            return empty_proposal(self.target_vocab_size, self.session.device)
         logits = started[1]
         tokens: list[int] = []
         rows: list[Tensor] = []

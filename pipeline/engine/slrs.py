@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch import Generator, Tensor
 
-from pipeline.engine.hetero import SLEMProposer, _CrossVocabDrafter, _empty, align_drafts, byte_lengths
+from pipeline.engine.bridge import CrossVocabDrafter, empty_proposal
 from pipeline.engine.proposers import Proposal
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState
+from pipeline.engine.slem import SLEMProposer, align_drafts, byte_lengths
 from pipeline.errors import DrafterError
 from pipeline.vocab.tokens import token_meanings
 
@@ -114,14 +115,14 @@ def _select_rows(cache: Any, index: Tensor) -> Any:
                                                 for k, v in pairs))  # fmt: skip
 
 
-class SLRSProposer(_CrossVocabDrafter):
+class SLRSProposer(CrossVocabDrafter):
     """String-level rejection sampling (Alg. 3) with a byte-level drafter.
 
     Drafting law (Alg. 3 line 4): from the drafter's standardised next-token distribution (``params``:
     temperature, top-k, top-p), keep its ``byte_top_k`` most likely entries, renormalise, draw one; draw
     ``lookahead`` bytes this way, unless a non-byte token (EOS, a chat marker) ends the string first. Line 5:
     the string's longest valid UTF-8 prefix is appended to the context's text and re-tokenised by the
-    target (:func:`~pipeline.engine.hetero.align_drafts`, look-behind re-alignment); ``t1`` is the first
+    target (:func:`~pipeline.engine.slem.align_drafts`, look-behind re-alignment); ``t1`` is the first
     target token after the context, a string ended at once by a drafter special is that special's
     target twin (the drafter's EOS proposes the target's), and ``-1`` ("none") is a string with no
     target token boundary at the context's end or no text.
@@ -156,7 +157,7 @@ class SLRSProposer(_CrossVocabDrafter):
         lookahead: Bytes drawn per string (the trie's depth).
         target_lookbehind: Context tokens re-encoded with the draft.
         prune: Skip the forwards of depth ``lookahead - 1`` nodes proven to determine ``t1``.
-        keep_specials: Hand shared special tokens to the drafter (see ``_CrossVocabDrafter``).
+        keep_specials: Hand shared special tokens to the drafter (see :class:`~pipeline.engine.bridge.CrossVocabDrafter`).
         target_vocab_size: Width of ``q``; defaults to the target tokenizer's id span.
         name: Label used in metrics and reports.
 
@@ -220,7 +221,7 @@ class SLRSProposer(_CrossVocabDrafter):
         """Draft up to ``gamma`` target tokens, each with its exact ``psi``; see the class docstring."""
         started = self._start(context, gamma)
         if started is None:
-            return _empty(self.target_vocab_size, torch.device("cpu"))
+            return empty_proposal(self.target_vocab_size, torch.device("cpu"))
         logits = started[1]
         tokens: list[int] = []
         rows: list[Tensor] = []
@@ -401,10 +402,10 @@ class ByteBudgetSLEMProposer(SLEMProposer):
     ``lookahead``. Exact-match verification keeps it lossless whatever it drafts (``q`` is ``None``).
 
     Args:
-        *args: :class:`~pipeline.engine.hetero.SLEMProposer`'s drafter, drafter tokenizer, target tokenizer.
+        *args: :class:`~pipeline.engine.slem.SLEMProposer`'s drafter, drafter tokenizer, target tokenizer.
         bytes_per_token: Drafter tokens (bytes) drafted per target token asked for.
         name: Label used in metrics and reports.
-        **kwargs: Further :class:`~pipeline.engine.hetero.SLEMProposer` options (``keep_specials``, ...).
+        **kwargs: Further :class:`~pipeline.engine.slem.SLEMProposer` options (``keep_specials``, ...).
     """
 
     def __init__(self, *args: Any, bytes_per_token: int, name: str = "slem_bytes", **kwargs: Any) -> None:

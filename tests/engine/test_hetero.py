@@ -18,11 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from pipeline.engine.hetero import (
-    SLEMProposer,
     TLIProposer,
-    align_draft,
-    align_drafts,
-    byte_lengths,
     intersection_pairs,
     tli_draft_distribution,
     union_draft_distribution,
@@ -31,6 +27,7 @@ from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.methods import ProposerInputs, build_proposer
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState
+from pipeline.engine.slem import SLEMProposer, align_draft, align_drafts, byte_lengths
 from pipeline.engine.verify import verify_speculative
 from pipeline.errors import DrafterError
 from pipeline.vocab.maps import VocabMap, decode_ids, encode_text

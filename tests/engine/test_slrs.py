@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.engine.hetero import align_draft
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.methods import ProposerInputs, build_proposer
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import TargetState
+from pipeline.engine.slem import align_draft
 from pipeline.engine.slrs import SLRSProposer
 from pipeline.engine.verify import verify_speculative
 from pipeline.errors import DrafterError
