@@ -7,7 +7,8 @@ each distribution's top-k entries, :mod:`pipeline.rdk.moments`) are saved atomic
 so a killed job resumes from the shards it finished and ranks (``estimate_rdk.devices``/``num_nodes``) split
 the shards; rank 0 adds them up. Then, on held-out conversations, it measures α for TLI and each redistribution
 for every kept set — the FR pruning levels of ``evaluate.drafter`` and ``T ∩ D`` of ``evaluate.drafter_other`` —
-and chooses τ (grid) and the prior weight (:func:`pipeline.rdk.prior.analyse`). Writes ``moments.safetensors``,
+and chooses τ (grid) and the prior weight (:func:`pipeline.rdk.prior.analyse`); the same choices are then scored
+on code (HumanEval solutions, :func:`pipeline.rdk.prior.transfer`). Writes ``moments.safetensors``,
 ``kept.safetensors`` and ``rdk.json`` (choices, α table, τ curves, throughput, memory against a dense |T|²).
 """
 
@@ -120,29 +121,57 @@ def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tu
     return total, figures
 
 
-def _heldout_inputs(cfg: PipelineConfig, heldout: list, target, kept_sets: dict, tokenizer,  # noqa: ANN001
-                    other: tuple | None) -> dict:
-    """Per kept set: (p, q_kept) at the held-out answer positions (temperature 1), at most heldout_max_positions.
+def _heldout_inputs(cfg: PipelineConfig, rows: list, target, drafter, kept_sets: dict, tokenizer,  # noqa: ANN001
+                    other: tuple | None, what: str) -> dict:
+    """Per kept set: (p, q_kept) at the answer positions of ``rows`` (temperature 1), at most heldout_max_positions.
     ``other`` is the other-tokenizer drafter as (model, tokenizer, its T ∩ D ids) when ``intersection`` is kept."""
     import torch
 
-    from pipeline.models.loading import load_model
     from pipeline.rdk.prior import INTERSECTION
 
-    er, ev = cfg.estimate_rdk, cfg.evaluate
-    p = answer_distributions(target, heldout, er.batch_size, "cpu")
+    er = cfg.estimate_rdk
+    p = answer_distributions(target, rows, er.batch_size, "cpu")
     if p is None:
-        raise DrafterError("The held-out calibration rows have no answer positions for RDK's analysis.",
+        raise DrafterError(f"The {what} have no answer positions for RDK's analysis.",
                            fix="Raise estimate_rdk.heldout_fraction or generate more rows.")
     limit = er.heldout_max_positions
     p = p[:limit].double()
-    drafter = load_model(ev.drafter, dtype="float32", device="cpu").eval()
-    q_full = answer_distributions(drafter, heldout, er.batch_size, "cpu")[:limit].double()
+    q_full = answer_distributions(drafter, rows, er.batch_size, "cpu")[:limit].double()
     logq = torch.log(q_full.clamp_min(1e-300))
     out = {name: (p, torch.softmax(logq[:, kept], -1)) for name, kept in kept_sets.items() if name != INTERSECTION}
     if other is not None:
-        out[INTERSECTION] = (p, _other_positions(other, heldout, tokenizer, limit))
+        out[INTERSECTION] = (p, _other_positions(other, rows, tokenizer, limit))
     return out
+
+
+def _code_rows(cfg: PipelineConfig, tokenizer) -> list:  # noqa: ANN001
+    """Code contexts for the α table: the last ``estimate_rdk.code_problems`` HumanEval problems (evaluate decodes
+    the first ones), each as evaluate encodes its prompt (chat template, ``evaluate.max_prompt_tokens``) followed
+    by the canonical solution's tokens and EOS, as if the target had written it; answer positions only.
+
+    The answer is encoded on its own and appended, the way generated tokens follow a prompt: templating the
+    whole turn would let BPE merge the template's newline with the solution's leading indentation."""
+    from pipeline.data.calibration import encode_prompt
+    from pipeline.data.sources import load_humaneval
+    from pipeline.training.eagle3_task import Row
+
+    er, ev = cfg.estimate_rdk, cfg.evaluate
+    problems = load_humaneval(with_solutions=True)
+    decoded = ev.prompts_per_task if "code" in ev.tasks else 0
+    if er.code_problems + decoded > len(problems):
+        raise DrafterError("RDK's code analysis would reuse HumanEval problems that evaluate decodes.",
+                           expected=f"estimate_rdk.code_problems + evaluate.prompts_per_task <= {len(problems)}",
+                           found=f"{er.code_problems} + {decoded}",
+                           fix="Lower estimate_rdk.code_problems (0 skips the code analysis).")
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    rows = []
+    for conv in problems[len(problems) - er.code_problems :]:
+        prompt = encode_prompt(tokenizer, conv.messages[:1], ev.max_prompt_tokens)
+        answer = tokenizer.encode(conv.messages[1]["content"], add_special_tokens=False) + eos
+        ids = (prompt + answer)[: er.max_length]
+        if len(ids) > len(prompt):
+            rows.append(Row(len(rows), ids, ([0] * len(prompt) + [1] * len(answer))[: len(ids)]))
+    return rows
 
 
 def _other_positions(other: tuple, heldout: list, tokenizer, limit: int):  # noqa: ANN001
@@ -167,11 +196,18 @@ def _other_positions(other: tuple, heldout: list, tokenizer, limit: int):  # noq
     return torch.stack(rows)
 
 
+def _alpha_line(tau: float, figures: dict) -> str:
+    a = figures["alpha"]
+    return (f"target mass {figures['target_mass_kept']:.3f}, tau={tau:g}; alpha TLI {a['tli']:.4f}, RDK {a['rdk']:.4f}, "
+            f"Taylor {a['rdk_taylor']:.4f}, prior mix {a['rdk_prior_constant']:.4f}/{a['rdk_prior_confidence']:.4f}, "
+            f"oracle {a['oracle_taylor']:.4f}")
+
+
 def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact) -> BuildResult | None:
     from pipeline.engine.hetero import intersection_pairs
     from pipeline.models.loading import load_model, load_tokenizer
     from pipeline.models.target import Target
-    from pipeline.rdk.prior import INTERSECTION, RDKPrior, analyse, pruning_levels
+    from pipeline.rdk.prior import INTERSECTION, RDKPrior, analyse, pruning_levels, transfer
     from pipeline.training.eagle3_task import CalibrationRows
     from pipeline.vocab.counting import frequency_ranking
     from pipeline.vocab.maps import VocabMap
@@ -187,6 +223,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
                            expected="rows with assistant tokens outside the held-out share",
                            found=f"{len(data.heldout)} held-out rows, 0 others",
                            fix="Generate more calibration rows or lower estimate_rdk.heldout_fraction.")
+    code_rows = _code_rows(cfg, tokenizer) if er.code_problems else []  # refuses an overlap before any work
     probe = target_.model(device="cpu", dtype="float32").eval()
     vocab = int(probe.get_output_embeddings().weight.shape[0])
     estimated = _estimate(cfg, run, data.train, vocab)
@@ -211,16 +248,22 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
         raise DrafterError("No held-out calibration rows for RDK's τ grid.", expected="held-out conversations",
                            found="0", fix="Raise estimate_rdk.heldout_fraction or generate more rows.")
     started = time.perf_counter()
-    inputs = _heldout_inputs(cfg, data.heldout, probe, kept_sets, tokenizer, other)
+    drafter = load_model(ev.drafter, dtype="float32", device="cpu").eval()
+    inputs = _heldout_inputs(cfg, data.heldout, probe, drafter, kept_sets, tokenizer, other,
+                             "held-out calibration rows")
+    code = _heldout_inputs(cfg, code_rows, probe, drafter, kept_sets, tokenizer, other,
+                           "HumanEval solutions") if code_rows else {}
     levels = {}
     for name, kept in kept_sets.items():
+        required = () if name == INTERSECTION else special
         p, q_kept = inputs[name]
-        levels[name] = analyse(p[: q_kept.shape[0]], q_kept, kept, moments, er.taus,
-                               () if name == INTERSECTION else special)
-        a = levels[name].figures["alpha"]
-        run.log(f"{name} ({kept.numel()} kept, target mass {levels[name].figures['target_mass_kept']:.3f}): "
-                f"tau={levels[name].tau:g}; alpha TLI {a['tli']:.4f}, RDK {a['rdk']:.4f}, Taylor {a['rdk_taylor']:.4f}, "
-                f"prior mix {a['rdk_prior_constant']:.4f}/{a['rdk_prior_confidence']:.4f}, oracle {a['oracle_taylor']:.4f}")
+        levels[name] = analyse(p[: q_kept.shape[0]], q_kept, kept, moments, er.taus, required)
+        run.log(f"{name} ({kept.numel()} kept), chat: " + _alpha_line(levels[name].tau, levels[name].figures))
+        if name in code:
+            p, q_kept = code[name]
+            levels[name].figures["code"] = transfer(levels[name], p[: q_kept.shape[0]], q_kept, moments, er.taus,
+                                                    required)
+            run.log(f"{name} ({kept.numel()} kept), code: " + _alpha_line(levels[name].tau, levels[name].figures["code"]))
     figures["analysis_seconds"] = round(time.perf_counter() - started, 2)
     meta = {"vocab_hash": vocab_hash(tokenizer), "vocab_size": vocab, "required_ids": special,
             "top_k": moments.top_k, "count": moments.count, "covered": moments.covered, "nnz": moments.nnz,
@@ -234,6 +277,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     for name, fit in levels.items():
         metrics[f"{name}.tau"] = fit.tau
         metrics.update({f"{name}.alpha.{k}": round(v, 6) for k, v in fit.figures["alpha"].items()})
+        if "code" in fit.figures:
+            metrics.update({f"{name}.code.alpha.{k}": round(v, 6) for k, v in fit.figures["code"]["alpha"].items()})
 
     def write(out: Path) -> None:
         prior.save(out, sums)

@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         import torch
 
         if not torch.cuda.is_available():
-            skip = pytest.mark.skip(reason="needs a CUDA GPU; GPU results are recorded in README.md (Measured)")
+            skip = pytest.mark.skip(reason="needs a CUDA GPU (none here): run `pytest -m gpu` on a GPU machine; README Measured → GPU says what ran on one")
             for item in gpu:
                 item.add_marker(skip)
 

@@ -88,7 +88,8 @@ def test_artifact_affinity_equals_the_dense_construction_on_the_whole_vocabulary
 
 def test_analysis_table_and_figures(estimated) -> None:
     """rdk.json: per kept set, τ from the grid with its whole curve, α of every method in [0, 1], EOS kept in the
-    pruning levels; the throughput and the memory the sparse form saves against a dense |T|² matrix."""
+    pruning levels, and the code half (HumanEval solutions) scored with the chat choices; the throughput and the
+    memory the sparse form saves against a dense |T|² matrix."""
     cfg, artifact = estimated
     record = json.loads(artifact.file("rdk.json").read_text())
     from pipeline.models.loading import load_tokenizer
@@ -101,6 +102,11 @@ def test_analysis_table_and_figures(estimated) -> None:
                                        "oracle_taylor"}
         assert all(0.0 <= a <= 1.0 for a in level["alpha"].values()), level["alpha"]
         assert level["positions"]["test"] >= 10
+        code = level["code"]
+        assert code["tau"] == level["tau"] and set(code["alpha"]) == set(level["alpha"]), code
+        assert all(0.0 <= a <= 1.0 for a in code["alpha"].values()) and code["positions"] >= 10
+        assert [c["tau"] for c in code["tau_curve"]] == TAUS
+        assert artifact.metrics[f"{name}.code.alpha.tli"] == round(code["alpha"]["tli"], 6)
         if name != INTERSECTION:
             assert eos in prior.level(name).kept.tolist()
     assert record["levels"]["keep_0.01"]["size"] < record["levels"]["keep_0.05"]["size"] < 1024
@@ -145,7 +151,9 @@ def test_rdk_rows_are_lossless_and_their_bundle_registered(estimated, mlflow_ser
     assert results["inputs"]["estimate_rdk"] == rdk_artifact.id
     assert set(results["rdk_analysis"]["levels"]) == {"keep_0.05", "keep_0.01", INTERSECTION}
     assert results["rdk_gates"]["passed"], results["rdk_gates"]
-    assert "Out-of-vocabulary drafting (RDK)" in artifact.file("report.md").read_text()
+    report = artifact.file("report.md").read_text()
+    assert "Out-of-vocabulary drafting (RDK)" in report and "| keep_0.01 |" in report
+    assert {r.split("|")[3].strip() for r in report.splitlines() if r.startswith("| keep_0.01 |")} == {"chat", "code"}
     record = json.loads((artifact.path.parent / f"{artifact.id}.registration-rdk.json").read_text())
     assert record["name"].endswith("-rdk")
     version = MlflowClient(tracking_uri=mlflow_server.uri).get_model_version_by_alias(record["name"], "champion")
@@ -153,13 +161,17 @@ def test_rdk_rows_are_lossless_and_their_bundle_registered(estimated, mlflow_ser
 
 
 def test_bad_input_is_refused(estimated, tmp_path: Path) -> None:
-    """A τ ≤ 0 or a pruning level outside (0, 1] in the config, and an evaluate.rdk that is not an estimate_rdk
-    artifact: clear errors."""
+    """A τ ≤ 0 or a pruning level outside (0, 1] in the config, a code analysis that would reuse the HumanEval
+    problems evaluate decodes, and an evaluate.rdk that is not an estimate_rdk artifact: clear errors."""
     with pytest.raises(DrafterError, match="estimate_rdk.taus"):
         rdk_cfg(tmp_path, "estimate_rdk.taus=[0.0]")
     with pytest.raises(DrafterError, match="estimate_rdk.keep_fractions"):
         rdk_cfg(tmp_path, "estimate_rdk.keep_fractions=[0]")
     cfg, _ = estimated
+    overlap = load_config(None, [f"workdir={cfg.workdir}", *SMALL, *RDK, "estimate_rdk.code_problems=160",
+                                 "evaluate.prompts_per_task=8"])
+    with pytest.raises(DrafterError, match=r"code_problems \+ evaluate.prompts_per_task <= 164"):
+        run(overlap, ["estimate_rdk"])
     counts_dir = next(p for p in Path(cfg.workdir, "artifacts").glob("count-*") if p.is_dir())
     bad = rdk_cfg(tmp_path, f"evaluate.rdk={counts_dir}", "evaluate.methods=[rdk]")
     with pytest.raises(DrafterError, match="rdk_affinity|kind"):

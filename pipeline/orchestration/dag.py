@@ -60,6 +60,21 @@ def _prompt_data(cfg: PipelineConfig) -> dict:
     return {"source": source_fingerprint(cfg.generate.source, cfg.generate.source_revision)}
 
 
+def _evaluate_data(cfg: PipelineConfig) -> dict:
+    from pipeline.data.sources import source_fingerprint
+
+    data = _prompt_data(cfg)
+    if "code" in cfg.evaluate.tasks:
+        data["code"] = source_fingerprint("humaneval")
+    return data
+
+
+def _rdk_data(cfg: PipelineConfig) -> dict:
+    from pipeline.data.sources import source_fingerprint
+
+    return {"code": source_fingerprint("humaneval")} if cfg.estimate_rdk.code_problems else {}
+
+
 def _cluster_models(cfg: PipelineConfig) -> dict:
     from pipeline.models.loading import fingerprint
 
@@ -151,14 +166,15 @@ STAGES: tuple[StageSpec, ...] = (
     # analysis that picks tau runs evaluate's drafters, so they (and nothing else of evaluate) enter its id.
     StageSpec("estimate_rdk", "jobs.estimate_rdk", "rdk_affinity", upstream=("generate", "count"),
               reads=(*TARGET_IDENTITY, "target.dtype", "estimate_rdk", "evaluate.drafter", "evaluate.drafter_other"),
-              overrides={"generate": "estimate_rdk.calibration", "count": "estimate_rdk.counts"}, models=_rdk_models),
+              overrides={"generate": "estimate_rdk.calibration", "count": "estimate_rdk.counts"}, models=_rdk_models,
+              data=_rdk_data),
     StageSpec("evaluate", "jobs.evaluate", "evaluation",
               upstream=("count", "train_drafter", "cluster", "train_router", "estimate_rdk"),
               reads=(*TARGET_IDENTITY, "target.dtype", "generate.source", "generate.source_revision",
                      "generate.heldout_fraction", "evaluate"),
               overrides={"count": "evaluate.counts", "train_drafter": "evaluate.eagle3", "cluster": "evaluate.clusters",
                          "train_router": "evaluate.router", "estimate_rdk": "evaluate.rdk"},
-              models=_evaluate_models, data=_prompt_data,
+              models=_evaluate_models, data=_evaluate_data,
               when={"train_drafter": lambda cfg: "eagle3" in cfg.evaluate.methods, "cluster": _routed,
                     "train_router": _routed, "estimate_rdk": _rdk}),
 )

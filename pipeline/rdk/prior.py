@@ -103,45 +103,92 @@ def analyse(p: Tensor, q_kept: Tensor, kept: Tensor, moments: Moments, taus: Seq
                            fix="Raise estimate_rdk.heldout_fraction or generate more calibration rows.")
     fit, test = torch.arange(0, n, 2), torch.arange(1, n, 2)
     mu = moments.mu.to(torch.float64)
-
-    def mean_alpha(transform_rows, idx: Tensor) -> float:
-        total = 0.0
-        for start in range(0, idx.numel(), chunk):
-            sel = idx[start : start + chunk]
-            total += float(acceptance(p[sel].to(torch.float64), transform_rows(q_kept[sel])).sum())
-        return total / max(1, idx.numel())
-
-    def scattered(q: Tensor) -> Tensor:
-        return scatter_kept(q, kept, moments.vocab_size)
-
-    curve = []
-    for tau in taus:
-        affinity = Affinity(moments, kept, tau, required)
-        curve.append({"tau": tau, "alpha_fit": mean_alpha(affinity.redistribute, fit),
-                      "alpha": mean_alpha(affinity.redistribute, test)})
+    curve = _tau_curve(p, q_kept, kept, moments, taus, required, {"alpha_fit": fit, "alpha": test}, chunk)
     best = max(curve, key=lambda c: c["alpha_fit"])
     oov = 1.0 - p[:, kept].to(torch.float64).sum(-1)
     edges, weights = fit_confidence_weights(q_kept[fit], oov[fit])
     constant = PriorMix(mu, kept)
     binned = PriorMix(mu, kept, edges=edges, weights=weights)
-    fit_const, fit_binned = mean_alpha(constant.redistribute, fit), mean_alpha(binned.redistribute, fit)
+    fit_const = _mean_alpha(p, q_kept, constant.redistribute, fit, chunk)
+    fit_binned = _mean_alpha(p, q_kept, binned.redistribute, fit, chunk)
     prior_weight = ({"mode": "confidence", "edges": edges, "weights": weights} if fit_binned > fit_const
                     else {"mode": "constant", "weight": constant.weight})
     figures = {
         "positions": {"fit": int(fit.numel()), "test": int(test.numel())},
         "target_mass_kept": float(p[test][:, kept].to(torch.float64).sum(-1).mean()),
-        "alpha": {
-            "tli": mean_alpha(scattered, test),
-            "rdk": best["alpha"],
-            "rdk_taylor": mean_alpha(TaylorForm(mu, kept).redistribute, test),
-            "rdk_prior_constant": mean_alpha(constant.redistribute, test),
-            "rdk_prior_confidence": mean_alpha(binned.redistribute, test),
-            "oracle_taylor": _oracle(p, q_kept, kept, test, chunk),
-        },
+        "alpha": {"tli": _mean_alpha(p, q_kept, _scatter(kept, moments.vocab_size), test, chunk), "rdk": best["alpha"],
+                  **_prior_alphas(p, q_kept, kept, mu, constant, binned, test, chunk)},
         "tau_curve": curve,
         "prior_constant_weight": constant.weight,
+        "prior_confidence": {"edges": edges, "weights": weights},
     }
     return LevelFit(kept=kept, tau=best["tau"], prior_weight=prior_weight, figures=figures)
+
+
+def transfer(fit: LevelFit, p: Tensor, q_kept: Tensor, moments: Moments, taus: Sequence[float],
+             required: Sequence[int] = (), chunk: int = 256) -> dict:
+    """α of one kept set's choices (τ and both prior weights, fitted on the calibration chats by :func:`analyse`)
+    on every position of another task (code), nothing refitted; plus that task's own τ curve, to show what a τ
+    chosen on it would give.
+
+    Args:
+        fit: The kept set's :class:`LevelFit` from the calibration analysis.
+        p: ``(n, |T|)`` target distributions at the other task's positions.
+        q_kept: ``(n, |I|)`` the drafter's TLI distributions over ``fit.kept`` there.
+        moments: The calibration moments.
+        taus: The τ grid of the curve.
+        required: Ids the kept set must hold.
+    """
+    kept = check_kept(fit.kept, moments.vocab_size, required)
+    every = torch.arange(p.shape[0])
+    mu = moments.mu.to(torch.float64)
+    confidence = fit.figures["prior_confidence"]
+    constant = PriorMix(mu, kept)
+    binned = PriorMix(mu, kept, edges=confidence["edges"], weights=confidence["weights"])
+    curve = _tau_curve(p, q_kept, kept, moments, taus, required, {"alpha": every}, chunk)
+    at_tau = next((c["alpha"] for c in curve if c["tau"] == fit.tau), None)
+    if at_tau is None:
+        at_tau = _mean_alpha(p, q_kept, Affinity(moments, kept, fit.tau, required).redistribute, every, chunk)
+    best = max(curve, key=lambda c: c["alpha"])
+    return {"positions": int(p.shape[0]), "tau": fit.tau,
+            "target_mass_kept": float(p[:, kept].to(torch.float64).sum(-1).mean()),
+            "alpha": {"tli": _mean_alpha(p, q_kept, _scatter(kept, moments.vocab_size), every, chunk), "rdk": at_tau,
+                      **_prior_alphas(p, q_kept, kept, mu, constant, binned, every, chunk)},
+            "best_tau_here": {"tau": best["tau"], "alpha": best["alpha"]}, "tau_curve": curve}
+
+
+def _mean_alpha(p: Tensor, q_kept: Tensor, transform_rows, idx: Tensor, chunk: int) -> float:  # noqa: ANN001
+    """Mean ``α = Σ min(p, transform(q'))`` over the positions ``idx``, ``chunk`` rows at a time."""
+    total = 0.0
+    for start in range(0, idx.numel(), chunk):
+        sel = idx[start : start + chunk]
+        total += float(acceptance(p[sel].to(torch.float64), transform_rows(q_kept[sel])).sum())
+    return total / max(1, idx.numel())
+
+
+def _scatter(kept: Tensor, vocab_size: int):  # noqa: ANN202
+    """TLI's draft: ``q'`` placed on its kept ids of ``T``."""
+    return lambda q: scatter_kept(q, kept, vocab_size)
+
+
+def _tau_curve(p: Tensor, q_kept: Tensor, kept: Tensor, moments: Moments, taus: Sequence[float],
+               required: Sequence[int], splits: dict[str, Tensor], chunk: int) -> list[dict]:
+    """Exact RDK's mean α at every τ of the grid on each named split of the positions."""
+    curve = []
+    for tau in taus:
+        affinity = Affinity(moments, kept, tau, required)
+        curve.append({"tau": tau, **{name: _mean_alpha(p, q_kept, affinity.redistribute, idx, chunk)
+                                     for name, idx in splits.items()}})
+    return curve
+
+
+def _prior_alphas(p: Tensor, q_kept: Tensor, kept: Tensor, mu: Tensor, constant: PriorMix, binned: PriorMix,
+                  idx: Tensor, chunk: int) -> dict:
+    """α of RDK-Taylor with the prior, both prior mixes and the oracle Taylor bound on the positions ``idx``."""
+    return {"rdk_taylor": _mean_alpha(p, q_kept, TaylorForm(mu, kept).redistribute, idx, chunk),
+            "rdk_prior_constant": _mean_alpha(p, q_kept, constant.redistribute, idx, chunk),
+            "rdk_prior_confidence": _mean_alpha(p, q_kept, binned.redistribute, idx, chunk),
+            "oracle_taylor": _oracle(p, q_kept, kept, idx, chunk)}
 
 
 def _oracle(p: Tensor, q_kept: Tensor, kept: Tensor, idx: Tensor, chunk: int) -> float:

@@ -26,12 +26,13 @@ from pipeline.rdk.affinity import (
     PriorMix,
     TaylorForm,
     dense_affinity,
+    fit_confidence_weights,
     kernel_sum,
     restrict,
     scatter_kept,
 )
 from pipeline.rdk.moments import MomentSums
-from pipeline.rdk.prior import INTERSECTION, LevelFit, RDKPrior, analyse, pruning_levels
+from pipeline.rdk.prior import INTERSECTION, LevelFit, RDKPrior, analyse, pruning_levels, transfer
 from pipeline.vocab.maps import VocabMap
 from tests.engine.conftest import assert_acceptance_law, assert_counts_match, verify_blocks
 
@@ -156,6 +157,42 @@ def test_analysis_reports_every_method_and_a_tau_curve(kit) -> None:
     assert [c["tau"] for c in fit.figures["tau_curve"]] == [1e-1, 1e-2, 1e-3] and fit.tau in (1e-1, 1e-2, 1e-3)
     assert all(0 <= a <= 1 for a in fit.figures["alpha"].values())
     assert fit.figures["positions"]["fit"] + fit.figures["positions"]["test"] == p.shape[0]
+
+
+def test_transfer_scores_the_fitted_choices_on_another_task_without_refitting(kit) -> None:
+    """The code column of the α table: τ and both prior weights fitted on one half of the rows, scored on every
+    position of the other half. Each α equals Σ min(p, q) recomputed here from the dense affinity (Mᵀq') and the
+    fitted weight table (1e-12), so a transfer that refitted anything on the new rows would fail."""
+    p = kit["p_rows"]
+    eos = [kit["tokenizer"].eos_token_id]
+    kept = kit["prior"].level("keep_0.1").kept
+    gen = torch.Generator().manual_seed(3)
+    q_kept = torch.softmax(torch.log(p[:, kept] + 1e-9) + 0.5 * torch.randn(p.shape[0], kept.numel(), generator=gen,
+                                                                           dtype=torch.float64), -1)
+    half = p.shape[0] // 2
+    taus = [1e-1, 1e-2, 1e-3]
+    fit = analyse(p[:half], q_kept[:half], kept, kit["moments"], taus, eos)
+    out = transfer(fit, p[half:], q_kept[half:], kit["moments"], taus, eos)
+    target, q = p[half:], q_kept[half:]
+
+    def alpha(draft: torch.Tensor) -> float:
+        return float(torch.minimum(target, draft).sum(-1).mean())
+
+    moments = kit["moments"]
+    confidence = fit.figures["prior_confidence"]
+    binned = PriorMix(moments.mu, kept, edges=confidence["edges"], weights=confidence["weights"])
+    expected = {"tli": alpha(scatter_kept(q, kept, moments.vocab_size)),
+                "rdk": alpha(q @ dense_affinity(moments, kept, fit.tau)),
+                "rdk_prior_constant": alpha((1 - PriorMix(moments.mu, kept).weight) * scatter_kept(q, kept, moments.vocab_size)
+                                            + PriorMix(moments.mu, kept).weight * PriorMix(moments.mu, kept).oov),
+                "rdk_prior_confidence": alpha(binned.redistribute(q))}
+    for name, value in expected.items():
+        assert abs(out["alpha"][name] - value) < 1e-12, (name, out["alpha"][name], value)
+    assert out["tau"] == fit.tau and out["positions"] == p.shape[0] - half
+    assert [c["tau"] for c in out["tau_curve"]] == taus
+    assert out["best_tau_here"]["alpha"] == max(c["alpha"] for c in out["tau_curve"]) >= out["alpha"]["rdk"] - 1e-15
+    refit = fit_confidence_weights(q, 1.0 - target[:, kept].sum(-1))
+    assert refit != (confidence["edges"], confidence["weights"])  # the other half would have fitted other weights
 
 
 @torch.no_grad()
