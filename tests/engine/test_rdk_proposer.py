@@ -181,10 +181,10 @@ def test_transfer_scores_the_fitted_choices_on_another_task_without_refitting(ki
     moments = kit["moments"]
     confidence = fit.figures["prior_confidence"]
     binned = PriorMix(moments.mu, kept, edges=confidence["edges"], weights=confidence["weights"])
-    expected = {"tli": alpha(scatter_kept(q, kept, moments.vocab_size)),
-                "rdk": alpha(q @ dense_affinity(moments, kept, fit.tau)),
-                "rdk_prior_constant": alpha((1 - PriorMix(moments.mu, kept).weight) * scatter_kept(q, kept, moments.vocab_size)
-                                            + PriorMix(moments.mu, kept).weight * PriorMix(moments.mu, kept).oov),
+    constant = PriorMix(moments.mu, kept)
+    tli = scatter_kept(q, kept, moments.vocab_size)
+    expected = {"tli": alpha(tli), "rdk": alpha(q @ dense_affinity(moments, kept, fit.tau)),
+                "rdk_prior_constant": alpha((1 - constant.weight) * tli + constant.weight * constant.oov),
                 "rdk_prior_confidence": alpha(binned.redistribute(q))}
     for name, value in expected.items():
         assert abs(out["alpha"][name] - value) < 1e-12, (name, out["alpha"][name], value)
