@@ -3,15 +3,17 @@
 
 Every stage subcommand takes ``--config FILE`` (default ``configs/tiny.yaml`` when present, else the
 built-in defaults, which are the same tiny setup) and any number of ``key.path=value`` overrides, e.g.
-``drafter generate generate.max_new_tokens=64 mlflow.experiment=dev``. ``--help`` on a stage lists
-every option with its type, default and the documentation written under the config field. Heavy
-libraries are imported only inside the commands, so ``drafter --help`` answers at once. Errors a user
-can cause print as one clear message (exit code 2), never as a traceback.
+``drafter generate generate.max_new_tokens=64 mlflow.experiment=dev``. ``--help`` is short (usage, what
+the command does, where its keys are documented); the config reference — every key with its type,
+default and the documentation written under the config field — is ``drafter config --keys [SECTION]``.
+Heavy libraries are imported only inside the commands, so ``drafter --help`` answers at once. Errors a
+user can cause print as one clear message (exit code 2), never as a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 from pathlib import Path
@@ -23,30 +25,82 @@ DEFAULT_CONFIG = Path("configs/tiny.yaml")
 STAGE_SECTIONS = ("workdir", "target", "mlflow")
 
 
-def _options_help(stage: str | None) -> str:
+BENCHES = {
+    "count": "vectorised counting vs collections.Counter",
+    "eval": "every speculative method vs autoregressive decoding on this device (no MLflow needed)",
+    "train": "one EAGLE-3 training step vs the frozen target's forward on the same batch\n"
+             "           (needs generate and count built)",
+    "head": "one draft step's LM head, full vs static 32k vs DynaSpec-routed, at 128k x 4096 and\n"
+            "           the tiny kit's size",
+    "cluster": "FAISS spherical k-means vs scikit-learn KMeans",
+    "rdk": "moment estimation throughput and memory vs a dense |T|^2 matrix, and one draft step\n"
+           "           of TLI vs RDK-Taylor vs the prior mix vs exact sparse RDK at 128k",
+}
+KEYS_EPILOG = ("config keys: `drafter config --keys STAGE` lists a stage's keys (type, default, meaning);\n"
+               "`drafter config --keys` lists every key.")
+
+
+def config_reference(section: str | None = None) -> str:
+    """The config reference: every key (or those under ``section``) with type, built-in default, meaning.
+
+    ``section`` is a dotted key prefix (``count``, ``train_drafter.train``, ``mlflow``); a stage's section
+    comes with the shared ones every stage reads (``workdir``, ``target``, ``mlflow``). Keys that never
+    enter an artifact id are marked ``[run setting]``, upstream artifact paths ``[input: …]``.
+    """
+    from dataclasses import fields
+
     from pipeline.config.schema import INPUT_OVERRIDE, describe, excluded_fields
     from pipeline.config.sections import PipelineConfig
+    from pipeline.errors import DrafterError
 
-    rows = [r for r in describe(PipelineConfig)
-            if stage is None or r[0].split(".")[0] in (*STAGE_SECTIONS, stage)]
+    every = describe(PipelineConfig)
+
+    def under(prefix: str) -> list[tuple[str, str, str, str]]:
+        return [r for r in every if r[0] == prefix or r[0].startswith(prefix + ".")]
+
+    groups = {"": every}
+    if section:
+        groups = {"": under(section)}
+        if not groups[""]:
+            top = [f.name for f in fields(PipelineConfig)]
+            raise DrafterError(f"No config key or section {section!r}.", expected=f"one of: {', '.join(top)}",
+                               found=repr(section), fix="Run `drafter config --keys` to see every key.")
+        if section in STAGES:
+            groups["shared by every stage:"] = [r for shared in STAGE_SECTIONS for r in under(shared)]
     marks = {key: "  [input: its artifact id enters the id]" if why == INPUT_OVERRIDE else "  [run setting]"
              for key, why in excluded_fields(PipelineConfig).items()}
-    width = max(len(r[0]) for r in rows)
-    lines = ["options (set in the YAML or override as key=value; [run setting]: not part of any artifact id):"]
-    for key, tp, default, doc in rows:
-        lines.append(f"  {key:<{width}}  {tp} = {default}{marks.get(key, '')}")
-        if doc:
-            lines.append(f"  {'':<{width}}    {doc}")
+    width = max(len(r[0]) for rows in groups.values() for r in rows)
+    lines = ["config keys (set in the YAML or override as key=value; [run setting]: not part of any artifact id;",
+             "[input]: a path to an upstream artifact used instead of the stage's own):"]
+    for title, rows in groups.items():
+        lines += [title] if title else []
+        for key, tp, default, doc in rows:
+            lines.append(f"  {key:<{width}}  {tp} = {default}{marks.get(key, '')}")
+            if doc:
+                lines.append(f"  {'':<{width}}    {doc}")
     return "\n".join(lines)
 
 
+def _stage_summary(stage: str) -> str:
+    """The first line of the stage recipe's docstring, read without importing the recipe (heavy imports)."""
+    from importlib.util import find_spec
+
+    spec = find_spec(f"jobs.{stage}")
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) if spec and spec.origin else None
+    return (doc or f"Stage {stage!r}.").splitlines()[0].replace("``", "`")
+
+
 class _LazyHelp(argparse.ArgumentParser):
-    """Builds the option table only when ``--help`` is actually asked for (keeps startup fast)."""
+    """Reads a stage's description only when ``--help`` is actually asked for (keeps startup fast)."""
 
     stage_name: str | None = None
 
     def format_help(self) -> str:
-        self.epilog = _options_help(self.stage_name)
+        if self.stage_name:
+            self.description = (f"{_stage_summary(self.stage_name)}\nRuns this stage alone; the upstream "
+                                "stages it needs are reused from the cache or built first.")
+            self.epilog = (f"config keys: `drafter config --keys {self.stage_name}` lists this stage's keys "
+                           "(type, default, meaning);\n`drafter config --keys` lists every key.")
         return super().format_help()
 
 
@@ -57,66 +111,94 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pipeline.tiny.spec import BUILD_MINUTES
+
+    raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
-        prog="drafter",
-        description="Train, calibrate, validate and register drafter artifacts for speculative decoding.")
+        prog="drafter", formatter_class=raw,
+        description="Train, calibrate, validate and register drafter artifacts for speculative decoding.",
+        epilog="Each command's usage: `drafter COMMAND --help`.\n" + KEYS_EPILOG)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_LazyHelp)
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"run stage {stage!r} alone (its upstream stages are reused or built)",
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=raw)
         p.stage_name = stage  # type: ignore[attr-defined]
         _add_config_args(p)
-    p = sub.add_parser("run", help="run every stage in order and print a summary",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("run", help="run every stage in order and print a summary", formatter_class=raw,
+                       description="Run every stage (or --stages) in DAG order, reusing cached artifacts, and "
+                                   "print a summary.", epilog=KEYS_EPILOG)
     _add_config_args(p)
     p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)}")
     p = sub.add_parser("plan", help="print the stage DAG: each stage's artifact id, inputs, and whether it is "
-                                    "cached or would run (nothing runs)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                                    "cached or would run (nothing runs)", formatter_class=raw,
+                       description="Print each stage's artifact id, its inputs, and whether it is cached or "
+                                   "would run.\nNothing runs.", epilog=KEYS_EPILOG)
     _add_config_args(p)
     p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (with upstreams)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (for CI)")
     p = sub.add_parser("submit", help="submit every stage that is not cached as a Slurm job, chained with "
-                                      "afterok dependencies; prints the job table",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                                      "afterok dependencies; prints the job table", formatter_class=raw,
+                       description="Submit every stage that is not cached as a Slurm job, chained with afterok "
+                                   "dependencies,\nand print the job table (resources: `drafter config --keys "
+                                   "slurm`).", epilog=KEYS_EPILOG)
     _add_config_args(p)
     p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (with upstreams)")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch scripts and submit nothing")
     p.add_argument("--json", action="store_true", help="print the job table as JSON")
     p = sub.add_parser("status", help="each stage's artifact and Slurm job state (squeue/sacct), and why a job "
-                                      "failed or was cancelled",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                                      "failed or was cancelled", formatter_class=raw,
+                       description="Print each stage's artifact and Slurm job state (squeue/sacct), and why a "
+                                   "job failed or was cancelled.", epilog=KEYS_EPILOG)
     _add_config_args(p)
     p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (with upstreams)")
     p.add_argument("--json", action="store_true", help="print the status as JSON")
-    p = sub.add_parser("config", help="print the resolved config (after overrides) as YAML",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("config", help="print the resolved config as YAML, or with --keys every config key and "
+                                      "its meaning", formatter_class=raw,
+                       description="Print the resolved config (--config FILE plus overrides) as YAML.\n"
+                                   "With --keys, print the config reference instead: every key (or SECTION's) "
+                                   "with its type,\nbuilt-in default and meaning; [run setting] marks keys "
+                                   "that are not part of any artifact id,\n[input] marks upstream artifact "
+                                   "paths (their artifact id enters the id).\n"
+                                   "E.g. `drafter config --keys count`, `drafter config count.top_k=[64,128]`.")
+    p.add_argument("--keys", nargs="?", const="", default=None, metavar="SECTION",
+                   help="list every config key, or those under SECTION (a stage, target, mlflow, slurm, or a "
+                        "dotted prefix such as train_drafter.train)")
     _add_config_args(p)
     p = sub.add_parser("pull", help="download a registered bundle (NAME@ALIAS or NAME/VERSION), verify every "
-                                    "sha256 and fingerprint, and write it to --to",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ref", help="e.g. tiny-default-target--draft-vocab@champion")
+                                    "sha256 and fingerprint, and write it to --to", formatter_class=raw,
+                       description="Download a registered bundle, verify every sha256 and fingerprint, and "
+                                   "write it to --to, e.g.\n"
+                                   "  drafter pull drafter-tiny-default-target-draft-vocab@champion --to ./bundle\n"
+                                   "The MLflow store is the config's (`drafter config --keys mlflow`).",
+                       epilog=KEYS_EPILOG)
+    p.add_argument("ref", help="NAME@ALIAS or NAME/VERSION of a registered bundle")
     p.add_argument("--to", type=Path, required=True, help="destination directory (must be new or empty)")
     p.add_argument("--expect-target", default=None,
                    help="refuse the bundle unless it was built for this target model (name or tiny ref)")
     _add_config_args(p)
     p = sub.add_parser("report", help="print the evaluation table of an evaluation artifact (default: the "
-                                      "newest one in the config's workdir)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                                      "newest one in the config's workdir)", formatter_class=raw,
+                       description="Print the evaluation table of an evaluation artifact (default: the newest "
+                                   "one in the config's workdir)\nand the path of its report.html.",
+                       epilog=KEYS_EPILOG)
     p.add_argument("--artifact", type=Path, default=None, help="an evaluation artifact directory")
     _add_config_args(p)
-    p = sub.add_parser("tiny", help="build the tiny-model kit (tokenizers, target, drafters) used by the defaults")
-    p.add_argument("--profile", default="default", help="kit profile: default (~10 min) or test (~2 min)")
+    p = sub.add_parser("tiny", help="build the tiny-model kit (tokenizers, target, drafters) used by the defaults",
+                       formatter_class=raw,
+                       description="Build the tiny-model kit (tokenizers, a tiny target and its drafters) that "
+                                   "the built-in defaults use,\ncached under $DRAFTER_CACHE or "
+                                   "~/.cache/drafter-pipeline. Takes no config.")
+    p.add_argument("--profile", default="default", choices=sorted(BUILD_MINUTES),
+                   help=f"default: the embedded default's kit, about {BUILD_MINUTES['default']:g} min on a quiet "
+                        f"2-core machine (longer on a busy one); test: what pytest builds, about "
+                        f"{BUILD_MINUTES['test']:g} min")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
-    p = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run")
-    p.add_argument("what", choices=["count", "eval", "train", "head", "cluster", "rdk"],
-                   help="count: vectorised counting vs collections.Counter; eval: every speculative method vs "
-                        "autoregressive decoding on this device (no MLflow needed); train: one EAGLE-3 training "
-                        "step vs the frozen target's forward on the same batch (needs generate and count built); head: one "
-                        "draft step's LM head, full vs static 32k vs DynaSpec-routed, at 128k x 4096 and the tiny "
-                        "kit's size; cluster: FAISS spherical k-means vs scikit-learn KMeans; rdk: moment estimation "
-                        "throughput and memory vs a dense |T|^2 matrix, and one draft step of TLI vs RDK-Taylor vs the "
-                        "prior mix vs exact sparse RDK at 128k")
+    p = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run",
+                       formatter_class=raw,
+                       description="Benchmarks that print ratios against a baseline measured in the same run:\n"
+                                   + "\n".join(f"  {name:<8} {what}" for name, what in BENCHES.items()),
+                       epilog=KEYS_EPILOG)
+    p.add_argument("what", choices=list(BENCHES), help="which benchmark (listed above)")
     p.add_argument("--steps", type=int, default=10, help="train, head: timed repetitions of each")
     p.add_argument("--tokens", type=int, default=2_000_000, help="count: synthetic calibration tokens")
     p.add_argument("--calibration", default=None, help="count: a calibration artifact to count instead")
@@ -288,11 +370,9 @@ def _plan(args: argparse.Namespace, cfg) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    width = max(len(r["stage"]) for r in rows)
-    print(f"{'stage':<{width}}  {'artifact id':<25}  {'status':<10}  inputs")
     for row in rows:
-        inputs = ", ".join(f"{k}={v}" for k, v in row["inputs"].items()) or "—"
-        print(f"{row['stage']:<{width}}  {row['artifact_id']:<25}  {row['status']:<10}  {inputs}")
+        row["inputs"] = ", ".join(f"{k}={v}" for k, v in row["inputs"].items()) or None
+    print(_table(rows, ["stage", "artifact_id", "status", "inputs"]))
     print(f"\n{sum(r['status'] == 'to run' for r in rows)} stage(s) to run; artifacts under "
           f"{cfg.workdir_path / 'artifacts'}")
     return 0
@@ -310,6 +390,16 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.errors import DrafterError
 
     try:
+        if args.command == "config" and args.keys is not None:
+            if args.config or args.overrides:
+                raise DrafterError("`drafter config --keys` lists the built-in defaults; it reads no config.",
+                                   expected="drafter config --keys [SECTION]",
+                                   found=" ".join([*(["--config", str(args.config)] if args.config else []),
+                                                   *args.overrides]),
+                                   fix="Drop --config and the overrides, or run `drafter config` without --keys "
+                                       "to print a resolved config.")
+            print(config_reference(args.keys or None))
+            return 0
         if args.command == "tiny":
             from pipeline.tiny import build_kit
 

@@ -43,12 +43,111 @@ def test_help_is_fast_because_heavy_imports_are_lazy() -> None:
     assert "HEAVY []" in out.stdout, out.stdout
 
 
-def test_stage_help_lists_documented_options(capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit, match="^0$"):
-        main(["generate", "--help"])
+def _help_texts(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal; fix it so line counts are stable
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    return {name: sub.format_help() for name, sub in commands.items()}
+
+
+def test_every_command_help_is_short_and_points_to_the_config_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = _help_texts(monkeypatch)
+    long = {name: len(text.splitlines()) for name, text in texts.items() if len(text.splitlines()) >= 40}
+    assert not long, f"--help of these commands runs to 40 lines or more: {long}"
+    for name, text in texts.items():
+        if name != "tiny":  # the one command that reads no config
+            assert "drafter config --keys" in text, name
+    for stage in STAGES:
+        assert f"drafter config --keys {stage}" in texts[stage]
+    assert texts["generate"].count("generate.") == 0  # the keys themselves are in the reference, not here
+
+
+def test_config_keys_prints_every_key_with_its_marks(capsys: pytest.CaptureFixture) -> None:
+    from pipeline.config.schema import INPUT_OVERRIDE, describe, excluded_fields
+    from pipeline.config.sections import PipelineConfig
+
+    assert main(["config", "--keys"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    listed = {line.split()[0]: line for line in lines if line.startswith("  ") and not line.startswith("    ")}
+    assert set(listed) == {key for key, *_ in describe(PipelineConfig)}
+    for key, why in excluded_fields(PipelineConfig).items():
+        assert ("[input:" if why == INPUT_OVERRIDE else "[run setting]") in listed[key], key
+    assert "[run setting]" not in listed["generate.max_new_tokens"]
+
+
+def test_config_keys_of_a_stage_lists_its_own_keys_first(capsys: pytest.CaptureFixture) -> None:
+    assert main(["config", "--keys", "generate"]) == 0
     out = capsys.readouterr().out
     assert "generate.max_new_tokens" in out and "Tokens generated per prompt" in out
     assert "count.top_k" not in out  # only the stage's own and the shared sections
+    assert out.index("generate.max_new_tokens") < out.index("shared by every stage:") < out.index("target.model")
+    assert main(["config", "--keys", "train_drafter.train"]) == 0
+    keys = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:] if not line.startswith("    ")]
+    assert keys and all(key.startswith("train_drafter.train.") for key in keys)
+
+
+def test_config_keys_refuses_an_unknown_section_and_overrides(capsys: pytest.CaptureFixture) -> None:
+    assert main(["config", "--keys", "genrate"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: No config key or section 'genrate'.") and "generate" in err
+    assert main(["config", "--keys", "generate", "generate.limit=3"]) == 2
+    assert "reads no config" in capsys.readouterr().err
+
+
+def test_tiny_help_gives_the_build_time_of_each_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.tiny.spec import BUILD_MINUTES, PROFILES
+
+    assert set(BUILD_MINUTES) == set(PROFILES)
+    text = " ".join(_help_texts(monkeypatch)["tiny"].split())
+    assert f"about {BUILD_MINUTES['default']:g} min on a quiet 2-core machine" in text
+    assert f"about {BUILD_MINUTES['test']:g} min" in text
+
+
+def test_pull_help_example_is_a_name_the_default_run_registers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    from pipeline.config.sections import PipelineConfig
+    from pipeline.evaluation.publish import REGISTRATION_FILES
+    from pipeline.registry import registered_name
+
+    refs = re.findall(r"drafter pull (\S+)@champion", _help_texts(monkeypatch)["pull"])
+    registered = {registered_name(PipelineConfig().target.model, kind) for kind in REGISTRATION_FILES}
+    assert refs and set(refs) <= registered, (refs, registered)
+
+
+def test_type_error_names_the_type_with_the_right_article(capsys: pytest.CaptureFixture) -> None:
+    assert main(["config", "generate.max_new_tokens=many"]) == 2
+    err = capsys.readouterr().err
+    assert "Set generate.max_new_tokens to an int." in err and " a int" not in err
+
+
+def test_plan_columns_line_up_with_long_ids(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import re
+
+    from pipeline.orchestration import dag
+
+    rows = [{"stage": "generate", "artifact_id": "generate-" + "0" * 40, "status": "cached", "inputs": {}},
+            {"stage": "count", "artifact_id": "count-1a2b", "status": "to run",
+             "inputs": {"generate": "generate-" + "0" * 40}},
+            {"stage": "evaluate", "artifact_id": "evaluate-" + "f" * 30, "status": "to run",
+             "inputs": {"count": "count-1a2b"}}]
+
+    class FakePlan:
+        def needed(self, wanted: list[str]) -> list[str]:
+            return ["count", "evaluate"]
+
+        def table(self) -> list[dict]:
+            return [dict(row) for row in rows]
+
+    monkeypatch.setattr(dag, "plan", lambda cfg, wanted: FakePlan())
+    assert main(["plan", "--stages", "generate,count,evaluate"]) == 0
+    header, *lines = capsys.readouterr().out.splitlines()[:4]
+    columns = {name: header.index(name) for name in ("status", "inputs")}
+    columns["artifact_id"] = re.search("artifact[ _]id", header).start()  # type: ignore[union-attr]
+    for row, line in zip(rows, lines, strict=True):
+        assert line[columns["artifact_id"]:].startswith(row["artifact_id"] + " "), line
+        assert line[columns["status"]:].startswith(row["status"]), line
+        assert line[columns["inputs"]:] == (", ".join(f"{k}={v}" for k, v in row["inputs"].items()) or "—")
 
 
 def test_bad_config_key_exits_2_with_one_clear_line(capsys: pytest.CaptureFixture) -> None:

@@ -3,8 +3,8 @@
 A config is a tree of dataclasses (the sections: ``sections.py`` for the root and shared ones, ``stages.py``
 for one per stage). This module owns the generic machinery: building dataclasses from plain dicts with type
 checks, rejecting unknown keys with a message that names the key and the valid ones, applying dotted
-overrides from the command line, reading the docstring written under each field (so ``drafter <stage>
---help`` documents every option without a second copy of the text), and serialising back to a plain dict for
+overrides from the command line, reading the docstring written under each field (so ``drafter config
+--keys`` documents every option without a second copy of the text), and serialising back to a plain dict for
 manifests and MLflow params.
 """
 
@@ -36,6 +36,11 @@ def check_value(ok: bool, key: str, expected: str, found: object) -> None:
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article: "an int", "a float"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -86,7 +91,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             f"Config value {where} has the wrong type.",
             expected=_type_name(tp),
             found=f"{value!r} ({type(value).__name__})",
-            fix=f"Set {where} to a {_type_name(tp)}.",
+            fix=f"Set {where} to {_a(_type_name(tp))}.",
         )
     return value
 
@@ -114,7 +119,8 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
             f"Unknown config key {key!r}.",
             expected=f"one of: {', '.join(sorted(fields))}" + (f" (in section {where!r})" if where else ""),
             found=", ".join(unknown),
-            fix="Fix the spelling, or see `drafter <stage> --help` for every option.",
+            fix=(f"Fix the spelling, or see `drafter config --keys {where}` for every option there." if where
+                 else "Fix the spelling, or see `drafter config --keys` for every option."),
         )
     hints = _hints(cls)
     kwargs = {}
@@ -258,7 +264,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def describe(cls: type, prefix: str = "", defaults: Any = None) -> list[tuple[str, str, str, str]]:
-    """Rows (dotted key, type, default, doc) for every leaf option of ``cls``, for ``--help``.
+    """Rows (dotted key, type, default, doc) for every leaf option of ``cls``, for ``drafter config --keys``.
 
     ``defaults`` is the instance whose values are shown (a parent's default for a nested section, which may
     differ from the nested class's own defaults)."""

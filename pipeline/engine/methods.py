@@ -4,6 +4,7 @@ Evaluation, benchmarks, configs and tests all choose a draft method by name; thi
 place that turns the name into a :class:`~pipeline.engine.proposers.Proposer`. Each
 :class:`MethodSpec` names the inputs its builder reads (fields of :class:`ProposerInputs`), so a caller
 loads only what the methods it runs need, and a missing input is refused with a message that names it.
+Each spec also names its family (:data:`FAMILIES`), which the report's plots colour by.
 Importing this module is light (no torch): the config layer reads :data:`METHOD_NAMES` from it, and
 builders import the engine when they run.
 """
@@ -71,6 +72,18 @@ class ProposerInputs:
     name: str | None = None
 
 
+FAMILIES: tuple[str, ...] = (
+    "same-tokenizer: full / shortlist",
+    "same-tokenizer: routed (DynaSpec)",
+    "features (EAGLE-3)",
+    "cross-vocabulary",
+    "RDK",
+    "byte-level",
+)
+"""Method families, in report order: what a method drafts with and how its head is cut. Plots colour by
+family and tell a family's methods (its variants) apart by marker."""
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """One draft method.
@@ -80,17 +93,21 @@ class MethodSpec:
         needs: Fields of :class:`ProposerInputs` the builder reads (each must be set).
         build: Builds the proposer from the inputs.
         summary: One line for docs and error messages.
+        family: One of :data:`FAMILIES`.
     """
 
     name: str
     needs: frozenset[str]
     build: Callable[[ProposerInputs], Proposer]
     summary: str
+    family: str
 
     def __post_init__(self) -> None:
         unknown = self.needs - {f.name for f in fields(ProposerInputs)}
         if unknown:
             raise ValueError(f"method {self.name!r} needs unknown inputs {sorted(unknown)}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"method {self.name!r}: family {self.family!r} is not one of {FAMILIES}")
 
     @property
     def same_tokenizer(self) -> bool:
@@ -222,57 +239,67 @@ _ROUTED = frozenset({"drafter", "clustering", "router", "policy"})
 _OTHER = frozenset({"drafter_other", "drafter_other_tokenizer", "target_tokenizer"})
 _BYTES = frozenset({"drafter_bytes", "drafter_bytes_tokenizer", "target_tokenizer"})
 
+_SAME, _ROUTED_FAMILY, _FEATURES, _CROSS, _RDK, _BYTE = FAMILIES
+
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec
     for spec in (
-        MethodSpec("full", frozenset({"drafter"}), _full, "same-tokenizer drafter, full LM head"),
+        MethodSpec("full", frozenset({"drafter"}), _full, "same-tokenizer drafter, full LM head", _SAME),
         MethodSpec(
             "shortlist",
             frozenset({"drafter", "shortlist"}),
             _shortlist,
             "same-tokenizer drafter, LM head cut to a static shortlist (FR-Spec / VocabTrim)",
+            _SAME,
         ),
         MethodSpec("dynaspec", _ROUTED, _routed("fixed"),
-                   "same-tokenizer drafter, head on router-chosen clusters, fixed budget (DynaSpec-F, §4.2)"),
+                   "same-tokenizer drafter, head on router-chosen clusters, fixed budget (DynaSpec-F, §4.2)",
+                   _ROUTED_FAMILY),
         MethodSpec("dynaspec_pa", _ROUTED, _routed("pa"),
-                   "same-tokenizer drafter, head on router-chosen clusters, position-aware budget (DynaSpec Eq. 3)"),
+                   "same-tokenizer drafter, head on router-chosen clusters, position-aware budget (DynaSpec Eq. 3)",
+                   _ROUTED_FAMILY),
         MethodSpec("pa_fr", frozenset({"drafter", "policy"}), _pa_fr,
-                   "same-tokenizer drafter, position-aware frequency shortlist (DynaSpec App. A.3)"),
+                   "same-tokenizer drafter, position-aware frequency shortlist (DynaSpec App. A.3)", _SAME),
         MethodSpec(
             "tli",
             _OTHER | {"vocab_map"},
             _mapped("tli"),
             "other-tokenizer drafter, token-level intersection (Timor et al. 2025, Alg. 4)",
+            _CROSS,
         ),
         MethodSpec(
             "union",
             _OTHER | {"vocab_map"},
             _mapped("union"),
             "other-tokenizer drafter, union-vocabulary baseline (Timor et al. 2025, Alg. 1)",
+            _CROSS,
         ),
         MethodSpec(
             "slem",
             _OTHER,
             _slem,
             "other-tokenizer drafter, string-level exact match (Timor et al. 2025, Alg. 2)",
+            _CROSS,
         ),
         MethodSpec("pruned", _PRUNED, _pruned,
-                   "same-tokenizer drafter pruned to an RDK level's frequent tokens, TLI only (RDK's baseline)"),
+                   "same-tokenizer drafter pruned to an RDK level's frequent tokens, TLI only (RDK's baseline)", _RDK),
         *(MethodSpec(kind, _PRUNED, _redistributed(kind, False),
-                     f"same-tokenizer drafter pruned to an RDK level, then {_RDK_SUMMARY[kind]}")
+                     f"same-tokenizer drafter pruned to an RDK level, then {_RDK_SUMMARY[kind]}", _RDK)
           for kind in _RDK_SUMMARY),
         *(MethodSpec(f"tli_{kind}", _OTHER | {"vocab_map", "rdk"}, _redistributed(kind, True),
-                     f"other-tokenizer drafter, TLI onto T∩D, then {_RDK_SUMMARY[kind]}")
+                     f"other-tokenizer drafter, TLI onto T∩D, then {_RDK_SUMMARY[kind]}", _RDK)
           for kind in _RDK_SUMMARY),
         MethodSpec("slrs", _BYTES, _slrs,
-                   "byte-level drafter, string-level rejection sampling with exact trie psi (Timor et al. 2025, Alg. 3)"),
+                   "byte-level drafter, string-level rejection sampling with exact trie psi (Timor et al. 2025, Alg. 3)",
+                   _BYTE),
         MethodSpec("slem_bytes", _BYTES, _slem_bytes,
-                   "byte-level drafter, string-level exact match with SLRS's byte budget (SLRS's baseline)"),
+                   "byte-level drafter, string-level exact match with SLRS's byte budget (SLRS's baseline)", _BYTE),
         MethodSpec(
             "eagle3",
             frozenset({"eagle3"}),
             _eagle3,
             "EAGLE-3 head on the target's low/mid/high features (Li et al. 2025)",
+            _FEATURES,
         ),
     )
 }

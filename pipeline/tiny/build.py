@@ -82,7 +82,8 @@ def build_kit(
     """Build (or fetch from the cache) the tiny-model kit of a profile.
 
     Args:
-        profile: ``"default"`` (embedded default, ~8 min on 2 idle cores) or ``"test"`` (~2 min).
+        profile: ``"default"`` (the embedded default's kit) or ``"test"`` (what pytest builds); build
+            times in :data:`~pipeline.tiny.spec.BUILD_MINUTES`.
         cache_dir: Cache root; None means :func:`default_cache_dir`.
         force: Rebuild even if the kit is cached.
         log: Receives progress lines.

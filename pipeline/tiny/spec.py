@@ -20,6 +20,11 @@ from pipeline.errors import DrafterError
 # 3: the byte-level drafter (role drafter_bytes).
 KIT_CODE_VERSION = "3"
 ROLES = ("target", "drafter", "drafter_other", "drafter_bytes")
+# Minutes a build into an empty cache takes on a quiet 2-core machine (a busy one is slower: builds share
+# CPU badly). `drafter tiny --help` prints these; update them when a profile's build time changes.
+# default: 12 min with drafter_bytes on a quiet machine, up to 42 on a busy one (issue 20); test: 208 s
+# on 2 idle cores (2026-11-23).
+BUILD_MINUTES: dict[str, float] = {"default": 12, "test": 3.5}
 
 
 @dataclass(frozen=True)
