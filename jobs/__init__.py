@@ -17,6 +17,7 @@ from pipeline.orchestration.dag import STAGE_NAMES, plan
 if TYPE_CHECKING:
     from pipeline.config.sections import PipelineConfig
     from pipeline.orchestration.artifacts import Artifact
+    from pipeline.orchestration.dag import Plan
 
 STAGES: tuple[str, ...] = STAGE_NAMES
 
@@ -32,9 +33,24 @@ def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES) -> dict[str, A
     wanted = list(stages)
     artifacts: dict[str, Artifact] = {}
     the_plan = plan(cfg, wanted)
-    for name in the_plan.needed(wanted):
+    needed = the_plan.needed(wanted)
+    if needed:
+        _build_kits(the_plan)
+    for name in needed:
         artifact = importlib.import_module(the_plan[name].spec.job).main(cfg)
         if artifact is None:
             break
         artifacts[name] = artifact
     return artifacts
+
+
+def _build_kits(the_plan: Plan) -> None:
+    """Build the tiny kits the plan names before the first stage, as a phase of its own with progress (a stage
+    loading a kit model would otherwise build it silently inside its own first step)."""
+    from pipeline.orchestration.stage import log
+    from pipeline.tiny import build_kit
+
+    for kit in the_plan.kits:
+        if not kit.built:
+            log("tiny kit", f"building {kit.profile}-{kit.kit_hash} (once; cached under {kit.path.parent})")
+            build_kit(kit.profile, log=lambda line: log("tiny kit", line.strip()))

@@ -322,7 +322,7 @@ def _wanted(args: argparse.Namespace) -> tuple[str, ...]:
 def _table(rows: list[dict], columns: list[str]) -> str:
     cells = [[str(row[c]) if row[c] not in (None, []) else "—" for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
 
@@ -363,7 +363,7 @@ def _plan(args: argparse.Namespace, cfg) -> int:
     wanted = _wanted(args)
     the_plan = plan(cfg, wanted)
     to_run = set(the_plan.needed(wanted))
-    rows = the_plan.table()
+    rows = [kit.row() for kit in the_plan.kits] + the_plan.table()
     for row in rows:
         if row["status"] == "to run" and row["stage"] not in to_run:
             row["status"] = "not needed"  # an upstream whose artifact the config names directly
@@ -401,9 +401,10 @@ def main(argv: list[str] | None = None) -> int:
             print(config_reference(args.keys or None))
             return 0
         if args.command == "tiny":
+            from pipeline.orchestration.stage import log
             from pipeline.tiny import build_kit
 
-            kit = build_kit(args.profile, force=args.force, log=lambda m: print(m, file=sys.stderr))
+            kit = build_kit(args.profile, force=args.force, log=lambda line: log("tiny kit", line.strip()))
             print(json.dumps({"root": str(kit.root), "kit_hash": kit.kit_hash, **kit.report}, indent=2,
                              default=str))
             return 0

@@ -22,6 +22,7 @@ from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.progress import Progress
 from pipeline.training.harness import shard_trainer
 
 SHARD = "sums-{:05d}.safetensors"
@@ -69,10 +70,20 @@ def _make_module(cfg: PipelineConfig, shards: list[list], pending: list[int], st
             self.lm = Target(cfg.target).model()
             self.positions = 0
             self.seconds = 0.0
+            self.progress: Progress | None = None
 
         def predict_dataloader(self) -> DataLoader:
             mine = pending[self.global_rank :: self.trainer.world_size]
             return DataLoader(mine, batch_size=1, collate_fn=lambda b: b[0])
+
+        def on_predict_start(self) -> None:
+            if self.trainer.is_global_zero:
+                total = len(pending[self.global_rank :: self.trainer.world_size])
+                self.progress = Progress("estimate_rdk: moments", total, "shard")
+
+        def on_predict_end(self) -> None:
+            if self.progress is not None:
+                self.progress.close()
 
         @torch.inference_mode()
         def predict_step(self, shard: int, batch_idx: int) -> int:
@@ -84,6 +95,8 @@ def _make_module(cfg: PipelineConfig, shards: list[list], pending: list[int], st
                 self.positions += probs.shape[0]
             sums.save(staging / SHARD.format(shard))
             self.seconds += time.perf_counter() - start
+            if self.progress is not None:
+                self.progress.update(1, contexts_per_s=self.positions / max(self.seconds, 1e-9))
             return sums.count
 
     return EstimateModule()

@@ -35,6 +35,7 @@ from pipeline.models.target import Target
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.progress import Progress
 from pipeline.training.harness import shard_trainer
 
 
@@ -73,10 +74,21 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
                 gen.drafter, dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code)
             self.generated_tokens = 0
             self.generate_seconds = 0.0
+            self.progress: Progress | None = None
 
         def predict_dataloader(self) -> DataLoader:
             mine = pending[self.global_rank :: self.trainer.world_size]
             return DataLoader(mine, batch_size=1, collate_fn=lambda b: b[0])
+
+        def on_predict_start(self) -> None:
+            if self.trainer.is_global_zero:  # rank zero's share stands for the whole job's pace
+                mine = pending[self.global_rank :: self.trainer.world_size]
+                total = sum(len(prompts[i * gen.shard_size : (i + 1) * gen.shard_size]) for i in mine)
+                self.progress = Progress("generate", total, "prompt")
+
+        def on_predict_end(self) -> None:
+            if self.progress is not None:
+                self.progress.close()
 
         @torch.inference_mode()
         def predict_step(self, shard: int, batch_idx: int) -> int:
@@ -85,6 +97,9 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
             rows, start = [], time.perf_counter()
             for _, batch in chunks(items, gen.batch_size):
                 rows += self._answer(batch)
+                if self.progress is not None:
+                    seconds = self.generate_seconds + time.perf_counter() - start
+                    self.progress.update(len(batch), tokens_per_s=self.generated_tokens / max(seconds, 1e-9))
             self.generate_seconds += time.perf_counter() - start
             write_shard(staging / shard_name(shard), rows)
             return len(rows)

@@ -122,7 +122,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
                       pad_id=ready.pad_id, cache=cache)
     result = fit(task, data.train, td.train, run.staging / "train",
                  tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path), experiment=cfg.mlflow.experiment,
-                 run_name=f"{run.artifact_id}/training",
+                 run_name=f"{run.artifact_id}/training", label="train_drafter",
                  identity={"drafter": dataclasses.asdict(config), "train_drafter": identity(td),
                            "inputs": [calibration.id, counts.id]})
     if not result.is_global_zero:

@@ -58,7 +58,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
             f"{tr.hidden_size} -> {clustering.num_clusters} clusters, labels from the drafter's top-{tr.top_l}")
     result = fit(task, data.train, tr.train, run.staging / "train",
                  tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path), experiment=cfg.mlflow.experiment,
-                 run_name=f"{run.artifact_id}/training",
+                 run_name=f"{run.artifact_id}/training", label="train_router",
                  identity={"router": [2 * hidden, tr.hidden_size, clustering.num_clusters],
                            "train_router": identity(tr), "inputs": [calibration.id, counts.id, clusters.id]})
     if not result.is_global_zero:

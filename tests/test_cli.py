@@ -133,6 +133,8 @@ def test_plan_columns_line_up_with_long_ids(monkeypatch: pytest.MonkeyPatch, cap
              "inputs": {"count": "count-1a2b"}}]
 
     class FakePlan:
+        kits: list = []
+
         def needed(self, wanted: list[str]) -> list[str]:
             return ["count", "evaluate"]
 

@@ -124,13 +124,57 @@ def test_drafter_plan_prints_ids_and_cache_status(tmp_path: Path, tiny_kit, caps
     args = ["plan", "--json", f"workdir={tmp_path}", *SMALL]
     assert cli_main(args) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["stage"], r["status"]) for r in rows] == [(s, "to run") for s in STAGE_NAMES]
+    assert [(r["stage"], r["status"]) for r in rows] == [("tiny kit", "cached")] + [(s, "to run") for s in STAGE_NAMES]
     generate.main(load_config(None, [f"workdir={tmp_path}", *SMALL]))
     capsys.readouterr()  # Lightning's own console output
     assert cli_main(args) == 0
     status = {r["stage"]: r["status"] for r in json.loads(capsys.readouterr().out)}
-    assert status == {"generate": "cached", "count": "to run", "train_drafter": "to run", "cluster": "to run",
+    assert status == {"tiny kit": "cached", "generate": "cached", "count": "to run", "train_drafter": "to run", "cluster": "to run",
                       "train_router": "to run", "estimate_rdk": "to run", "evaluate": "to run"}
     assert cli_main(["plan", f"workdir={tmp_path}", *SMALL]) == 0
     table = capsys.readouterr().out
     assert "generate-" in table and "cached" in table and "6 stage(s) to run" in table
+
+
+def test_plan_and_status_build_no_kit_and_name_it_as_a_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a fresh machine `drafter plan` and `drafter status` answer from the recipe: no kit is trained
+    (it took 12 min before they printed), and the kit the config names shows as a row to build."""
+    from pipeline.orchestration import slurm
+    from pipeline.tiny import kit_hash
+
+    cache = tmp_path / "empty-cache"
+    monkeypatch.setenv("DRAFTER_CACHE", str(cache))
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"workdir={tmp_path / 'work'}"])
+    the_plan = plan(cfg)
+    assert [k.row()["status"] for k in the_plan.kits] == ["to build"]
+    assert the_plan.kits[0].row()["artifact_id"] == f"default-{kit_hash('default')}"
+    assert set(the_plan.stages) == set(STAGE_NAMES)
+    rows = slurm.status(cfg, list(STAGE_NAMES))
+    assert [r.stage for r in rows] == list(STAGE_NAMES) and not any(r.artifact for r in rows)
+    assert not cache.exists() or not any(cache.rglob("*.safetensors")), "planning must not build the kit"
+    out = subprocess.run([sys.executable, "-m", "jobs.cli", "plan", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                          f"workdir={tmp_path / 'work'}"], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "DRAFTER_CACHE": str(cache)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"default-{kit_hash('default')}" in out.stdout and "to build" in out.stdout
+    assert not any(cache.rglob("*.safetensors"))
+
+
+def test_a_kit_models_ids_are_the_same_before_and_after_the_kit_is_built(tmp_path: Path, tiny_kit) -> None:
+    """The id computed from the recipe (kit not built) is the id the built kit gets."""
+    import shutil
+
+    from pipeline.models import loading
+
+    cfg = small_cfg(tmp_path)
+    built = plan(cfg)
+    assert [k.built for k in built.kits] == [True]
+    empty = tmp_path / "no-kit"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DRAFTER_CACHE", str(empty))
+        loading._fingerprint_cached.cache_clear()
+        unbuilt = plan(cfg)
+    loading._fingerprint_cached.cache_clear()
+    assert [k.built for k in unbuilt.kits] == [False]
+    assert {n: s.id for n, s in unbuilt.stages.items()} == {n: s.id for n, s in built.stages.items()}
+    shutil.rmtree(empty, ignore_errors=True)

@@ -26,6 +26,7 @@ from pipeline.errors import DrafterError
 from pipeline.evaluation.results import EvalRow, LosslessCheck
 from pipeline.models.loading import load_model, load_tokenizer
 from pipeline.orchestration.artifacts import Artifact
+from pipeline.progress import Progress
 from pipeline.vocab.counting import load_shortlists
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -250,11 +251,13 @@ class Evaluator:
         # Warm up kernels and allocators so the first timed configuration is not penalised.
         first = next(iter(self.prompts.values()))[0]
         generate_autoregressive(self.target, first, 8, GREEDY, self._generator(), self.eos)
+        cells = Progress("evaluate: decoding", len(self.prompts) * (1 + len(configs) * len(self.ev.gammas)), "cell")
         for task, items in self.prompts.items():
             ar_greedy = self._decode_all(items, None, 0, GREEDY, 0)
             ar = self._decode_all(items, None, 0, self.params, 1) if sampled else ar_greedy
             rows.append(self._row(task, "ar", None, 0, None, None, summarize(ar, ar, None), True))
             self.log(f"{task}: autoregressive {rows[-1].tokens_per_s:.1f} tokens/s")
+            cells.update(1)
             for method, drafter, shortlist, size, proposer, ratio in configs:
                 stats = getattr(proposer, "head_stats", None)
                 for gamma in self.ev.gammas:
@@ -291,6 +294,7 @@ class Evaluator:
                         if budget is not None:
                             row.shortlist_size = int(round(stats.mean_size()))
                     rows.append(row)
+                    cells.update(1, last=f"{task}/{method} τ={row.tau:.2f}")
                     self.log(f"{task}: {method}{':' + row.shortlist if row.shortlist else ''} γ={gamma} "
                              f"τ={row.tau:.2f} speedup={row.speedup:.2f} greedy_equal={equal}"
                              + (f" head rows/step={row.draft_vocab_mean:.0f}" if row.draft_vocab_mean else ""))
@@ -300,9 +304,12 @@ class Evaluator:
                         detail=f"{len(items) - len(mismatched)}/{len(items)} prompts token-for-token equal "
                                f"({self.ev.max_new_tokens} tokens each); {ties} of {len(mismatched)} "
                                f"mismatches are floating-point ties (tolerance {self.ev.tie_tolerance})"))
+        cells.close()
         if self.ev.sampling_check_samples > 0:
-            checks += [self.sampling_check(method, shortlist, proposer)
-                       for method, _, shortlist, _, proposer, _ in configs]
+            with Progress("evaluate: losslessness (first-token law)", len(configs) * self.ev.sampling_check_samples,
+                          "draw") as draws:
+                checks += [self.sampling_check(method, shortlist, proposer, draws)
+                           for method, _, shortlist, _, proposer, _ in configs]
         return rows, checks
 
     @torch.no_grad()
@@ -317,7 +324,8 @@ class Evaluator:
         gap = abs(float(logits[ar[i]] - logits[spec[i]]))
         return gap <= self.ev.tie_tolerance * max(1.0, float(logits.abs().max()))
 
-    def sampling_check(self, method: str, shortlist: str | None, proposer: Any) -> LosslessCheck:
+    def sampling_check(self, method: str, shortlist: str | None, proposer: Any,
+                       progress: Progress | None = None) -> LosslessCheck:
         """First emitted token at temperature 1 over n draws vs the target's p (chi-square, pooled tail)."""
         n, gamma = self.ev.sampling_check_samples, min(self.ev.gammas)
         params = SamplingParams(temperature=1.0)
@@ -335,6 +343,8 @@ class Evaluator:
             counts[result.tokens[0]] += 1
             drafted += result.drafted_per_round[0] if result.drafted_per_round else 0
             first_accepted += bool(result.accepted_per_round and result.accepted_per_round[0] > 0)
+            if progress is not None:
+                progress.update(1, method=method)
         impossible = int(counts[p == 0].sum())
         pvalue, bins = chi_square_first_token(counts, p)
         passed = impossible == 0 and pvalue >= self.ev.sampling_check_alpha and drafted > 0

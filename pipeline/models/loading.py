@@ -4,7 +4,8 @@ One loader serves every kind of reference: a tiny-kit ref (``tiny:<profile>/<rol
 demand), a local directory written by ``save_pretrained``, or a hub id (with a pinned revision; it needs
 network access, which tests and the embedded default never use). ``trust_remote_code`` is off unless a
 config turns it on. A target fingerprint — model name, revision, and a hash of the tokenizer's
-vocabulary — is stamped on every artifact so nothing built for one target is used with another.
+vocabulary — is stamped on every artifact so nothing built for one target is used with another. A
+tiny-kit model's fingerprint comes from its recipe (the kit hash), so computing it builds nothing.
 """
 
 from __future__ import annotations
@@ -92,8 +93,25 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
     return model
 
 
+def _tiny_fingerprint(name: str, revision: str | None, tokenizer_name: str) -> tuple:
+    """A tiny-kit model's identity from its recipe alone: the kit hash names its weights and vocabulary.
+
+    The kit is a pure function of (profile spec, kit code version, packaged data), so nothing needs to be
+    built to know it: ``drafter plan`` and ``drafter status`` stay instant on a fresh machine.
+    """
+    from pipeline.tiny import kit_hash, parse_tiny_ref
+    from pipeline.tiny.spec import ROLE_TOKENIZERS
+
+    profile, _ = parse_tiny_ref(name)
+    tok_profile, tok_role = parse_tiny_ref(tokenizer_name)
+    vocab = f"tiny:{tok_profile}-{kit_hash(tok_profile)}/{ROLE_TOKENIZERS[tok_role]}"
+    return (("model", name), ("revision", revision or kit_hash(profile)), ("vocab_hash", vocab))
+
+
 @lru_cache(maxsize=16)
 def _fingerprint_cached(name: str, revision: str | None, tokenizer_name: str | None, trust: bool) -> tuple:
+    if name.startswith(TINY_PREFIX) and (tokenizer_name or name).startswith(TINY_PREFIX):
+        return _tiny_fingerprint(name, revision, tokenizer_name or name)
     ref = resolve_ref(name, revision)
     tok = load_tokenizer(tokenizer_name or name, revision, trust_remote_code=trust)
     return (("model", ref.name), ("revision", ref.revision), ("vocab_hash", vocab_hash(tok)),

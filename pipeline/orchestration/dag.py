@@ -241,11 +241,57 @@ class StagePlan:
         return artifact
 
 
+@dataclass(frozen=True)
+class KitPlan:
+    """A tiny-model kit the config names: known from its recipe before it is built.
+
+    Attributes:
+        profile: Kit profile (``tiny:<profile>/<role>``).
+        kit_hash: Content hash of its recipe.
+        path: Where it is (or will be) cached.
+        built: Whether it is in the cache already.
+    """
+
+    profile: str
+    kit_hash: str
+    path: Path
+    built: bool
+
+    def row(self) -> dict:
+        """The ``drafter plan`` row: the kit is built before the first stage that loads a model."""
+        return {"stage": "tiny kit", "artifact_id": f"{self.profile}-{self.kit_hash}",
+                "status": "cached" if self.built else "to build", "inputs": {}, "path": str(self.path)}
+
+
+def _kit_profiles(node: Any) -> set[str]:
+    """Profiles of every ``tiny:<profile>/<role>`` reference anywhere in a (nested) config dict."""
+    from pipeline.tiny import parse_tiny_ref
+
+    if isinstance(node, dict):
+        return set().union(set(), *(_kit_profiles(v) for v in node.values()))
+    if isinstance(node, list | tuple):
+        return set().union(set(), *(_kit_profiles(v) for v in node))
+    if isinstance(node, str) and node.startswith("tiny:"):
+        return {parse_tiny_ref(node)[0]}
+    return set()
+
+
+def kits(cfg: PipelineConfig) -> list[KitPlan]:
+    """The tiny kits ``cfg`` names, with their recipe hash and cache status (nothing is built)."""
+    from pipeline.config.schema import to_dict
+    from pipeline.tiny import kit_status
+
+    return [KitPlan(profile, digest, root, built)
+            for profile in sorted(_kit_profiles(to_dict(cfg)))
+            for root, digest, built in [kit_status(profile)]]
+
+
 @dataclass
 class Plan:
-    """Every planned stage, in DAG order."""
+    """Every planned stage, in DAG order, and the tiny kits the config names."""
 
     stages: dict[str, StagePlan]
+    kits: list[KitPlan] = field(default_factory=list)
 
     def __getitem__(self, name: str) -> StagePlan:
         return self.stages[name]
@@ -277,8 +323,9 @@ class Plan:
 def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
     """Compute the artifact id and cache status of ``stages`` (default: all) and their upstreams.
 
-    Nothing runs: the target's tokenizer (and other models' tokenizers, for their fingerprints) is
-    loaded, and manifests of explicitly named input artifacts are read.
+    Nothing runs and nothing is built: a tiny-kit model's fingerprint comes from its recipe, another
+    model's tokenizer is loaded for its vocabulary hash, and manifests of explicitly named input artifacts
+    are read.
     """
     from pipeline.models.target import Target
 
@@ -316,4 +363,4 @@ def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
 
     for name in wanted:
         visit(name)
-    return Plan({name: planned[name] for name in STAGE_NAMES if name in planned})
+    return Plan({name: planned[name] for name in STAGE_NAMES if name in planned}, kits(cfg))

@@ -141,15 +141,8 @@ def _build_locked(profile: str, root: Path, digest: str, log: Callable[[str], No
     return TinyKit(root, profile, digest, report)
 
 
-def resolve_tiny_ref(ref: str, cache_dir: Path | None = None) -> Path:
-    """Resolve ``"tiny:<profile>/<role>"`` to a model directory, building the kit on demand.
-
-    Args:
-        ref: e.g. ``"tiny:default/target"`` or ``"tiny:test/drafter_other"``.
-        cache_dir: Cache root; None means :func:`default_cache_dir`.
-
-    Returns:
-        The role's directory (tokenizer and model, loadable by ``from_pretrained``).
+def parse_tiny_ref(ref: str) -> tuple[str, str]:
+    """Split ``"tiny:<profile>/<role>"`` into ``(profile, role)`` without building anything.
 
     Raises:
         DrafterError: The reference is malformed or names an unknown profile or role.
@@ -164,5 +157,32 @@ def resolve_tiny_ref(ref: str, cache_dir: Path | None = None) -> Path:
             found=repr(ref),
             fix="use one of those, or a local checkpoint directory / hub id for a real model",
         )
+    return profile, role
+
+
+def kit_status(profile: str, cache_dir: Path | None = None) -> tuple[Path, str, bool]:
+    """Where a profile's kit lives, its content hash, and whether it is built — without building it."""
+    root, digest = _kit_dir(profile, cache_dir)
+    return root, digest, _load_kit(root, profile, digest) is not None
+
+
+def resolve_tiny_ref(ref: str, cache_dir: Path | None = None) -> Path:
+    """Resolve ``"tiny:<profile>/<role>"`` to a model directory, building the kit on demand.
+
+    Args:
+        ref: e.g. ``"tiny:default/target"`` or ``"tiny:test/drafter_other"``.
+        cache_dir: Cache root; None means :func:`default_cache_dir`.
+
+    Returns:
+        The role's directory (tokenizer and model, loadable by ``from_pretrained``).
+
+    Raises:
+        DrafterError: The reference is malformed or names an unknown profile or role.
+    """
+    profile, role = parse_tiny_ref(ref)
     # A first use builds the kit for minutes: say so on stderr, where it does not mix with output.
-    return build_kit(profile, cache_dir, log=lambda line: print(line, file=sys.stderr)).path(role)
+    return build_kit(profile, cache_dir, log=_stderr_line).path(role)
+
+
+def _stderr_line(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] tiny kit: {line.strip()}", file=sys.stderr, flush=True)

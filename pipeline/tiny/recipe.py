@@ -59,7 +59,7 @@ def _mix(raw: torch.Tensor, written: torch.Tensor, rows: int, seed: int) -> torc
 
 
 def _answer(
-    model: Any, tokenizer: Any, prompts: list[corpus.Chat], spec: ProfileSpec, seed: int
+    model: Any, tokenizer: Any, prompts: list[corpus.Chat], spec: ProfileSpec, seed: int, log: Callable[[str], None]
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Prompt ids (with generation prompt) and the target's sampled answers to them."""
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
@@ -74,6 +74,7 @@ def _answer(
         seed=seed,
         pad_id=tokenizer.pad_token_id,
         eos_id=tokenizer.eos_token_id,
+        log=log,
     )
     return prompt_ids, answers
 
@@ -140,9 +141,9 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
     )  # fmt: skip
 
     prompts = corpus.first_user_prompts(train_chats)[: spec.gen_prompts]
-    prompt_ids, answers = _answer(target, tok_t, prompts, spec, spec.seed + 1)
+    prompt_ids, answers = _answer(target, tok_t, prompts, spec, spec.seed + 1, log)
     eval_prompts = corpus.first_user_prompts(eval_chats)
-    eval_prompt_ids, eval_answers = _answer(target, tok_t, eval_prompts, spec, spec.seed + 2)
+    eval_prompt_ids, eval_answers = _answer(target, tok_t, eval_prompts, spec, spec.seed + 2, log)
     finished = sum(bool(a) and a[-1] == tok_t.eos_token_id for a in answers) / len(answers)
     log(f"  target wrote {sum(map(len, answers)):,} tokens for {len(prompts)} prompts ({finished:.0%} ended)")
     written_t = corpus.pack([p + a for p, a in zip(prompt_ids, answers, strict=True)], spec.context)

@@ -20,6 +20,9 @@ from pipeline.errors import DrafterError
 # 3: the byte-level drafter (role drafter_bytes).
 KIT_CODE_VERSION = "3"
 ROLES = ("target", "drafter", "drafter_other", "drafter_bytes")
+ROLE_TOKENIZERS = {"target": "bytelevel", "drafter": "bytelevel", "drafter_other": "metaspace",
+                   "drafter_bytes": "bytes"}
+"""The tokenizer each role uses: target and drafter share the 'Ġ' byte-level one."""
 # Minutes a build into an empty cache takes on a quiet 2-core machine (a busy one is slower: builds share
 # CPU badly). `drafter tiny --help` prints these; update them when a profile's build time changes.
 # default: 12 min with drafter_bytes on a quiet machine, up to 42 on a busy one (issue 20); test: 208 s

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pipeline.progress import Progress
 from pipeline.tiny.spec import ModelSpec
 
 
@@ -120,19 +121,18 @@ def train(
         betas=(0.9, 0.95),
     )
     losses: list[float] = []
-    every = max(1, steps // 10)
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, steps, lr)
-        loss = step_loss(model)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if (step + 1) % every == 0 or step + 1 == steps:
-            recent = losses[-every:]
-            log(f"  {name}: step {step + 1}/{steps} loss {sum(recent) / len(recent):.3f}")
+    with Progress(name, steps, "step", log=log) as progress:
+        for step in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = _lr_at(step, steps, lr)
+            loss = step_loss(model)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            recent = losses[-20:]
+            progress.update(1, loss=sum(recent) / len(recent))
     model.eval()
     return losses
 
@@ -180,8 +180,10 @@ def generate(
     seed: int,
     pad_id: int,
     eos_id: int,
+    log: Callable[[str], None] | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (left-padded in batches); returns each response, cut after its first eos."""
+    progress = Progress("target answers", len(prompts), "prompt", log=log)
     model.eval()
     torch.manual_seed(seed)
     responses: list[list[int]] = []
@@ -210,5 +212,7 @@ def generate(
         for row, i in enumerate(chunk):
             new = out[row, width:].tolist()
             by_index[i] = new[: new.index(eos_id) + 1] if eos_id in new else new
+        progress.update(len(chunk))
+    progress.close()
     responses = [by_index[i] for i in range(len(prompts))]
     return responses

@@ -137,7 +137,8 @@ class TrainConfig:
     num_workers: int = run_setting(0)
     """DataLoader worker processes per rank (the order does not depend on it)."""
     progress_bar: bool = run_setting(True)
-    """Show Lightning's progress bar."""
+    """Draw a progress bar when stderr is a terminal (steps, rate, ETA, loss, held-out score); false, or output to
+    a file: a plain line every 30 s."""
     eval_every: int | None = None
     """Call the module's ``evaluate()`` every this many steps (and after the last) and keep the weights that
     score best on its ``selection_metric`` (higher wins); null: no evaluation, the last weights are final.
@@ -234,6 +235,8 @@ class RunPlan:
     tracking_uri: str | None
     experiment: str
     run_name: str
+    label: str = "training"
+    """What progress lines call the run (the stage's name)."""
 
 
 def trainable_parameters(module: Any) -> dict[str, Any]:
@@ -243,7 +246,7 @@ def trainable_parameters(module: Any) -> dict[str, Any]:
 
 def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tracking_uri: str | None = None,
         experiment: str = "drafter-pipeline", run_name: str | None = None,
-        identity: dict | None = None) -> TrainResult:
+        identity: dict | None = None, label: str = "training") -> TrainResult:
     """Train ``module`` on ``dataset`` (resuming from ``staging`` when it holds a checkpoint).
 
     Args:
@@ -257,6 +260,7 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
         run_name: MLflow run name (default: the staging directory's name).
         identity: what else defines this run (module config, input artifact ids); hashed with ``cfg``
             into every checkpoint so one from another run is refused.
+        label: what progress lines call the run (the stage's name).
 
     Returns:
         A :class:`TrainResult`. Under DDP/DeepSpeed every rank returns; only rank 0 should publish.
@@ -288,7 +292,7 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
     warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # frozen parts stay in eval
     trainer = L.Trainer(max_steps=max(total, 1), plugins=plugins, accumulate_grad_batches=accumulation, logger=False,
                         enable_checkpointing=False, use_distributed_sampler=False, enable_model_summary=False,
-                        enable_progress_bar=cfg.progress_bar, num_sanity_val_steps=0,
+                        enable_progress_bar=False, num_sanity_val_steps=0,
                         default_root_dir=str(staging), **trainer_arguments(cfg, strategy, world))
     if trainer.world_size != world:
         raise DrafterError("Lightning started a different number of processes than the config asks for.",
@@ -308,7 +312,7 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
     plan = RunPlan(cfg=cfg, staging=staging, strategy=strategy, world_size=world, micro_batch_size=micro,
                    accumulation=accumulation, total_steps=total,
                    start_step=start, expected=expected, resume=resume, tracking_uri=tracking_uri,
-                   experiment=experiment, run_name=run_name or staging.name)
+                   experiment=experiment, run_name=run_name or staging.name, label=label)
     if start >= total:
         state = resume[1] if resume else {}
         return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world,

@@ -1,6 +1,7 @@
 """The LightningModule :func:`pipeline.training.harness.fit` runs: it wraps the caller's module and owns
 the step-derived data loader, the optimizer and schedule, restoring them on resume, the per-step
-metrics (progress bar and MLflow) and the checkpoint every ``checkpoint_every`` steps.
+metrics (progress on rank zero: :class:`~pipeline.progress.Progress`, and MLflow) and the checkpoint every
+``checkpoint_every`` steps.
 
 Randomness: before each micro-batch the global torch seed is set from (seed, step, global micro-batch
 index), so dropout does not depend on how many steps ran in this process; that, the step-derived data
@@ -14,6 +15,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import DrafterError
+from pipeline.progress import Progress
 from pipeline.training import checkpoints as ckpt
 from pipeline.training.strategy import build_optimizer, build_scheduler, lr_factor, position_scheduler
 
@@ -52,6 +54,7 @@ def harness_module(inner: Any, dataset: Any, plan: RunPlan) -> Any:
             self._tokens = 0
             self._clock = 0.0
             self._client: Any = None
+            self._progress: Progress | None = None
             self.best: dict | None = plan.resume[1].get("best") if plan.resume else None
 
         def train_dataloader(self) -> DataLoader:
@@ -81,6 +84,9 @@ def harness_module(inner: Any, dataset: Any, plan: RunPlan) -> Any:
         def on_train_start(self) -> None:
             if self.trainer.is_global_zero and plan.tracking_uri:
                 self._start_mlflow()
+            if self.trainer.is_global_zero:
+                self._progress = Progress(plan.label, plan.total_steps - plan.start_step, "step",
+                                          bar=None if cfg.progress_bar else False)
             self._clock = time.perf_counter()
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -101,6 +107,8 @@ def harness_module(inner: Any, dataset: Any, plan: RunPlan) -> Any:
                 return
             step = plan.start_step + (batch_idx + 1) // accumulation
             self.last_metrics = self._step_metrics(step)
+            if self._progress is not None:
+                self._progress.update(1, loss=self.last_metrics["loss"])
             if self.trainer.is_global_zero and self._client is not None and (
                     step % cfg.log_every == 0 or step == plan.total_steps):
                 self._log_mlflow(step, self.last_metrics)
@@ -133,6 +141,8 @@ def harness_module(inner: Any, dataset: Any, plan: RunPlan) -> Any:
                                    expected=f"a key {metric!r} (the module's selection_metric)",
                                    found=f"keys {sorted(scores)}")
             self.last_metrics.update({f"eval.{k}": v for k, v in scores.items()})
+            if self._progress is not None:
+                self._progress.note(**{f"held-out {metric}": scores[metric]})
             if self.best is None or scores[metric] > self.best["score"]:
                 record = {"step": step, "score": scores[metric], "metric": metric, "metrics": scores}
                 if self.trainer.is_global_zero:
@@ -145,6 +155,8 @@ def harness_module(inner: Any, dataset: Any, plan: RunPlan) -> Any:
                 self._log_mlflow(step, {f"eval.{k}": v for k, v in scores.items()})
 
         def on_train_end(self) -> None:
+            if self._progress is not None:
+                self._progress.close()
             if self._client is not None:
                 self._client.set_terminated(self.mlflow_run_id, "FINISHED")
 

@@ -1,0 +1,68 @@
+"""Progress of long phases: plain lines at most every interval in a log, a bar on a terminal."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from pipeline import progress as progress_module
+from pipeline.progress import Progress, duration
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(progress_module.time, "monotonic", fake)
+    return fake
+
+
+def test_a_log_gets_a_first_line_a_line_per_interval_and_a_last_line(clock: Clock) -> None:
+    lines: list[str] = []
+    with Progress("train_drafter", 300, "step", log=lines.append, interval=30.0) as bar:
+        for _ in range(300):
+            clock.now += 0.5  # 2 steps/s: 150 s in all
+            bar.update(1, loss=2.5)
+    assert lines[0] == "train_drafter: 300 steps to do"
+    # 150 s at one line per 30 s: 5 interval lines (at 30, 60, 90, 120, 150 s) + the first and the last
+    assert len(lines) == 7, lines
+    assert lines[1].startswith("train_drafter: 60/300 steps (20%), 2 steps/s, ETA 2m00s, loss 2.5"), lines[1]
+    assert lines[-1].startswith("train_drafter: 300/300 steps (100%), 2 steps/s, took 2m30s"), lines[-1]
+
+
+def test_slow_units_show_seconds_per_unit_and_figures_noted_between_steps(clock: Clock) -> None:
+    lines: list[str] = []
+    bar = Progress("evaluate: losslessness", 4, "draw", log=lines.append, interval=10.0)
+    clock.now += 12
+    bar.update(1)
+    assert lines[-1] == "evaluate: losslessness: 1/4 draws (25%), 12 s/draw, ETA 36s"
+    bar.note(method="eagle3")  # no line: the interval has not passed since the last
+    assert len(lines) == 2
+    clock.now += 10
+    bar.note(method="eagle3")
+    assert lines[-1] == "evaluate: losslessness: 1/4 draws (25%), 22 s/draw, ETA 1m06s, method eagle3"
+    bar.close()
+    assert lines[-1].endswith("stopped after 22s")
+
+
+def test_a_terminal_gets_a_bar_and_no_log_lines(clock: Clock) -> None:
+    stream, lines = io.StringIO(), []
+    with Progress("generate", 10, "prompt", log=lines.append, stream=stream, bar=True) as bar:
+        for _ in range(10):
+            clock.now += 1
+            bar.update(1, tokens_per_s=123.4)
+    assert not lines
+    out = stream.getvalue()
+    assert "generate" in out and "10/10" in out and "tokens_per_s=123" in out
+
+
+def test_duration() -> None:
+    assert [duration(s) for s in (0, 59.4, 95, 4000)] == ["0s", "59s", "1m35s", "1h06m"]
