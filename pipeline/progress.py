@@ -4,8 +4,8 @@ Every phase that can take more than a few seconds (kit training, generation, cou
 estimation, evaluation) reports through :class:`Progress`: done / total, the rate, an ETA and a few
 figures of its own (loss, held-out τ). On a terminal it draws a ``tqdm`` bar (the one progress library of
 the command line); when stderr goes to a file, a CI log or a Slurm job's output it writes a plain line
-through the phase's ``log`` callable at most every ``interval`` seconds, plus a first and a last line, so
-a log is never silent for long and never flooded.
+through the phase's ``log`` callable: the first once the phase has run ``grace`` seconds, then at most
+every ``interval`` seconds, and a last one, so a log is never silent for long and a short phase adds nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any, TextIO
 
 LOG_INTERVAL_S = 30.0
 """Seconds between two plain progress lines (the README's promise for logs)."""
+GRACE_S = 10.0
+"""A phase shorter than this writes no progress line at all (its stage's own lines say enough)."""
 
 
 def duration(seconds: float) -> str:
@@ -45,17 +47,20 @@ class Progress:
         log: Where plain lines go (a stage's ``log``); default stderr.
         stream: The stream a bar would draw on; a bar is drawn only when it is a terminal.
         interval: Seconds between plain lines.
+        grace: Seconds before the first plain line (a shorter phase writes none).
         bar: Force the bar on or off (None: a bar exactly when ``stream`` is a terminal).
     """
 
     def __init__(self, what: str, total: int | None, unit: str = "step", *,
                  log: Callable[[str], None] | None = None, stream: TextIO | None = None,
-                 interval: float = LOG_INTERVAL_S, bar: bool | None = None) -> None:
-        self.what, self.total, self.unit, self.interval = what, total, unit, interval
+                 interval: float = LOG_INTERVAL_S, grace: float = GRACE_S, bar: bool | None = None) -> None:
+        self.what, self.total, self.unit, self.interval, self.grace = what, total, unit, interval, grace
+        self.lines = 0
         self.stream = stream if stream is not None else sys.stderr
         self.log = log or (lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=self.stream, flush=True))
         self.done, self.info = 0, {}
-        self.start = self.last = time.monotonic()
+        self.start = time.monotonic()
+        self.last = self.start - interval + grace  # the first line comes after `grace` seconds
         use_bar = bar if bar is not None else bool(getattr(self.stream, "isatty", lambda: False)())
         self._bar = None
         if use_bar:
@@ -63,8 +68,6 @@ class Progress:
 
             self._bar = tqdm(total=total, desc=what, unit=unit, file=self.stream, dynamic_ncols=True,
                              mininterval=0.5, leave=True)
-        else:
-            self.log(f"{what}: {total if total is not None else '?'} {unit}s to do")
 
     def update(self, n: int = 1, **info: Any) -> None:
         """``n`` more units done; ``info`` figures (loss=…, tau=…) are shown with the next line or bar."""
@@ -78,6 +81,7 @@ class Progress:
         now = time.monotonic()
         if now - self.last >= self.interval:
             self.last = now
+            self.lines += 1
             self.log(self.line())
 
     def note(self, **info: Any) -> None:
@@ -104,7 +108,7 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self.done or self.total:
+        elif self.lines or time.monotonic() - self.start >= self.grace:
             self.log(self.line() if self.total and self.done >= self.total else
                      self.line() + f", stopped after {duration(time.monotonic() - self.start)}")
 

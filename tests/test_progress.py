@@ -25,27 +25,36 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return fake
 
 
-def test_a_log_gets_a_first_line_a_line_per_interval_and_a_last_line(clock: Clock) -> None:
+def test_a_log_gets_a_line_after_the_grace_then_one_per_interval_and_a_last_line(clock: Clock) -> None:
     lines: list[str] = []
-    with Progress("train_drafter", 300, "step", log=lines.append, interval=30.0) as bar:
+    with Progress("train_drafter", 300, "step", log=lines.append, interval=30.0, grace=10.0) as bar:
         for _ in range(300):
             clock.now += 0.5  # 2 steps/s: 150 s in all
             bar.update(1, loss=2.5)
-    assert lines[0] == "train_drafter: 300 steps to do"
-    # 150 s at one line per 30 s: 5 interval lines (at 30, 60, 90, 120, 150 s) + the first and the last
-    assert len(lines) == 7, lines
-    assert lines[1].startswith("train_drafter: 60/300 steps (20%), 2 steps/s, ETA 2m00s, loss 2.5"), lines[1]
+    # 150 s: a line at 10 s, then at 40, 70, 100, 130 s, and the last one
+    assert len(lines) == 6, lines
+    assert lines[0].startswith("train_drafter: 20/300 steps (7%), 2 steps/s, ETA 2m20s, loss 2.5"), lines[0]
+    assert lines[1].startswith("train_drafter: 80/300 steps (27%)"), lines[1]
     assert lines[-1].startswith("train_drafter: 300/300 steps (100%), 2 steps/s, took 2m30s"), lines[-1]
+
+
+def test_a_phase_shorter_than_the_grace_writes_nothing(clock: Clock) -> None:
+    lines: list[str] = []
+    with Progress("count", 4, "shard", log=lines.append, grace=10.0) as bar:
+        for _ in range(4):
+            clock.now += 1
+            bar.update(1)
+    assert lines == []
 
 
 def test_slow_units_show_seconds_per_unit_and_figures_noted_between_steps(clock: Clock) -> None:
     lines: list[str] = []
-    bar = Progress("evaluate: losslessness", 4, "draw", log=lines.append, interval=10.0)
+    bar = Progress("evaluate: losslessness", 4, "draw", log=lines.append, interval=10.0, grace=10.0)
     clock.now += 12
     bar.update(1)
     assert lines[-1] == "evaluate: losslessness: 1/4 draws (25%), 12 s/draw, ETA 36s"
     bar.note(method="eagle3")  # no line: the interval has not passed since the last
-    assert len(lines) == 2
+    assert len(lines) == 1
     clock.now += 10
     bar.note(method="eagle3")
     assert lines[-1] == "evaluate: losslessness: 1/4 draws (25%), 22 s/draw, ETA 1m06s, method eagle3"

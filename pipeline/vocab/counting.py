@@ -21,6 +21,7 @@ import numpy as np
 from pipeline.config.stages import CountConfig
 from pipeline.data.calibration import flat_arrays, read_shard
 from pipeline.errors import DrafterError
+from pipeline.progress import Progress
 
 
 def count_shard(path: str | Path, vocab_size: int) -> np.ndarray:
@@ -55,12 +56,16 @@ def count_shards(paths: Iterable[str | Path], vocab_size: int, workers: int = 1,
         # Map: each worker reduces its own slice of shards, so only `workers` arrays cross processes.
         n = min(workers, len(paths))
         groups = [paths[i::n] for i in range(n)]
-        with ProcessPoolExecutor(n, mp_context=get_context("spawn")) as pool:
-            for counts in pool.map(_count_group, groups, [vocab_size] * n):
+        with ProcessPoolExecutor(n, mp_context=get_context("spawn")) as pool, \
+                Progress("count", len(paths), "shard") as progress:
+            for group, counts in zip(groups, pool.map(_count_group, groups, [vocab_size] * n), strict=True):
                 total += counts
+                progress.update(len(group))
     else:
-        for path in paths:
-            total += count_shard(path, vocab_size)
+        with Progress("count", len(paths), "shard") as progress:
+            for path in paths:
+                total += count_shard(path, vocab_size)
+                progress.update(1)
     return total
 
 
