@@ -157,6 +157,16 @@ def _check_proposal(proposal: Proposal, gamma: int, vocab: int) -> tuple[list[in
     q = proposal.q
     if q is None:
         return tokens, None
+    if not tokens and q.dim() != 2 and q.numel() == 0:
+        # Nothing drafted: the round samples from p alone, whatever the shape of the empty q.
+        q = q.reshape(0, vocab)
+    if q.dim() != 2 or q.shape[0] < len(tokens):
+        raise DrafterError(
+            "the draft distributions do not match the drafts",
+            expected=f"q of shape (gamma', V) with a row for each of the {len(tokens)} drafts",
+            found=f"q of shape {tuple(q.shape)}",
+            fix="return one row of q per drafted token (an empty (0, V) tensor when drafting nothing)",
+        )
     q = q[: len(tokens)].to(torch.float64)
     if q.shape[-1] < vocab:
         q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))  # ids the drafter lacks get q = 0

@@ -58,7 +58,7 @@ def verify_speculative(
         p: Target distributions, ``(gamma'+1, V)`` or batched ``(B, gamma'+1, V)``; row ``i`` is the
             target's standardised distribution after the context plus the first ``i`` drafts.
         q: Draft distributions, ``(gamma', V)`` or ``(B, gamma', V)``, row ``i`` the exact distribution
-            draft ``i`` was drawn from (may be sub-stochastic).
+            draft ``i`` was drawn from (may be sub-stochastic); ``gamma' = 0`` (no drafts) is allowed.
         tokens: The drafts as target ids, ``-1`` for a draft with no target id; a list, or a
             ``(B, gamma')`` tensor for a batch.
         generator: Random source for the accept tests and the residual/bonus sample.
@@ -67,6 +67,10 @@ def verify_speculative(
         ``(n_accepted, next_token)``: how many leading drafts are accepted and the token emitted after
         them (residual sample on rejection, bonus sample on full acceptance). Python ints when ``p``
         is 2-D (one block), ``(B,)`` int64 tensors when it is 3-D (a batch).
+
+    Raises:
+        ValueError: If the shapes of ``p``, ``q`` and ``tokens`` disagree, or ``q`` gives zero
+            probability to a token it drafted.
     """
     p, tokens, batched = _as_batch(p, tokens)
     q = q.to(device=p.device, dtype=torch.float64)
@@ -75,6 +79,8 @@ def verify_speculative(
     batch, gamma = tokens.shape
     if q.shape[-2] != gamma:
         raise ValueError(f"q needs gamma' = {gamma} rows per sequence, got {q.shape[-2]}")
+    if q.shape[-1] != p.shape[-1]:
+        raise ValueError(f"q needs {p.shape[-1]} columns (p's width), got {q.shape[-1]}")
     valid = tokens >= 0
     safe = tokens.clamp(min=0).unsqueeze(-1)
     p_x = p[:, :gamma].gather(-1, safe).squeeze(-1)
@@ -93,8 +99,9 @@ def verify_speculative(
 
     rows = torch.arange(batch, device=p.device)
     p_next = p[rows, n_accepted]
-    # A zero q-row after the last draft turns the residual into p_{gamma'}: one formula for both cases.
-    q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
+    # A zero q-row after the last draft turns the residual into p_{gamma'}: one formula for both cases,
+    # and for gamma' = 0 (nothing drafted) the emitted token is a plain sample of p_0.
+    q_padded = torch.cat([q, q.new_zeros(batch, 1, q.shape[-1])], dim=1)
     residual = (p_next - q_padded[rows, n_accepted]).clamp_(min=0.0)
     # An all-zero residual needs p_i <= q_i everywhere, i.e. p_i = q_i for normalised rows; then every
     # draft with q_i(x) > 0 has p_i(x)/q_i(x) = 1 and is accepted, so rejecting at i has probability 0.

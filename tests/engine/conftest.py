@@ -206,21 +206,26 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
 def kit_rdk_prior(target: torch.nn.Module, tokenizer: Any, vocab_map: Any) -> Any:
     """An RDK prior from the target's own distributions along one sentence: level ``keep_0.1`` (the 10 % of ids
     with the largest mean, plus EOS) and ``intersection`` (T ∩ D of ``vocab_map``), τ = 1e-3, constant prior weight."""
+    ids = tokenizer.encode("The weather today is sunny, and we will walk to the park after lunch.")
+    return rdk_prior(target, ids, tokenizer.eos_token_id, vocab_map.intersection_ids_target)
+
+
+def rdk_prior(target: torch.nn.Module, ids: list[int], eos: int, intersection: torch.Tensor | None = None) -> Any:
+    """:func:`kit_rdk_prior` from the target's distributions along ``ids``; no ``intersection`` level without one."""
     from pipeline.rdk.moments import MomentSums
     from pipeline.rdk.prior import INTERSECTION, LevelFit, RDKPrior, pruning_levels
 
-    ids = tokenizer.encode("The weather today is sunny, and we will walk to the park after lunch.")
     with torch.no_grad():
         logits = target(torch.tensor([ids], device=target.device)).logits[0]
     sums = MomentSums(logits.shape[-1], 16)
     sums.add(torch.softmax(logits.double(), -1))
     moments = sums.moments()
-    eos = [tokenizer.eos_token_id]
-    levels = pruning_levels(torch.argsort(-moments.mu, stable=True), moments.vocab_size, [0.1], eos)
-    levels[INTERSECTION] = vocab_map.intersection_ids_target
+    levels = pruning_levels(torch.argsort(-moments.mu, stable=True), moments.vocab_size, [0.1], [eos])
+    if intersection is not None:
+        levels[INTERSECTION] = intersection
     fits = {name: LevelFit(kept=kept, tau=1e-3, prior_weight={"mode": "constant", "weight": None})
             for name, kept in levels.items()}
-    return RDKPrior(moments, fits, {"required_ids": eos, "vocab_hash": ""})
+    return RDKPrior(moments, fits, {"required_ids": [eos], "vocab_hash": ""})
 
 
 def verify_blocks(p: torch.Tensor, q: torch.Tensor, n: int, generator: torch.Generator,

@@ -50,6 +50,36 @@ class _ExactMatch(_Untranslatable):
         return Proposal(self.inner.propose(*args).tokens, None)
 
 
+class _Silent(_Untranslatable):
+    """Wraps a proposer and drafts nothing in odd rounds (the first included), returning ``empty_q`` as q,
+    as TLI, SLRS and EAGLE-3 do when the context gives the drafter nothing to start from."""
+
+    def __init__(self, inner: Any, empty_q: torch.Tensor | None) -> None:
+        super().__init__(inner)
+        self.name, self.empty_q, self.rounds = "silent", empty_q, 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.rounds = 0
+
+    def propose(self, *args: Any) -> Proposal:
+        self.rounds += 1
+        return Proposal([], self.empty_q) if self.rounds % 2 else self.inner.propose(*args)
+
+
+class _Fixed(_Untranslatable):
+    """Returns the same proposal every round."""
+
+    def __init__(self, proposal: Proposal) -> None:
+        self.name, self.proposal = "fixed", proposal
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, *args: Any) -> Proposal:
+        return self.proposal
+
+
 def _proposer(
     kind: str, drafter: torch.nn.Module, tied_drafter: torch.nn.Module, shortlist: torch.Tensor
 ) -> Any:
@@ -92,6 +122,66 @@ def test_greedy_speculative_equals_autoregressive(
         assert accepted > 0, (
             "the layer-skip drafter should get some drafts accepted, or the accept path is untested"
         )
+
+
+SETTINGS = [GREEDY, SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)]
+EMPTY_Q = {
+    "rows_of_target_width": torch.zeros(0, 300, dtype=torch.float64),
+    "narrower_rows": torch.zeros(0, 120, dtype=torch.float64),
+    "one_dimensional": torch.zeros(0),
+    "none": None,
+}
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["greedy", "t1", "t0.7_p0.9"])
+@pytest.mark.parametrize("empty_q", list(EMPTY_Q), ids=list(EMPTY_Q))
+def test_rounds_without_drafts_sample_from_the_target(
+    empty_q: str, params: SamplingParams, target, drafter, prompts, greedy_reference
+) -> None:
+    """Every other round drafts nothing, its q an empty tensor of any shape or None: the round emits one
+    token of the target (the greedy output is still the autoregressive one) and the decode completes."""
+    proposer = _Silent(FullHeadProposer(drafter), EMPTY_Q[empty_q])
+    for prompt, reference in zip(prompts, greedy_reference, strict=True):
+        result = generate_speculative(
+            target, proposer, prompt, NEW_TOKENS, 3, params, torch.Generator().manual_seed(0)
+        )
+        assert len(result.tokens) == NEW_TOKENS and all(0 <= t < 300 for t in result.tokens)
+        assert result.drafted_per_round[0::2] == [0] * len(result.drafted_per_round[0::2])
+        assert result.accepted_per_round[0::2] == [0] * len(result.accepted_per_round[0::2])
+        assert result.target_forwards == len(result.accepted_per_round) > 1
+        if params.greedy:
+            assert result.tokens == reference
+
+
+def test_rounds_without_drafts_emit_the_targets_law(target, prompts) -> None:
+    """One zero-draft round per call (every token ends the sequence) at temperature 0.8, top-p 0.9: 1,000
+    first tokens within 6 sigma (Bernstein, ``conftest.assert_counts_match``) of 1000 * p, none outside
+    the nucleus."""
+    params, samples = SamplingParams(temperature=0.8, top_p=0.9), 1000
+    p = _target_distribution(target, prompts[0], params)[-1]
+    proposer = _Fixed(Proposal([], torch.zeros(0, 300, dtype=torch.float64)))
+    generator = torch.Generator().manual_seed(5)
+    counts = torch.zeros(300, dtype=torch.float64)
+    for _ in range(samples):
+        result = generate_speculative(target, proposer, prompts[0], 3, 2, params, generator, list(range(300)))
+        assert result.drafted_per_round == [0]
+        counts[result.tokens[0]] += 1
+    assert_counts_match(counts, p, samples, "first token after a zero-draft round")
+
+
+@pytest.mark.parametrize(
+    ("proposal", "found"),
+    [
+        (Proposal([5, 6], torch.full((1, 300), 1 / 300, dtype=torch.float64)), r"shape \(1, 300\)"),
+        (Proposal([5], torch.full((300,), 1 / 300, dtype=torch.float64)), r"shape \(300,\)"),
+        (Proposal([], torch.zeros(0, 301, dtype=torch.float64)), "301 columns"),
+    ],
+    ids=["fewer_rows_than_drafts", "one_dimensional_q_with_a_draft", "empty_but_too_wide"],
+)
+def test_proposals_whose_q_does_not_fit_are_refused(proposal: Proposal, found: str, target, prompts) -> None:
+    params = SamplingParams(temperature=1.0)
+    with pytest.raises(DrafterError, match=found):
+        generate_speculative(target, _Fixed(proposal), prompts[0], 5, 2, params, torch.Generator())
 
 
 def test_self_drafting_accepts_every_draft(target, prompts) -> None:

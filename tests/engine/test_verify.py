@@ -211,3 +211,26 @@ def test_sample_never_draws_zero_weight_and_follows_weights() -> None:
     draws = sample(weights.expand(N, -1), torch.Generator().manual_seed(9))
     assert_counts_match(torch.bincount(draws, minlength=6).double(), weights / weights.sum(), N, "sampler")
     assert math.isclose(float(weights.sum()), 0.6)
+
+
+def test_zero_drafts_emit_a_sample_of_p() -> None:
+    """gamma' = 0 (a proposer that drafted nothing): nothing is accepted and the one emitted token is a
+    sample of p_0, batched and unbatched. N = 200k blocks, 6σ (Bernstein) bounds, zero counts exact."""
+    g = torch.Generator().manual_seed(10)
+    p = _dirichlet((1, VOCAB), g, zero=(torch.arange(VOCAB) % 4 == 1).expand(1, -1))
+    empty_q = torch.zeros(0, VOCAB, dtype=torch.float64)
+    n_accepted, next_token = verify_speculative(
+        p.expand(N, -1, -1), empty_q.expand(N, -1, -1), torch.zeros(N, 0, dtype=torch.long), g
+    )
+    assert bool((n_accepted == 0).all())
+    assert_counts_match(torch.bincount(next_token, minlength=VOCAB).double(), p[0], N, "zero-draft token")
+    n, token = verify_speculative(p, empty_q, [], torch.Generator().manual_seed(0))
+    assert n == 0 and 0 <= token < VOCAB and float(p[0, token]) > 0
+
+
+def test_q_of_another_width_than_p_is_refused() -> None:
+    p = _dirichlet((2, VOCAB), torch.Generator().manual_seed(8))
+    for q in (torch.full((1, VOCAB - 1), 1 / (VOCAB - 1)), torch.zeros(0, VOCAB + 1)):
+        tokens = [0] if q.shape[0] else []
+        with pytest.raises(ValueError, match=f"q needs {VOCAB} columns"):
+            verify_speculative(p[: len(tokens) + 1], q.double(), tokens, torch.Generator())

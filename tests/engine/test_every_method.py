@@ -1,0 +1,143 @@
+"""Every registered draft method decodes every kind of prompt at every kind of sampling (issue 20).
+
+Methods come from the registry (``METHODS``), built from the trained tiny kit by
+``conftest.kit_proposer_inputs``; prompts are a one-token prompt, a BOS-only prompt, one that fills the
+target's context (``max_position_embeddings``) with the new tokens, and an ordinary one; sampling is
+greedy, temperature 1, and temperature 0.7 with top-p 0.9. Each decode must complete and emit only
+target ids, and the greedy ones must equal greedy autoregressive decoding token for token.
+
+Several of these rounds draft nothing: EAGLE-3 has no target feature on a one-token prompt's first
+round, and the cross-tokenizer drafters (TLI, Union, TLI+RDK) see no text in a BOS-only prompt.
+``test_rounds_without_drafts_happen`` checks that they do, so the matrix really covers that path; SLRS
+drafts nothing there only when it keeps no specials (the kit's byte drafter shares the target's BOS).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.engine.loop import generate_autoregressive, generate_speculative
+from pipeline.engine.methods import METHOD_NAMES, build_proposer
+from pipeline.engine.sampling import SamplingParams
+from tests.engine.conftest import kit_proposer_inputs
+
+SETTINGS = {
+    "greedy": SamplingParams(),
+    "t1": SamplingParams(temperature=1.0),
+    "t0.7_p0.9": SamplingParams(temperature=0.7, top_p=0.9),
+}
+NEW_TOKENS = 12
+AT_LIMIT_NEW_TOKENS = 6
+GAMMA = 4
+ORDINARY = "def add(a, b):\n    return"
+LONG_TEXT = (
+    "Speculative decoding drafts a few tokens with a small model and checks them all with the large one. "
+    "When the draft agrees, several tokens come out of one forward pass of the target model; "
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def kit(tiny_kit) -> dict[str, Any]:
+    """Target, drafters and tokenizers of the tiny kit, models in float64 on the CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(role: str) -> tuple[torch.nn.Module, Any]:
+        path = tiny_kit.path(role)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+        return model, AutoTokenizer.from_pretrained(path)
+
+    return {role: load(role) for role in ("target", "drafter", "drafter_other", "drafter_bytes")}
+
+
+@pytest.fixture(scope="module")
+def proposers(kit) -> dict[str, Any]:
+    inputs = kit_proposer_inputs(kit)
+    return {method: build_proposer(method, inputs) for method in METHOD_NAMES}
+
+
+@pytest.fixture(scope="module")
+def cases(kit) -> dict[str, tuple[list[int], int]]:
+    """``{case: (prompt, max_new_tokens)}``; the at-limit prompt plus its new tokens is exactly the context."""
+    target, tokenizer = kit["target"]
+    context = int(target.config.max_position_embeddings)
+    text = tokenizer(LONG_TEXT * 8, add_special_tokens=False).input_ids
+    at_limit = [tokenizer.bos_token_id] + text[: context - AT_LIMIT_NEW_TOKENS - 1]
+    assert len(at_limit) + AT_LIMIT_NEW_TOKENS == context
+    return {
+        "one_token": (tokenizer("The", add_special_tokens=False).input_ids[:1], NEW_TOKENS),
+        "bos_only": ([tokenizer.bos_token_id], NEW_TOKENS),
+        "at_context_limit": (at_limit, AT_LIMIT_NEW_TOKENS),
+        "ordinary": ([tokenizer.bos_token_id] + tokenizer(ORDINARY, add_special_tokens=False).input_ids, NEW_TOKENS),
+    }
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(kit, cases) -> dict[str, list[int]]:
+    target, tokenizer = kit["target"]
+    return {
+        case: generate_autoregressive(
+            target, prompt, new, SETTINGS["greedy"], torch.Generator(), tokenizer.eos_token_id
+        ).tokens
+        for case, (prompt, new) in cases.items()
+    }
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("case", ["one_token", "bos_only", "at_context_limit", "ordinary"])
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_every_method_completes(method: str, case: str, setting: str, kit, proposers, cases, greedy_reference) -> None:
+    target, tokenizer = kit["target"]
+    prompt, new = cases[case]
+    params = SETTINGS[setting]
+    result = generate_speculative(
+        target, proposers[method], prompt, new, GAMMA, params, torch.Generator().manual_seed(0), tokenizer.eos_token_id
+    )
+    vocab = target.get_output_embeddings().weight.shape[0]
+    assert all(0 <= token < vocab for token in result.tokens), result.tokens
+    if result.stop_reason == "eos":
+        assert result.tokens[-1] == tokenizer.eos_token_id and len(result.tokens) <= new
+    else:
+        assert len(result.tokens) == new
+    assert len(prompt) + len(result.tokens) <= target.config.max_position_embeddings
+    if params.greedy:
+        assert result.tokens == greedy_reference[case]
+
+
+@pytest.mark.parametrize(
+    ("method", "case"),
+    [("eagle3", "one_token"), ("eagle3", "bos_only"),
+     *((method, "bos_only") for method in ("tli", "union", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior"))],
+)
+def test_rounds_without_drafts_happen(method: str, case: str, kit, proposers, cases) -> None:
+    """The first round of these pairs drafts nothing, so the matrix above decodes zero-draft rounds at
+    temperature > 0 (where they used to end the decode with an IndexError)."""
+    target, _ = kit["target"]
+    prompt, new = cases[case]
+    result = generate_speculative(
+        target, proposers[method], prompt, new, GAMMA, SETTINGS["t1"], torch.Generator().manual_seed(0)
+    )
+    assert result.drafted_per_round[0] == 0 and len(result.tokens) == new
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_slrs_without_shared_specials_on_a_bos_only_prompt(setting: str, kit, cases, greedy_reference) -> None:
+    """The registry's SLRS hands shared specials to its byte drafter, and the kit's has all of the target's,
+    so a BOS-only prompt still gives it a BOS to draft from. Without ``keep_specials`` the prompt has no
+    text for it: the first round drafts nothing, and the decode completes (greedy: the autoregressive one)."""
+    from pipeline.engine.slrs import SLRSProposer
+
+    (target, target_tok), (drafter, drafter_tok) = kit["target"], kit["drafter_bytes"]
+    vocab = target.get_output_embeddings().weight.shape[0]
+    proposer = SLRSProposer(drafter, drafter_tok, target_tok, keep_specials=False, target_vocab_size=vocab)
+    prompt, new = cases["bos_only"]
+    result = generate_speculative(target, proposer, prompt, new, GAMMA, SETTINGS[setting],
+                                  torch.Generator().manual_seed(0), target_tok.eos_token_id)
+    assert result.drafted_per_round[0] == 0 and all(0 <= token < vocab for token in result.tokens)
+    assert len(result.tokens) == new or result.tokens[-1] == target_tok.eos_token_id
+    if SETTINGS[setting].greedy:
+        assert result.tokens == greedy_reference["bos_only"]
