@@ -17,6 +17,7 @@ import re
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,13 +36,29 @@ def redact(uri: str) -> str:
     return re.sub(r"//[^/@]+@", "//***@", uri)
 
 
-def tracking_uri(cfg: MlflowConfig, workdir: Path) -> str:
-    """The store to use: the config's URI, else $MLFLOW_TRACKING_URI, else a sqlite file in the workdir."""
+def tracking_uri(cfg: MlflowConfig, workdir: Path, *, create: bool = True) -> str:
+    """The store to use: the config's URI, else $MLFLOW_TRACKING_URI, else a sqlite file in the workdir.
+
+    ``create=False`` is for readers (``pull``): the workdir is not made, so a wrong one stays visible.
+    """
     uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
-    workdir.mkdir(parents=True, exist_ok=True)
+    if create:
+        workdir.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{workdir / 'mlflow.db'}"
+
+
+def local_store_path(uri: str) -> Path | None:
+    """The file or directory a local store URI names (``sqlite:///x.db``, ``file:///dir``, a bare path);
+    None for a server or an in-memory database."""
+    if is_remote(uri) or uri in ("sqlite://", "sqlite:///:memory:"):
+        return None
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+    if uri.startswith("file://"):
+        return Path(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
+    return None if "://" in uri else Path(uri)
 
 
 def is_remote(uri: str) -> bool:

@@ -1,7 +1,9 @@
 """Verified pulls: fetch a registered bundle by alias or version, check every byte, then publish it.
 
-``NAME@ALIAS`` is resolved to a version number once, and that exact version is downloaded through its
-``models:/NAME/VERSION`` URI, so an alias moving mid-pull cannot mix two versions. The download lands
+``NAME@ALIAS`` is resolved to a version number once, and that exact version's artifact location is
+downloaded, so an alias moving mid-pull cannot mix two versions. Every MLflow call names the store
+(config, ``$MLFLOW_TRACKING_URI`` or the workdir's sqlite file) explicitly, so a pull from any
+directory reads that store and never MLflow's default in the current directory. The download lands
 in a temporary sibling of the destination; it is published (renamed) only after ``bundle.json`` matches
 the version's bundle-sha256 tag, every file matches ``bundle.json``, every component re-verifies against
 its own manifest, and every fingerprint agrees with the version's tags and with the caller's target.
@@ -68,12 +70,12 @@ def pull(
         DrafterError: unknown model/alias/version, an incomplete version, a file or fingerprint that
             does not match (named, with expected and found values), or an unreachable server.
     """
-    import mlflow
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
     name, alias, number = parse_ref(ref)
     to = Path(to)
     _check_destination(to)
-    uri, client = connect(cfg, workdir)
+    uri, client = connect(cfg, workdir, existing=True)
     with registry_errors(uri, f"Resolving {ref}"):
         version = _resolve(client, name, alias, number)
     number = str(version.version)
@@ -91,8 +93,13 @@ def pull(
         with registry_errors(
             uri, f"Downloading {name} version {number}", state=f" Nothing was written to {to}."
         ):
-            mlflow.artifacts.download_artifacts(
-                f"models:/{name}/{number}", dst_path=str(tmp), tracking_uri=uri, registry_uri=uri
+            # Not download_artifacts("models:/..."): MLflow resolves a models:/ URI through the process's
+            # default registry ($MLFLOW_TRACKING_URI, else ./mlflow.db), ignoring registry_uri. Ask our
+            # client where the version lives and read that location, with the store named explicitly.
+            source = client.get_model_version_download_uri(name, number)
+            tmp.mkdir()
+            get_artifact_repository(source, tracking_uri=uri, registry_uri=uri).download_artifacts(
+                "", dst_path=str(tmp)
             )
         try:
             verify_bundle(

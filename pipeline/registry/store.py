@@ -8,6 +8,7 @@ that says which step failed and what state the registry was left in.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +16,14 @@ from typing import Any
 
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
-from pipeline.orchestration.tracking import _configure_client_retries, check_reachable, redact, tracking_uri
+from pipeline.orchestration.tracking import (
+    _configure_client_retries,
+    check_reachable,
+    is_remote,
+    local_store_path,
+    redact,
+    tracking_uri,
+)
 
 # Tags written on every model version (the verdict lives on the version, per the MLOps templates).
 STATUS = "drafter.status"
@@ -29,18 +37,46 @@ DECISION = "drafter.champion_decision"
 CANDIDATE, CHAMPION = "candidate", "champion"
 
 
-def connect(cfg: MlflowConfig, workdir: Path) -> tuple[str, Any]:
+def connect(cfg: MlflowConfig, workdir: Path, *, existing: bool = False) -> tuple[str, Any]:
     """Resolve the store, probe it, and return ``(uri, MlflowClient)``.
 
+    Args:
+        cfg: MLflow settings.
+        workdir: Pipeline workdir (locates the default sqlite store).
+        existing: The store must already exist (``pull``): a missing local store is an error instead
+            of a new empty one (MLflow creates a sqlite file, and its directory, on first use).
+
     Raises:
-        DrafterError: the tracking server does not answer within ``cfg.retries`` attempts.
+        DrafterError: the tracking server does not answer within ``cfg.retries`` attempts, or
+            ``existing`` is set and the local store is not there.
     """
     from mlflow import MlflowClient
 
-    uri = tracking_uri(cfg, Path(workdir))
+    uri = tracking_uri(cfg, Path(workdir), create=not existing)
+    if existing:
+        _require_local_store(uri, cfg)
     _configure_client_retries(cfg)
     check_reachable(uri, cfg)
     return uri, MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _require_local_store(uri: str, cfg: MlflowConfig) -> None:
+    path = local_store_path(uri)
+    if path is None or path.exists():
+        return
+    origin = ("mlflow.tracking_uri" if cfg.tracking_uri
+              else "$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI")
+              else "the workdir (<workdir>/mlflow.db)")
+    raise DrafterError(
+        f"There is no MLflow store at {path.absolute()}.",
+        expected="the store the bundle was registered in: <workdir>/mlflow.db (`make run` writes "
+                 "runs/tiny/mlflow.db inside its clone) or a tracking server",
+        found=f"{redact(uri)} from {origin}, which does not exist (relative paths are read from the "
+              f"current directory, {Path.cwd()})",
+        fix="Name the store: workdir=/path/to/clone/runs/tiny, "
+            "mlflow.tracking_uri=sqlite:////path/to/clone/runs/tiny/mlflow.db or http://HOST:PORT, "
+            "or export MLFLOW_TRACKING_URI; then rerun.",
+    )
 
 
 def error_code(err: BaseException) -> str:
@@ -57,10 +93,15 @@ def registry_errors(uri: str, action: str, state: str = "", fix: str | None = No
         raise
     except Exception as err:  # noqa: BLE001 - MLflow raises many types for one cause: the store failed
         first_line = (str(err).splitlines() or [""])[0][:300]
+        default_fix = (
+            "Check that the tracking server is running and reachable, then rerun the same command."
+            if is_remote(uri)
+            else "Check that the store's database and its artifact directory (<workdir>/mlartifacts for "
+            "the default store) exist and are readable, then rerun the same command."
+        )
         raise DrafterError(
             f"{action} in MLflow at {redact(uri)} failed: {type(err).__name__}: {first_line}.{state}",
-            fix=fix
-            or "Check that the tracking server is running and reachable, then rerun the same command.",
+            fix=fix or default_fix,
         ) from err
 
 

@@ -4,7 +4,8 @@ ours (see ../shared/FACTS.md).
 
 The venv (``torch==2.13.0 speculators==0.9.0``, then torchvision/torchaudio removed: the versions pip
 pulls in do not match that torch and break ``import transformers``) is built once under
-``$DRAFTER_CACHE/venvs/speculators-0.9.0/``; a stamp written after the last step marks it complete, so an
+``$DRAFTER_TOOLS/speculators-0.9.0/`` (default ``~/.cache/drafter-pipeline-tools``, never inside the artifact
+cache: see tests/tool_envs.py); a stamp written after the last step marks it complete, so an
 interrupted build is redone (measured here, 2 busy cores, pip cache warm: 116-174 s; both tests then
 ~50 s). If it cannot be built the tests fail, saying why: they are never skipped.
 
@@ -43,6 +44,7 @@ from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache
 from pipeline.drafters.export import SPECULATORS_KEYS, export_eagle3, export_speculators
 from pipeline.tiny.spec import default_cache_dir
 from pipeline.vocab.counting import eagle3_offset_maps
+from tests.tool_envs import tool_env_dir
 
 pytestmark = pytest.mark.interop
 
@@ -120,7 +122,23 @@ def _clean_env() -> dict[str, str]:
 
 
 def _venv_dir() -> Path:
-    return default_cache_dir() / "venvs" / VENV_NAME
+    return tool_env_dir(VENV_NAME)
+
+
+def test_the_venv_lives_apart_from_the_artifact_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checks only where the venv would go; builds nothing."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for cache in (None, tmp_path / "cache"):  # the default artifact cache, then CI's $DRAFTER_CACHE
+        if cache is None:
+            monkeypatch.delenv("DRAFTER_CACHE", raising=False)
+        else:
+            monkeypatch.setenv("DRAFTER_CACHE", str(cache))
+        monkeypatch.delenv("DRAFTER_TOOLS", raising=False)
+        assert _venv_dir() == tmp_path / "home" / ".cache" / "drafter-pipeline-tools" / VENV_NAME
+        assert not _venv_dir().is_relative_to(default_cache_dir())
+        monkeypatch.setenv("DRAFTER_TOOLS", str(tmp_path / "tools"))
+        assert _venv_dir() == tmp_path / "tools" / VENV_NAME
+        assert not _venv_dir().is_relative_to(default_cache_dir())
 
 
 def ensure_speculators_venv() -> Path:
