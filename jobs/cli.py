@@ -29,12 +29,14 @@ BENCHES = {
     "count": "vectorised counting vs collections.Counter",
     "eval": "every speculative method vs autoregressive decoding on this device (no MLflow needed)",
     "train": "one EAGLE-3 training step vs the frozen target's forward on the same batch\n"
-             "           (needs generate and count built)",
+             "              (needs generate and count built)",
     "head": "one draft step's LM head, full vs static 32k vs DynaSpec-routed, at 128k x 4096 and\n"
-            "           the tiny kit's size",
+            "              the tiny kit's size",
     "cluster": "FAISS spherical k-means vs scikit-learn KMeans",
     "rdk": "moment estimation throughput and memory vs a dense |T|^2 matrix, and one draft step\n"
-           "           of TLI vs RDK-Taylor vs the prior mix vs exact sparse RDK at 128k",
+           "              of TLI vs RDK-Taylor vs the prior mix vs exact sparse RDK at 128k",
+    "fingerprint": "a plan's weight fingerprint of a large local checkpoint: hashing every byte vs\n"
+                   "              the stat cache of the next plans",
 }
 KEYS_EPILOG = ("config keys: `drafter config --keys STAGE` lists a stage's keys (type, default, meaning);\n"
                "`drafter config --keys` lists every key.")
@@ -196,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run",
                        formatter_class=raw,
                        description="Benchmarks that print ratios against a baseline measured in the same run:\n"
-                                   + "\n".join(f"  {name:<8} {what}" for name, what in BENCHES.items()),
+                                   + "\n".join(f"  {name:<11} {what}" for name, what in BENCHES.items()),
                        epilog=KEYS_EPILOG)
     p.add_argument("what", choices=list(BENCHES), help="which benchmark (listed above)")
     p.add_argument("--steps", type=int, default=10, help="train, head: timed repetitions of each")
@@ -409,6 +411,11 @@ def main(argv: list[str] | None = None) -> int:
                              default=str))
             return 0
         if args.command == "bench":
+            if args.what == "fingerprint":
+                from pipeline.models.bench import bench_fingerprint
+
+                print(bench_fingerprint())
+                return 0
             if args.what == "train":
                 from jobs.train_drafter import bench
 

@@ -14,7 +14,7 @@ exactly the same law.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -244,49 +244,124 @@ def generate_speculative(
     while len(new) < max_new_tokens and not stopped:
         # Drafts beyond the length budget would be thrown away, so do not pay for them.
         round_gamma = min(gamma, max_new_tokens - len(new) - 1)
-        tokens: list[int] = []
-        q: Tensor | None = None
-        if round_gamma > 0:
-            drafter_start = time.perf_counter()
-            state = TargetState(layers, model.hidden(), last_p, len(model.ids))
-            proposal = proposer.propose(list(sequence), round_gamma, params, generator, state)
-            model.sync()
-            result.drafter_seconds += time.perf_counter() - drafter_start
-            tokens, q = _check_proposal(proposal, round_gamma, vocab)
-        # A draft with no target id cannot be fed to the target and is always rejected, so stop
-        # feeding there; its own p-row (from the token before it) is still scored.
-        drafted = len(tokens)
-        fed = tokens.index(-1) if -1 in tokens else len(tokens)
-        tokens = tokens[: fed + 1]
-        # The session holds every position but the newest token's; feed it and the drafts.
-        with model.timed():
-            p = standardise(model.feed(sequence[len(model.ids) :] + tokens[:fed], fed + 1), params)
-        if len(tokens) > fed:
-            # Placeholder bonus row: never read, because the -1 draft is rejected with certainty.
-            p = torch.cat([p, p[-1:]], dim=0)
-        if q is None or params.greedy:
-            # Greedy p is one-hot, where speculative sampling reduces to argmax exact match anyway.
-            n_accepted, next_token = verify_exact(p, tokens, generator, params)
-        else:
-            n_accepted, next_token = verify_speculative(p, q[: len(tokens)], tokens, generator)
-        model.crop(len(sequence) + n_accepted)  # cache and captured hidden states alike
-        last_p = p[n_accepted]
-        emitted = tokens[:n_accepted] + [next_token]
-        sequence.extend(emitted)
-        new.extend(emitted)
+        step = speculative_round(model, proposer, sequence, round_gamma, params, generator, last_p, vocab)
+        result.drafter_seconds += step.drafter_seconds
+        last_p = step.p_next
+        sequence.extend(step.emitted)
+        new.extend(step.emitted)
         if not result.drafted_per_round:
             result.ttft_seconds = time.perf_counter() - start
-        result.drafted_per_round.append(drafted)
-        result.accepted_per_round.append(n_accepted)
-        for i in range(min(n_accepted + 1, len(tokens))):
+        result.drafted_per_round.append(step.drafted)
+        result.accepted_per_round.append(step.accepted)
+        for i in range(min(step.accepted + 1, step.verified)):
             result.position_attempts[i] += 1
-            result.position_accepts[i] += int(i < n_accepted)
+            result.position_accepts[i] += int(i < step.accepted)
         new, stopped = _finish(new, eos, max_new_tokens)
     result.tokens = new
     result.stop_reason = "eos" if stopped else "length"
     result.target_forwards, result.target_seconds = model.forwards, model.seconds
     result.wall_seconds = time.perf_counter() - start
     return result
+
+
+@dataclass
+class Round:
+    """One draft-then-verify round.
+
+    Attributes:
+        drafted: Drafts the proposer returned.
+        verified: Draft positions the target scored (drafts up to and including the first without a target id).
+        accepted: Leading drafts accepted.
+        emitted: The accepted drafts and the token the target emitted after them.
+        p_next: The target's standardised distribution the last emitted token was drawn from (``(V,)``).
+        drafter_seconds: Time spent in the proposer.
+    """
+
+    drafted: int
+    verified: int
+    accepted: int
+    emitted: list[int]
+    p_next: Tensor
+    drafter_seconds: float
+
+
+def speculative_round(model: ModelSession, proposer: Proposer, sequence: list[int], gamma: int,
+                      params: SamplingParams, generator: torch.Generator, last_p: Tensor | None, vocab: int) -> Round:
+    """Draft ``gamma`` tokens after ``sequence``, score them in one target forward, verify, and crop the target
+    session back to the accepted prefix (``sequence`` itself is not changed).
+
+    ``model`` holds every position of ``sequence`` but the newest (the invariant both decode loops keep).
+    """
+    tokens: list[int] = []
+    q: Tensor | None = None
+    drafter_seconds = 0.0
+    if gamma > 0:
+        drafter_start = time.perf_counter()
+        state = TargetState(model.layers, model.hidden(), last_p, len(model.ids))
+        proposal = proposer.propose(list(sequence), gamma, params, generator, state)
+        model.sync()
+        drafter_seconds = time.perf_counter() - drafter_start
+        tokens, q = _check_proposal(proposal, gamma, vocab)
+    # A draft with no target id cannot be fed to the target and is always rejected, so stop
+    # feeding there; its own p-row (from the token before it) is still scored.
+    drafted = len(tokens)
+    fed = tokens.index(-1) if -1 in tokens else len(tokens)
+    tokens = tokens[: fed + 1]
+    # The session holds every position but the newest token's; feed it and the drafts.
+    with model.timed():
+        p = standardise(model.feed(sequence[len(model.ids) :] + tokens[:fed], fed + 1), params)
+    if len(tokens) > fed:
+        # Placeholder bonus row: never read, because the -1 draft is rejected with certainty.
+        p = torch.cat([p, p[-1:]], dim=0)
+    if q is None or params.greedy:
+        # Greedy p is one-hot, where speculative sampling reduces to argmax exact match anyway.
+        n_accepted, next_token = verify_exact(p, tokens, generator, params)
+    else:
+        n_accepted, next_token = verify_speculative(p, q[: len(tokens)], tokens, generator)
+    model.crop(len(sequence) + n_accepted)  # cache and captured hidden states alike
+    return Round(drafted, len(tokens), n_accepted, tokens[:n_accepted] + [next_token], p[n_accepted],
+                 drafter_seconds)
+
+
+def first_rounds(
+    target: torch.nn.Module,
+    proposer: Proposer,
+    context: list[int],
+    gamma: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+    draws: int,
+    on_draw: Callable[[Round], None] | None = None,
+) -> list[Round]:
+    """``draws`` independent first rounds of speculative decoding after ``context``, for one prefill.
+
+    Each round is the one :func:`generate_speculative` runs first (same :func:`speculative_round`, the proposer
+    drafting from the same state); after it the target's session is cropped back to the context and the proposer
+    re-syncs to the context on its next call, as it does after any rejection. So the first emitted tokens are
+    ``draws`` independent samples of the first token's law, and the losslessness check that tests that law pays
+    one prefill instead of one per draw. The context but its newest token is prefilled for every proposer (the
+    loop does so only for proposers that read target states); caching changes no distribution.
+
+    Raises:
+        DrafterError: As :func:`generate_speculative`.
+    """
+    if gamma < 1:
+        raise DrafterError("a first round needs at least one draft", expected="gamma >= 1", found=f"gamma={gamma}")
+    _check_request(context, 1)
+    model = ModelSession(target, layers=tuple(proposer.target_layers))
+    proposer.reset()
+    if len(context) > 1:
+        with model.timed():
+            model.feed(context[:-1])
+    base, vocab = len(model.ids), _vocab_size(target)
+    rounds = []
+    for _ in range(draws):
+        step = speculative_round(model, proposer, context, gamma, params, generator, None, vocab)
+        model.crop(base)
+        rounds.append(step)
+        if on_draw is not None:
+            on_draw(step)
+    return rounds
 
 
 def _vocab_size(model: torch.nn.Module) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pipeline.config.sections import PipelineConfig
-from pipeline.engine.loop import generate_autoregressive, generate_speculative
+from pipeline.engine.loop import first_rounds, generate_autoregressive, generate_speculative
 from pipeline.engine.metrics import parameter_ratio, summarize
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.errors import DrafterError
@@ -334,17 +334,16 @@ class Evaluator:
             logits = self.target(torch.tensor([context], device=self.device)).logits[0, -1]
         p = standardise(logits.float(), params).cpu().numpy()
         counts = np.zeros(p.size, dtype=np.int64)
-        gen = self._generator(7)
-        drafted = first_accepted = 0
-        for _ in range(n):
-            # Room for a full round (γ drafts + 1): the loop never drafts past max_new_tokens, and a round
-            # with no draft would only test sampling from p, not the verification under test.
-            result = generate_speculative(self.target, proposer, context, gamma + 1, gamma, params, gen, self.eos)
-            counts[result.tokens[0]] += 1
-            drafted += result.drafted_per_round[0] if result.drafted_per_round else 0
-            first_accepted += bool(result.accepted_per_round and result.accepted_per_round[0] > 0)
+
+        def draw(step: Any) -> None:
+            counts[step.emitted[0]] += 1
             if progress is not None:
                 progress.update(1, method=method)
+
+        # n independent first rounds after one prefill: the same round code the decode loop runs
+        rounds = first_rounds(self.target, proposer, context, gamma, params, self._generator(7), n, draw)
+        drafted = sum(step.drafted for step in rounds)
+        first_accepted = sum(step.accepted > 0 for step in rounds)
         impossible = int(counts[p == 0].sum())
         pvalue, bins = chi_square_first_token(counts, p)
         passed = impossible == 0 and pvalue >= self.ev.sampling_check_alpha and drafted > 0

@@ -4,17 +4,21 @@ One loader serves every kind of reference: a tiny-kit ref (``tiny:<profile>/<rol
 demand), a local directory written by ``save_pretrained``, or a hub id (with a pinned revision; it needs
 network access, which tests and the embedded default never use). ``trust_remote_code`` is off unless a
 config turns it on. A target fingerprint — model name, revision, and a hash of the tokenizer's
-vocabulary — is stamped on every artifact so nothing built for one target is used with another. A
-tiny-kit model's fingerprint comes from its recipe (the kit hash), so computing it builds nothing.
+vocabulary, and what names the weights (a local checkpoint's sha256, a hub model's resolved commit) — is
+stamped on every artifact so nothing built for one target, or for other weights, is used with another. A
+tiny-kit model's fingerprint comes from its recipe (the kit hash), so computing it builds nothing; its
+files are checked against the hashes recorded at build time whenever they are loaded.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from pipeline.checksums import StatCache, tree_digest
 from pipeline.errors import DrafterError
 from pipeline.vocab.tokens import vocab_hash
 
@@ -108,17 +112,107 @@ def _tiny_fingerprint(name: str, revision: str | None, tokenizer_name: str) -> t
     return (("model", name), ("revision", revision or kit_hash(profile)), ("vocab_hash", vocab))
 
 
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json")
+"""What defines a local checkpoint's weights (the loader reads safetensors only)."""
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def weights_stat_cache() -> StatCache:
+    """The digest cache of local weight files, beside the tiny kits under the drafter cache."""
+    from pipeline.tiny import default_cache_dir
+
+    return StatCache(default_cache_dir() / "weights-sha256.json")
+
+
+def local_weights_digest(directory: Path, cache: StatCache | None = None) -> str:
+    """sha256 over a local checkpoint's safetensors files (header and data) and its config.json.
+
+    Files are hashed through a :class:`~pipeline.checksums.StatCache`, so a second plan on an unchanged 16 GB
+    checkpoint costs a ``stat`` per file instead of a minute of hashing (``drafter bench fingerprint``).
+
+    Raises:
+        DrafterError: The directory holds no safetensors weights.
+    """
+    cache = cache or weights_stat_cache()
+    files = sorted({f for pattern in WEIGHT_FILES for f in directory.glob(pattern) if f.is_file()})
+    if not any(f.suffix == ".safetensors" for f in files):
+        raise DrafterError(f"{str(directory)!r} holds no safetensors weights.",
+                           expected="model*.safetensors written by save_pretrained (the loader never unpickles "
+                                    ".bin files)",
+                           found=", ".join(sorted(p.name for p in directory.iterdir())[:8]) or "nothing",
+                           fix="Save the model with save_pretrained(safe_serialization=True) or convert its .bin "
+                               "weights to safetensors.")
+    return "sha256:" + tree_digest({f.name: cache.sha256(f) for f in files})
+
+
+def hub_commit(name: str, revision: str | None) -> str:
+    """The commit a hub reference resolves to: the revision itself when it is a commit sha, else the commit
+    the local Hugging Face cache recorded for it, else the hub's answer.
+
+    Raises:
+        DrafterError: The commit cannot be resolved offline and the hub is unreachable.
+    """
+    if revision and _COMMIT.fullmatch(revision):
+        return revision
+    from huggingface_hub import constants
+
+    ref = Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}" / "refs" / (revision or "main")
+    if ref.is_file() and _COMMIT.fullmatch(commit := ref.read_text().strip()):
+        return commit
+    try:
+        from huggingface_hub import HfApi
+
+        sha = HfApi().model_info(name, revision=revision, timeout=10).sha
+    except Exception as err:  # noqa: BLE001 - offline, unknown repo, auth: one answer for all
+        raise DrafterError(
+            f"Cannot tell which commit {name!r}@{revision or 'main'} is: it is not in the local Hugging Face "
+            f"cache and the hub did not answer ({type(err).__name__}).",
+            expected="a revision that resolves to a commit (artifact ids hold the weights' commit)",
+            found=f"revision {revision!r}",
+            fix="Pin target.revision (or the drafter's) to a 40-character commit sha, download the model into the "
+                "Hugging Face cache, or pass a local directory.") from err
+    if not sha:
+        raise DrafterError(f"The hub gave no commit for {name!r}@{revision or 'main'}.",
+                           fix="Pin the revision to a commit sha.")
+    return sha
+
+
+def weights_identity(ref: ModelRef) -> str | None:
+    """What names a model's weights in artifact ids: a local checkpoint's digest, a hub model's commit; None for a
+    tiny-kit model, whose kit hash (its revision) already names them."""
+    if ref.name.startswith(TINY_PREFIX):
+        return None
+    if ref.is_local:
+        return local_weights_digest(Path(ref.location))
+    return "commit:" + hub_commit(ref.name, ref.revision)
+
+
+def _stat_signature(name: str | None) -> tuple:
+    """(file, size, mtime) of a local directory's files: a cached fingerprint is reused only while it holds."""
+    if not name or name.startswith(TINY_PREFIX):
+        return ()
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        return ()
+    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file()))
+
+
 @lru_cache(maxsize=16)
-def _fingerprint_cached(name: str, revision: str | None, tokenizer_name: str | None, trust: bool) -> tuple:
-    if name.startswith(TINY_PREFIX) and (tokenizer_name or name).startswith(TINY_PREFIX):
-        return _tiny_fingerprint(name, revision, tokenizer_name or name)
+def _fingerprint_cached(name: str, revision: str | None, tokenizer_name: str | None, trust: bool,
+                        _signature: tuple) -> tuple:
     ref = resolve_ref(name, revision)
     tok = load_tokenizer(tokenizer_name or name, revision, trust_remote_code=trust)
-    return (("model", ref.name), ("revision", ref.revision), ("vocab_hash", vocab_hash(tok)),
-            ("vocab_size", len(tok)))
+    items = [("model", ref.name), ("revision", ref.revision), ("vocab_hash", vocab_hash(tok)), ("vocab_size", len(tok))]
+    if (weights := weights_identity(ref)) is not None:
+        items.append(("weights", weights))
+    return tuple(items)
 
 
 def fingerprint(name: str, revision: str | None = None, tokenizer: str | None = None,
                 trust_remote_code: bool = False) -> dict:
-    """The target fingerprint stamped on artifacts: model name, revision, tokenizer vocab hash."""
-    return dict(_fingerprint_cached(name, revision, tokenizer, trust_remote_code))
+    """The target fingerprint stamped on artifacts: model name, revision, tokenizer vocab hash and what names the
+    weights (a local checkpoint's digest, a hub model's commit; a tiny-kit model's kit hash is its revision)."""
+    if name.startswith(TINY_PREFIX) and (tokenizer or name).startswith(TINY_PREFIX):
+        return dict(_tiny_fingerprint(name, revision, tokenizer or name))
+    signature = (_stat_signature(name), _stat_signature(tokenizer))
+    return dict(_fingerprint_cached(name, revision, tokenizer, trust_remote_code, signature))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.checksums import sha256_file  # noqa: F401 - re-exported: checkpoints and bundles use it
 from pipeline.errors import DrafterError
 
 SCHEMA_VERSION = 1
@@ -35,14 +36,6 @@ SAFE_SUFFIXES = (".safetensors", ".arrow", ".parquet", ".json", ".jsonl", ".txt"
 
 def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def artifact_id(stage: str, config: Any, inputs: list[str], fingerprint: dict | None) -> str:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.checksums import sha256_file
 from pipeline.errors import DrafterError
 from pipeline.tiny.spec import PROFILES, ROLES, default_cache_dir, get_profile, kit_hash
 
@@ -64,12 +65,46 @@ def _kit_dir(profile: str, cache_dir: Path | None) -> tuple[Path, str]:
     return parent / "tiny" / f"{profile}-{digest}", digest
 
 
-def _load_kit(root: Path, profile: str, digest: str) -> TinyKit | None:
-    """The kit at ``root`` if it is complete (report present and every role saved), else None."""
+def _kit_files(root: Path) -> dict[str, str]:
+    """sha256 of every file of every role, by path relative to the kit root."""
+    return {str(f.relative_to(root)): sha256_file(f)
+            for role in ROLES for f in sorted((root / role).rglob("*")) if f.is_file()}
+
+
+def _verify(root: Path, report: dict) -> None:
+    """Refuse a kit whose files differ from the hashes recorded when it was built (as artifacts are checked)."""
+    recorded: dict[str, str] = report.get("sha256") or {}
+    found = _kit_files(root)
+    changed = sorted(name for name in recorded.keys() & found.keys() if recorded[name] != found[name])
+    missing, added = sorted(recorded.keys() - found.keys()), sorted(found.keys() - recorded.keys())
+    if changed or missing or added or not recorded:
+        first = changed[0] if changed else None
+        raise DrafterError(
+            f"The tiny kit at {root} is not the one that was built: "
+            + "; ".join(part for part in (
+                f"{len(changed)} file(s) changed ({', '.join(changed[:3])})" if changed else "",
+                f"missing {', '.join(missing[:3])}" if missing else "",
+                f"added {', '.join(added[:3])}" if added else "",
+                "no recorded hashes" if not recorded else "") if part),
+            expected=f"{first}: sha256 {recorded[first][:16]}…" if first else "the files recorded in report.json",
+            found=f"{first}: sha256 {found[first][:16]}…" if first else "other files",
+            fix=f"Rebuild it: `drafter tiny --profile {report.get('profile', '<profile>')} --force` (or delete {root}).")
+
+
+def _load_kit(root: Path, profile: str, digest: str, *, verify: bool = True) -> TinyKit | None:
+    """The kit at ``root`` if it is complete (report present and every role saved), else None; with ``verify``,
+    every file is checked against the sha256 recorded at build time.
+
+    Raises:
+        DrafterError: A complete kit whose files were changed, removed or added after it was built.
+    """
     report_path = root / REPORT_FILE
     if not report_path.is_file() or not all((root / role / "config.json").is_file() for role in ROLES):
         return None
-    return TinyKit(root, profile, digest, json.loads(report_path.read_text()))
+    report = json.loads(report_path.read_text())
+    if verify:
+        _verify(root, report)
+    return TinyKit(root, profile, digest, report)
 
 
 def build_kit(
@@ -131,7 +166,8 @@ def _build_locked(profile: str, root: Path, digest: str, log: Callable[[str], No
     try:
         start = time.perf_counter()
         report = build_into(spec, tmp, log)
-        report.update(profile=profile, kit_hash=digest, build_seconds=round(time.perf_counter() - start, 1))
+        report.update(profile=profile, kit_hash=digest, build_seconds=round(time.perf_counter() - start, 1),
+                      sha256=_kit_files(tmp))
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True))
         os.rename(tmp, root)
     except BaseException:
@@ -163,7 +199,7 @@ def parse_tiny_ref(ref: str) -> tuple[str, str]:
 def kit_status(profile: str, cache_dir: Path | None = None) -> tuple[Path, str, bool]:
     """Where a profile's kit lives, its content hash, and whether it is built — without building it."""
     root, digest = _kit_dir(profile, cache_dir)
-    return root, digest, _load_kit(root, profile, digest) is not None
+    return root, digest, _load_kit(root, profile, digest, verify=False) is not None
 
 
 def resolve_tiny_ref(ref: str, cache_dir: Path | None = None) -> Path:

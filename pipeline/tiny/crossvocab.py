@@ -156,10 +156,10 @@ def aligned_distill_loss(
         idx = next(aligned)
         with torch.no_grad():
             log_p, mask = soft_targets(
-                teacher(input_ids=rows.target[idx]).logits, rows.target_pos[idx], shared[0]
+                teacher(input_ids=rows.target[idx]).logits.float(), rows.target_pos[idx], shared[0]
             )
         batch = torch.cat([rows.drafter[idx], next(chats)])
-        logits = model(input_ids=batch).logits
+        logits = model(input_ids=batch).logits.float()
         hard = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
         return hard + aligned_loss(logits[:half], log_p, mask, shared[1])
 

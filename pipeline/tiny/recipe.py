@@ -41,6 +41,7 @@ from pipeline.tiny.text_tokenizers import byte_tokenizer, train_tokenizer
 from pipeline.tiny.train import (
     build_model,
     distill_loss,
+    fast_bf16,
     generate,
     measure,
     next_token_loss,
@@ -119,6 +120,7 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
         The report (figures of every stage), without build time, which the caller adds.
     """
     torch.manual_seed(spec.seed)
+    bf16 = spec.mixed_precision and fast_bf16()
     convs, data_report = load_sharegpt()
     train_convs = split_heldout(convs, DEFAULT_HELDOUT_FRACTION, heldout=False)[: spec.train_conversations]
     eval_convs = split_heldout(convs, DEFAULT_HELDOUT_FRACTION, heldout=True)[: spec.eval_conversations]
@@ -137,7 +139,7 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
     log(f"  target: {param_count(target):,} params, {spec.target_steps} steps on {rows_t.numel():,} tokens")
     target_losses = train(
         target, next_token_loss(rows_t, spec.batch_size, spec.seed), steps=spec.target_steps,
-        lr=spec.target_lr, seed=spec.seed, log=log, name="target",
+        lr=spec.target_lr, seed=spec.seed, log=log, name="target", bf16=bf16,
     )  # fmt: skip
 
     prompts = corpus.first_user_prompts(train_chats)[: spec.gen_prompts]
@@ -156,7 +158,7 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
     drafter_mix = _mix(rows_t, written_t, drafter_rows, spec.seed)
     drafter_losses = train(
         drafter, distill_loss(drafter_mix, target, spec.batch_size, spec.seed + 3), steps=spec.drafter_steps,
-        lr=spec.drafter_lr, seed=spec.seed + 3, log=log, name="drafter (KL to target)",
+        lr=spec.drafter_lr, seed=spec.seed + 3, log=log, name="drafter (KL to target)", bf16=bf16,
     )  # fmt: skip
 
     rows_o = corpus.pack(corpus.render_ids(tok_o, train_chats), spec.context)
@@ -177,7 +179,7 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
     )
     other_losses = train(
         other, other_loss, steps=spec.other_steps, lr=spec.other_lr, seed=spec.seed + 4, log=log,
-        name="drafter_other (aligned soft targets)",
+        name="drafter_other (aligned soft targets)", bf16=bf16,
     )  # fmt: skip
 
     tok_b = byte_tokenizer("bytelevel")
@@ -191,7 +193,7 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
         f"{spec.batch_size}x{spec.byte_context} bytes")  # fmt: skip
     byte_losses = train(
         byte_model, next_token_loss(byte_mix, spec.batch_size, spec.seed + 5), steps=spec.byte_steps,
-        lr=spec.byte_lr, seed=spec.seed + 5, log=log, name="drafter_bytes (next-byte CE)",
+        lr=spec.byte_lr, seed=spec.seed + 5, log=log, name="drafter_bytes (next-byte CE)", bf16=bf16,
     )  # fmt: skip
 
     for role, model, tok in (
@@ -249,5 +251,6 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
             "target_heldout_nats_per_byte": round(target_heldout["loss"] / bytes_per_token, 4),
         },
         "context": spec.context,
+        "train_precision": "bfloat16 autocast" if bf16 else "float32",
     }
     return report

@@ -79,7 +79,7 @@ def next_token_loss(rows: torch.Tensor, batch_size: int, seed: int) -> StepLoss:
 
     def step(model: Any) -> torch.Tensor:
         batch = next(stream)
-        logits = model(input_ids=batch).logits
+        logits = model(input_ids=batch).logits.float()
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
 
     return step
@@ -92,12 +92,19 @@ def distill_loss(rows: torch.Tensor, teacher: Any, batch_size: int, seed: int) -
     def step(model: Any) -> torch.Tensor:
         batch = next(stream)
         with torch.no_grad():
-            target_logp = F.log_softmax(teacher(input_ids=batch).logits, dim=-1)
-        kl = F.kl_div(F.log_softmax(model(input_ids=batch).logits, dim=-1), target_logp, log_target=True,
+            target_logp = F.log_softmax(teacher(input_ids=batch).logits.float(), dim=-1)
+        kl = F.kl_div(F.log_softmax(model(input_ids=batch).logits.float(), dim=-1), target_logp, log_target=True,
                       reduction="none")  # fmt: skip
         return kl.sum(-1).mean()
 
     return step
+
+
+def fast_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), where mixed precision pays."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
 
 
 def train(
@@ -109,8 +116,13 @@ def train(
     seed: int,
     log: Callable[[str], None],
     name: str,
+    bf16: bool = False,
 ) -> list[float]:
-    """Train ``model`` for ``steps`` AdamW steps on ``step_loss``; returns the per-step losses."""
+    """Train ``model`` for ``steps`` AdamW steps on ``step_loss``; returns the per-step losses.
+
+    With ``bf16`` the forward passes run under bfloat16 autocast (weights, optimizer state and losses stay
+    float32): ~1.5x faster on a CPU with native bfloat16 dot products.
+    """
     torch.manual_seed(seed)
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -125,7 +137,8 @@ def train(
         for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, steps, lr)
-            loss = step_loss(model)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = step_loss(model)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

@@ -141,3 +141,36 @@ def test_slrs_without_shared_specials_on_a_bos_only_prompt(setting: str, kit, ca
     assert len(result.tokens) == new or result.tokens[-1] == target_tok.eos_token_id
     if SETTINGS[setting].greedy:
         assert result.tokens == greedy_reference["bos_only"]
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_first_rounds_repeat_the_loops_first_round_after_one_prefill(kit, proposers, cases, method: str) -> None:
+    """evaluate's losslessness check draws n first rounds after one prefill (`first_rounds`): the target's cache is
+    cropped back and the proposer re-syncs to the context each time. Greedy, every draw must emit exactly what the
+    decode loop's first round emits, and the proposer must draft in every round it drafts in the loop; at
+    temperature 1 the first tokens are samples of the target's p (chi-square over 300 draws, pooled tail, fails
+    below p = 1e-4; no zero-probability token)."""
+    import numpy as np
+
+    from pipeline.engine.loop import first_rounds
+    from pipeline.engine.sampling import standardise
+    from pipeline.evaluation.evaluator import chi_square_first_token
+
+    target, _ = kit["target"]
+    prompt, _ = cases["ordinary"]
+    loop = generate_speculative(target, proposers[method], prompt, GAMMA + 1, GAMMA, SETTINGS["greedy"],
+                                torch.Generator().manual_seed(0))
+    first = loop.tokens[: loop.accepted_per_round[0] + 1]
+    rounds = first_rounds(target, proposers[method], prompt, GAMMA, SETTINGS["greedy"],
+                          torch.Generator().manual_seed(0), 3)
+    assert [r.emitted for r in rounds] == [first] * 3
+    assert [r.drafted for r in rounds] == [loop.drafted_per_round[0]] * 3
+    params = SETTINGS["t1"]
+    with torch.no_grad():
+        p = standardise(target(torch.tensor([prompt])).logits[0, -1], params).numpy()
+    counts = np.zeros(p.size, dtype=np.int64)
+    for step in first_rounds(target, proposers[method], prompt, GAMMA, params, torch.Generator().manual_seed(1), 300):
+        counts[step.emitted[0]] += 1
+    assert counts[p == 0].sum() == 0
+    pvalue, _ = chi_square_first_token(counts, p)
+    assert pvalue >= 1e-4, (method, pvalue)

@@ -1,0 +1,75 @@
+"""File checksums every layer shares: sha256 of a file, of a directory's files, and a stat cache.
+
+Artifacts, checkpoints, bundles, the tiny kit and model weights are all checked by sha256. Hashing a
+16 GB local checkpoint takes about a minute, too slow to repeat on every ``drafter plan``, so
+:class:`StatCache` remembers each file's digest under its (path, size, mtime) and hashes again only
+when one of those changes (retraining in place, copying over, ``touch``). A file rewritten with the same
+size and its old mtime restored would be missed; nothing the pipeline or a training run does keeps
+mtimes, so this is the trade every build tool with a stat cache makes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+CHUNK = 1 << 20
+
+
+def sha256_file(path: str | Path, chunk: int = CHUNK) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tree_digest(files: dict[str, str]) -> str:
+    """One digest over ``{relative name: sha256}`` (order-free): names and contents both count."""
+    payload = json.dumps(sorted(files.items()), separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+class StatCache:
+    """sha256 of files, remembered by (absolute path, size, mtime in ns) in one JSON file.
+
+    Args:
+        path: The cache file (created on first write; written atomically; a damaged one is ignored).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.hashed = 0
+        """Files actually read by :meth:`sha256` (the rest were cache hits)."""
+        try:
+            self._entries: dict[str, dict] = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self._entries = {}
+
+    def sha256(self, file: str | Path) -> str:
+        """The file's sha256, from the cache while its size and mtime are unchanged."""
+        file = Path(file).resolve()
+        stat = file.stat()
+        key = str(file)
+        entry = self._entries.get(key)
+        if entry and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
+            return str(entry["sha256"])
+        digest = sha256_file(file)
+        self.hashed += 1
+        self._entries[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+        self._save()
+        return digest
+
+    def _save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".stat-", dir=self.path.parent)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(self._entries, fh)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only cache directory only costs a re-hash next time

@@ -1,0 +1,116 @@
+"""Artifact ids see the weights: a local checkpoint's files, a hub model's commit, the tiny kit's recorded hashes.
+
+Before, a target's fingerprint was its name, revision and vocabulary: retraining a local target in place and
+rerunning gave a cache hit on stale artifacts, and a damaged tiny kit published different data under the clean id.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.checksums import StatCache
+from pipeline.errors import DrafterError
+from pipeline.models import loading
+from pipeline.orchestration.dag import plan
+from tests.test_stages import small_cfg
+
+READS_TARGET = {"generate", "count", "train_drafter", "cluster", "train_router", "estimate_rdk", "evaluate"}
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _perturb_in_place(directory: Path) -> None:
+    """Retrain in place, as far as the files can tell: one weight moves, save_pretrained overwrites."""
+    import torch
+
+    model = loading.load_model(str(directory))
+    with torch.no_grad():
+        next(model.parameters())[0, 0] += 0.5
+    model.save_pretrained(str(directory))
+
+
+def test_retraining_a_local_target_in_place_changes_every_id_that_reads_it(tmp_path: Path, tiny_kit) -> None:
+    target = _copy_model(tiny_kit.path("target"), tmp_path / "my-target")
+    cfg = small_cfg(tmp_path, f"target.model={target}")
+    before = {name: step.id for name, step in plan(cfg).stages.items()}
+    assert plan(cfg).stages["generate"].fingerprint["weights"].startswith("sha256:")
+    _perturb_in_place(target)
+    after = {name: step.id for name, step in plan(cfg).stages.items()}
+    # every stage's artifact is stamped with the target's fingerprint
+    assert {name for name in before if before[name] != after[name]} == READS_TARGET
+
+
+def test_the_stat_cache_hashes_a_checkpoint_once_until_a_file_changes(tmp_path: Path, tiny_kit) -> None:
+    target = _copy_model(tiny_kit.path("target"), tmp_path / "ckpt")
+    cache = StatCache(tmp_path / "stat.json")
+    first = loading.local_weights_digest(target, cache)
+    assert cache.hashed == 2  # model.safetensors and config.json
+    again = StatCache(tmp_path / "stat.json")  # a new process: the cache is on disk
+    assert loading.local_weights_digest(target, again) == first and again.hashed == 0
+    weights = target / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # touched: hashed again
+    assert loading.local_weights_digest(target, again) == first and again.hashed == 1
+    _perturb_in_place(target)
+    assert loading.local_weights_digest(target, again) != first
+
+
+def test_a_local_directory_without_safetensors_is_refused(tmp_path: Path, tiny_kit) -> None:
+    target = _copy_model(tiny_kit.path("target"), tmp_path / "bin-only")
+    (target / "model.safetensors").rename(target / "pytorch_model.bin")
+    with pytest.raises(DrafterError, match="holds no safetensors weights"):
+        loading.local_weights_digest(target)
+
+
+def _hub_cache(root: Path, name: str, commits: dict[str, Path]) -> None:
+    """A Hugging Face cache entry as a download leaves it: refs/main -> commit, snapshots/<commit>/ files."""
+    repo = root / f"models--{name.replace('/', '--')}"
+    for commit, files in commits.items():
+        shutil.copytree(files, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+
+
+def test_a_hub_models_id_holds_the_commit_its_revision_resolves_to(tmp_path: Path, tiny_kit,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    old, new = "a" * 40, "b" * 40
+    _hub_cache(cache, "org/tiny-target", {old: tiny_kit.path("target"), new: tiny_kit.path("target")})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (cache / "models--org--tiny-target" / "refs" / "main").write_text(old)
+    assert loading.hub_commit("org/tiny-target", None) == old
+    (cache / "models--org--tiny-target" / "refs" / "main").write_text(new)
+    assert loading.hub_commit("org/tiny-target", None) == new  # main moved on: another commit, another id
+    assert loading.hub_commit("org/tiny-target", old) == old  # a pinned commit needs no lookup
+    with pytest.raises(DrafterError, match="Pin target.revision"):
+        loading.hub_commit("org/never-downloaded", "v1.0")
+
+
+def test_a_damaged_tiny_kit_is_refused_when_loaded(tmp_path: Path, tiny_kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    from jobs import generate
+    from pipeline.tiny import build_kit
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_kit.root, cache / "tiny" / tiny_kit.root.name)
+    monkeypatch.setenv("DRAFTER_CACHE", str(cache))
+    assert build_kit("test", cache).root == cache / "tiny" / tiny_kit.root.name  # the clean copy loads
+    weights = cache / "tiny" / tiny_kit.root.name / "target" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(DrafterError, match=r"not the one that was built: 1 file\(s\) changed \(target/model.safetensors\)"):
+        build_kit("test", cache)
+    cfg = small_cfg(tmp_path / "work")
+    with pytest.raises(DrafterError, match="drafter tiny --profile test --force"):
+        generate.main(cfg)
+    assert not (tmp_path / "work" / "artifacts").exists() or not any((tmp_path / "work" / "artifacts").glob("generate-*"))
