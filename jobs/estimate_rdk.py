@@ -3,8 +3,9 @@
 Run alone with ``drafter estimate_rdk --config configs/tiny.yaml`` (it reuses, or first builds, the calibration set
 of ``generate`` and the counts of ``count``). A Lightning ``predict`` pass runs the frozen target over the
 calibration rows' answer positions, shard by shard: each shard's sums (``Σp`` and the sparse ``Σ p_K p_Kᵀ`` of
-each distribution's top-k entries, :mod:`pipeline.rdk.moments`) are saved atomically to the staging directory,
-so a killed job resumes from the shards it finished and ranks (``estimate_rdk.devices``/``num_nodes``) split
+each distribution's top-k entries, :mod:`pipeline.rdk.moments`) are saved atomically to the staging directory
+with their checksum, so a killed job resumes from the shards it finished (redoing any that no longer match their
+checksum, :mod:`pipeline.orchestration.staged`) and ranks (``estimate_rdk.devices``/``num_nodes``) split
 the shards; rank 0 adds them up. Then, on held-out conversations, it measures α for TLI and each redistribution
 for every kept set — the FR pruning levels of ``evaluate.drafter`` and ``T ∩ D`` of ``evaluate.drafter_other`` —
 and chooses τ (grid) and the prior weight (:func:`pipeline.rdk.prior.analyse`); the same choices are then scored
@@ -22,6 +23,7 @@ from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
 from pipeline.training.harness import shard_trainer
 
@@ -93,7 +95,7 @@ def _make_module(cfg: PipelineConfig, shards: list[list], pending: list[int], st
             if probs is not None:
                 sums.add(probs)
                 self.positions += probs.shape[0]
-            sums.save(staging / SHARD.format(shard))
+            write_staged(staging / SHARD.format(shard), sums.save)
             self.seconds += time.perf_counter() - start
             if self.progress is not None:
                 self.progress.update(1, contexts_per_s=self.positions / max(self.seconds, 1e-9))
@@ -109,7 +111,8 @@ def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tu
 
     er = cfg.estimate_rdk
     shards = [train[i : i + er.shard_rows] for i in range(0, len(train), er.shard_rows)]
-    pending = [i for i in range(len(shards)) if not (run.staging / SHARD.format(i)).is_file()]
+    # a staged shard counts as done only if it matches its checksum; a damaged one is deleted (logged) and redone
+    pending = [i for i in range(len(shards)) if not staged_ok(run.staging / SHARD.format(i), run.log)]
     run.log(f"{len(train)} rows in {len(shards)} shards; {len(shards) - len(pending)} already summed (resumed)")
     started = time.perf_counter()
     module = None
@@ -120,10 +123,11 @@ def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tu
         trainer.strategy.barrier()
         if not trainer.is_global_zero:
             return None
-    missing = [i for i in range(len(shards)) if not (run.staging / SHARD.format(i)).is_file()]
-    if missing:
-        raise DrafterError(f"{len(missing)} of {len(shards)} RDK moment shards are missing after estimation.",
-                           fix="Rerun the same command: finished shards are kept and only the rest run.")
+    unsound = [SHARD.format(i) for i in range(len(shards)) if not staged_ok(run.staging / SHARD.format(i), run.log)]
+    if unsound:
+        raise DrafterError(f"{len(unsound)} of {len(shards)} RDK moment shards are missing or damaged after "
+                           f"estimation: {', '.join(unsound[:8])}{' …' if len(unsound) > 8 else ''}.",
+                           fix="Rerun the same command: sound shards are kept and only these are redone.")
     total = MomentSums(vocab, er.top_k)
     for i in range(len(shards)):
         total.merge(MomentSums.load(run.staging / SHARD.format(i)))

@@ -4,8 +4,9 @@ Run alone with ``drafter generate --config configs/tiny.yaml``. Prompts come fro
 dataset (held-out conversations excluded, so ``evaluate`` never sees them); each is cut to its first
 user turn and rendered with the chat template. A Lightning ``predict`` loop answers them in batches
 (left padding, KV cache, temperature/top-p), one *shard* of prompts per predict step. Shards are
-dealt to ranks round-robin and each is written atomically when complete, so a killed run restarted
-with the same config skips finished shards and ends with exactly the rows of an uninterrupted run.
+dealt to ranks round-robin and each is written atomically, with its checksum, when complete, so a killed
+run restarted with the same config skips finished shards (redoing any that no longer match their checksum,
+:mod:`pipeline.orchestration.staged`) and ends with exactly the rows of an uninterrupted run.
 Shard ``i`` samples with seed ``seed + i``: the rows do not depend on how many ranks ran.
 ``kind: raw`` stores the dataset's own assistant turns instead (no model runs), for comparison.
 """
@@ -25,7 +26,6 @@ from pipeline.data.calibration import (
     first_prompt,
     raw_row,
     read_shard,
-    shard_files,
     shard_name,
     write_shard,
 )
@@ -35,6 +35,7 @@ from pipeline.models.target import Target
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
 from pipeline.training.harness import shard_trainer
 
@@ -101,7 +102,7 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
                     seconds = self.generate_seconds + time.perf_counter() - start
                     self.progress.update(len(batch), tokens_per_s=self.generated_tokens / max(seconds, 1e-9))
             self.generate_seconds += time.perf_counter() - start
-            write_shard(staging / shard_name(shard), rows)
+            write_staged(staging / shard_name(shard), lambda tmp: write_shard(tmp, rows))
             return len(rows)
 
         def _answer(self, batch: list[tuple[str, list[int]]]) -> list[dict]:
@@ -142,8 +143,8 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
         prompts = [(c.id, encode_prompt(tokenizer, msgs, gen.max_prompt_tokens))
                    for c in convs if (msgs := first_prompt(c)) is not None]
     n_shards = (len(prompts) + gen.shard_size - 1) // gen.shard_size
-    done = {p.name for p in shard_files(run.staging)}
-    pending = [i for i in range(n_shards) if shard_name(i) not in done]
+    # a staged shard counts as done only if it matches its checksum; a damaged one is deleted (logged) and redone
+    pending = [i for i in range(n_shards) if not staged_ok(run.staging / shard_name(i), run.log)]
     run.log(f"{len(prompts)} prompts in {n_shards} shards; {n_shards - len(pending)} already done (resumed)")
     started = time.perf_counter()
     generated, gen_seconds = 0, 0.0
@@ -151,7 +152,7 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
         for shard in pending:
             rows = [r for _, c in prompts[shard * gen.shard_size : (shard + 1) * gen.shard_size]
                     if (r := raw_row(tokenizer, c, gen.max_prompt_tokens + gen.max_new_tokens)) is not None]
-            write_shard(run.staging / shard_name(shard), rows)
+            write_staged(run.staging / shard_name(shard), lambda tmp, rows=rows: write_shard(tmp, rows))
     elif pending:
         module = _make_module(cfg, prompts, pending, run.staging)
         trainer = shard_trainer("generate", gen.accelerator, gen.devices, gen.num_nodes)
@@ -160,11 +161,12 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
         generated, gen_seconds = module.generated_tokens, module.generate_seconds
         if not trainer.is_global_zero:
             return None
-    files = shard_files(run.staging)
-    missing = n_shards - len(files)
-    if missing:
-        raise DrafterError(f"{missing} of {n_shards} calibration shards are missing after generation.",
-                           fix="Rerun the same command: finished shards are kept and only the rest run.")
+    files = [run.staging / shard_name(i) for i in range(n_shards)]
+    unsound = [p.name for p in files if not staged_ok(p, run.log)]  # checked again before anything is published
+    if unsound:
+        raise DrafterError(f"{len(unsound)} of {n_shards} calibration shards are missing or damaged after "
+                           f"generation: {', '.join(unsound[:8])}{' …' if len(unsound) > 8 else ''}.",
+                           fix="Rerun the same command: sound shards are kept and only these are redone.")
     tables = [read_shard(p) for p in files]
     rows = sum(t.num_rows for t in tables)
     assistant = sum(sum(m) for t in tables for m in t.column("loss_mask").to_pylist())

@@ -13,10 +13,12 @@ from safetensors.numpy import save_file
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import (
     FOREIGN_TMP_MAX_AGE_S,
+    SCHEMA_VERSION,
     ArtifactStore,
     artifact_id,
     check_fingerprint,
     load_artifact,
+    seal_manifest,
     sha256_file,
     temp_owner,
 )
@@ -124,9 +126,83 @@ def test_sweep_keeps_another_hosts_in_flight_write(tmp_path: Path) -> None:
 
 
 def test_not_an_artifact_and_corrupt_manifest(tmp_path: Path) -> None:
-    with pytest.raises(DrafterError, match="no manifest.json"):
+    """No manifest, one that is not JSON, and one that is JSON but not an object: each refused naming the
+    manifest and saying to delete the directory and rerun (never a raw JSON or attribute error)."""
+    with pytest.raises(DrafterError, match="no manifest.json") as err:
         load_artifact(tmp_path)
+    assert f"Delete {tmp_path} and rerun" in str(err.value)
     art = _make(ArtifactStore(tmp_path / "s"))
-    (art.path / "manifest.json").write_text("{not json")
-    with pytest.raises(DrafterError, match="corrupt"):
+    manifest = art.path / "manifest.json"
+    manifest.write_text("{not json")
+    with pytest.raises(DrafterError, match="corrupt: it is not JSON") as err:
         load_artifact(art.path)
+    assert str(manifest) in str(err.value) and f"Delete {art.path} and rerun" in str(err.value)
+    manifest.write_text("[1, 2]")
+    with pytest.raises(DrafterError, match="corrupt: it is not a JSON object"):
+        load_artifact(art.path)
+
+
+def test_edited_manifest_is_refused_naming_what_changed(tmp_path: Path) -> None:
+    """Edited metrics are refused naming the manifest, the field and the fix; an edited fingerprint whose
+    checksums were recomputed is still refused: the manifest's identity no longer hashes to its id."""
+    art = _make(ArtifactStore(tmp_path))
+    manifest = art.path / "manifest.json"
+    original = json.loads(manifest.read_text())
+    assert original["schema_version"] == SCHEMA_VERSION and original["manifest_sha256"]
+    edited = json.loads(manifest.read_text())
+    edited["metrics"]["tokens"] = 10**6
+    manifest.write_text(json.dumps(edited))
+    with pytest.raises(DrafterError, match="was changed after its stage wrote it: metrics changed") as err:
+        load_artifact(art.path)
+    assert str(manifest) in str(err.value) and f"Delete {art.path} and rerun" in str(err.value)
+    resealed = seal_manifest({**original, "fingerprint": {**FP, "vocab_hash": "v2"}})
+    manifest.write_text(json.dumps(resealed))
+    with pytest.raises(DrafterError, match="does not match its id") as err:
+        load_artifact(art.path)
+    assert f"id {art.id}" in str(err.value)
+    manifest.write_text(json.dumps(original, indent=4))  # the same content laid out differently is still sound
+    assert load_artifact(art.path).metrics == {"tokens": 10}
+
+
+def test_manifest_of_an_older_schema_is_refused(tmp_path: Path) -> None:
+    """A manifest written before manifests carried their checksum (schema 1) cannot be verified: refused,
+    saying to rebuild (the pipeline's own store never meets one: the schema is part of every id)."""
+    art = _make(ArtifactStore(tmp_path))
+    manifest = art.path / "manifest.json"
+    old = {k: v for k, v in json.loads(manifest.read_text()).items()
+           if k not in ("manifest_sha256", "field_sha256")}
+    manifest.write_text(json.dumps({**old, "schema_version": 1}))
+    with pytest.raises(DrafterError, match="schema version 1, written by an older pipeline") as err:
+        load_artifact(art.path)
+    assert f"Delete {art.path} and rerun" in str(err.value)
+
+
+def test_store_moves_a_damaged_artifact_aside_and_rebuilds_under_its_id(tmp_path: Path) -> None:
+    """The pipeline's own store never hands out a damaged entry: edited metrics, a deleted manifest, a
+    directory holding another id and a changed payload are each moved to .damaged/ with a line saying what was
+    wrong, and the rebuild publishes under the id again (a deleted manifest no longer blocks it)."""
+    store = ArtifactStore(tmp_path)
+    lines: list[str] = []
+    art = _make(store)
+    manifest = art.path / "manifest.json"
+    edited = json.loads(manifest.read_text())
+    edited["metrics"]["tokens"] = 10**6
+    manifest.write_text(json.dumps(edited))
+    with pytest.raises(DrafterError, match="metrics changed"):
+        store.get(art.id)
+    assert store.reusable(art.id, lines.append, move_aside=False) is None and art.path.is_dir() and not lines
+    assert store.reusable(art.id, lines.append) is None and not art.path.exists()
+    assert "damaged and will be rebuilt" in lines[-1] and "metrics changed" in lines[-1] and ".damaged" in lines[-1]
+    rebuilt = _make(store)
+    assert store.reusable(rebuilt.id, lines.append).metrics == {"tokens": 10}
+    manifest.unlink()
+    assert store.reusable(art.id, lines.append) is None and "no manifest.json" in lines[-1]
+    assert _make(store).id == art.id
+    other = _make(store, config={"k": 2})
+    os.rename(art.path, tmp_path / "moved")
+    os.rename(other.path, art.path)
+    assert store.reusable(art.id, lines.append) is None and f"holds artifact {other.id}" in lines[-1]
+    rebuilt = _make(store)
+    (rebuilt.path / "info.json").write_text(json.dumps({"a": 2}))  # a payload changed: the same treatment
+    assert store.reusable(art.id, lines.append) is None and "'info.json' of artifact" in lines[-1]
+    assert len(list((tmp_path / ".damaged").iterdir())) == 4 and len(lines) == 4

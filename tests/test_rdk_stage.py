@@ -6,6 +6,7 @@ in a real MLflow server; bad input gives clear errors."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import torch
 from jobs import evaluate, run
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
+from pipeline.orchestration.artifacts import ArtifactWriter
+from pipeline.orchestration.dag import plan
 from pipeline.rdk.affinity import Affinity, dense_affinity
 from pipeline.rdk.moments import MOMENTS_FILE, MomentSums
 from pipeline.rdk.prior import INTERSECTION, RDKPrior
@@ -123,6 +126,38 @@ def test_killed_estimation_resumes_to_the_same_bytes(estimated, tmp_path: Path) 
     kill_when(cmd, workdir, "staging/estimate_rdk-*/sums-*.safetensors", stage="estimate_rdk")
     resumed = run(rdk_cfg(workdir), ["estimate_rdk"])["estimate_rdk"]
     assert resumed.id == clean.id and resumed.metrics["resumed_shards"] > 0
+    assert (resumed.path / MOMENTS_FILE).read_bytes() == (clean.path / MOMENTS_FILE).read_bytes()
+
+
+def _stop_before_publishing(*_args, **_kwargs) -> None:
+    raise RuntimeError("stopped before publishing")
+
+
+def test_damaged_moment_shards_are_redone_to_the_same_bytes(estimated, tmp_path: Path, monkeypatch, capsys) -> None:
+    """An estimation stopped after staging its moment shards, before publishing; one staged shard gets a flipped
+    byte, another is truncated. The rerun redoes exactly those two, with a line naming each, and publishes moments
+    byte-identical to an uninterrupted run (before checksums both were merged as found, or failed in safetensors)."""
+    cfg, clean = estimated
+    workdir = tmp_path / "stopped"
+    step = plan(cfg, ["estimate_rdk"])["estimate_rdk"]
+    for up in ("generate", "count"):  # the upstream artifacts as they are: only estimate_rdk runs here
+        shutil.copytree(step.inputs[up][1], workdir / "artifacts" / step.inputs[up][0])
+    with monkeypatch.context() as patch:
+        patch.setattr(ArtifactWriter, "commit", _stop_before_publishing)
+        with pytest.raises(RuntimeError, match="stopped before publishing"):
+            run(rdk_cfg(workdir), ["estimate_rdk"])
+    staged = sorted(workdir.glob("staging/estimate_rdk-*/sums-*.safetensors"))
+    assert len(staged) >= 3
+    flipped, truncated = staged[0], staged[-1]
+    data = bytearray(flipped.read_bytes())
+    data[-8] ^= 0x01  # inside the last tensor's values
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    capsys.readouterr()
+    resumed = run(rdk_cfg(workdir), ["estimate_rdk"])["estimate_rdk"]
+    err = capsys.readouterr().err
+    assert f"{flipped.name}: sha256 mismatch (expected " in err and f"{truncated.name}: truncated (" in err, err[-3000:]
+    assert resumed.id == clean.id and resumed.metrics["resumed_shards"] == len(staged) - 2
     assert (resumed.path / MOMENTS_FILE).read_bytes() == (clean.path / MOMENTS_FILE).read_bytes()
 
 

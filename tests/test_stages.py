@@ -19,9 +19,12 @@ from safetensors.numpy import load_file
 
 from jobs import count, generate
 from pipeline.config.sections import PipelineConfig, load_config
-from pipeline.data.calibration import iter_rows, load_dataset_dir
+from pipeline.data.calibration import iter_rows, load_dataset_dir, read_shard, write_shard
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import load_artifact
+from pipeline.orchestration import stage
+from pipeline.orchestration.artifacts import ArtifactWriter, load_artifact
+from pipeline.orchestration.dag import plan
+from pipeline.orchestration.tracking import tracking_uri
 from tests.mlflow_server import MlflowServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,6 +147,81 @@ def test_sigkilled_generate_resumes_to_identical_rows(tmp_path: Path, tiny_kit) 
     assert 1 <= resumed.metrics["resumed_shards"] < 12
     assert list(iter_rows(resumed.path / "data")) == list(iter_rows(reference.path / "data"))
     assert not list((workdir / "artifacts").glob(".tmp-*"))
+
+
+def _stop_before_publishing(*_args, **_kwargs) -> None:
+    raise RuntimeError("stopped before publishing")
+
+
+def test_damaged_staged_shards_are_redone_naming_each(tmp_path: Path, tiny_kit, monkeypatch, capsys) -> None:
+    """A run stopped after staging its shards, before publishing (what a kill or a failed publish leaves); one
+    staged shard gets a flipped byte, another is truncated. The rerun redoes exactly those two, with a line naming
+    each and what was wrong, and publishes the rows of an uninterrupted run under its id (before checksums the
+    flipped shard was published as-is and the truncated one failed with an Arrow error naming no file)."""
+    extra = ["generate.limit=24", "generate.max_new_tokens=12"]  # 6 shards of 4 prompts
+    reference = generate.main(small_cfg(tmp_path / "ref", *extra))
+    cfg = small_cfg(tmp_path / "stopped", *extra)
+    with monkeypatch.context() as patch:
+        patch.setattr(ArtifactWriter, "commit", _stop_before_publishing)
+        with pytest.raises(RuntimeError, match="stopped before publishing"):
+            generate.main(cfg)
+    staged = sorted((tmp_path / "stopped" / "staging").glob("*/shard-*.arrow"))
+    assert len(staged) == 6
+    flipped, truncated = staged[1], staged[4]
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    capsys.readouterr()
+    resumed = generate.main(cfg)
+    err = capsys.readouterr().err
+    assert f"{flipped.name}: sha256 mismatch (expected " in err and f"{truncated.name}: truncated (" in err, err[-3000:]
+    assert resumed.id == reference.id and resumed.metrics["resumed_shards"] == 4
+    assert list(iter_rows(resumed.path / "data")) == list(iter_rows(reference.path / "data"))
+
+
+def test_an_unreadable_shard_is_refused_naming_it(tmp_path: Path) -> None:
+    """A truncated or missing calibration shard read anywhere is a DrafterError naming the file, not Arrow's
+    message alone."""
+    shard = tmp_path / "shard-00000.arrow"
+    write_shard(shard, [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "prompt_id": "p", "prompt_len": 1,
+                         "response_len": 2, "finished": True}] * 50)
+    shard.write_bytes(shard.read_bytes()[:-200])
+    with pytest.raises(DrafterError, match="cannot be read: it is missing, truncated") as err:
+        read_shard(shard)
+    assert str(shard) in str(err.value)
+    with pytest.raises(DrafterError, match="shard-00001.arrow cannot be read"):
+        read_shard(tmp_path / "shard-00001.arrow")
+
+
+def test_edited_or_deleted_manifest_is_rebuilt_and_never_logged(tmp_path: Path, tiny_kit, monkeypatch,
+                                                                capsys) -> None:
+    """A published calibration set whose MLflow logging did not happen (the server died right after the publish),
+    then its manifest's metrics edited: the plan no longer calls it cached, and the rerun moves it aside with a line
+    saying so, rebuilds it, and logs the true metrics (before, the cache hit used and logged the edited ones). A
+    deleted manifest is rebuilt the same way instead of blocking the stage."""
+    cfg = small_cfg(tmp_path, "generate.kind=raw", "generate.limit=8", "generate.max_new_tokens=64")
+    with monkeypatch.context() as patch:
+        patch.setattr(stage, "log_stage_run", lambda *_args, **_kwargs: None)
+        first = generate.main(cfg)
+    manifest = first.path / "manifest.json"
+    edited = json.loads(manifest.read_text())
+    edited["metrics"]["rows"] = 10**6
+    manifest.write_text(json.dumps(edited))
+    assert not plan(cfg, ["generate"])["generate"].cached
+    capsys.readouterr()
+    rebuilt = generate.main(cfg)
+    err = capsys.readouterr().err
+    assert f"{first.id} in the store is damaged and will be rebuilt" in err and "metrics changed" in err, err[-3000:]
+    assert rebuilt.id == first.id and rebuilt.metrics["rows"] == first.metrics["rows"] < 10**6
+    client = MlflowClient(tracking_uri=tracking_uri(cfg.mlflow, tmp_path))
+    runs = client.search_runs([client.get_experiment_by_name("stages").experiment_id])
+    assert [r.data.metrics["rows"] for r in runs] == [first.metrics["rows"]]
+    (rebuilt.path / "manifest.json").unlink()
+    again = generate.main(cfg)
+    assert again.id == first.id and load_artifact(again.path).metrics["rows"] == first.metrics["rows"]
+    assert "no manifest.json" in capsys.readouterr().err
+    assert len(list((tmp_path / "artifacts" / ".damaged").iterdir())) == 2
 
 
 def test_raw_calibration_kind(tmp_path: Path, tiny_kit) -> None:

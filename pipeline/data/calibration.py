@@ -104,9 +104,20 @@ def write_shard(path: Path, rows: list[dict]) -> None:
 
 
 def read_shard(path: Path) -> pa.Table:
-    """Memory-map one shard (zero-copy)."""
-    with pa.memory_map(str(path), "r") as source:
-        return pa.ipc.open_stream(source).read_all()
+    """Memory-map one shard (zero-copy).
+
+    Raises:
+        DrafterError: the file is missing, truncated or not an Arrow stream (naming it, not Arrow's message alone).
+    """
+    try:
+        with pa.memory_map(str(path), "r") as source:
+            return pa.ipc.open_stream(source).read_all()
+    except (pa.ArrowException, OSError) as err:
+        raise DrafterError(f"Calibration shard {path} cannot be read: it is missing, truncated or not an Arrow "
+                           f"stream.", expected="an Arrow IPC stream file written by the generate stage",
+                           found=f"{type(err).__name__}: {err}",
+                           fix="If it is in an artifact, delete the artifact's directory and rerun `drafter "
+                               "generate`; a staged shard is checked and redone by the rerun itself.") from err
 
 
 def shard_files(directory: Path) -> list[Path]:

@@ -7,6 +7,13 @@ artifact ids, target fingerprint, and every payload file with its sha256 and siz
 and does no work. Writes go to a temporary sibling directory that is renamed into place only once
 complete, so a killed job never leaves a half artifact under a real id. Loading re-hashes every file and
 compares fingerprints, refusing a mismatch with an error that names both sides.
+
+The manifest verifies itself: it carries the sha256 of its own canonical JSON (and one per field, to
+name what changed), and its identity fields must hash to its id (in the store, also the directory's
+name). An edited, truncated or deleted manifest is refused with "delete the directory and rerun"; the
+pipeline's own store (:meth:`ArtifactStore.reusable`) instead moves such a directory aside and rebuilds,
+so a cache hit never uses (or logs to MLflow) edited metrics. This guards against accidents, not an
+adversary: whoever can write the store can recompute the checksums.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import os
 import shutil
 import socket
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +33,14 @@ from typing import Any
 from pipeline.checksums import sha256_file  # noqa: F401 - re-exported: checkpoints and bundles use it
 from pipeline.errors import DrafterError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: the manifest carries ``manifest_sha256`` and ``field_sha256`` (1 had neither and is refused)."""
 # A temp dir written by another host is only swept once it is this old (its writer may be alive there).
 FOREIGN_TMP_MAX_AGE_S = 24 * 3600.0
 MANIFEST = "manifest.json"
+MANIFEST_DIGEST = "manifest_sha256"  # sha256 of the manifest's canonical JSON without the two digest fields
+FIELD_DIGESTS = "field_sha256"  # sha256 of each other field's canonical JSON: says which one was edited
+DAMAGED = ".damaged"  # where the store moves a damaged artifact before rebuilding it
 # Payload formats that cannot execute code when read. `.pt` is allowed only for the SGLang token map,
 # which SGLang itself reads with torch.load(weights_only=True); we never read it back with pickle.
 SAFE_SUFFIXES = (".safetensors", ".arrow", ".parquet", ".json", ".jsonl", ".txt", ".html", ".md", ".pt",
@@ -124,23 +137,89 @@ def load_artifact(path: str | Path, *, kind: str | None = None, fingerprint: dic
     return artifact
 
 
+def manifest_digests(manifest: dict) -> tuple[str, dict[str, str]]:
+    """The sha256 of ``manifest``'s canonical JSON (its digest fields left out) and of each field's."""
+    body = {k: v for k, v in manifest.items() if k not in (MANIFEST_DIGEST, FIELD_DIGESTS)}
+    fields = {k: hashlib.sha256(canonical_json(v).encode()).hexdigest() for k, v in body.items()}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest(), fields
+
+
+def seal_manifest(manifest: dict) -> dict:
+    """``manifest`` as it will read back from JSON, with its digests added."""
+    manifest = json.loads(json.dumps(manifest, default=str))
+    whole, fields = manifest_digests(manifest)
+    return {**manifest, MANIFEST_DIGEST: whole, FIELD_DIGESTS: fields}
+
+
+def _redo(path: Path) -> str:
+    return (f"Delete {path} and rerun the stage that made it (for an artifact in a workdir's own store, rerunning "
+            f"its stage, `drafter <stage>`, moves the damaged directory aside and rebuilds it by itself).")
+
+
+def _changed_fields(recorded: Any, found: dict[str, str]) -> str:
+    """Which fields of a manifest differ from when it was written, from its per-field digests."""
+    if not isinstance(recorded, dict):
+        return "its content changed (its per-field checksums are damaged too)"
+    changed = [f"{k} changed" for k in sorted(set(recorded) & set(found)) if recorded[k] != found[k]]
+    changed += [f"{k} added" for k in sorted(set(found) - set(recorded))]
+    changed += [f"{k} removed" for k in sorted(set(recorded) - set(found))]
+    return ", ".join(changed) or f"its {MANIFEST_DIGEST} changed"
+
+
 def read_manifest(path: str | Path, *, kind: str | None = None) -> dict:
-    """The manifest of artifact directory ``path`` (payloads not re-hashed), kind and schema checked."""
+    """The manifest of artifact directory ``path`` (payloads not re-hashed): schema, its own checksum, its id
+    (recomputed from stage, config, inputs and fingerprint) and kind checked.
+
+    Raises:
+        DrafterError: no or unparsable manifest, another schema version, an edited manifest, or the wrong
+            kind; each names the file and says to delete the directory and rerun its stage.
+    """
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise DrafterError(f"{path} is not an artifact: it has no {MANIFEST}.",
-                           fix="Pass the directory a stage wrote (under <workdir>/artifacts/).")
+                           fix=f"Pass the directory a stage wrote (under <workdir>/artifacts/). If a stage wrote "
+                               f"it and its {MANIFEST} was deleted, nothing in it can be trusted: "
+                               + _redo(path))
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as err:
-        raise DrafterError(f"The manifest of {path} is corrupt: {err}.",
-                           fix="Delete the directory and rerun the stage that made it.") from err
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise DrafterError(f"Artifact {path} has schema version {manifest.get('schema_version')}.",
-                           expected=str(SCHEMA_VERSION), fix="Rebuild it with this version of the pipeline.")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DrafterError(f"{manifest_path} is corrupt: it is not JSON ({err}).", fix=_redo(path)) from err
+    if not isinstance(manifest, dict):
+        raise DrafterError(f"{manifest_path} is corrupt: it is not a JSON object.",
+                           found=type(manifest).__name__, fix=_redo(path))
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        older = isinstance(version, int) and version < SCHEMA_VERSION
+        raise DrafterError(f"{manifest_path} has schema version {version}"
+                           + (", written by an older pipeline without a manifest checksum." if older else "."),
+                           expected=str(SCHEMA_VERSION), found=str(version),
+                           fix=f"Rebuild it with this version of the pipeline: {_redo(path)}")
+    whole, fields = manifest_digests(manifest)
+    if manifest.get(MANIFEST_DIGEST) != whole:
+        raise DrafterError(f"{manifest_path} was changed after its stage wrote it: "
+                           f"{_changed_fields(manifest.get(FIELD_DIGESTS), fields)}.",
+                           expected=f"{MANIFEST_DIGEST} {manifest.get(MANIFEST_DIGEST)}",
+                           found=f"{MANIFEST_DIGEST} {whole}",
+                           fix=f"Do not edit manifests; nothing in this artifact can be trusted. {_redo(path)}")
+    derived = artifact_id(str(manifest.get("stage")), manifest.get("config"), list(manifest.get("inputs") or []),
+                          manifest.get("fingerprint"))
+    if manifest.get("id") != derived:
+        raise DrafterError(f"{manifest_path} does not match its id: its stage, config, inputs and fingerprint "
+                           f"hash to another one (its checksum was recomputed after an edit).",
+                           expected=f"id {manifest.get('id')}", found=f"id {derived}",
+                           fix=f"Do not edit manifests; nothing in this artifact can be trusted. {_redo(path)}")
     if kind is not None and manifest.get("kind") != kind:
         raise DrafterError(f"Artifact {path} is of the wrong kind.", expected=kind, found=manifest.get("kind"))
+    return manifest
+
+
+def stored_manifest(path: Path, artifact_id_: str) -> dict:
+    """The verified manifest of store entry ``path``, which must hold artifact ``artifact_id_`` (its name)."""
+    manifest = read_manifest(path)
+    if manifest["id"] != artifact_id_:
+        raise DrafterError(f"Store directory {path} holds artifact {manifest['id']}, not the one its name says.",
+                           expected=f"id {artifact_id_}", found=f"id {manifest['id']}", fix=_redo(path))
     return manifest
 
 
@@ -156,7 +235,7 @@ def verify_payloads(artifact: Artifact) -> None:
             f"Artifact {artifact.id} at {artifact.path} does not match its manifest.",
             expected=f"exactly the {len(listed)} files listed in {MANIFEST}",
             found=(f"missing {missing} " if missing else "") + (f"unlisted {extra}" if extra else ""),
-            fix="Do not edit artifacts in place; delete the directory and rerun the stage.",
+            fix=f"Do not edit artifacts in place. {_redo(artifact.path)}",
         )
     for name, meta in listed.items():
         digest = sha256_file(artifact.path / name)
@@ -165,7 +244,7 @@ def verify_payloads(artifact: Artifact) -> None:
                 f"Payload {name!r} of artifact {artifact.id} was modified after it was written.",
                 expected=f"sha256 {meta['sha256']}",
                 found=f"sha256 {digest}",
-                fix="Treat the artifact as corrupt or tampered: delete it and rerun the stage that made it.",
+                fix=f"Treat the artifact as corrupt or tampered. {_redo(artifact.path)}",
             )
 
 
@@ -194,7 +273,7 @@ class ArtifactWriter:
         manifest = {"id": self.id, "schema_version": SCHEMA_VERSION, **self.meta, "files": files,
                     "metrics": metrics or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     **(extra or {})}
-        write_json_atomic(self.tmp / MANIFEST, manifest)
+        write_json_atomic(self.tmp / MANIFEST, seal_manifest(manifest))
         final = self.store / self.id
         try:
             os.rename(self.tmp, final)
@@ -208,7 +287,8 @@ class ArtifactWriter:
 
 
 class ArtifactStore:
-    """The ``<workdir>/artifacts`` directory: lookup by id, with leftovers of killed writes swept away."""
+    """The ``<workdir>/artifacts`` directory: lookup by id, damaged entries moved aside, and leftovers of
+    killed writes swept away."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -218,8 +298,41 @@ class ArtifactStore:
         return self.root / artifact_id_
 
     def get(self, artifact_id_: str, **checks: Any) -> Artifact | None:
+        """The verified artifact ``artifact_id_`` (``checks`` as for :func:`load_artifact`), or None when the
+        store has no directory of that name.
+
+        Raises:
+            DrafterError: the directory is there but damaged (no, a corrupt or an edited manifest, one of
+                another id, a changed payload) or fails ``checks``.
+        """
         path = self.path(artifact_id_)
-        return load_artifact(path, **checks) if (path / MANIFEST).is_file() else None
+        if not os.path.lexists(path):
+            return None
+        stored_manifest(path, artifact_id_)
+        return load_artifact(path, **checks)
+
+    def reusable(self, artifact_id_: str, log: Callable[[str], None], *, move_aside: bool = True) -> Artifact | None:
+        """The artifact ``artifact_id_`` if the store holds it sound, else None: the caller builds it.
+
+        A damaged entry is never used: it is moved to ``<store>/.damaged/`` with a log line saying what was
+        wrong and where it went, so the rebuild can publish under the id (``move_aside=False``, for a rank or a
+        look before the build lock is held, leaves it where it is).
+        """
+        try:
+            return self.get(artifact_id_)
+        except DrafterError as err:
+            if not move_aside:
+                return None
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            aside = self.root / DAMAGED / f"{artifact_id_}-{stamp}-{uuid.uuid4().hex[:8]}"
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(self.path(artifact_id_), aside)
+            except FileNotFoundError:
+                return None  # another process moved it first
+            log(f"{artifact_id_} in the store is damaged and will be rebuilt: {err.problem} "
+                f"Moved it to {aside} (delete that once inspected).")
+            return None
 
     def writer(self, artifact_id_: str, **meta: Any) -> ArtifactWriter:
         return ArtifactWriter(self.root, artifact_id_, **meta)

@@ -28,6 +28,7 @@ from pipeline.orchestration.artifacts import (
     check_fingerprint,
     load_artifact,
     read_manifest,
+    stored_manifest,
 )
 
 
@@ -225,7 +226,13 @@ class StagePlan:
 
     @property
     def cached(self) -> bool:
-        return (self.path / MANIFEST).is_file()
+        """Whether the store holds this artifact under a sound manifest (a damaged one is rebuilt; payloads are
+        re-hashed when the artifact is loaded)."""
+        try:
+            stored_manifest(self.path, self.id)
+        except DrafterError:
+            return False
+        return True
 
     def input(self, stage: str) -> Artifact:
         """The verified upstream artifact of ``stage`` (hashes and target fingerprint checked)."""
@@ -237,6 +244,10 @@ class StagePlan:
                 fix=f"Run `drafter {self.spec.name}` (it builds missing upstream stages first) or "
                     f"`drafter run`.")
         artifact = load_artifact(path, kind=spec(stage).kind)
+        if artifact.id != aid:
+            raise DrafterError(f"{path} holds another {stage} artifact than the one planned.",
+                               expected=f"id {aid}", found=f"id {artifact.id}",
+                               fix=f"Delete {path} and rerun `drafter {self.spec.name}`.")
         check_fingerprint(artifact, self.fingerprint, f"The {stage} artifact")
         return artifact
 

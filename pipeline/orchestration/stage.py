@@ -9,7 +9,8 @@ its share; only global rank zero publishes and logs. Two runs on one workdir nev
 once: the second waits for the first's lock and then reuses its artifact (:mod:`pipeline.orchestration.lock`).
 
 A full disk anywhere in the build or the publish is reported as such, with the partial artifact removed and
-the staging shards kept.
+the staging shards kept. A damaged entry in the store (edited, corrupt or missing manifest, changed payload) is
+never a cache hit: it is moved aside with a log line and rebuilt, so edited metrics are never used or logged.
 """
 
 from __future__ import annotations
@@ -75,14 +76,15 @@ def run_stage(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
     store = ArtifactStore(workdir / "artifacts")
     stage, aid = step.spec.name, step.id
     uri = tracking_uri(cfg.mlflow, workdir)
-    existing = store.get(aid)
+    existing = store.reusable(aid, lambda message: log(stage, message), move_aside=False)
     if existing is not None:
         return _cache_hit(cfg, step, existing, uri)
     if first_rank():
         check_reachable(uri, cfg.mlflow)  # fail before hours of work (and before taking the lock), not after
     try:
         with artifact_lock(workdir, aid, stage, lambda message: log(stage, message)):
-            existing = store.get(aid)  # published by the run this one waited for
+            # published by the run this one waited for; a damaged entry is moved aside (by the lock holder only)
+            existing = store.reusable(aid, lambda message: log(stage, message), move_aside=first_rank())
             if existing is not None:
                 return _cache_hit(cfg, step, existing, uri)
             return _build_and_publish(cfg, step, inputs, build, store, uri)
