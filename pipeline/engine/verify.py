@@ -94,7 +94,8 @@ def verify_speculative(
     rows = torch.arange(batch, device=p.device)
     p_next = p[rows, n_accepted]
     # A zero q-row after the last draft turns the residual into p_{gamma'}: one formula for both cases.
-    q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
+    # (Built from the shape, not q[:, :1]: a round with no draft has gamma' = 0 rows to copy.)
+    q_padded = torch.cat([q, q.new_zeros(batch, 1, q.shape[-1])], dim=1)
     residual = (p_next - q_padded[rows, n_accepted]).clamp_(min=0.0)
     # An all-zero residual needs p_i <= q_i everywhere, i.e. p_i = q_i for normalised rows; then every
     # draft with q_i(x) > 0 has p_i(x)/q_i(x) = 1 and is accepted, so rejecting at i has probability 0.
