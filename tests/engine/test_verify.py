@@ -23,6 +23,7 @@ import torch
 
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.verify import verify_exact, verify_speculative
+from pipeline.errors import DrafterError
 from tests.engine.conftest import assert_counts_match
 
 N = 200_000
@@ -195,6 +196,12 @@ def test_zero_draft_probability_for_own_token_is_refused() -> None:
     q[0, 1] = 1.0
     with pytest.raises(ValueError, match="zero draft probability"):
         verify_speculative(p, q, [0], torch.Generator())
+
+
+@pytest.mark.parametrize("temperature", [math.inf, math.nan, -1.0])
+def test_a_temperature_that_is_not_finite_and_non_negative_is_refused(temperature: float) -> None:
+    with pytest.raises(DrafterError, match="finite and non-negative"):
+        SamplingParams(temperature=temperature)
 
 
 def test_standardise_filters() -> None:
