@@ -1,5 +1,6 @@
 """Configs: every shipped YAML loads, overrides apply, and bad keys/values give errors that name them."""
 
+import math
 import re
 import shlex
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 from jobs.cli import build_parser
 from pipeline.config.schema import describe, field_docs, to_dict
 from pipeline.config.sections import PipelineConfig, load_config
-from pipeline.config.stages import CountConfig, GenerateConfig
+from pipeline.config.stages import CountConfig, EvaluateConfig, GenerateConfig
 from pipeline.errors import DrafterError
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
@@ -67,6 +68,34 @@ def test_wrong_types_and_values_are_rejected() -> None:
         load_config(None, ["count.top_p=[1.5]"])
     with pytest.raises(DrafterError, match="not valid YAML|mapping"):
         load_config(None, ["target=5"])
+
+
+@pytest.mark.parametrize("override", [
+    "generate.temperature=.inf", "evaluate.temperature=nan", "evaluate.top_p=.nan", "generate.top_p=-.inf",
+    "train_drafter.train.lr=inf", "train_drafter.train.betas=[0.9, .nan]", "estimate_rdk.taus=[1e-2, .inf]",
+    "evaluate.gate_tau_min=.nan", "evaluate.gate_speed_min=-.inf", "mlflow.timeout_s=.inf",
+    "train_drafter.features_disk_limit_gb=1e400",
+])
+def test_non_finite_numbers_are_refused_naming_the_key(override: str) -> None:
+    """nan fails every comparison and inf passes `> 0`: range checks alone let them through (an infinite
+    temperature turns logits into nan)."""
+    key = override.split("=")[0]
+    with pytest.raises(DrafterError, match=rf"Invalid value for {re.escape(key)}(\[\d\])?\.\n  expected: a finite number"):
+        load_config(None, [override])
+
+
+def test_sampling_and_draft_length_ranges() -> None:
+    with pytest.raises(DrafterError, match="evaluate.top_p"):
+        load_config(None, ["evaluate.top_p=0"])
+    with pytest.raises(DrafterError, match="evaluate.top_p"):
+        load_config(None, ["evaluate.top_p=1.5"])
+    with pytest.raises(DrafterError, match=r"evaluate.gammas.*to 64"):
+        load_config(None, ["evaluate.gammas=[4, 65]"])
+    assert load_config(None, ["evaluate.gammas=[1, 64]"]).evaluate.gammas == [1, 64]
+    with pytest.raises(DrafterError, match="evaluate.temperature"):
+        EvaluateConfig(temperature=math.inf)  # built directly, not through YAML
+    with pytest.raises(DrafterError, match="generate.temperature"):
+        GenerateConfig(temperature=math.inf)
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/
         # p-value >= 1e-4; each method's law is tested at n = 200,000 in tests/engine.
         "target.dtype=float64", "evaluate.tie_tolerance=0", "evaluate.sampling_check_samples=400",
         "evaluate.gate_tau_min=1.05", "evaluate.gate_speed_min=0.5", *TRAIN, *ROUTER, "evaluate.dynaspec_match=top_k_64",
+        "train_drafter.ttt_steps=4",  # EAGLE-3 is evaluated at gamma <= its trained steps (checked at plan time)
         "evaluate.methods=[full,shortlist,pa_fr,dynaspec,dynaspec_pa,eagle3,tli,union,slem,slrs,slem_bytes]",
         "evaluate.slrs_byte_top_k=3", "evaluate.slrs_lookahead=3",
         "mlflow.experiment=evaluate-tests"]  # the RDK methods are evaluated in tests/test_rdk_stage.py

@@ -33,7 +33,9 @@ SMALL = ["target.model=tiny:test/target", "generate.limit=40", "generate.shard_s
          "generate.devices=1", "count.top_k=[16,64]", "count.top_p=[0.9]", "count.min_count=[2]",
          "count.draft_vocab_size=64", "evaluate.drafter=tiny:test/drafter", "cluster.drafter=tiny:test/drafter",
          "evaluate.drafter_other=tiny:test/drafter_other", "evaluate.drafter_bytes=tiny:test/drafter_bytes",
-         "mlflow.experiment=stages", "mlflow.log_artifacts=false"]
+         "mlflow.experiment=stages", "mlflow.log_artifacts=false",
+         # within the test kit's 128-token context (checked at plan time): 64 + 32 + gamma 4 + 1 and 128
+         "evaluate.max_prompt_tokens=64", "evaluate.max_new_tokens=32", "train_drafter.max_length=128"]
 
 
 def small_cfg(workdir: Path, *extra: str) -> PipelineConfig:

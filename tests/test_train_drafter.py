@@ -112,13 +112,17 @@ def test_a_rerun_is_a_cache_hit_and_run_settings_keep_the_id(trained) -> None:
                    "train_drafter.train.checkpoint_every=3", "train_drafter.features_disk_limit_gb=5")
     assert plan(moved, ["train_drafter"])["train_drafter"].id == art.id
     assert plan(td_cfg(cfg.workdir_path, "train_drafter.train.lr=1e-3"), ["train_drafter"])["train_drafter"].id != art.id
-    # evaluate reads the drafter only when it evaluates method eagle3.
-    with_head = plan(td_cfg(cfg.workdir_path, "evaluate.methods=[shortlist,eagle3]"), ["evaluate"])["evaluate"]
+    # evaluate reads the drafter only when it evaluates method eagle3 (at gamma <= its 3 trained steps).
+    with_head = plan(td_cfg(cfg.workdir_path, "evaluate.methods=[shortlist,eagle3]", "evaluate.gammas=[3]"),
+                     ["evaluate"])["evaluate"]
     without = plan(td_cfg(cfg.workdir_path, "evaluate.methods=[shortlist]"), ["evaluate"])["evaluate"]
     assert with_head.inputs["train_drafter"][0] == art.id and "train_drafter" not in without.inputs
-    # A named drafter artifact replaces the planned one, by its id.
-    named = plan(td_cfg(cfg.workdir_path, "evaluate.methods=[eagle3]", f"evaluate.eagle3={art.path}"), ["evaluate"])
+    # A named drafter artifact replaces the planned one, by its id; its own manifest's ttt_steps bound gamma.
+    named_cfg = ["evaluate.methods=[eagle3]", f"evaluate.eagle3={art.path}", "train_drafter.ttt_steps=7"]
+    named = plan(td_cfg(cfg.workdir_path, *named_cfg, "evaluate.gammas=[3]"), ["evaluate"])
     assert "train_drafter" not in named.stages and named["evaluate"].inputs["train_drafter"] == (art.id, art.path)
+    with pytest.raises(DrafterError, match=r"<= 3 \(ttt_steps of the artifact"):
+        plan(td_cfg(cfg.workdir_path, *named_cfg, "evaluate.gammas=[4]"), ["evaluate"])
 
 
 def test_kill_minus_9_then_rerun_ends_bit_identical(trained, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -77,13 +78,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return from_dict(tp, value, where)
     if tp is Any:
         return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:  # YAML 1.1 reads 3e-4 (no dot) as a string; every user means the number
-            return float(value)
+    if tp is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        try:  # int -> float is lossless; YAML 1.1 reads 3e-4 (no dot) as a string, every user means the number
+            number = float(value)
         except ValueError:
-            pass
+            number = None  # not a number: the type error below
+        except OverflowError:
+            number = math.inf  # an int beyond any float
+        if number is not None:
+            # nan fails every comparison and inf passes `> 0`, so range checks alone let them through into
+            # sampling, schedules and gates; no float setting has a use for either.
+            check_value(math.isfinite(number), where, "a finite number (not nan or inf)", value)
+            return number
     if tp is Path and isinstance(value, str):
         return value
     if isinstance(tp, type) and not isinstance(value, tp) or (tp is int and isinstance(value, bool)):

@@ -6,11 +6,18 @@ the config is read, not an hour into a job.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pipeline.config.schema import check_value, input_override, run_setting
 from pipeline.engine.methods import METHOD_NAMES
 from pipeline.training.harness import TrainConfig
+
+MAX_GAMMA = 64
+"""Longest draft length a config accepts. Position ``i`` of a draft is accepted with probability about
+``alpha^i``: even at ``alpha = 0.9`` the 64th draft survives 0.1 % of rounds and γ = 64 already yields 99.9 %
+of an unbounded draft's expected tokens (Leviathan et al. 2023, Eq. 1), while every round pays γ drafter
+forwards. Longer drafts only cost; the context checks at plan time bound γ further."""
 
 
 @dataclass
@@ -34,7 +41,9 @@ class GenerateConfig:
     max_prompt_tokens: int = 128
     """Prompts are cut to their first user turn and at most this many tokens (left side kept)."""
     max_new_tokens: int = 96
-    """Tokens generated per prompt."""
+    """Tokens generated per prompt (kind raw: a row keeps at most max_prompt_tokens + max_new_tokens tokens of the
+    dataset's turns). max_prompt_tokens + max_new_tokens must fit the target's context (and the answering drafter's),
+    checked at plan time, so no row is longer than it."""
     temperature: float = 0.8
     """Sampling temperature (0 for greedy)."""
     top_p: float = 0.95
@@ -64,7 +73,8 @@ class GenerateConfig:
         for key in ("max_prompt_tokens", "max_new_tokens", "batch_size", "shard_size"):
             check_value(getattr(self, key) > 0, f"generate.{key}", "a positive integer", getattr(self, key))
         check_value(self.num_nodes >= 1, "generate.num_nodes", "an integer >= 1", self.num_nodes)
-        check_value(self.temperature >= 0, "generate.temperature", "a number >= 0", self.temperature)
+        check_value(math.isfinite(self.temperature) and self.temperature >= 0, "generate.temperature",
+                    "a finite number >= 0", self.temperature)
         check_value(0 < self.top_p <= 1, "generate.top_p", "a number in (0, 1]", self.top_p)
 
 
@@ -118,8 +128,9 @@ class TrainDrafterConfig:
     """Unrolled steps of the training-time test (EAGLE-3: 7)."""
     ttt_decay: float = 0.8
     """Weight decay^s of unrolled step s in the loss."""
-    max_length: int = 2048
-    """Tokens kept per calibration row (prompt first, then the answer)."""
+    max_length: int = 256
+    """Tokens kept per calibration row (prompt first, then the answer). At most the target's context (checked at
+    plan time): the target computes the features of every kept position. 256 is the default tiny target's."""
     eval_fraction: float = 0.05
     """Share of calibration conversations (by id hash) held out to score checkpoints by simulated tau."""
     eval_max_rows: int = 64
@@ -280,7 +291,8 @@ class EvaluateConfig:
     max_prompt_tokens: int = 128
     """Prompts are cut to this many tokens (template kept)."""
     max_new_tokens: int = 64
-    """Tokens decoded per prompt."""
+    """Tokens decoded per prompt. max_prompt_tokens + max_new_tokens + max(gammas) + 1 must fit the target's and
+    the drafters' contexts (the byte drafter's in bytes), checked at plan time."""
     methods: list[str] = field(default_factory=lambda: list(EVAL_METHODS))
     """Speculative methods besides the autoregressive baseline: full (same-tokenizer drafter, full head),
     shortlist (its head cut to each shortlist below), pa_fr (position-aware frequency shortlist), dynaspec /
@@ -291,7 +303,8 @@ class EvaluateConfig:
     (string-level rejection sampling, Alg. 3) and slem_bytes (its exact-match baseline) with the byte-level
     drafter."""
     gammas: list[int] = field(default_factory=lambda: [4])
-    """Draft lengths to try (each a row of the matrix)."""
+    """Draft lengths to try (each a row of the matrix): 1 to 64, and with method eagle3 at most the drafter's
+    train_drafter.ttt_steps (checked at plan time)."""
     drafter: str = "tiny:default/drafter"
     """Drafter sharing the target's tokenizer (full head and shortlists)."""
     drafter_other: str | None = "tiny:default/drafter_other"
@@ -368,13 +381,16 @@ class EvaluateConfig:
                "a non-empty subset of [chat, code]", self.tasks)
         check_value(set(self.methods) <= set(EVAL_METHODS), "evaluate.methods", f"a subset of {list(EVAL_METHODS)}",
                self.methods)
-        check_value(bool(self.gammas) and all(g >= 1 for g in self.gammas), "evaluate.gammas",
-               "draft lengths >= 1 (gamma = 0 drafts nothing)", self.gammas)
+        check_value(bool(self.gammas) and all(1 <= g <= MAX_GAMMA for g in self.gammas), "evaluate.gammas",
+               f"draft lengths from 1 (gamma = 0 drafts nothing) to {MAX_GAMMA} (see pipeline.config.stages.MAX_GAMMA)",
+               self.gammas)
         for key in ("prompts_per_task", "max_prompt_tokens", "max_new_tokens"):
             check_value(getattr(self, key) > 0, f"evaluate.{key}", "a positive integer", getattr(self, key))
         check_value(self.sampling_check_samples >= 0, "evaluate.sampling_check_samples", "an integer >= 0",
                self.sampling_check_samples)
-        check_value(self.temperature >= 0, "evaluate.temperature", "a number >= 0", self.temperature)
+        check_value(math.isfinite(self.temperature) and self.temperature >= 0, "evaluate.temperature",
+                    "a finite number >= 0", self.temperature)
+        check_value(0 < self.top_p <= 1, "evaluate.top_p", "a number in (0, 1]", self.top_p)
         check_value(self.device in ("auto", "cpu", "cuda"), "evaluate.device", "auto, cpu or cuda", self.device)
         check_value(self.gate_speed_metric in ("auto", "speedup", "mbsu"), "evaluate.gate_speed_metric",
                "auto, speedup or mbsu", self.gate_speed_metric)

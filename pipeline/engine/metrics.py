@@ -1,16 +1,31 @@
 """Speculative-decoding metrics, aggregated over many prompts by summing counts (never averaging ratios).
 
-Symbols follow the papers: ``alpha`` acceptance rate, ``tau`` mean accepted length (tokens emitted per
-target forward, bonus included), ``gamma`` drafts per round, ``c`` the drafter/target cost ratio.
-Two analytic models turn them into speedups:
+Symbols follow the papers: ``alpha`` acceptance rate, ``tau`` mean accepted length, ``gamma`` drafts per
+round, ``c`` the drafter/target cost ratio.
+
+``tau`` is what the papers call the mean accepted length or block efficiency: tokens emitted per
+drafting-verification round (Leviathan et al. 2023, Eq. 1: tokens per run of Alg. 1; VocabTrim §4,
+"tokens generated per block"; DynaSpec §6, "tokens committed per draft-verification cycle"), i.e. the
+accepted drafts plus the one token the target itself emits, so ``tau >= 1`` and autoregressive decoding,
+one round of one token per target forward, has ``tau = 1`` exactly. It is counted as kept tokens over
+rounds (:func:`verify_rounds`), not over target forwards: a proposer that reads target hidden states
+has the prompt prefilled in a forward of its own, which emits nothing and is prompt processing that
+autoregressive decoding does inside its first forward; it stays in ``target_forwards`` (the true forward
+count, which times ``target_ms_per_forward``) and out of ``tau``. A last round cut short by EOS or by
+``max_new_tokens`` counts as one round with the tokens actually kept, so the numerator is exactly the
+tokens returned (each round keeps at least its first token, hence still ``tau >= 1``).
+
+Two analytic models turn them into speedups, both per round and so consistent with this ``tau``:
 
 * Leviathan et al. 2023, Eq. 1 and Thm. 3.8: expected tokens per round ``(1 - alpha^(gamma+1)) /
-  (1 - alpha)`` and expected walltime improvement ``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))``,
-  which assume each draft is accepted independently with probability ``alpha`` — so they are fed the
-  per-verified-draft estimate ``sum(position accepts) / sum(position attempts)``.
-* Memory-bound speed-up, MBSU (Zhong & Bharadwaj 2024, "S3D", arXiv:2405.20314):
-  ``tau / (1 + gamma c)`` with ``c`` the drafter/target parameter ratio — the speedup if every forward
-  costs time proportional to the weights it reads, i.e. batch-1 decoding on a GPU.
+  (1 - alpha)`` (the expected ``tau``) and expected walltime improvement ``(1 - alpha^(gamma+1)) /
+  ((1 - alpha)(gamma c + 1))``, which assume each draft is accepted independently with probability
+  ``alpha`` — so they are fed the per-verified-draft estimate ``sum(position accepts) / sum(position
+  attempts)``.
+* Memory-bound speed-up, MBSU (Zhong & Bharadwaj 2024, "S3D", arXiv:2405.20314; VocabTrim §4):
+  ``tau / (1 + gamma c)`` with ``c`` the drafter/target parameter ratio — a round reads the target's
+  weights once and the drafter's ``gamma`` times and emits ``tau`` tokens, so this is the speedup if every
+  forward costs time proportional to the weights it reads, i.e. batch-1 decoding on a GPU.
 
 Everything returned is a plain dataclass of floats/ints/lists (``None`` where undefined) and serialises
 to JSON via :meth:`SpeculationMetrics.to_dict`.
@@ -32,7 +47,7 @@ def _ratio(numerator: float, denominator: float) -> float | None:
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
-    """Leviathan et al. Eq. 1: expected tokens per target forward with i.i.d. acceptance ``alpha``."""
+    """Leviathan et al. Eq. 1: expected tokens per round (the expected ``tau``) with i.i.d. acceptance ``alpha``."""
     if alpha >= 1.0:
         return float(gamma + 1)
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
@@ -49,6 +64,12 @@ def expected_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
 def memory_bound_speedup(tau: float, gamma: int, param_ratio: float) -> float:
     """MBSU = ``tau / (1 + gamma c)`` with ``c`` = drafter parameters / target parameters."""
     return tau / (1.0 + gamma * param_ratio)
+
+
+def verify_rounds(result: GenerationResult) -> int:
+    """Drafting-verification rounds of one generation: one per speculative round (``gamma >= 1``), and one
+    per token for autoregressive decoding (``gamma = 0``: each target forward emits exactly one token)."""
+    return len(result.accepted_per_round) if result.gamma > 0 else len(result.tokens)
 
 
 def parameter_ratio(drafter: torch.nn.Module, target: torch.nn.Module) -> float:
@@ -69,7 +90,9 @@ class SpeculationMetrics:
     prompts: int
     new_tokens: int
     target_forwards: int
+    """Target forward passes, a proposer's prompt prefill included (times ``target_ms_per_forward``)."""
     rounds: int
+    """Drafting-verification rounds (:func:`verify_rounds`): tau's denominator."""
     drafted: int
     accepted: int
     acceptance_rate: float | None
@@ -77,7 +100,7 @@ class SpeculationMetrics:
     verified_acceptance_rate: float | None
     """accepted drafts / drafts actually verified (Leviathan's i.i.d. alpha estimate)."""
     mean_accepted_length: float | None
-    """tau: emitted tokens per target forward."""
+    """tau: tokens kept per drafting-verification round (accepted drafts + the target's own token); >= 1."""
     per_position_acceptance: list[float | None]
     drafter_ms_per_round: float | None
     drafter_ms_per_draft: float | None
@@ -114,6 +137,7 @@ def summarize(
     gamma = max((r.gamma for r in results), default=0)
     new_tokens = sum(len(r.tokens) for r in results)
     forwards = sum(r.target_forwards for r in results)
+    rounds = sum(verify_rounds(r) for r in results)
     drafting_rounds = sum(sum(1 for d in r.drafted_per_round if d > 0) for r in results)
     drafted = sum(sum(r.drafted_per_round) for r in results)
     accepted = sum(sum(r.accepted_per_round) for r in results)
@@ -130,7 +154,7 @@ def summarize(
     after_first = sum(r.wall_seconds - r.ttft_seconds for r in results if r.tokens)
     later_tokens = sum(len(r.tokens) - 1 for r in results if r.tokens)
 
-    tau = _ratio(new_tokens, forwards)
+    tau = _ratio(new_tokens, rounds)
     verified_alpha = _ratio(sum(accepts), sum(attempts))
     tokens_per_second = _ratio(new_tokens, wall)
     speedup = None
@@ -150,7 +174,7 @@ def summarize(
         prompts=len(results),
         new_tokens=new_tokens,
         target_forwards=forwards,
-        rounds=sum(len(r.accepted_per_round) for r in results),
+        rounds=rounds,
         drafted=drafted,
         accepted=accepted,
         acceptance_rate=_ratio(accepted, drafted),

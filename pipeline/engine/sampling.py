@@ -10,6 +10,7 @@ draws tokens the same way. Everything is float64: the verification ratios ``p/q`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,10 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise DrafterError(
-                "sampling temperature must be non-negative",
-                expected="temperature >= 0 (0 = greedy)",
+                "sampling temperature must be finite and non-negative",
+                expected="a finite temperature >= 0 (0 = greedy)",
                 found=f"temperature={self.temperature}",
                 fix="set temperature to 0 for greedy decoding or a positive value for sampling",
             )

@@ -170,7 +170,7 @@ def _plot_tau(rows: list[Row]) -> Any:
         bars = ax.barh(ys, [v or 0.0 for v in values], height=0.7, color=[color(m) for m in methods])
         ax.bar_label(bars, ["" if v is None else f"{v:.2f}" for v in values], fontsize=FONT, padding=2)
         ax.set_title(f"task: {_label(task)}", fontsize=9)
-        ax.set_xlabel("τ (tokens per target forward)", fontsize=8)
+        ax.set_xlabel("τ (tokens per verify round)", fontsize=8)
         ax.margins(x=0.15)
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(ys, [_label(m) for m in methods], fontsize=8)

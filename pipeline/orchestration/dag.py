@@ -336,9 +336,15 @@ def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
 
     Nothing runs and nothing is built: a tiny-kit model's fingerprint comes from its recipe, another
     model's tokenizer is loaded for its vocabulary hash, and manifests of explicitly named input artifacts
-    are read.
+    are read. The settings of every planned stage are checked against the models they run on (context
+    windows, EAGLE-3's trained draft steps: :mod:`pipeline.orchestration.limits`), so a length no model can
+    hold is refused here, before any stage does work.
+
+    Raises:
+        DrafterError: An unknown stage, or a setting the models cannot hold (the message names the key).
     """
     from pipeline.models.target import Target
+    from pipeline.orchestration.limits import check_settings
 
     wanted = list(stages) if stages is not None else list(STAGE_NAMES)
     for name in wanted:
@@ -374,4 +380,5 @@ def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
 
     for name in wanted:
         visit(name)
+    check_settings(cfg, planned)
     return Plan({name: planned[name] for name in STAGE_NAMES if name in planned}, kits(cfg))

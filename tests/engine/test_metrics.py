@@ -82,3 +82,44 @@ def test_leviathan_formulas() -> None:
     assert expected_speedup(0.8, 3, 0.0) == pytest.approx((1 - 0.8**4) / 0.2)
     assert memory_bound_speedup(3.0, 4, 0.05) == pytest.approx(2.5)
     assert math.isclose(memory_bound_speedup(1.0, 0, 0.3), 1.0)
+
+
+def test_tau_counts_rounds_not_the_prefill_forward() -> None:
+    # A proposer that reads target hidden states (eagle3) has the prompt prefilled in a forward of its own,
+    # which emits nothing: 4 rounds accepting 0, 1, 0, 2 drafts emit 1 + 2 + 1 + 3 = 7 tokens in 5 forwards.
+    # Per forward that is 7 / 5 = 1.4, and a run that accepts nothing reads 4 / 5 = 0.8 < 1; per round
+    # (the papers' tau) 7 / 4 and exactly 1.
+    eagle = GenerationResult(
+        tokens=list(range(7)), prompt_length=9, method="eagle3", gamma=3, target_forwards=5,
+        drafted_per_round=[3, 3, 3, 3], accepted_per_round=[0, 1, 0, 2],
+        position_attempts=[4, 2, 1], position_accepts=[2, 1, 0],
+    )  # fmt: skip
+    m = summarize([eagle], param_ratio=0.1)
+    assert (m.target_forwards, m.rounds) == (5, 4)
+    assert m.mean_accepted_length == pytest.approx(7 / 4)
+    assert m.mbsu == pytest.approx((7 / 4) / (1 + 3 * 0.1))
+    rejected = GenerationResult(
+        tokens=list(range(4)), prompt_length=9, method="eagle3", gamma=3, target_forwards=5,
+        drafted_per_round=[3, 3, 3, 3], accepted_per_round=[0, 0, 0, 0],
+        position_attempts=[4, 0, 0], position_accepts=[0, 0, 0],
+    )  # fmt: skip
+    assert summarize([rejected]).mean_accepted_length == 1.0
+
+
+def test_a_last_round_cut_by_eos_counts_its_kept_tokens() -> None:
+    # Round 1 accepts 1 of 3 (2 tokens); round 2 accepts all 3 drafts but the first is EOS, so of its 4
+    # emitted tokens only that one is kept: 3 tokens over 2 rounds, not (2 + 4) / 2.
+    eos_cut = GenerationResult(
+        tokens=[5, 6, 1], prompt_length=4, method="full", gamma=3, target_forwards=2,
+        drafted_per_round=[3, 3], accepted_per_round=[1, 3],
+        position_attempts=[2, 2, 1], position_accepts=[2, 1, 1], stop_reason="eos",
+    )  # fmt: skip
+    m = summarize([eos_cut])
+    assert m.rounds == 2 and m.new_tokens == 3
+    assert m.mean_accepted_length == pytest.approx(3 / 2)
+
+
+def test_autoregressive_rounds_are_its_tokens() -> None:
+    m = summarize(_autoregressive_results())
+    assert m.rounds == m.target_forwards == m.new_tokens == 12
+    assert m.mean_accepted_length == 1.0

@@ -23,6 +23,7 @@ import torch
 
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.verify import verify_exact, verify_speculative
+from pipeline.errors import DrafterError
 from tests.engine.conftest import assert_counts_match
 
 N = 200_000
@@ -179,12 +180,28 @@ def test_unbatched_call_matches_batch_of_one() -> None:
         assert single == (int(n), int(t))
 
 
+def test_a_round_with_no_draft_samples_from_p() -> None:
+    """gamma' = 0 (a proposer with nothing to draft, e.g. EAGLE-3 after a one-token prompt): nothing is
+    accepted and the token comes from p_0, exactly as a plain sample would draw it."""
+    p = _dirichlet((1, VOCAB), torch.Generator().manual_seed(9))
+    q = torch.zeros(0, VOCAB, dtype=torch.float64)
+    for seed in range(20):
+        expected = int(sample(p[0], torch.Generator().manual_seed(seed)))
+        assert verify_speculative(p, q, [], torch.Generator().manual_seed(seed)) == (0, expected)
+
+
 def test_zero_draft_probability_for_own_token_is_refused() -> None:
     p = _dirichlet((2, VOCAB), torch.Generator().manual_seed(8))
     q = torch.zeros(1, VOCAB, dtype=torch.float64)
     q[0, 1] = 1.0
     with pytest.raises(ValueError, match="zero draft probability"):
         verify_speculative(p, q, [0], torch.Generator())
+
+
+@pytest.mark.parametrize("temperature", [math.inf, math.nan, -1.0])
+def test_a_temperature_that_is_not_finite_and_non_negative_is_refused(temperature: float) -> None:
+    with pytest.raises(DrafterError, match="finite and non-negative"):
+        SamplingParams(temperature=temperature)
 
 
 def test_standardise_filters() -> None:

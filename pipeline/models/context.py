@@ -1,0 +1,53 @@
+"""How many positions a model was built for, known without loading its weights.
+
+The plan-time checks (:mod:`pipeline.orchestration.limits`) compare prompt and generation lengths with
+each model's context. A tiny-kit ref's context comes from its recipe (:data:`pipeline.tiny.spec.PROFILES`:
+``context`` tokens, ``byte_context`` bytes for ``drafter_bytes``; the build writes them as
+``max_position_embeddings``), so planning never builds the kit. Any other model's comes from its
+``config.json`` (``max_position_embeddings``, which Hugging Face maps from ``n_positions`` and the like),
+read through ``AutoConfig`` from the local directory or the hub revision the config pins.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pipeline.errors import DrafterError
+from pipeline.models.loading import TINY_PREFIX, resolve_ref
+
+
+@lru_cache(maxsize=32)
+def context_length(name: str, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
+    """Positions ``name`` was built for (its ``max_position_embeddings``); None when its config names none.
+
+    Args:
+        name: A tiny-kit ref, a local directory or a hub id, as a config names it.
+        revision: Hub revision (ignored for local directories and tiny refs).
+        trust_remote_code: Allow a checkpoint's own config class to run.
+
+    Raises:
+        DrafterError: The model's config cannot be read (a missing directory, no network for a hub id).
+    """
+    if name.startswith(TINY_PREFIX):
+        from pipeline.tiny import parse_tiny_ref
+        from pipeline.tiny.spec import get_profile
+
+        profile, role = parse_tiny_ref(name)
+        spec = get_profile(profile)
+        return spec.byte_context if role == "drafter_bytes" else spec.context
+    from transformers import AutoConfig
+
+    ref = resolve_ref(name, revision)
+    try:
+        config = AutoConfig.from_pretrained(ref.location, revision=None if ref.is_local else ref.revision,
+                                            trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise DrafterError(
+            f"Could not read the config of {name!r} to check its context length: {type(err).__name__}",
+            expected="a local directory with config.json, a tiny-kit ref, or a hub id reachable from this machine",
+            found=str(err).splitlines()[0] if str(err) else type(err).__name__,
+            fix="Check the name; without network access download the checkpoint elsewhere and pass its path.",
+        ) from err
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None

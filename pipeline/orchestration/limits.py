@@ -1,0 +1,154 @@
+"""Plan-time checks of the settings a model decides: context windows and EAGLE-3's trained draft length.
+
+A config section refuses what its values alone make nonsense when it is read (a number that is not
+finite, a draft length beyond :data:`~pipeline.config.stages.MAX_GAMMA`). Whether a length fits depends
+on the models the config names, so :func:`check_settings` runs inside
+:func:`~pipeline.orchestration.dag.plan`, for exactly the stages planned, before any stage does work.
+Contexts come from the models' configs, a tiny-kit ref's from its recipe (nothing is built or loaded:
+:func:`pipeline.models.context.context_length`); a model whose config names no context is not checked.
+Each refusal is a :class:`~pipeline.errors.DrafterError` naming the keys, the sum and the limit.
+
+What each stage must fit, in positions of the model that reads them:
+
+* ``generate``: a row is the templated prompt (at most ``max_prompt_tokens``) and at most
+  ``max_new_tokens`` answer tokens (``kind: raw`` keeps at most as many tokens of the dataset's turns), so
+  ``max_prompt_tokens + max_new_tokens`` must fit the target, which reads every row in later stages, and
+  the answering drafter for ``kind: drafter``. No row is then longer than the target's context.
+* ``train_drafter``: ``max_length`` must fit the target, which computes the features of every kept position.
+* ``evaluate``: a verify forward scores up to γ drafts and the position after them past the tokens kept,
+  so the target and the same-tokenizer drafter must fit ``max_prompt_tokens + max_new_tokens +
+  max(gammas) + 1``. (The loop drafts no further than ``max_new_tokens`` and so stays below this; the
+  bound does not rely on it.) The other-tokenizer drafter is held to the same count of target tokens: it
+  reads the same text in tokens of its own, a few more or fewer, so this is an estimate. The byte-level
+  drafter reads bytes: at least one per target token (a text token spells one byte or more, a special is
+  one drafter token), plus one round's string budget of ``max(gammas) x slrs_lookahead`` bytes (what
+  ``slem_bytes`` drafts; SLRS enumerates ``slrs_lookahead`` bytes past each drafted token). That is a
+  lower bound, so only a context that certainly cannot hold the text is refused; chat text averages
+  about 2.4 bytes per token of the tiny kit's target (more with larger vocabularies), which is why the kit
+  gives its byte drafter 3 to 2.5 times the target's context.
+* ``evaluate`` with EAGLE-3: every γ must be at most the drafter's ``ttt_steps``. Its training-time test
+  unrolls that many draft steps on its own outputs; a later step was never trained, so its drafts would
+  measure an extrapolation, not the method. Refused rather than warned: a τ at such a γ would enter the
+  report and the gate as EAGLE-3's. The steps come from ``train_drafter.ttt_steps``, or from the manifest
+  of the artifact ``evaluate.eagle3`` names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+from pipeline.config.sections import PipelineConfig
+from pipeline.errors import DrafterError
+
+
+def _context(cfg: PipelineConfig, name: str) -> int | None:
+    from pipeline.models.context import context_length
+
+    revision = cfg.target.revision if name == cfg.target.model else None
+    return context_length(name, revision, cfg.target.trust_remote_code)
+
+
+def _fit(keys: str, terms: list[int], needed: int, limit: int | None, model: str, unit: str, fix: str,
+         why: str = "") -> None:
+    """Refuse unless ``needed`` positions (``keys``, whose values are ``terms``) fit ``limit`` (None: no limit known)."""
+    if limit is not None and needed > limit:
+        numbers = " + ".join(str(t) for t in terms)
+        raise DrafterError(
+            f"{keys} ({numbers}) is longer than the context of {model}.",
+            expected=f"{keys} <= {limit} {unit}, the context of {model}{why}",
+            found=f"{numbers} = {needed} {unit}" if len(terms) > 1 else f"{needed} {unit}",
+            fix=fix,
+        )
+
+
+def _check_generate(cfg: PipelineConfig) -> None:
+    gen = cfg.generate
+    models = [("target", cfg.target.model)] + ([("drafter", gen.drafter)] if gen.kind == "drafter" and gen.drafter else [])
+    for role, name in models:
+        limit = _context(cfg, name)
+        room = (limit or 0) - gen.max_prompt_tokens
+        _fit("generate.max_prompt_tokens + generate.max_new_tokens", [gen.max_prompt_tokens, gen.max_new_tokens],
+             gen.max_prompt_tokens + gen.max_new_tokens, limit, f"the {role} {name}", "tokens",
+             f"Lower generate.max_new_tokens to {room} or less." if room > 0 else
+             f"Lower generate.max_prompt_tokens and generate.max_new_tokens to sum to {limit} or less.")
+
+
+def _check_train_drafter(cfg: PipelineConfig) -> None:
+    td = cfg.train_drafter
+    limit = _context(cfg, cfg.target.model)
+    _fit("train_drafter.max_length", [td.max_length], td.max_length, limit, f"the target {cfg.target.model}",
+         "tokens", f"Set train_drafter.max_length to {limit} or less.")
+
+
+def _ttt_steps(cfg: PipelineConfig) -> int | None:
+    """The draft steps the evaluated EAGLE-3 drafter was trained for (None when its artifact does not say)."""
+    if not cfg.evaluate.eagle3:
+        return cfg.train_drafter.ttt_steps
+    from pipeline.orchestration.artifacts import read_manifest
+
+    manifest = read_manifest(Path(cfg.evaluate.eagle3).expanduser().resolve(), kind="eagle3_drafter")
+    steps = manifest.get("config", {}).get("train_drafter", {}).get("ttt_steps")
+    return steps if isinstance(steps, int) else None
+
+
+def _using(cfg: PipelineConfig, need: str) -> str:
+    """The evaluated methods whose proposer reads input ``need`` (names from the registry)."""
+    from pipeline.engine.methods import METHODS
+
+    return ", ".join(m for m in cfg.evaluate.methods if need in METHODS[m].needs)
+
+
+def _check_evaluate(cfg: PipelineConfig) -> None:
+    from pipeline.engine.methods import METHODS
+
+    ev = cfg.evaluate
+    gamma = max(ev.gammas)
+    needs = set().union(*(METHODS[m].needs for m in ev.methods))
+    models = [("target", cfg.target.model)]
+    models += [("drafter", ev.drafter)] if "drafter" in needs else []
+    models += [("drafter_other", ev.drafter_other)] if "drafter_other" in needs and ev.drafter_other else []
+    for role, name in models:
+        limit = _context(cfg, name)
+        room = (limit or 0) - ev.max_prompt_tokens - gamma - 1
+        _fit("evaluate.max_prompt_tokens + evaluate.max_new_tokens + max(evaluate.gammas) + 1",
+             [ev.max_prompt_tokens, ev.max_new_tokens, gamma, 1], ev.max_prompt_tokens + ev.max_new_tokens + gamma + 1,
+             limit, f"the {role} {name}", "tokens",
+             (f"Lower evaluate.max_new_tokens to {room} or less" if room > 0 else
+              "Lower evaluate.max_prompt_tokens, evaluate.max_new_tokens or evaluate.gammas")
+             + ("" if role == "target" else f", or pick an evaluate.{role} with a longer context") + ".")
+    if "drafter_bytes" in needs and ev.drafter_bytes:
+        _fit("evaluate.max_prompt_tokens + evaluate.max_new_tokens + max(evaluate.gammas) x evaluate.slrs_lookahead",
+             [ev.max_prompt_tokens, ev.max_new_tokens, gamma * ev.slrs_lookahead],
+             ev.max_prompt_tokens + ev.max_new_tokens + gamma * ev.slrs_lookahead, _context(cfg, ev.drafter_bytes),
+             f"the byte-level drafter_bytes {ev.drafter_bytes}", "bytes",
+             "Lower evaluate.max_prompt_tokens, evaluate.max_new_tokens, evaluate.gammas or evaluate.slrs_lookahead, "
+             f"pick an evaluate.drafter_bytes with a longer context, or drop {_using(cfg, 'drafter_bytes')} from "
+             "evaluate.methods.",
+             " (a target token spells at least one byte, and a round drafts up to gamma x slrs_lookahead bytes; "
+             "chat text averages more, about 2.4 bytes per token of the tiny kit's target)")
+    if "eagle3" in needs and (steps := _ttt_steps(cfg)) is not None and gamma > steps:
+        where = f"ttt_steps of the artifact {cfg.evaluate.eagle3}" if cfg.evaluate.eagle3 else "train_drafter.ttt_steps"
+        raise DrafterError(
+            "evaluate.gammas asks the EAGLE-3 drafter for more draft steps than it was trained to make.",
+            expected=f"every evaluate.gammas entry <= {steps} ({where}: the training-time test's "
+                     f"unrolled draft steps)",
+            found=f"evaluate.gammas={ev.gammas}",
+            fix=f"Drop the gammas above {steps} from evaluate.gammas, train the drafter with "
+                f"train_drafter.ttt_steps={gamma} or more, or drop {_using(cfg, 'eagle3')} from evaluate.methods.",
+        )
+
+
+_CHECKS = {"generate": _check_generate, "train_drafter": _check_train_drafter, "evaluate": _check_evaluate}
+
+
+def check_settings(cfg: PipelineConfig, stages: Collection[str]) -> None:
+    """Refuse settings that do not fit the models of ``stages`` (the stages a plan will build or reuse).
+
+    Raises:
+        DrafterError: A length beyond a model's context, or a γ beyond the EAGLE-3 drafter's ``ttt_steps``;
+            the message names the keys, the sum and the limit (see the module docstring).
+    """
+    for name in stages:
+        if name in _CHECKS:
+            _CHECKS[name](cfg)

@@ -1,0 +1,150 @@
+"""Plan-time checks of settings against the models (pipeline/orchestration/limits.py): lengths beyond a
+model's context and draft lengths beyond EAGLE-3's trained steps are refused by ``plan`` before any work,
+naming the keys; only the planned stages are checked; every shipped YAML fits its models.
+
+The tiny kit's ``test`` profile has a 128-token context (384 bytes for ``drafter_bytes``); its refs are
+checked from the recipe, so most tests here need no built kit. Those that copy a kit model to give it a
+shorter context use the ``tiny_kit`` fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from jobs import generate
+from pipeline.config.sections import load_config
+from pipeline.errors import DrafterError
+from pipeline.orchestration import limits
+from pipeline.orchestration.artifacts import MANIFEST, SCHEMA_VERSION
+from pipeline.orchestration.dag import STAGE_NAMES, plan
+from tests.test_stages import small_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _short_context_copy(tiny_kit, role: str, dest: Path, positions: int) -> Path:
+    """A copy of a kit model whose config.json claims only ``positions`` positions (weights untouched)."""
+    shutil.copytree(tiny_kit.path(role), dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_generate_longer_than_the_target_context_is_refused_before_any_work(tmp_path: Path) -> None:
+    # 100 + 64 = 164 > 128: HF generate only warned, and the rows were kept.
+    cfg = small_cfg(tmp_path, "generate.max_prompt_tokens=100", "generate.max_new_tokens=64")
+    with pytest.raises(DrafterError, match=r"generate\.max_prompt_tokens \+ generate\.max_new_tokens") as err:
+        generate.main(cfg)
+    assert "128 tokens" in str(err.value) and "Lower generate.max_new_tokens to 28" in str(err.value)
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "mlflow.db").exists()
+    plan(small_cfg(tmp_path, "generate.max_prompt_tokens=100", "generate.max_new_tokens=28"), ["generate"])
+
+
+def test_raw_rows_are_held_to_the_target_context_too(tmp_path: Path) -> None:
+    with pytest.raises(DrafterError, match=r"generate\.max_prompt_tokens \+ generate\.max_new_tokens"):
+        plan(small_cfg(tmp_path, "generate.kind=raw", "generate.max_new_tokens=96"), ["count"])
+
+
+def test_generate_by_a_drafter_is_held_to_its_context(tmp_path: Path, tiny_kit) -> None:
+    drafter = _short_context_copy(tiny_kit, "drafter", tmp_path / "short-drafter", 40)
+    cfg = small_cfg(tmp_path, "generate.kind=drafter", f"generate.drafter={drafter}")  # 48 + 12 = 60 > 40
+    with pytest.raises(DrafterError, match=r"generate\.max_prompt_tokens \+ generate\.max_new_tokens") as err:
+        plan(cfg, ["generate"])
+    assert "the drafter" in str(err.value) and "40 tokens" in str(err.value)
+
+
+def test_train_drafter_max_length_beyond_the_target_context_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(DrafterError, match=r"Set train_drafter\.max_length to 128 or less"):
+        plan(small_cfg(tmp_path, "train_drafter.max_length=256"), ["train_drafter"])
+    plan(small_cfg(tmp_path, "train_drafter.max_length=128"), ["train_drafter"])
+
+
+def test_evaluate_needs_room_for_a_verify_forward(tmp_path: Path) -> None:
+    base = ["evaluate.methods=[full]", "evaluate.max_new_tokens=24", "evaluate.gammas=[2,4]"]
+    with pytest.raises(DrafterError, match=r"evaluate\.max_prompt_tokens \+ evaluate\.max_new_tokens \+ "
+                                           r"max\(evaluate\.gammas\) \+ 1") as err:
+        plan(small_cfg(tmp_path, *base, "evaluate.max_prompt_tokens=100"), ["evaluate"])  # 100 + 24 + 4 + 1 = 129
+    assert "129 tokens" in str(err.value) and "the target" in str(err.value)
+    plan(small_cfg(tmp_path, *base, "evaluate.max_prompt_tokens=99"), ["evaluate"])  # 128: fits exactly
+
+
+@pytest.mark.parametrize("role", ["drafter", "drafter_other"])
+def test_evaluate_is_held_to_each_drafters_context(role: str, tmp_path: Path, tiny_kit) -> None:
+    short = _short_context_copy(tiny_kit, role, tmp_path / f"short-{role}", 64)
+    method = "full" if role == "drafter" else "slem"
+    cfg = small_cfg(tmp_path, f"evaluate.{role}={short}", f"evaluate.methods=[{method}]")  # 64 + 32 + 4 + 1 > 64
+    with pytest.raises(DrafterError, match=rf"the {role} .*short-{role}") as err:
+        plan(cfg, ["evaluate"])
+    assert f"evaluate.{role} with a longer context" in str(err.value)
+
+
+def test_evaluate_is_held_to_the_byte_drafters_context_in_bytes(tmp_path: Path) -> None:
+    # At least 1 byte per target token plus gamma x lookahead drafted bytes: 64 + 32 + 4 x 80 = 416 > 384.
+    byte_only = ["evaluate.methods=[slrs,slem_bytes]", "evaluate.slrs_byte_top_k=1"]
+    with pytest.raises(DrafterError, match=r"drafter_bytes tiny:test/drafter_bytes") as err:
+        plan(small_cfg(tmp_path, *byte_only, "evaluate.slrs_lookahead=80"), ["evaluate"])
+    assert "64 + 32 + 320 = 416 bytes" in str(err.value) and "<= 384 bytes" in str(err.value) and "slrs, slem_bytes" in str(err.value)
+    plan(small_cfg(tmp_path, *byte_only, "evaluate.slrs_lookahead=72"), ["evaluate"])  # 64 + 32 + 288 = 384
+
+
+def test_gammas_beyond_eagle3s_trained_steps_are_refused(tmp_path: Path) -> None:
+    eagle = ["evaluate.methods=[eagle3]", "evaluate.max_new_tokens=16", "train_drafter.ttt_steps=7"]
+    with pytest.raises(DrafterError, match=r"every evaluate\.gammas entry <= 7 \(train_drafter\.ttt_steps") as err:
+        plan(small_cfg(tmp_path, *eagle, "evaluate.gammas=[4,8]"), ["evaluate"])
+    assert "train_drafter.ttt_steps=8" in str(err.value)
+    plan(small_cfg(tmp_path, *eagle, "evaluate.gammas=[4,7]"), ["evaluate"])
+    # Without method eagle3 the drafter is not used, so its steps do not bound gamma.
+    plan(small_cfg(tmp_path, "evaluate.methods=[full]", "evaluate.max_new_tokens=16", "evaluate.gammas=[8]"),
+         ["evaluate"])
+
+
+def test_a_named_eagle3_artifacts_own_steps_bound_gamma(tmp_path: Path) -> None:
+    named = tmp_path / "eagle3-artifact"
+    named.mkdir()
+    (named / MANIFEST).write_text(json.dumps({"schema_version": SCHEMA_VERSION, "kind": "eagle3_drafter",
+                                              "id": "train_drafter-0123456789ab", "files": {},
+                                              "config": {"train_drafter": {"ttt_steps": 3}}}))
+    cfg = small_cfg(tmp_path, "evaluate.methods=[eagle3]", f"evaluate.eagle3={named}", "evaluate.gammas=[4]",
+                    "train_drafter.ttt_steps=7")
+    with pytest.raises(DrafterError, match=r"<= 3 \(ttt_steps of the artifact"):
+        plan(cfg, ["evaluate"])
+
+
+def test_only_planned_stages_are_checked(tmp_path: Path) -> None:
+    cfg = small_cfg(tmp_path, "evaluate.max_prompt_tokens=128", "train_drafter.max_length=4096",
+                    "evaluate.methods=[full]")
+    assert set(plan(cfg, ["count"]).stages) == {"generate", "count"}
+    with pytest.raises(DrafterError, match=r"train_drafter\.max_length"):
+        plan(cfg, ["train_drafter"])
+    with pytest.raises(DrafterError, match=r"evaluate\.max_prompt_tokens"):
+        plan(cfg, ["evaluate"])  # without eagle3, evaluate does not read train_drafter
+
+
+def test_the_recipe_context_is_the_built_kits(tiny_kit) -> None:
+    """Planning reads a tiny ref's context from the recipe; the built models say the same."""
+    from transformers import AutoConfig
+
+    from pipeline.models.context import context_length
+
+    for role in ("target", "drafter", "drafter_other", "drafter_bytes"):
+        built = AutoConfig.from_pretrained(tiny_kit.path(role)).max_position_embeddings
+        assert context_length(f"tiny:test/{role}") == built, role
+        assert context_length(str(tiny_kit.path(role))) == built, role
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_shipped_yaml_fits_its_models(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every stage of every shipped YAML passes the plan-time checks; hub models' contexts are their published
+    max_position_embeddings (the hub is not reachable from tests)."""
+    published = {"meta-llama/Meta-Llama-3-8B-Instruct": 8192, "meta-llama/Llama-3.2-1B-Instruct": 131072,
+                 "Qwen/Qwen2.5-0.5B-Instruct": 32768}
+    real = limits._context
+    monkeypatch.setattr(limits, "_context", lambda cfg, model: published[model] if model in published
+                        else real(cfg, model))
+    cfg = load_config(ROOT / "configs" / name)
+    limits.check_settings(cfg, STAGE_NAMES)
