@@ -94,6 +94,8 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact) -> Pre
     torch.manual_seed(td.init_seed)
     drafter = Eagle3Drafter(config, target.get_input_embeddings())
     drafter.set_vocab_maps(d2t, t2d)
+    if td.head_init == "target":
+        drafter.init_head_from(target)
     data = CalibrationRows(calibration.path / "data", max_length=td.max_length, eval_fraction=td.eval_fraction,
                            eval_max_rows=td.eval_max_rows, min_length=td.ttt_steps + 2)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -56,6 +56,7 @@ class Progress:
                  interval: float = LOG_INTERVAL_S, grace: float = GRACE_S, bar: bool | None = None) -> None:
         self.what, self.total, self.unit, self.interval, self.grace = what, total, unit, interval, grace
         self.lines = 0
+        self.logged_done = -1
         self.stream = stream if stream is not None else sys.stderr
         self.log = log or (lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=self.stream, flush=True))
         self.done, self.info = 0, {}
@@ -82,6 +83,7 @@ class Progress:
         if now - self.last >= self.interval:
             self.last = now
             self.lines += 1
+            self.logged_done = self.done
             self.log(self.line())
 
     def note(self, **info: Any) -> None:
@@ -108,6 +110,8 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        elif self.total and self.done >= self.total and self.logged_done == self.done:
+            return  # the last interval line already said it all
         elif self.lines or time.monotonic() - self.start >= self.grace:
             self.log(self.line() if self.total and self.done >= self.total else
                      self.line() + f", stopped after {duration(time.monotonic() - self.start)}")

@@ -137,6 +137,10 @@ class TrainDrafterConfig:
     """Most held-out rows scored per evaluation."""
     init_seed: int = 0
     """Seed of the drafter's initial weights."""
+    head_init: str = "random"
+    """How the head's ``lm_head`` and final ``norm`` start: ``random``, or ``target`` — the target's own output rows
+    for the draft vocabulary and its final norm, so a step whose output resembles the target's last hidden state
+    already scores like the target (Medusa and HASS start their heads this way); it learns far faster from few rows."""
     features: str = "online"
     """Where the target's features come from: ``online`` (the frozen target runs inside each training step,
     no disk) or ``cached`` (computed once into the staging directory; costs 4 x hidden x dtype bytes per
@@ -155,6 +159,8 @@ class TrainDrafterConfig:
         check_value(0 < self.eval_fraction < 1, "train_drafter.eval_fraction", "a number in (0, 1)",
                     self.eval_fraction)
         check_value(self.eval_max_rows >= 1, "train_drafter.eval_max_rows", "an integer >= 1", self.eval_max_rows)
+        check_value(self.head_init in ("random", "target"), "train_drafter.head_init", "random or target",
+                    self.head_init)
         check_value(self.features in ("online", "cached"), "train_drafter.features", "online or cached",
                     self.features)
         check_value(self.features_disk_limit_gb > 0, "train_drafter.features_disk_limit_gb", "a positive number",

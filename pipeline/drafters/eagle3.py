@@ -408,6 +408,19 @@ class Eagle3Drafter(nn.Module):
         self.d2t.copy_(d2t.long())
         self.t2d.copy_(t2d)
 
+    @torch.no_grad()
+    def init_head_from(self, target: nn.Module) -> None:
+        """Start ``lm_head`` from the target's output rows of the draft vocabulary (set the maps first) and ``norm``
+        from the target's final norm, so logits of a target-like hidden state are the target's own."""
+        rows = target.get_output_embeddings().weight
+        if rows.shape[1] != self.config.hidden_size:
+            raise DrafterError("The target's output rows are not as wide as the head.",
+                               expected=f"hidden size {self.config.hidden_size}", found=f"{rows.shape[1]}")
+        self.lm_head.weight.copy_(rows[self.draft_to_target.to(rows.device)].to(self.lm_head.weight))
+        final_norm = getattr(getattr(target, "model", None), "norm", None)
+        if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+            self.norm.weight.copy_(final_norm.weight.to(self.norm.weight))
+
     # -- the network --------------------------------------------------------------------------------
 
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:

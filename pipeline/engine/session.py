@@ -37,6 +37,18 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The keyword a model's forward takes its KV cache by: ``cache`` (transformers >= 5.2x), else
+    ``past_key_values`` (older releases; deprecated in newer ones)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a forward returned, under either name."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 def crop_cache(cache: Any, length: int) -> None:
     """Drop cached positions beyond ``length`` from a Hugging Face cache, in place.
 
@@ -135,6 +147,7 @@ class ModelSession:
             )
         self._module = model.base_model if body_only else model
         self._keep_arg = not body_only and "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_arg = cache_argument(self._module)
         self._row_spec = (embeddings.shape[1], embeddings.dtype, embeddings.device)
         self.forwards = 0
         self.seconds = 0.0
@@ -179,8 +192,9 @@ class ModelSession:
         kwargs: dict[str, Any] = {"logits_to_keep": keep} if self._keep_arg else {}
         if self.layers:
             kwargs["output_hidden_states"] = True
-        out = self._module(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
-        self.cache = out.past_key_values
+        kwargs[self._cache_arg] = self.cache
+        out = self._module(input_ids=input_ids, use_cache=True, **kwargs)
+        self.cache = returned_cache(out)
         self.ids.extend(int(t) for t in new_ids)
         self.forwards += 1
         for rows, layer in zip(self._rows, self.layers, strict=True):

@@ -26,7 +26,7 @@ from torch import Generator, Tensor
 from pipeline.engine.bridge import CrossVocabDrafter, empty_proposal
 from pipeline.engine.proposers import Proposal
 from pipeline.engine.sampling import SamplingParams, sample, standardise
-from pipeline.engine.session import TargetState
+from pipeline.engine.session import TargetState, cache_argument, returned_cache
 from pipeline.engine.slem import SLEMProposer, align_drafts, byte_lengths
 from pipeline.errors import DrafterError
 from pipeline.vocab.tokens import token_meanings
@@ -295,8 +295,8 @@ class SLRSProposer(CrossVocabDrafter):
                 break
             cache = _select_rows(cache, torch.tensor([row for _, row in grow], device=self.session.device))
             fed = torch.tensor([[nodes[index].token] for index, _ in grow], device=self.session.device)
-            out = self.session.model(input_ids=fed, past_key_values=cache, use_cache=True)
-            frontier, logits, cache = [index for index, _ in grow], out.logits[:, -1], out.past_key_values
+            out = self.session.model(input_ids=fed, use_cache=True, **{cache_argument(self.session.model): cache})
+            frontier, logits, cache = [index for index, _ in grow], out.logits[:, -1], returned_cache(out)
             self.stats.trie_nodes += len(grow)
             self.stats.trie_calls += 1
         return nodes

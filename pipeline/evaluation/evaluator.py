@@ -327,7 +327,10 @@ class Evaluator:
     def sampling_check(self, method: str, shortlist: str | None, proposer: Any,
                        progress: Progress | None = None) -> LosslessCheck:
         """First emitted token at temperature 1 over n draws vs the target's p (chi-square, pooled tail)."""
-        n, gamma = self.ev.sampling_check_samples, min(self.ev.gammas)
+        # The first emitted token is the first draft (accepted) or a residual sample of p_0 and q_0 (rejected):
+        # its law involves only the first draft, so one draft per round tests exactly that law, at a fraction of
+        # the drafting (SLRS enumerates a byte trie per draft). The matrix rows cover every draft position.
+        n, gamma = self.ev.sampling_check_samples, 1
         params = SamplingParams(temperature=1.0)
         context = next(iter(self.prompts.values()))[0]
         with torch.no_grad():

@@ -83,14 +83,20 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
     """``AutoModelForCausalLM.from_pretrained`` in eval mode (safetensors only)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     ref = resolve_ref(name, revision)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a weight-loading bar per model is noise in a stage's log
     try:
         model = AutoModelForCausalLM.from_pretrained(
             ref.location, revision=None if ref.is_local else ref.revision, dtype=getattr(torch, _DTYPES[dtype]),
             trust_remote_code=trust_remote_code, use_safetensors=True)
     except (OSError, ValueError) as err:
         raise _hub_error(ref, err) from err
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     model.eval()
     if device is not None:
         model.to(device)

@@ -12,6 +12,7 @@ so a rerun is a cache hit that only logs. Credentials come from the environment 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -140,6 +141,9 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
 
 
 def _configure_client_retries(cfg: MlflowConfig) -> None:
+    # A new local store's table creation is logged at INFO: noise in a stage's log.
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     # MLflow's own HTTP retry budget defaults to minutes of backoff; keep a dead server's error prompt.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(max(cfg.retries - 1, 0)))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(cfg.timeout_s * 2, 10))))

@@ -107,7 +107,7 @@ PROFILES: dict[str, ProfileSpec] = {
         drafter_steps=400,
         drafter_lr=3e-3,
         other=ModelSpec(hidden=96, layers=2, heads=3, kv_heads=1, intermediate=256),
-        other_steps=400,
+        other_steps=600,
         other_lr=3e-3,
         byte_drafter=ModelSpec(hidden=96, layers=3, heads=3, kv_heads=1, intermediate=256),
         byte_context=512,

@@ -18,6 +18,7 @@ ends with bit-identical weights. Per-step metrics go to MLflow when a tracking U
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -49,6 +50,14 @@ def slurm_plugins() -> list:
     return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
 
 
+def quiet_lightning() -> None:
+    """Keep Lightning's start-up chatter (accelerator lines, tips) and one deprecation notice from its own
+    internals out of the stage logs; its warnings and errors still show."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
 def shard_trainer(stage: str, accelerator: str, devices: int | str, num_nodes: int):  # noqa: ANN201
     """The Lightning trainer of a sharded predict stage (generate, estimate_rdk): one shard per predict step,
     each written atomically by the step, ranks splitting the pending shards.
@@ -71,6 +80,7 @@ def shard_trainer(stage: str, accelerator: str, devices: int | str, num_nodes: i
 
     if isinstance(devices, str) and devices.isdigit():
         devices = int(devices)
+    quiet_lightning()
     return L.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, logger=False,
                      plugins=slurm_plugins(), callbacks=[StopOnSigterm()], enable_checkpointing=False,
                      use_distributed_sampler=False, enable_model_summary=False, enable_progress_bar=False)
@@ -118,7 +128,12 @@ class TrainConfig:
     offload_optimizer: bool = False
     """DeepSpeed: keep optimizer states in CPU memory (DeepSpeed's CPU Adam, the same AdamW update)."""
     bf16: bool = True
-    """DeepSpeed: bf16 weights and activations with fp32 master weights. CPU and DDP runs train in fp32."""
+    """DeepSpeed: bf16 weights and activations with fp32 master weights. CPU and DDP runs train in fp32 unless
+    ``cpu_bf16``."""
+    cpu_bf16: bool = False
+    """On the CPU (single process or DDP): run forward passes under bfloat16 autocast (Lightning ``bf16-mixed``;
+    weights, gradients and optimizer state stay float32). About 1.5x faster on a CPU with native bfloat16 dot
+    products (AVX512-BF16, AMX); off by default because float32 keeps CPU runs exact across batch layouts."""
     strategy: str = run_setting("auto")
     """``auto`` (deepspeed with CUDA, else ddp when devices x nodes > 1, else single), ``deepspeed``,
     ``ddp`` or ``single``."""
@@ -290,6 +305,7 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
 
     plugins = slurm_plugins()
     warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # frozen parts stay in eval
+    quiet_lightning()
     trainer = L.Trainer(max_steps=max(total, 1), plugins=plugins, accumulate_grad_batches=accumulation, logger=False,
                         enable_checkpointing=False, use_distributed_sampler=False, enable_model_summary=False,
                         enable_progress_bar=False, num_sanity_val_steps=0,

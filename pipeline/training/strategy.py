@@ -118,10 +118,12 @@ def trainer_arguments(cfg: TrainConfig, strategy: str, world_size: int = 1) -> d
         del ds["gradient_accumulation_steps"]  # Lightning refuses it in the dict and sets the same value
         return {"accelerator": "gpu", "devices": cfg.devices, "num_nodes": cfg.num_nodes,
                 "strategy": DeepSpeedStrategy(config=ds), "precision": "bf16-mixed" if cfg.bf16 else "32-true"}
-    # CPU and plain-GPU paths train in float32: bf16 is a DeepSpeed setting, and fp32 keeps CPU runs exact.
+    # CPU and plain-GPU paths train in float32 (bf16 is a DeepSpeed setting, and fp32 keeps CPU runs exact),
+    # unless cpu_bf16 asks for autocast on the CPU.
     clip = cfg.gradient_clipping or None
+    cpu_bf16 = cfg.cpu_bf16 and not _uses_cuda(cfg)
     common = {"gradient_clip_val": clip, "gradient_clip_algorithm": "norm" if clip else None,
-              "precision": "32-true", "num_nodes": cfg.num_nodes}
+              "precision": "bf16-mixed" if cpu_bf16 else "32-true", "num_nodes": cfg.num_nodes}
     if strategy == "ddp":
         accelerator = "gpu" if _uses_cuda(cfg) else "cpu"
         devices = cfg.devices if cfg.devices != "auto" or accelerator == "gpu" else 1
