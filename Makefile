@@ -10,22 +10,28 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 ARGS ?=
-READY := $(VENV)/.installed
+RUNTIME := $(VENV)/.installed-run
+DEV := $(VENV)/.installed-dev
 
 .PHONY: run test lint setup
 
-run: $(READY)
+run: $(RUNTIME)
 	$(VENV)/bin/drafter run $(ARGS)
 
-test: $(READY)
+test: $(DEV)
 	$(VENV)/bin/pytest $(ARGS)
 
-lint: $(READY)
+lint: $(DEV)
 	$(VENV)/bin/ruff check pipeline jobs tests
 
-setup: $(READY)
+setup: $(DEV)
 
-$(READY): pyproject.toml
+# `make run` installs what the pipeline needs; `make test` adds the test tools (the dev extra) on top.
+$(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q $(TORCH) -e .
+	touch $@
+
+$(DEV): $(RUNTIME)
 	$(VENV)/bin/pip install -q $(TORCH) -e ".[dev]"
 	touch $@
