@@ -274,7 +274,7 @@ def _deepspeed_script(args: dict) -> None:
     from jobs.train_drafter import prepare
     from pipeline.orchestration.artifacts import load_artifact
     from pipeline.training.eagle3_task import Eagle3Task
-    from pipeline.training.harness import trainable_parameters
+    from pipeline.training.plan import trainable_parameters
     from pipeline.training.strategy import build_optimizer, build_scheduler, deepspeed_config
 
     cfg = load_config(None, args["overrides"])

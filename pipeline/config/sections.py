@@ -18,6 +18,7 @@ from pipeline.config.schema import (
     load_yaml,
     run_setting,
 )
+from pipeline.config.stage_names import STAGE_NAMES
 from pipeline.config.stages import (
     ClusterConfig,
     CountConfig,
@@ -107,8 +108,6 @@ class SlurmConfig:
     """Directory of the job logs (``<stage>-<job id>.out``); null: ``<workdir>/slurm/logs``."""
 
     def __post_init__(self) -> None:
-        from pipeline.orchestration.dag import STAGE_NAMES
-
         for key in ("nodes", "ntasks_per_node", "cpus_per_task", "signal_seconds"):
             check_value(getattr(self, key) >= 1, f"slurm.{key}", "an integer >= 1", getattr(self, key))
         check_value(self.gpus_per_node >= 0, "slurm.gpus_per_node", "an integer >= 0", self.gpus_per_node)

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.config.schema import check_value, input_override, run_setting
+from pipeline.config.training import TrainConfig
 from pipeline.engine.methods import METHOD_NAMES
-from pipeline.training.harness import TrainConfig
 
 MAX_GAMMA = 64
 """Longest draft length a config accepts. Position ``i`` of a draft is accepted with probability about

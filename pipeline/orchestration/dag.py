@@ -20,6 +20,7 @@ from typing import Any
 
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
+from pipeline.config.stage_names import STAGE_NAMES
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import (
     MANIFEST,
@@ -179,7 +180,8 @@ STAGES: tuple[StageSpec, ...] = (
               when={"train_drafter": lambda cfg: "eagle3" in cfg.evaluate.methods, "cluster": _routed,
                     "train_router": _routed, "estimate_rdk": _rdk}),
 )
-STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
+if tuple(s.name for s in STAGES) != STAGE_NAMES:  # the leaf list the config layer validates against
+    raise RuntimeError(f"the DAG table's stages {[s.name for s in STAGES]} differ from {list(STAGE_NAMES)}")
 
 
 def spec(name: str) -> StageSpec:

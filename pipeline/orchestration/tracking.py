@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import subprocess
 import time
 import urllib.error
@@ -23,18 +22,13 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact, write_json_atomic
+from pipeline.runlog import flatten, redact  # noqa: F401 - re-exported for the CLI and the registry
 
 LOGGED_MARKER = "mlflow_runs.json"  # beside, not inside, the artifact: the artifact stays immutable
-
-
-def redact(uri: str) -> str:
-    """Hide a password or token embedded in a URI before it is printed or logged."""
-    return re.sub(r"//[^/@]+@", "//***@", uri)
 
 
 def tracking_uri(cfg: MlflowConfig, workdir: Path, *, create: bool = True) -> str:
@@ -128,16 +122,6 @@ def git_sha() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def flatten(data: Any, prefix: str = "") -> dict[str, str]:
-    """Nested config → ``{"generate.max_new_tokens": "96", ...}`` for MLflow params (values ≤ 6000 chars)."""
-    if isinstance(data, dict):
-        out: dict[str, str] = {}
-        for key, value in data.items():
-            out.update(flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): str(data)[:6000]}
 
 
 def _configure_client_retries(cfg: MlflowConfig) -> None:

@@ -25,9 +25,9 @@ ROLE_TOKENIZERS = {"target": "bytelevel", "drafter": "bytelevel", "drafter_other
 """The tokenizer each role uses: target and drafter share the 'Ġ' byte-level one."""
 # Minutes a build into an empty cache takes on a quiet 2-core machine (a busy one is slower: builds share
 # CPU badly). `drafter tiny --help` prints these; update them when a profile's build time changes.
-# default: 12 min with drafter_bytes on a quiet machine, up to 42 on a busy one (issue 20); test: 208 s
-# on 2 idle cores (2026-11-23).
-BUILD_MINUTES: dict[str, float] = {"default": 12, "test": 3.5}
+# default (kit v4): 5 min 57 s on a quiet 2-core machine with native bf16 (2026-11-25; v3 took 12 min, up to
+# 42 on a busy machine); test: ~2.5 min (v3: 208 s on 2 idle cores, bf16 makes steps ~1.5x cheaper).
+BUILD_MINUTES: dict[str, float] = {"default": 6, "test": 2.5}
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,7 @@ class ProfileSpec:
 
 
 PROFILES: dict[str, ProfileSpec] = {
-    # ~10 min on 2 idle cores (469 s measured before drafter_bytes, whose steps were timed at ~0.6x a
-    # target step: an estimated +1.5-2 min); the embedded default's target and drafters.
+    # The embedded default's target and drafters: 356 s on 2 quiet cores with bf16 (kit v4, 2026-11-25).
     "default": ProfileSpec(
         name="default",
         train_conversations=6000,
@@ -116,8 +115,7 @@ PROFILES: dict[str, ProfileSpec] = {
         gen_prompts=512,
         gen_new_tokens=128,
     ),
-    # ~3.5 min (208 s measured on 2 idle cores on 2026-11-23, of which drafter_bytes' 500 steps took 44 s):
-    # what pytest builds once per session (and test_build_is_deterministic once more).
+    # What pytest builds once per session (and test_build_is_deterministic once more): ~2.5 min with bf16.
     "test": ProfileSpec(
         name="test",
         train_conversations=1500,

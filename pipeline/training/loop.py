@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, default_collate
 
 from pipeline.errors import DrafterError
 from pipeline.progress import Progress
+from pipeline.runlog import flatten, redact
 from pipeline.training import checkpoints as ckpt
+from pipeline.training.plan import RunPlan, trainable_parameters
 from pipeline.training.strategy import build_optimizer, build_scheduler, lr_factor, position_scheduler
-
-if TYPE_CHECKING:
-    from pipeline.training.harness import RunPlan
 
 
 def split_output(output: Any) -> tuple[Any, dict[str, Any]]:
@@ -33,184 +36,181 @@ def split_output(output: Any) -> tuple[Any, dict[str, Any]]:
     return output, {}
 
 
-def harness_module(inner: Any, dataset: Any, plan: RunPlan) -> Any:
-    """A LightningModule training ``inner`` on ``dataset`` as ``plan`` says."""
-    import lightning as L
-    import torch
-    from torch.utils.data import DataLoader, default_collate
+class HarnessModule(L.LightningModule):
+    """Trains ``inner`` (a module with ``training_step(batch)``) on ``dataset`` as ``plan`` says: the step-derived
+    loader, the optimizer and schedule (restored on resume), per-step metrics, evaluation and checkpoints.
 
-    from pipeline.training.harness import trainable_parameters
+    Args:
+        inner: The module to train (its parameters with ``requires_grad`` are trained and saved).
+        dataset: A map-style dataset of examples.
+        plan: The run: config, staging directory, strategy, batch layout, steps, resume state, tracking.
+    """
 
-    cfg = plan.cfg
-    accumulation = plan.accumulation
+    def __init__(self, inner: Any, dataset: Any, plan: RunPlan) -> None:
+        super().__init__()
+        self.inner = inner
+        self.dataset, self.plan = dataset, plan
+        self.last_metrics: dict[str, float] = {}
+        self.mlflow_run_id: str | None = plan.resume[1].get("mlflow_run_id") if plan.resume else None
+        self._sums: dict[str, Any] = defaultdict(float)
+        self._tokens = 0
+        self._clock = 0.0
+        self._client: Any = None
+        self._progress: Progress | None = None
+        self.best: dict | None = plan.resume[1].get("best") if plan.resume else None
 
-    class HarnessModule(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = inner
-            self.last_metrics: dict[str, float] = {}
-            self.mlflow_run_id: str | None = plan.resume[1].get("mlflow_run_id") if plan.resume else None
-            self._sums: dict[str, Any] = defaultdict(float)
-            self._tokens = 0
-            self._clock = 0.0
-            self._client: Any = None
-            self._progress: Progress | None = None
-            self.best: dict | None = plan.resume[1].get("best") if plan.resume else None
+    def train_dataloader(self) -> DataLoader:
+        sampler = ckpt.StepBatchSampler(
+            len(self.dataset), micro_batch_size=self.plan.micro_batch_size, accumulation=self.plan.accumulation,
+            world_size=self.trainer.world_size, rank=self.global_rank, seed=self.plan.cfg.seed,
+            start_step=self.plan.start_step, total_steps=self.plan.total_steps)
+        collate = getattr(self.inner, "collate", None) or default_collate
+        return DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=self.plan.cfg.num_workers)
 
-        def train_dataloader(self) -> DataLoader:
-            sampler = ckpt.StepBatchSampler(
-                len(dataset), micro_batch_size=plan.micro_batch_size, accumulation=accumulation,
-                world_size=self.trainer.world_size, rank=self.global_rank, seed=cfg.seed,
-                start_step=plan.start_step, total_steps=plan.total_steps)
-            collate = getattr(inner, "collate", None) or default_collate
-            return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=cfg.num_workers)
+    def configure_optimizers(self) -> Any:
+        optimizer = build_optimizer(list(trainable_parameters(self.inner).values()), self.plan.cfg,
+                                    deepspeed=self.plan.strategy == "deepspeed")
+        scheduler = build_scheduler(optimizer, self.plan.cfg, self.plan.total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-        def configure_optimizers(self) -> Any:
-            optimizer = build_optimizer(list(trainable_parameters(inner).values()), cfg,
-                                        deepspeed=plan.strategy == "deepspeed")
-            scheduler = build_scheduler(optimizer, cfg, plan.total_steps)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    def on_fit_start(self) -> None:
+        # Optimizers exist only now (DeepSpeed builds its ZeRO wrapper in strategy setup).
+        if self.plan.resume is None:
+            return
+        path, state = self.plan.resume
+        optimizer = self.trainer.strategy.optimizers[0]
+        ckpt.restore_optimizer(optimizer, ckpt.load_optimizer_state(path, state, self.global_rank),
+                               self.trainer.world_size)
+        position_scheduler(self.trainer.lr_scheduler_configs[0].scheduler, self.plan.start_step)
 
-        def on_fit_start(self) -> None:
-            # Optimizers exist only now (DeepSpeed builds its ZeRO wrapper in strategy setup).
-            if plan.resume is None:
-                return
-            path, state = plan.resume
-            optimizer = self.trainer.strategy.optimizers[0]
-            ckpt.restore_optimizer(optimizer, ckpt.load_optimizer_state(path, state, self.global_rank),
-                                   self.trainer.world_size)
-            position_scheduler(self.trainer.lr_scheduler_configs[0].scheduler, plan.start_step)
+    def on_train_start(self) -> None:
+        if self.trainer.is_global_zero and self.plan.tracking_uri:
+            self._start_mlflow()
+        if self.trainer.is_global_zero:
+            self._progress = Progress(self.plan.label, self.plan.total_steps - self.plan.start_step, "step",
+                                      bar=None if self.plan.cfg.progress_bar else False)
+        self._clock = time.perf_counter()
 
-        def on_train_start(self) -> None:
-            if self.trainer.is_global_zero and plan.tracking_uri:
-                self._start_mlflow()
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        step, micro = self.plan.start_step + batch_idx // self.plan.accumulation, batch_idx % self.plan.accumulation
+        global_micro = micro * self.trainer.world_size + self.global_rank
+        torch.manual_seed(ckpt.derive_seed(self.plan.cfg.seed, "micro", step, global_micro))
+        loss, metrics = split_output(self.inner.training_step(batch))
+        self._sums["loss"] += loss.detach().float()
+        for key, value in metrics.items():
+            self._sums[key] += value.detach().float() if torch.is_tensor(value) else float(value)
+        if hasattr(self.inner, "count_tokens"):
+            self._tokens += int(self.inner.count_tokens(batch))
+        self.log("loss", loss.detach(), prog_bar=True, logger=False)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if (batch_idx + 1) % self.plan.accumulation:
+            return
+        step = self.plan.start_step + (batch_idx + 1) // self.plan.accumulation
+        self.last_metrics = self._step_metrics(step)
+        if self._progress is not None:
+            self._progress.update(1, loss=self.last_metrics["loss"])
+        if self.trainer.is_global_zero and self._client is not None and (
+                step % self.plan.cfg.log_every == 0 or step == self.plan.total_steps):
+            self._log_mlflow(step, self.last_metrics)
+        if self.plan.cfg.eval_every and (step % self.plan.cfg.eval_every == 0 or step == self.plan.total_steps):
+            self._evaluate(step)
+        if step % self.plan.cfg.checkpoint_every == 0 or step == self.plan.total_steps:
+            ckpt.save_checkpoint(
+                self.plan.staging, step, rank=self.global_rank, world_size=self.trainer.world_size,
+                weights=trainable_parameters(self.inner), optimizer=self.trainer.strategy.optimizers[0],
+                state={**self.plan.expected, "mlflow_run_id": self.mlflow_run_id, "metrics": self.last_metrics,
+                       "best": self.best},
+                barrier=self.trainer.strategy.barrier, keep=self.plan.cfg.keep_checkpoints)
+            if self.trainer.is_global_zero and self.best is not None:
+                ckpt.prune_best(self.plan.staging, {self.best["step"]})
+
+    def _evaluate(self, step: int) -> None:
+        """Score the weights of ``step`` with the module's ``evaluate()``; keep them if they are the best.
+
+        Every rank evaluates the same rows (the weights are replicated under DDP and ZeRO-1/2), so
+        every rank reaches the same verdict without a collective; rank zero writes the weights.
+        """
+        was_training = self.inner.training
+        self.inner.eval()
+        with torch.no_grad():
+            scores = {k: float(v) for k, v in self.inner.evaluate().items()}
+        self.inner.train(was_training)
+        metric = getattr(self.inner, "selection_metric", None)
+        if metric not in scores:
+            raise DrafterError("The module's evaluate() does not return its selection metric.",
+                               expected=f"a key {metric!r} (the module's selection_metric)",
+                               found=f"keys {sorted(scores)}")
+        self.last_metrics.update({f"eval.{k}": v for k, v in scores.items()})
+        if self._progress is not None:
+            self._progress.note(**{f"held-out {metric}": scores[metric]})
+        if self.best is None or scores[metric] > self.best["score"]:
+            record = {"step": step, "score": scores[metric], "metric": metric, "metrics": scores}
             if self.trainer.is_global_zero:
-                self._progress = Progress(plan.label, plan.total_steps - plan.start_step, "step",
-                                          bar=None if cfg.progress_bar else False)
-            self._clock = time.perf_counter()
+                record.update(ckpt.save_best(self.plan.staging, step, trainable_parameters(self.inner)))
+                # Keep the best a checkpoint already points at until the next checkpoint lands.
+                on_disk = {step} | ({self.best["step"]} if self.best else set())
+                ckpt.prune_best(self.plan.staging, on_disk)
+            self.best = record
+        if self.trainer.is_global_zero and self._client is not None:
+            self._log_mlflow(step, {f"eval.{k}": v for k, v in scores.items()})
 
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            step, micro = plan.start_step + batch_idx // accumulation, batch_idx % accumulation
-            global_micro = micro * self.trainer.world_size + self.global_rank
-            torch.manual_seed(ckpt.derive_seed(cfg.seed, "micro", step, global_micro))
-            loss, metrics = split_output(self.inner.training_step(batch))
-            self._sums["loss"] += loss.detach().float()
-            for key, value in metrics.items():
-                self._sums[key] += value.detach().float() if torch.is_tensor(value) else float(value)
-            if hasattr(inner, "count_tokens"):
-                self._tokens += int(inner.count_tokens(batch))
-            self.log("loss", loss.detach(), prog_bar=True, logger=False)
-            return loss
+    def on_train_end(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+        if self._client is not None:
+            self._client.set_terminated(self.mlflow_run_id, "FINISHED")
 
-        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if (batch_idx + 1) % accumulation:
-                return
-            step = plan.start_step + (batch_idx + 1) // accumulation
-            self.last_metrics = self._step_metrics(step)
-            if self._progress is not None:
-                self._progress.update(1, loss=self.last_metrics["loss"])
-            if self.trainer.is_global_zero and self._client is not None and (
-                    step % cfg.log_every == 0 or step == plan.total_steps):
-                self._log_mlflow(step, self.last_metrics)
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == plan.total_steps):
-                self._evaluate(step)
-            if step % cfg.checkpoint_every == 0 or step == plan.total_steps:
-                ckpt.save_checkpoint(
-                    plan.staging, step, rank=self.global_rank, world_size=self.trainer.world_size,
-                    weights=trainable_parameters(inner), optimizer=self.trainer.strategy.optimizers[0],
-                    state={**plan.expected, "mlflow_run_id": self.mlflow_run_id, "metrics": self.last_metrics,
-                           "best": self.best},
-                    barrier=self.trainer.strategy.barrier, keep=cfg.keep_checkpoints)
-                if self.trainer.is_global_zero and self.best is not None:
-                    ckpt.prune_best(plan.staging, {self.best["step"]})
+    def _step_metrics(self, step: int) -> dict[str, float]:
+        """This step's metrics averaged over micro-batches and ranks (one all-reduce)."""
+        keys = sorted(self._sums)
+        values = torch.stack([torch.as_tensor(self._sums[k], dtype=torch.float32, device=self.device)
+                              for k in keys] + [torch.tensor(float(self._tokens), device=self.device)])
+        values = self.trainer.strategy.reduce(values / self.plan.accumulation, reduce_op="mean")
+        world = self.trainer.world_size
+        now = time.perf_counter()
+        seconds, self._clock = max(now - self._clock, 1e-9), now
+        out = {k: float(v) for k, v in zip(keys, values[:-1].tolist())}
+        out["lr"] = self.plan.cfg.lr * lr_factor(step - 1, total_steps=self.plan.total_steps, warmup_steps=self.plan.cfg.warmup_steps,
+                                       schedule=self.plan.cfg.schedule, min_lr_ratio=self.plan.cfg.min_lr_ratio)
+        out["examples_per_s"] = self.plan.cfg.global_batch_size / seconds
+        if hasattr(self.inner, "count_tokens"):
+            out["tokens_per_s"] = float(values[-1]) * self.plan.accumulation * world / seconds
+        self._sums.clear()
+        self._tokens = 0
+        return out
 
-        def _evaluate(self, step: int) -> None:
-            """Score the weights of ``step`` with the module's ``evaluate()``; keep them if they are the best.
+    def _start_mlflow(self) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
 
-            Every rank evaluates the same rows (the weights are replicated under DDP and ZeRO-1/2), so
-            every rank reaches the same verdict without a collective; rank zero writes the weights.
-            """
-            was_training = inner.training
-            inner.eval()
-            with torch.no_grad():
-                scores = {k: float(v) for k, v in inner.evaluate().items()}
-            inner.train(was_training)
-            metric = getattr(inner, "selection_metric", None)
-            if metric not in scores:
-                raise DrafterError("The module's evaluate() does not return its selection metric.",
-                                   expected=f"a key {metric!r} (the module's selection_metric)",
-                                   found=f"keys {sorted(scores)}")
-            self.last_metrics.update({f"eval.{k}": v for k, v in scores.items()})
-            if self._progress is not None:
-                self._progress.note(**{f"held-out {metric}": scores[metric]})
-            if self.best is None or scores[metric] > self.best["score"]:
-                record = {"step": step, "score": scores[metric], "metric": metric, "metrics": scores}
-                if self.trainer.is_global_zero:
-                    record.update(ckpt.save_best(plan.staging, step, trainable_parameters(inner)))
-                    # Keep the best a checkpoint already points at until the next checkpoint lands.
-                    on_disk = {step} | ({self.best["step"]} if self.best else set())
-                    ckpt.prune_best(plan.staging, on_disk)
-                self.best = record
-            if self.trainer.is_global_zero and self._client is not None:
-                self._log_mlflow(step, {f"eval.{k}": v for k, v in scores.items()})
 
-        def on_train_end(self) -> None:
-            if self._progress is not None:
-                self._progress.close()
-            if self._client is not None:
-                self._client.set_terminated(self.mlflow_run_id, "FINISHED")
+        try:
+            client = MlflowClient(self.plan.tracking_uri)
+            if self.mlflow_run_id is None:
+                exp = client.get_experiment_by_name(self.plan.experiment)
+                exp_id = exp.experiment_id if exp else client.create_experiment(self.plan.experiment)
+                run = client.create_run(exp_id, run_name=self.plan.run_name,
+                                        tags={"drafter.training": self.plan.staging.name,
+                                              "drafter.strategy": self.plan.strategy})
+                self.mlflow_run_id = run.info.run_id
+                params = [Param(k, v) for k, v in flatten(self.plan.expected["identity"]).items()]
+                for i in range(0, len(params), 100):
+                    client.log_batch(self.mlflow_run_id, params=params[i : i + 100])
+            else:
+                client.update_run(self.mlflow_run_id, status="RUNNING")
+        except Exception as err:  # noqa: BLE001 - MLflow raises many types for one cause
+            raise DrafterError(f"Cannot open an MLflow run at {redact(str(self.plan.tracking_uri))}: "
+                               f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
+                               fix="Check the tracking URI/server; checkpoints are kept, rerun to resume."
+                               ) from err
+        self._client = client
 
-        def _step_metrics(self, step: int) -> dict[str, float]:
-            """This step's metrics averaged over micro-batches and ranks (one all-reduce)."""
-            keys = sorted(self._sums)
-            values = torch.stack([torch.as_tensor(self._sums[k], dtype=torch.float32, device=self.device)
-                                  for k in keys] + [torch.tensor(float(self._tokens), device=self.device)])
-            values = self.trainer.strategy.reduce(values / accumulation, reduce_op="mean")
-            world = self.trainer.world_size
-            now = time.perf_counter()
-            seconds, self._clock = max(now - self._clock, 1e-9), now
-            out = {k: float(v) for k, v in zip(keys, values[:-1].tolist())}
-            out["lr"] = cfg.lr * lr_factor(step - 1, total_steps=plan.total_steps, warmup_steps=cfg.warmup_steps,
-                                           schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
-            out["examples_per_s"] = cfg.global_batch_size / seconds
-            if hasattr(inner, "count_tokens"):
-                out["tokens_per_s"] = float(values[-1]) * accumulation * world / seconds
-            self._sums.clear()
-            self._tokens = 0
-            return out
+    def _log_mlflow(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
 
-        def _start_mlflow(self) -> None:
-            from mlflow.entities import Param
-            from mlflow.tracking import MlflowClient
+        stamp = int(time.time() * 1000)
+        self._client.log_batch(self.mlflow_run_id,
+                               metrics=[Metric(k, v, stamp, step) for k, v in metrics.items()])
 
-            from pipeline.orchestration.tracking import flatten, redact
-
-            try:
-                client = MlflowClient(plan.tracking_uri)
-                if self.mlflow_run_id is None:
-                    exp = client.get_experiment_by_name(plan.experiment)
-                    exp_id = exp.experiment_id if exp else client.create_experiment(plan.experiment)
-                    run = client.create_run(exp_id, run_name=plan.run_name,
-                                            tags={"drafter.training": plan.staging.name,
-                                                  "drafter.strategy": plan.strategy})
-                    self.mlflow_run_id = run.info.run_id
-                    params = [Param(k, v) for k, v in flatten(plan.expected["identity"]).items()]
-                    for i in range(0, len(params), 100):
-                        client.log_batch(self.mlflow_run_id, params=params[i : i + 100])
-                else:
-                    client.update_run(self.mlflow_run_id, status="RUNNING")
-            except Exception as err:  # noqa: BLE001 - MLflow raises many types for one cause
-                raise DrafterError(f"Cannot open an MLflow run at {redact(str(plan.tracking_uri))}: "
-                                   f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
-                                   fix="Check the tracking URI/server; checkpoints are kept, rerun to resume."
-                                   ) from err
-            self._client = client
-
-        def _log_mlflow(self, step: int, metrics: dict[str, float]) -> None:
-            from mlflow.entities import Metric
-
-            stamp = int(time.time() * 1000)
-            self._client.log_batch(self.mlflow_run_id,
-                                   metrics=[Metric(k, v, stamp, step) for k, v in metrics.items()])
-
-    return HarnessModule()

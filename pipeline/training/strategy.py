@@ -16,12 +16,11 @@ import math
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from pipeline.config.training import TrainConfig
 from pipeline.errors import DrafterError
 
 if TYPE_CHECKING:
     import torch
-
-    from pipeline.training.harness import TrainConfig
 
 
 def cuda_available() -> bool:

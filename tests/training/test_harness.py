@@ -23,9 +23,11 @@ import pytest
 import torch
 
 from pipeline.config.schema import from_dict
+from pipeline.config.training import TrainConfig
 from pipeline.errors import DrafterError
 from pipeline.training import checkpoints as ckpt
-from pipeline.training.harness import TrainConfig, fit, save_final, trainable_parameters
+from pipeline.training.harness import fit, save_final
+from pipeline.training.plan import trainable_parameters
 from pipeline.training.strategy import deepspeed_config, lr_factor
 
 ROOT = Path(__file__).resolve().parents[2]
