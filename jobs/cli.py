@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(bench(_load(args), steps=args.steps))
                 return 0
             if args.what == "head":
-                from pipeline.dynaspec.bench import bench_head, head_table
+                from pipeline.engine.bench import bench_head, head_table
 
                 results = [bench_head(repeats=args.steps)]
                 results.append(bench_head(vocab=2048, hidden=96, clusters=64, static=512, routed_share=0.25,
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(head_table(results))
                 return 0
             if args.what == "cluster":
-                from pipeline.dynaspec.bench import bench_cluster
+                from pipeline.engine.bench import bench_cluster
 
                 print(bench_cluster())
                 return 0

@@ -169,8 +169,8 @@ def _code_rows(cfg: PipelineConfig, tokenizer) -> list:  # noqa: ANN001
     The answer is encoded on its own and appended, the way generated tokens follow a prompt: templating the
     whole turn would let BPE merge the template's newline with the solution's leading indentation."""
     from pipeline.data.calibration import encode_prompt
+    from pipeline.data.rows import Row
     from pipeline.data.sources import load_humaneval
-    from pipeline.training.eagle3_task import Row
 
     er, ev = cfg.estimate_rdk, cfg.evaluate
     problems = load_humaneval(with_solutions=True)
@@ -221,11 +221,11 @@ def _alpha_line(tau: float, figures: dict) -> str:
 
 
 def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact) -> BuildResult | None:
+    from pipeline.data.rows import CalibrationRows
     from pipeline.engine.hetero import intersection_pairs
     from pipeline.models.loading import load_model, load_tokenizer
     from pipeline.models.target import Target
     from pipeline.rdk.prior import INTERSECTION, RDKPrior, analyse, pruning_levels, transfer
-    from pipeline.training.eagle3_task import CalibrationRows
     from pipeline.vocab.counting import frequency_ranking
     from pipeline.vocab.maps import VocabMap
     from pipeline.vocab.tokens import vocab_hash

@@ -80,9 +80,9 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact) -> Pre
     calibration rows split into training and held-out (the DeepSpeed test trains exactly this)."""
     import torch
 
+    from pipeline.data.rows import CalibrationRows
     from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from pipeline.models.target import Target
-    from pipeline.training.eagle3_task import CalibrationRows
 
     td = cfg.train_drafter
     target_ = Target(cfg.target)

@@ -30,11 +30,11 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
            clusters: Artifact) -> BuildResult | None:
     import torch
 
+    from pipeline.data.rows import CalibrationRows
     from pipeline.dynaspec.clusters import Clustering, head_sha256
     from pipeline.dynaspec.router import Router, RouterTask, routing_curves, save_router
     from pipeline.models.loading import load_model
     from pipeline.models.target import Target
-    from pipeline.training.eagle3_task import CalibrationRows
     from pipeline.training.harness import fit
     from pipeline.vocab.counting import frequency_ranking
     from pipeline.vocab.tokens import eos_ids

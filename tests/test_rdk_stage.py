@@ -46,9 +46,9 @@ def estimated(tmp_path_factory: pytest.TempPathFactory, tiny_kit):
 def test_moments_equal_a_direct_recomputation(estimated) -> None:
     """μ and the top-k second moment equal one unbatched forward per training row (distributions are summed from
     float32 softmax outputs: 1e-6)."""
+    from pipeline.data.rows import CalibrationRows
     from pipeline.models.loading import load_model
     from pipeline.orchestration.dag import plan
-    from pipeline.training.eagle3_task import CalibrationRows
 
     cfg, artifact = estimated
     er = cfg.estimate_rdk

@@ -18,12 +18,12 @@ from safetensors.torch import load_file
 
 from jobs import train_drafter
 from pipeline.config.sections import PipelineConfig, load_config
+from pipeline.data.rows import CalibrationRows
 from pipeline.drafters.eagle3 import SERVING_KEYS
 from pipeline.drafters.store import load_drafter
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
 from pipeline.training import checkpoints as ckpt
-from pipeline.training.eagle3_task import CalibrationRows
 from tests.killing import kill_after_checkpoint
 from tests.test_stages import SMALL
 

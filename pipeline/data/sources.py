@@ -364,7 +364,7 @@ def _file_sha256(path: Path) -> str:
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _FILE_HASHES:
-        from pipeline.orchestration.artifacts import sha256_file
+        from pipeline.checksums import sha256_file
 
         _FILE_HASHES[key] = sha256_file(path)
     return _FILE_HASHES[key]

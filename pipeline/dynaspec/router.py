@@ -105,7 +105,7 @@ class RouterTask(nn.Module):
         return self
 
     def collate(self, rows: Sequence[Any]) -> dict[str, Tensor]:
-        from pipeline.training.eagle3_task import pad_batch
+        from pipeline.data.rows import pad_batch
 
         return pad_batch(rows, self.pad_id)
 
@@ -133,7 +133,7 @@ class RouterTask(nn.Module):
     def evaluate(self) -> dict[str, float]:
         """Held-out BCE (``neg_loss`` = −BCE selects the checkpoint) and the share of positive clusters
         found among the router's top ``k`` for k = the mean number of positives."""
-        from pipeline.training.eagle3_task import pad_batch
+        from pipeline.data.rows import pad_batch
 
         device = next(self.router.parameters()).device
         loss = hits = positives = positions = 0.0
@@ -225,7 +225,7 @@ def routing_curves(router: Router, drafter: nn.Module, target: nn.Module, rows: 
     next-token probability inside it; and the same for the static frequency shortlist (``ranking``'s
     first ``round(size)`` ids plus ``keep_ids``) of that mean size: ``static_*``.
     """
-    from pipeline.training.eagle3_task import pad_batch
+    from pipeline.data.rows import pad_batch
 
     device = next(router.parameters()).device
     m = clustering.num_clusters
@@ -259,7 +259,8 @@ def routing_curves(router: Router, drafter: nn.Module, target: nn.Module, rows: 
         if keep.numel():  # keep_ids join every shortlist: add them where their cluster is not yet chosen
             rank = torch.argsort(order, dim=1)  # rank[n, c] = position of cluster c in row n's order
             for tok in keep.tolist():
-                missing = rank[:, int(assignment[tok])].unsqueeze(1) >= torch.arange(m, device=device)  # (N, M)
+                # column j holds the first j + 1 clusters: the token's cluster is missing iff its rank is beyond j
+                missing = rank[:, int(assignment[tok])].unsqueeze(1) > torch.arange(m, device=device)  # (N, M)
                 qc += missing * q[:, tok : tok + 1]
                 pc += missing * p[:, tok : tok + 1]
                 lc += missing * topl[:, tok : tok + 1]

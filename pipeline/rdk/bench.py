@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from pipeline.dynaspec.bench import _timed
+from pipeline.timing import median_seconds
 
 
 def _zipf(vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -82,11 +82,11 @@ def bench_redistribution(vocab: int = 128_256, kept: int = 32_768, hidden: int =
     h = torch.randn(hidden, generator=gen).to(device)
     kept_ids = ids.to(device)
     timings = {
-        "head_matmul": _timed(lambda: head @ h, device, repeats),
-        "tli": _timed(lambda: scatter_kept(q, kept_ids, vocab), device, repeats),
-        "rdk_taylor": _timed(lambda: taylor.redistribute(q), device, repeats),
-        "rdk_prior": _timed(lambda: mix.redistribute(q), device, repeats),
-        "rdk_exact": _timed(lambda: affinity.redistribute(q), device, repeats),
+        "head_matmul": median_seconds(lambda: head @ h, device, repeats),
+        "tli": median_seconds(lambda: scatter_kept(q, kept_ids, vocab), device, repeats),
+        "rdk_taylor": median_seconds(lambda: taylor.redistribute(q), device, repeats),
+        "rdk_prior": median_seconds(lambda: mix.redistribute(q), device, repeats),
+        "rdk_exact": median_seconds(lambda: affinity.redistribute(q), device, repeats),
     }
     base = timings["tli"]
     heavy = int((affinity.scale > 0.5).sum())

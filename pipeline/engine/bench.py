@@ -12,12 +12,10 @@ rows (and FAISS-GPU when FAISS sees a GPU).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from typing import Any
-
 import numpy as np
 import torch
+
+from pipeline.timing import median_seconds
 
 
 class _Head(torch.nn.Module):
@@ -30,22 +28,6 @@ class _Head(torch.nn.Module):
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
-
-
-def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls after 3 warm-up calls (CUDA synchronised)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def unbalanced_assignment(vocab: int, clusters: int, seed: int = 0) -> np.ndarray:
@@ -116,7 +98,7 @@ def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, s
         return torch.topk(router(feature), k).indices
 
     rows = int(routed.shortlist(h, chosen)[0].numel())
-    ms = {name: 1e3 * _timed(fn, dev, repeats) for name, fn in
+    ms = {name: 1e3 * median_seconds(fn, dev, repeats) for name, fn in
           (("full", full), ("static", static_head), ("routed", routed_step), ("routed_gather_matmul", gather_only),
            ("router_mlp_topk", router_only))}
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"

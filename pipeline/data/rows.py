@@ -1,0 +1,103 @@
+"""Calibration rows for the trainers: a calibration artifact's turns, split into training and held-out rows, and
+padded batches of them.
+
+:class:`CalibrationRows` turns a calibration artifact (the target's own answers, from ``generate``) into
+training and held-out rows: ``input_ids`` cut to ``max_length`` and the assistant ``loss_mask``; a
+conversation's rows go to the held-out side when the hash of its ``prompt_id`` falls under ``eval_fraction``
+(stable whatever the shard layout). The EAGLE-3 head, the DynaSpec router and RDK's estimation all read them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.data.calibration import read_shard, shard_files
+from pipeline.errors import DrafterError
+
+
+@dataclass(frozen=True)
+class Row:
+    """One calibration turn: token ids as the target read them and the assistant loss mask."""
+
+    index: int
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def heldout(prompt_id: str, fraction: float) -> bool:
+    """Whether conversation ``prompt_id`` is held out (a hash threshold: stable across shards and runs)."""
+    digest = hashlib.sha256(f"eagle3-eval:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+class CalibrationRows:
+    """Training and held-out rows of a calibration artifact's ``data/`` shards.
+
+    Args:
+        directory: the calibration artifact's ``data`` directory (Arrow shards).
+        max_length: tokens kept per row (the start: prompt, then the answer's first tokens).
+        eval_fraction: share of conversations held out for the simulated-τ evaluation.
+        eval_max_rows: most held-out rows kept (the evaluation's cost).
+        min_length: shortest row kept (the unrolled test needs ``ttt_steps + 2`` tokens).
+        what: what is trained, for error messages.
+    """
+
+    def __init__(self, directory: Path, *, max_length: int, eval_fraction: float, eval_max_rows: int,
+                 min_length: int, what: str = "the EAGLE-3 drafter") -> None:
+        files = shard_files(directory)
+        if not files:
+            raise DrafterError(f"The calibration set at {directory} holds no shards.",
+                               fix="Rerun `drafter generate` for this config.")
+        self.train: list[Row] = []
+        self.heldout: list[Row] = []
+        self.dropped = {"no_assistant_tokens": 0, "too_short": 0}
+        for path in files:
+            table = read_shard(path)
+            if "loss_mask" not in table.column_names:
+                raise DrafterError(
+                    f"The calibration shard {path.name} has no loss_mask column.",
+                    expected="columns input_ids and loss_mask (1 on the assistant's tokens)",
+                    found=f"columns {table.column_names}",
+                    fix="Build the calibration set with `drafter generate` (it writes the loss mask).")
+            for row in table.select(["input_ids", "loss_mask", "prompt_id"]).to_pylist():
+                ids, mask = row["input_ids"][:max_length], row["loss_mask"][:max_length]
+                if not any(mask[2:]):
+                    self.dropped["no_assistant_tokens"] += 1
+                    continue
+                if len(ids) < min_length:
+                    self.dropped["too_short"] += 1
+                    continue
+                side = self.heldout if heldout(row["prompt_id"], eval_fraction) else self.train
+                side.append(Row(len(self.train) + len(self.heldout), ids, mask))
+        self.heldout = self.heldout[:eval_max_rows]
+        if not self.train:
+            raise DrafterError(
+                f"The calibration set at {directory} leaves no rows to train {what} on.",
+                expected="at least one row with assistant (loss-masked) tokens outside the held-out share",
+                found=f"{len(self.heldout)} held-out rows; dropped {self.dropped}",
+                fix="Generate more calibration data (generate.limit), or lower the stage's eval_fraction.")
+        if not self.heldout:
+            raise DrafterError(
+                f"No held-out calibration rows to choose the checkpoint of {what} on.",
+                expected=f"some of the {len(self.train)} rows' conversations under eval_fraction",
+                found="none", fix="Raise the stage's eval_fraction (train_drafter, train_router) or generate more calibration data.")
+
+
+def pad_batch(rows: Sequence[Row], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask``, ``loss_mask`` (0 on padding) and row ``index``."""
+    length = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    attention = torch.zeros(len(rows), length, dtype=torch.long)
+    loss = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row.input_ids)
+        ids[i, :n] = torch.tensor(row.input_ids)
+        attention[i, :n] = 1
+        loss[i, :n] = torch.tensor(row.loss_mask)
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss,
+            "index": torch.tensor([r.index for r in rows])}
