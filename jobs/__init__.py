@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pipeline.orchestration.dag import STAGE_NAMES, plan
+from pipeline.orchestration.lock import Launch
 
 if TYPE_CHECKING:
     from pipeline.config.sections import PipelineConfig
@@ -22,8 +23,13 @@ if TYPE_CHECKING:
 STAGES: tuple[str, ...] = STAGE_NAMES
 
 
-def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES) -> dict[str, Artifact]:
+def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES, launch: Launch | None = None) -> dict[str, Artifact]:
     """Run ``stages`` and whatever upstream stages they need (not cached, not named in the config).
+
+    Args:
+        cfg: The resolved config.
+        stages: Stages wanted (their uncached upstreams run too).
+        launch: How the process was started (the CLI reads it once at start); None reads the environment now.
 
     Returns:
         Stage → artifact for every stage that ran or was a cache hit, in DAG order. On a rank other
@@ -31,13 +37,14 @@ def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES) -> dict[str, A
         there (rank zero publishes and goes on).
     """
     wanted = list(stages)
+    launch = launch if launch is not None else Launch.from_environ()  # before any stage's Lightning edits it
     artifacts: dict[str, Artifact] = {}
     the_plan = plan(cfg, wanted)
     needed = the_plan.needed(wanted)
     if needed:
         _build_kits(the_plan)
     for name in needed:
-        artifact = importlib.import_module(the_plan[name].spec.job).main(cfg)
+        artifact = importlib.import_module(the_plan[name].spec.job).main(cfg, launch)
         if artifact is None:
             break
         artifacts[name] = artifact

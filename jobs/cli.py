@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from jobs import STAGES, run
-from pipeline.orchestration import lock  # noqa: F401 - records the ranks the process was launched with (lock.LAUNCH_ENV)
+from pipeline.orchestration.lock import Launch
 
 DEFAULT_CONFIG = Path("configs/tiny.yaml")
 STAGE_SECTIONS = ("workdir", "target", "mlflow")
@@ -283,7 +283,7 @@ def _report(args: argparse.Namespace, cfg) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, launch: Launch) -> int:
     cfg = _load(args)
     if args.command == "pull":
         return _pull(args, cfg)
@@ -301,11 +301,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("submit", "status"):
         return _slurm(args, cfg)
     if args.command in STAGES:
-        artifacts = run(cfg, [args.command])
+        artifacts = run(cfg, [args.command], launch)
         if args.command in artifacts:
             print(_summary(cfg, {args.command: artifacts[args.command]}))
         return 0
-    artifacts = run(cfg, _wanted(args))
+    artifacts = run(cfg, _wanted(args), launch)
     if artifacts:
         print(_summary(cfg, artifacts))
     return 0
@@ -381,6 +381,7 @@ def _plan(args: argparse.Namespace, cfg) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    launch = Launch.from_environ()  # how this process was started, read before any stage's Lightning changes it
     parser = build_parser()
     # Overrides may come after options too (`drafter pull REF --to DIR workdir=...`): argparse stops
     # filling a positional list at the first option, so collect the stragglers here.
@@ -452,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                                    fix="Run `drafter count` first; its artifact is under <workdir>/artifacts/count-*.")
             print(bench_eval(_load(args), args.counts, args.out))
             return 0
-        return _run(args)
+        return _run(args, launch)
     except DrafterError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
+from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 
 
@@ -67,7 +68,7 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult:
     return BuildResult(write, metrics)
 
 
-def main(cfg: PipelineConfig) -> Artifact | None:
+def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     """Cluster (or reuse the clustering of) the drafter head this config names."""
     step = plan(cfg, ["cluster"])["cluster"]
-    return run_stage(cfg, step, [], build=lambda run: _build(cfg, run))
+    return run_stage(cfg, step, [], build=lambda run: _build(cfg, run), launch=launch)

@@ -22,6 +22,7 @@ from pipeline.errors import DrafterError
 from pipeline.models.target import Target
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
+from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.vocab import counting
 
@@ -73,8 +74,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
     return BuildResult(write, metrics)
 
 
-def main(cfg: PipelineConfig) -> Artifact | None:
+def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     """Count (or reuse counts of) the calibration set this config plans for (or names)."""
     step = plan(cfg, ["count"])["count"]
     calibration = step.input("generate")
-    return run_stage(cfg, step, [calibration], build=lambda run: _build(cfg, run, calibration))
+    return run_stage(cfg, step, [calibration], build=lambda run: _build(cfg, run, calibration), launch=launch)

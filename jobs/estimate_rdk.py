@@ -22,6 +22,7 @@ from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
+from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
@@ -303,8 +304,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     return BuildResult(write, metrics)
 
 
-def main(cfg: PipelineConfig) -> Artifact | None:
+def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     """Estimate (or reuse) the RDK moments and affinity choices this config plans for."""
     step = plan(cfg, ["estimate_rdk"])["estimate_rdk"]
     calibration, counts = step.input("generate"), step.input("count")
-    return run_stage(cfg, step, [calibration, counts], build=lambda run: _build(cfg, run, calibration, counts))
+    return run_stage(cfg, step, [calibration, counts], build=lambda run: _build(cfg, run, calibration, counts), launch=launch)

@@ -29,6 +29,7 @@ from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
+from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 
 
@@ -70,7 +71,7 @@ def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact, eagle3: Art
     return BuildResult(write, metrics)
 
 
-def main(cfg: PipelineConfig) -> Artifact | None:
+def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     """Evaluate (or reuse the evaluation of) this config's drafters and register what passes."""
     step = plan(cfg, ["evaluate"])["evaluate"]
     drafter = step.config.get("models", {}).get("drafter")
@@ -87,7 +88,7 @@ def main(cfg: PipelineConfig) -> Artifact | None:
     rdk = step.input("estimate_rdk") if "estimate_rdk" in step.inputs else None
     inputs = ([counts_art] + ([eagle3] if eagle3 is not None else []) + (list(routing) if routing else [])
               + ([rdk] if rdk is not None else []))
-    artifact = run_stage(cfg, step, inputs, build=lambda run: _build(cfg, run, counts_art, eagle3, routing, rdk))
+    artifact = run_stage(cfg, step, inputs, build=lambda run: _build(cfg, run, counts_art, eagle3, routing, rdk), launch=launch)
     if artifact is not None and cfg.evaluate.register:
         from pipeline.evaluation.publish import register_bundle
         from pipeline.evaluation.results import EvaluationResults

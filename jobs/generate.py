@@ -34,6 +34,7 @@ from pipeline.errors import DrafterError
 from pipeline.models.target import Target
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
+from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
@@ -195,7 +196,7 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     return BuildResult(write, metrics)
 
 
-def main(cfg: PipelineConfig) -> Artifact | None:
+def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     """Build (or reuse) the calibration set for ``cfg.target``."""
     step = plan(cfg, ["generate"])["generate"]
     if cfg.generate.kind == "drafter":
@@ -205,4 +206,4 @@ def main(cfg: PipelineConfig) -> Artifact | None:
                                expected=f"vocab_hash {step.fingerprint['vocab_hash'][:12]}",
                                found=f"vocab_hash {other['vocab_hash'][:12]}",
                                fix="Pick a same-tokenizer drafter, or use kind=target.")
-    return run_stage(cfg, step, [], build=lambda run: _build(cfg, run))
+    return run_stage(cfg, step, [], build=lambda run: _build(cfg, run), launch=launch)

@@ -27,6 +27,7 @@ from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
+from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.orchestration.tracking import tracking_uri
 
@@ -163,11 +164,11 @@ def _exports(cfg: PipelineConfig, drafter: object, target: object, out: Path) ->
     export_speculators(drafter, out / "speculators", target_model=cfg.target.model, target_config=target.config)
 
 
-def main(cfg: PipelineConfig) -> Artifact | None:
+def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     """Train (or reuse) the EAGLE-3 drafter this config plans for."""
     step = plan(cfg, ["train_drafter"])["train_drafter"]
     calibration, counts = step.input("generate"), step.input("count")
-    return run_stage(cfg, step, [calibration, counts], build=lambda run: _build(cfg, run, calibration, counts))
+    return run_stage(cfg, step, [calibration, counts], build=lambda run: _build(cfg, run, calibration, counts), launch=launch)
 
 
 def bench(cfg: PipelineConfig, steps: int = 10) -> str:

@@ -22,6 +22,7 @@ from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
+from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.orchestration.tracking import tracking_uri
 
@@ -100,9 +101,9 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     return BuildResult(write, metrics)
 
 
-def main(cfg: PipelineConfig) -> Artifact | None:
+def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     """Train (or reuse) the DynaSpec router this config plans for."""
     step = plan(cfg, ["train_router"])["train_router"]
     calibration, counts, clusters = step.input("generate"), step.input("count"), step.input("cluster")
     return run_stage(cfg, step, [calibration, counts, clusters],
-                     build=lambda run: _build(cfg, run, calibration, counts, clusters))
+                     build=lambda run: _build(cfg, run, calibration, counts, clusters), launch=launch)

@@ -159,24 +159,24 @@ def test_two_runs_on_one_workdir_build_each_artifact_once(tmp_path: Path, refere
 def test_a_held_lock_stops_a_multi_rank_launch_naming_the_holder(tmp_path: Path, monkeypatch) -> None:
     """Ranks started by srun/torchrun cannot wait with their rank 0, so a held lock stops rank 0 at once with
     the holder's pid; a run's later ranks never take the lock."""
-    from pipeline.orchestration import lock
-    from pipeline.orchestration.lock import artifact_lock
+    from pipeline.orchestration.lock import Launch, artifact_lock
 
     messages: list[str] = []
-    # what Lightning sets in a process that launched 2 ranks itself: not an external launch
+    # what Lightning sets in a process that launched 2 ranks itself (the CLI's Launch was read before): not external
     monkeypatch.setitem(os.environ, "WORLD_SIZE", "2")
     monkeypatch.setitem(os.environ, "LOCAL_RANK", "0")
-    assert lock.first_rank() and not lock.external_peers()
-    with artifact_lock(tmp_path, "count-abc", "count", messages.append):
-        monkeypatch.setitem(lock.LAUNCH_ENV, "SLURM_NTASKS", "2")  # started by srun with a peer
+    launched = Launch.from_environ({})
+    assert launched.first_rank and not launched.external_peers
+    assert Launch.from_environ().external_peers  # read now, the same process would look like an srun rank
+    with artifact_lock(tmp_path, "count-abc", "count", messages.append, launched):
+        srun = Launch.from_environ({"SLURM_NTASKS": "2", "SLURM_PROCID": "0"})  # started by srun with a peer
         with pytest.raises(DrafterError, match=f"being built in this workdir by pid {os.getpid()}") as err:
-            with artifact_lock(tmp_path, "count-abc", "count", messages.append):
+            with artifact_lock(tmp_path, "count-abc", "count", messages.append, srun):
                 pass
         assert "another workdir" in str(err.value)
-        monkeypatch.setitem(lock.LAUNCH_ENV, "SLURM_PROCID", "1")  # a later rank: works inside its rank 0's lock
-        with artifact_lock(tmp_path, "count-abc", "count", messages.append):
+        later = Launch.from_environ({"SLURM_NTASKS": "2", "SLURM_PROCID": "1"})  # works inside its rank 0's lock
+        with artifact_lock(tmp_path, "count-abc", "count", messages.append, later):
             pass
-    monkeypatch.setitem(lock.LAUNCH_ENV, "SLURM_PROCID", "0")
-    with artifact_lock(tmp_path, "count-abc", "count", messages.append):  # released: taken without waiting
+    with artifact_lock(tmp_path, "count-abc", "count", messages.append, srun):  # released: taken without waiting
         pass
     assert messages == []

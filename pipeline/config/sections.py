@@ -106,6 +106,9 @@ class SlurmConfig:
     """Further sbatch options written into every script's header verbatim (e.g. ``--exclusive``)."""
     logs: str | None = run_setting(None)
     """Directory of the job logs (``<stage>-<job id>.out``); null: ``<workdir>/slurm/logs``."""
+    template: str | None = run_setting(None)
+    """The batch script every stage's job is made from; null: ``slurm/stage.sbatch`` of this checkout. A copy of it
+    may add site-specific setup (modules, containers) above the pipeline's command."""
 
     def __post_init__(self) -> None:
         for key in ("nodes", "ntasks_per_node", "cpus_per_task", "signal_seconds"):

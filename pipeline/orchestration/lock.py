@@ -19,8 +19,9 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import DrafterError
@@ -30,19 +31,33 @@ RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
 launcher gives its child ranks only ``LOCAL_RANK``)."""
 PEER_VARIABLES = ("WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
 
-LAUNCH_ENV = {var: os.environ.get(var) for var in RANK_VARIABLES + PEER_VARIABLES}
-"""The rank variables as the process was started with them (read when the CLI imports this module). When Lightning
-launches ranks from inside the run it also sets ``WORLD_SIZE``, ``LOCAL_RANK`` and ``NODE_RANK`` in the launching
-process; those must not make its next stage look like one rank of an external launch."""
 
+@dataclass(frozen=True)
+class Launch:
+    """How this process was started: the rank variables its launcher (srun, torchrun, Lightning's children) set.
 
-def first_rank() -> bool:
-    return all((LAUNCH_ENV[var] or "0") == "0" for var in RANK_VARIABLES)
+    Built once where the process starts (the CLI) and passed down: when Lightning launches ranks from inside a run it
+    also sets ``WORLD_SIZE``, ``LOCAL_RANK`` and ``NODE_RANK`` in the launching process, and those must not make its
+    next stage look like one rank of an external launch.
+    """
 
+    variables: dict[str, str | None] = field(default_factory=dict)
 
-def external_peers() -> bool:
-    """Whether other ranks of this run were started next to this process (srun, torchrun), not by it."""
-    return any(int(LAUNCH_ENV[var] or 1) > 1 for var in PEER_VARIABLES)
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Launch:
+        """The launch as ``environ`` (default: this process's environment, now) describes it."""
+        environ = os.environ if environ is None else environ
+        return cls({var: environ.get(var) for var in RANK_VARIABLES + PEER_VARIABLES})
+
+    @property
+    def first_rank(self) -> bool:
+        """Whether this is its run's first rank (it locks, publishes and logs)."""
+        return all((self.variables.get(var) or "0") == "0" for var in RANK_VARIABLES)
+
+    @property
+    def external_peers(self) -> bool:
+        """Whether other ranks of this run were started next to this process (srun, torchrun), not by it."""
+        return any(int(self.variables.get(var) or 1) > 1 for var in PEER_VARIABLES)
 
 
 def _holder(path: Path) -> str:
@@ -56,9 +71,10 @@ def _holder(path: Path) -> str:
 
 
 @contextmanager
-def artifact_lock(workdir: Path, artifact_id: str, stage: str, log: Callable[[str], None]) -> Iterator[None]:
+def artifact_lock(workdir: Path, artifact_id: str, stage: str, log: Callable[[str], None],
+                  launch: Launch) -> Iterator[None]:
     """Hold ``<workdir>/locks/<artifact_id>.lock`` while the body builds and publishes (first rank only)."""
-    if not first_rank():
+    if not launch.first_rank:
         yield
         return
     path = workdir / "locks" / f"{artifact_id}.lock"
@@ -73,7 +89,7 @@ def artifact_lock(workdir: Path, artifact_id: str, stage: str, log: Callable[[st
                                    fix="Put workdir on a filesystem with file locks (local disk, NFSv4, Lustre "
                                        "mounted with flock).") from err
             holder = _holder(path)
-            if external_peers():
+            if launch.external_peers:
                 raise DrafterError(f"Artifact {artifact_id} is being built in this workdir by {holder}.",
                                    expected="one run building each artifact of a workdir",
                                    found=f"{path} held",

@@ -36,7 +36,7 @@ from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import write_json_atomic
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "stage.sbatch"
-"""The one job template (``slurm/stage.sbatch`` of the repository); ``DRAFTER_SLURM_TEMPLATE`` overrides it."""
+"""The one job template (``slurm/stage.sbatch`` of the repository); ``slurm.template`` names another."""
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
                     "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT"})
 """Job states in which a job will still produce its artifact (a resubmission reuses it)."""
@@ -81,12 +81,12 @@ def run_settings(stage: str, res: Resources) -> list[str]:
             f"{prefix}.num_nodes={res.nodes}"]
 
 
-def _template() -> str:
-    path = Path(os.environ.get("DRAFTER_SLURM_TEMPLATE", TEMPLATE))
+def _template(cfg: PipelineConfig) -> str:
+    path = Path(cfg.slurm.template).expanduser() if cfg.slurm.template else TEMPLATE
     if not path.is_file():
         raise DrafterError("The Slurm job template is missing.", expected=str(path), found="no such file",
-                           fix="Run from a checkout of the repository (slurm/stage.sbatch) or set "
-                               "DRAFTER_SLURM_TEMPLATE to a copy of it.")
+                           fix="Run from a checkout of the repository (slurm/stage.sbatch) or set slurm.template "
+                               "to a copy of it.")
     return path.read_text()
 
 
@@ -107,7 +107,7 @@ def header(cfg: PipelineConfig, stage: str, logs: Path) -> list[str]:
 
 def render(cfg: PipelineConfig, stage: str, logs: Path) -> str:
     """The template with its ``#SBATCH`` block replaced by ``stage``'s header."""
-    lines = _template().splitlines()
+    lines = _template(cfg).splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
     rest = [line for line in lines[first:] if not line.startswith("#SBATCH")]
     return "\n".join([*lines[:first], *header(cfg, stage, logs), *rest]) + "\n"

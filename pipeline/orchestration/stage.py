@@ -28,7 +28,7 @@ from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact, ArtifactStore
 from pipeline.orchestration.dag import StagePlan
-from pipeline.orchestration.lock import artifact_lock, first_rank
+from pipeline.orchestration.lock import Launch, artifact_lock
 from pipeline.orchestration.tracking import check_reachable, log_stage_run, logged_run, tracking_uri
 
 
@@ -60,8 +60,8 @@ class StageRun:
         log(self.stage, message)
 
 
-def _cache_hit(cfg: PipelineConfig, step: StagePlan, existing: Artifact, uri: str) -> Artifact:
-    if first_rank():
+def _cache_hit(cfg: PipelineConfig, step: StagePlan, existing: Artifact, uri: str, launch: Launch) -> Artifact:
+    if launch.first_rank:
         log(step.spec.name, f"cache hit: {existing.id} (no work done)")
         if logged_run(existing, uri) is None:
             log_stage_run(existing, cfg.mlflow, cfg.workdir_path, params=step.config, metrics=existing.metrics)
@@ -69,25 +69,27 @@ def _cache_hit(cfg: PipelineConfig, step: StagePlan, existing: Artifact, uri: st
 
 
 def run_stage(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
-              build: Callable[[StageRun], BuildResult | None]) -> Artifact | None:
+              build: Callable[[StageRun], BuildResult | None], launch: Launch | None = None) -> Artifact | None:
     """Run (or reuse) the planned stage ``step`` and return its verified artifact (None on ranks other
-    than zero). ``inputs`` are the upstream artifacts ``build`` reads (from ``step.input``)."""
+    than zero). ``inputs`` are the upstream artifacts ``build`` reads (from ``step.input``); ``launch`` says how
+    the process was started (the CLI passes the one it read at start; None reads the environment now)."""
+    launch = launch if launch is not None else Launch.from_environ()
     workdir = cfg.workdir_path
     store = ArtifactStore(workdir / "artifacts")
     stage, aid = step.spec.name, step.id
     uri = tracking_uri(cfg.mlflow, workdir)
     existing = store.reusable(aid, lambda message: log(stage, message), move_aside=False)
     if existing is not None:
-        return _cache_hit(cfg, step, existing, uri)
-    if first_rank():
+        return _cache_hit(cfg, step, existing, uri, launch)
+    if launch.first_rank:
         check_reachable(uri, cfg.mlflow)  # fail before hours of work (and before taking the lock), not after
     try:
-        with artifact_lock(workdir, aid, stage, lambda message: log(stage, message)):
+        with artifact_lock(workdir, aid, stage, lambda message: log(stage, message), launch):
             # published by the run this one waited for; a damaged entry is moved aside (by the lock holder only)
-            existing = store.reusable(aid, lambda message: log(stage, message), move_aside=first_rank())
+            existing = store.reusable(aid, lambda message: log(stage, message), move_aside=launch.first_rank)
             if existing is not None:
-                return _cache_hit(cfg, step, existing, uri)
-            return _build_and_publish(cfg, step, inputs, build, store, uri)
+                return _cache_hit(cfg, step, existing, uri, launch)
+            return _build_and_publish(cfg, step, inputs, build, store, uri, launch)
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT) and "No space left on device" not in str(err):
             raise
@@ -101,10 +103,10 @@ def run_stage(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
 
 def _build_and_publish(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
                        build: Callable[[StageRun], BuildResult | None], store: ArtifactStore,
-                       uri: str) -> Artifact | None:
+                       uri: str, launch: Launch) -> Artifact | None:
     workdir = cfg.workdir_path
     stage, aid = step.spec.name, step.id
-    if first_rank():
+    if launch.first_rank:
         store.sweep()
     staging = workdir / "staging" / aid
     staging.mkdir(parents=True, exist_ok=True)
