@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import SMALL
 from tests.mlflow_server import MlflowServer
-from tests.test_stages import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "pipeline-admin"

@@ -21,7 +21,7 @@ from jobs.cli import main as cli_main
 from pipeline.config.sections import load_config
 from pipeline.data.calibration import iter_rows
 from pipeline.orchestration.dag import STAGE_NAMES, STAGES, plan
-from tests.test_stages import SMALL, small_cfg
+from tests.helpers import SMALL, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 

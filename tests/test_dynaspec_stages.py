@@ -19,16 +19,10 @@ from pipeline.dynaspec.budget import ClusterBudget, eq3, match_budgets, match_pa
 from pipeline.dynaspec.clusters import Clustering, head_sha256, spherical_kmeans
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
+from tests.helpers import CLUSTERS, ROUTER, SMALL
 from tests.killing import kill_after_checkpoint
-from tests.test_stages import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
-CLUSTERS = 16
-ROUTER = ["cluster.drafter=tiny:test/drafter", f"cluster.clusters={CLUSTERS}", "train_router.eval_fraction=0.2",
-          "train_router.hidden_size=64", "train_router.train.max_steps=24", "train_router.train.global_batch_size=8",
-          "train_router.train.micro_batch_size=4", "train_router.train.eval_every=8",
-          "train_router.train.checkpoint_every=4", "train_router.train.warmup_steps=2",
-          "train_router.train.progress_bar=false", "mlflow.experiment=dynaspec-tests"]
 
 
 def ds_cfg(workdir: Path, *extra: str) -> PipelineConfig:

@@ -14,10 +14,8 @@ from jobs import evaluate, run
 from jobs.cli import main as cli
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
+from tests.helpers import ROUTER, SMALL, TRAIN
 from tests.mlflow_server import MlflowServer
-from tests.test_dynaspec_stages import ROUTER
-from tests.test_stages import SMALL
-from tests.test_train_drafter import TRAIN
 
 EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/drafter_other",
         "evaluate.shortlists=[top_k_16,top_k_64]", "evaluate.prompts_per_task=3", "evaluate.max_new_tokens=24",

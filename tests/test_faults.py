@@ -20,7 +20,7 @@ from pipeline.data.sources import load_conversations
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import load_artifact
 from pipeline.orchestration.dag import plan
-from tests.test_stages import SMALL, small_cfg
+from tests.helpers import SMALL, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["generate.limit=24", "generate.max_new_tokens=12", "mlflow.log_artifacts=false"]

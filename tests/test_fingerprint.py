@@ -16,7 +16,7 @@ from pipeline.checksums import StatCache
 from pipeline.errors import DrafterError
 from pipeline.models import loading
 from pipeline.orchestration.dag import plan
-from tests.test_stages import small_cfg
+from tests.helpers import small_cfg
 
 READS_TARGET = {"generate", "count", "train_drafter", "cluster", "train_router", "estimate_rdk", "evaluate"}
 

@@ -21,7 +21,7 @@ from pipeline.errors import DrafterError
 from pipeline.orchestration import limits
 from pipeline.orchestration.artifacts import MANIFEST, SCHEMA_VERSION
 from pipeline.orchestration.dag import STAGE_NAMES, plan
-from tests.test_stages import small_cfg
+from tests.helpers import small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 

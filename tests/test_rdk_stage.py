@@ -21,9 +21,9 @@ from pipeline.orchestration.dag import plan
 from pipeline.rdk.affinity import Affinity, dense_affinity
 from pipeline.rdk.moments import MOMENTS_FILE, MomentSums
 from pipeline.rdk.prior import INTERSECTION, RDKPrior
+from tests.helpers import SMALL
 from tests.killing import kill_when
 from tests.mlflow_server import MlflowServer
-from tests.test_stages import SMALL
 
 RDK = ["estimate_rdk.top_k=16", "estimate_rdk.shard_rows=2", "estimate_rdk.batch_size=2",
        "estimate_rdk.heldout_fraction=0.2", "estimate_rdk.keep_fractions=[0.05,0.01]",

@@ -17,7 +17,7 @@ from jobs import run
 from jobs.cli import main as cli_main
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import STAGE_NAMES, plan
-from tests.test_stages import SMALL, small_cfg
+from tests.helpers import SMALL, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 DOWNSTREAM_OF_GENERATE = {"generate", "count", "train_drafter", "train_router", "estimate_rdk", "evaluate"}

@@ -24,9 +24,9 @@ from pipeline.config.sections import load_config
 from pipeline.orchestration import slurm
 from pipeline.orchestration.artifacts import load_artifact
 from pipeline.orchestration.dag import STAGE_NAMES, plan
+from tests.helpers import SMALL, small_cfg
 from tests.mlflow_server import MlflowServer
 from tests.slurm_cluster import SlurmCluster
-from tests.test_stages import SMALL, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_ALLOCATION = slurm.Resources(nodes=2, ntasks_per_node=8, gpus_per_node=8, cpus_per_task=16, mem="500G",

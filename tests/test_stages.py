@@ -18,28 +18,16 @@ from mlflow.tracking import MlflowClient
 from safetensors.numpy import load_file
 
 from jobs import count, generate
-from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.data.calibration import iter_rows, load_dataset_dir, read_shard, write_shard
 from pipeline.errors import DrafterError
 from pipeline.orchestration import stage
 from pipeline.orchestration.artifacts import ArtifactWriter, load_artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.tracking import tracking_uri
+from tests.helpers import SMALL, small_cfg
 from tests.mlflow_server import MlflowServer
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["target.model=tiny:test/target", "generate.limit=40", "generate.shard_size=4", "generate.batch_size=4",
-         "generate.max_new_tokens=12", "generate.max_prompt_tokens=48", "generate.accelerator=cpu",
-         "generate.devices=1", "count.top_k=[16,64]", "count.top_p=[0.9]", "count.min_count=[2]",
-         "count.draft_vocab_size=64", "evaluate.drafter=tiny:test/drafter", "cluster.drafter=tiny:test/drafter",
-         "evaluate.drafter_other=tiny:test/drafter_other", "evaluate.drafter_bytes=tiny:test/drafter_bytes",
-         "mlflow.experiment=stages", "mlflow.log_artifacts=false",
-         # within the test kit's 128-token context (checked at plan time): 64 + 32 + gamma 4 + 1 and 128
-         "evaluate.max_prompt_tokens=64", "evaluate.max_new_tokens=32", "train_drafter.max_length=128"]
-
-
-def small_cfg(workdir: Path, *extra: str) -> PipelineConfig:
-    return load_config(None, [f"workdir={workdir}", *SMALL, *extra])
 
 
 @pytest.fixture(scope="module")

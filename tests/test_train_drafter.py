@@ -24,16 +24,11 @@ from pipeline.drafters.store import load_drafter
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
 from pipeline.training import checkpoints as ckpt
+from tests.helpers import SMALL, TRAIN
 from tests.killing import kill_after_checkpoint
-from tests.test_stages import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 # 40 conversations: ~34 training rows, ~6 held out. 24 steps of 8 rows, scored every 8 steps.
-TRAIN = ["train_drafter.ttt_steps=3", "train_drafter.eval_fraction=0.2", "train_drafter.train.max_steps=24",
-         "train_drafter.train.global_batch_size=8", "train_drafter.train.micro_batch_size=4",
-         "train_drafter.train.eval_every=8", "train_drafter.train.checkpoint_every=4",
-         "train_drafter.train.lr=3e-3", "train_drafter.train.warmup_steps=2",
-         "train_drafter.train.progress_bar=false", "mlflow.experiment=train-drafter-tests"]
 
 
 def td_cfg(workdir: Path, *extra: str) -> PipelineConfig:
