@@ -42,6 +42,11 @@ def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES, launch: Launch
     the_plan = plan(cfg, wanted)
     needed = the_plan.needed(wanted)
     if needed:
+        # What needs no model is checked before the kits are built (minutes on a fresh machine): plan() refused a
+        # missing prompt source; the tracking store is checked here (each stage checks it again before its work).
+        from pipeline.orchestration.tracking import check_store
+
+        check_store(cfg.mlflow, cfg.workdir_path, probe=launch.first_rank)
         _build_kits(the_plan)
     for name in needed:
         artifact = importlib.import_module(the_plan[name].spec.job).main(cfg, launch)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -381,8 +382,25 @@ def _plan(args: argparse.Namespace, cfg) -> int:
     return 0
 
 
+TELEMETRY_SWITCH = "MLFLOW_DISABLE_TELEMETRY"
+
+
+def _no_usage_data() -> None:
+    """MLflow 3 sends usage data to its maintainers unless ``MLFLOW_DISABLE_TELEMETRY`` (or ``DO_NOT_TRACK``) is
+    set. The pipeline sends nothing anywhere: telemetry is off in this process and in every process it starts
+    (Lightning ranks, Slurm jobs inherit the environment), unless the user set the switch themselves
+    (``MLFLOW_DISABLE_TELEMETRY=false`` turns it on)."""
+    if TELEMETRY_SWITCH not in os.environ:
+        os.environ[TELEMETRY_SWITCH] = "true"
+        if "mlflow.telemetry" in sys.modules:  # imported before main() ran (an embedding program): decide again
+            from mlflow.telemetry import set_telemetry_client
+
+            set_telemetry_client()
+
+
 def main(argv: list[str] | None = None) -> int:
     launch = Launch.from_environ()  # how this process was started, read before any stage's Lightning changes it
+    _no_usage_data()
     parser = build_parser()
     # Overrides may come after options too (`drafter pull REF --to DIR workdir=...`): argparse stops
     # filling a positional list at the first option, so collect the stragglers here.

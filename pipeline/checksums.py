@@ -49,6 +49,8 @@ class StatCache:
             self._entries: dict[str, dict] = json.loads(self.path.read_text())
         except (OSError, ValueError):
             self._entries = {}
+        if not isinstance(self._entries, dict) or not all(isinstance(e, dict) for e in self._entries.values()):
+            self._entries = {}  # damaged (valid JSON of another shape): every file is hashed again
 
     def sha256(self, file: str | Path) -> str:
         """The file's sha256, from the cache while its size and mtime are unchanged."""

@@ -161,3 +161,44 @@ def test_bad_config_key_exits_2_with_one_clear_line(capsys: pytest.CaptureFixtur
 def test_config_prints_resolved_yaml(capsys: pytest.CaptureFixture) -> None:
     assert main(["config", "--config", str(ROOT / "configs/tiny.yaml"), "generate.limit=7"]) == 0
     assert "limit: 7" in capsys.readouterr().out
+
+
+# MLflow 3 sends usage data unless told not to; a pipeline process never does, unless the user opts in. Run in a
+# fresh process whose environment has no CI or pytest markers (MLflow turns telemetry off by itself there).
+TELEMETRY_PROBE = (
+    "import sys; from jobs.cli import main\n"
+    "main(sys.argv[1:])  # imports mlflow (the registry client) and fails: no store there\n"
+    "print('IMPORTED BY MAIN', 'mlflow' in sys.modules)\n"
+    "from mlflow.telemetry import get_telemetry_client\n"
+    "print('TELEMETRY', 'off' if get_telemetry_client() is None else 'on')")
+
+
+@pytest.mark.parametrize(("switch", "state"), [(None, "off"), ("false", "on"), ("true", "off")])
+def test_mlflow_telemetry_is_off_unless_the_user_turns_it_on(tmp_path: Path, switch: str | None, state: str) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    if switch is not None:
+        env["MLFLOW_DISABLE_TELEMETRY"] = switch
+    out = subprocess.run([sys.executable, "-c", TELEMETRY_PROBE, "pull", "m@champion", "--to", "b",
+                          f"workdir={tmp_path / 'w'}"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
+    assert "no MLflow store" in out.stderr and "IMPORTED BY MAIN True" in out.stdout, out.stdout + out.stderr
+    assert f"TELEMETRY {state}" in out.stdout, out.stdout + out.stderr
+
+
+def test_run_refuses_a_sqlite_store_in_a_missing_directory_before_any_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """MLflow would create /nonexistent/dir (as root: anywhere); the kit would take minutes to build first."""
+    monkeypatch.setenv("DRAFTER_CACHE", str(tmp_path / "cache"))
+    store = tmp_path / "nonexistent" / "dir" / "x.db"
+    assert main(["run", f"workdir={tmp_path / 'w'}", f"mlflow.tracking_uri=sqlite:///{store}"]) == 2
+    err = capsys.readouterr().err
+    assert "in a directory that does not exist" in err and "mkdir -p" in err and "Traceback" not in err
+    assert not (tmp_path / "nonexistent").exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("override", ["=5", ".=5", "generate", "generate.max_new_tokens=" + "9" * 5000,
+                                      "workdir.x=1"])
+def test_a_malformed_override_exits_2_saying_what_was_expected(capsys: pytest.CaptureFixture, override: str) -> None:
+    assert main(["config", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "expected:" in err and "what to do:" in err

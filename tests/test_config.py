@@ -1,11 +1,15 @@
 """Configs: every shipped YAML loads, overrides apply, and bad keys/values give errors that name them."""
 
+import json
 import math
 import re
 import shlex
 from pathlib import Path
 
 import pytest
+import yaml
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from jobs.cli import build_parser
 from pipeline.config.schema import describe, field_docs, to_dict
@@ -134,3 +138,77 @@ def test_malformed_yaml_file_names_the_line(tmp_path: Path) -> None:
     with pytest.raises(DrafterError) as err:
         load_config(path)
     assert "broken.yaml" in str(err.value) and "line 3" in str(err.value)
+
+
+# --- hostile input (issue 21): Hypothesis over the override parser and the YAML loader ---------------
+# Every input either loads into a config that can be printed and hashed, or raises DrafterError saying what
+# was expected and what to do; any other exception is a raw traceback and fails the test. Derandomized and
+# without an example database, so CI sees the same examples every run.
+
+HOSTILE = settings(max_examples=500, deadline=None, derandomize=True, database=None)
+KEYS = [row[0] for row in describe(PipelineConfig)]
+SECTIONS = sorted({key.rsplit(".", 1)[0] for key in KEYS if "." in key})
+# Every character, lone surrogates included: Linux hands a non-UTF-8 argv byte to Python as one.
+ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=30)
+YAML_BITS = st.sampled_from(["[", "]", "{", "}", "'", '"', ":", ": ", "- ", ",", "#", "&a ", "*a", "!!binary ",
+                             "!!python/object:os.system ", "!!set ", "? ", "|", ">", "%", "@", "`", "~", "null",
+                             ".nan", "-.inf", "1e400", "0x1F", "0o17", "1_000", "2001-12-14", "12:30:00", "yes",
+                             "\t", "\n", "\x00", "\x85", "\u2028", "\ufeff", "\udcff", "9" * 5000, "é", "🙂"])
+YAML_TEXT = st.lists(st.one_of(YAML_BITS, ANY_TEXT), max_size=8).map("".join)
+PLAIN_DATA = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), ANY_TEXT),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(ANY_TEXT, inner, max_size=4)),
+    max_leaves=12)
+KEY_PATH = st.one_of(
+    st.sampled_from(KEYS + SECTIONS),
+    st.lists(st.one_of(st.sampled_from([*SECTIONS, *(k.rsplit(".", 1)[-1] for k in KEYS)]), ANY_TEXT),
+             min_size=1, max_size=4).map(".".join),
+    ANY_TEXT)
+VALUE = st.one_of(YAML_TEXT, PLAIN_DATA.map(lambda v: yaml.safe_dump(v, default_flow_style=True).strip()))
+
+
+def _loads_or_explains(load) -> None:
+    """``load()`` gives a config that prints and hashes, or a DrafterError with expected and what to do."""
+    try:
+        cfg = load()
+    except DrafterError as err:
+        assert err.expected and err.fix, f"a DrafterError without expected/what to do:\n{err}"
+        return
+    plain = to_dict(cfg)
+    json.dumps(plain)  # manifests and artifact ids hash this
+    yaml.safe_dump(plain)  # `drafter config` prints this
+
+
+@HOSTILE
+@given(st.lists(st.tuples(KEY_PATH, st.sampled_from(["=", "==", " = ", ""]), VALUE), max_size=4))
+@example([("=5", "", "")])  # no key at all
+@example([("generate.max_new_tokens", "=", "9" * 5000)])  # more digits than Python converts to an int
+@example([("slurm.stages", "=", "{generate: {time: 2001-12-14}}")])  # a YAML date where JSON has none
+@example([("workdir", "=", "\udcff")])  # a non-UTF-8 argv byte
+def test_any_override_loads_or_is_explained(overrides: list[tuple[str, str, str]]) -> None:
+    _loads_or_explains(lambda: load_config(None, [key + sep + value for key, sep, value in overrides]))
+
+
+@HOSTILE
+@given(st.one_of(
+    YAML_TEXT,
+    st.dictionaries(st.one_of(st.sampled_from(SECTIONS + KEYS), ANY_TEXT, st.integers(), st.none()),
+                    PLAIN_DATA, max_size=4).map(lambda d: yaml.safe_dump(d, allow_unicode=True)),
+    st.dictionaries(st.sampled_from(SECTIONS), st.dictionaries(st.sampled_from(
+        sorted({k.rsplit(".", 1)[-1] for k in KEYS})), PLAIN_DATA, max_size=3), max_size=3).map(yaml.safe_dump),
+))
+@example("{1: 2, workdir: x}")  # a key that is not a string beside one that is
+@example("generate: &a {limit: *a}")  # a self-referencing mapping
+def test_any_yaml_file_loads_or_is_explained(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
+    path = tmp_path_factory.mktemp("yaml") / "config.yaml"
+    path.write_bytes(text.encode("utf-8", "surrogatepass"))
+    _loads_or_explains(lambda: load_config(path))
+
+
+@pytest.mark.parametrize("data", [b"workdir: caf\xe9\n", b"\xff\xfe w\x00o\x00", b"workdir: \xed\xb3\xbf\n"])
+def test_a_yaml_file_that_is_not_utf8_names_the_byte(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(data)
+    with pytest.raises(DrafterError, match=r"latin1\.yaml is not UTF-8 text \(byte \d+") as err:
+        load_config(path)
+    assert "iconv" in str(err.value)

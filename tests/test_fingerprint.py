@@ -114,3 +114,49 @@ def test_a_damaged_tiny_kit_is_refused_when_loaded(tmp_path: Path, tiny_kit, mon
     with pytest.raises(DrafterError, match="drafter tiny --profile test --force"):
         generate.main(cfg)
     assert not (tmp_path / "work" / "artifacts").exists() or not any((tmp_path / "work" / "artifacts").glob("generate-*"))
+
+
+# --- damaged cached models (issue 21): a library's own exception never reaches the user ----------------
+
+def _cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(("damage", "load"), [
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "fingerprint"),  # used to raise TypeError
+    (lambda d: (d / "tokenizer.json").write_text('{"version": "1.0", "model": 3}'), "fingerprint"),  # KeyError
+    (lambda d: _cut(d / "model.safetensors"), "load_model"),  # SafetensorError: incomplete metadata
+    (lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64), "load_model"),  # SafetensorError: header
+], ids=["config-a-list", "tokenizer-json-fields-missing", "safetensors-cut", "safetensors-garbage"])
+def test_a_damaged_local_checkpoint_is_refused_naming_it(tmp_path: Path, tiny_kit, damage, load: str) -> None:
+    target = _copy_model(tiny_kit.path("target"), tmp_path / "damaged")
+    damage(target)
+    with pytest.raises(DrafterError, match=f"Could not load '{target}'") as err:
+        getattr(loading, load)(str(target))
+    assert "damaged or incomplete" in err.value.found and "again" in err.value.fix
+
+
+@pytest.mark.parametrize("report", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_a_tiny_kit_whose_report_is_damaged_is_refused_at_plan_time(tmp_path: Path, tiny_kit,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   report: bytes) -> None:
+    from pipeline.tiny import build_kit, kit_status
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_kit.root, cache / "tiny" / tiny_kit.root.name)
+    (cache / "tiny" / tiny_kit.root.name / "report.json").write_bytes(report)
+    monkeypatch.setenv("DRAFTER_CACHE", str(cache))
+    with pytest.raises(DrafterError, match="report.json cannot be read") as err:
+        kit_status("test", cache)
+    assert "drafter tiny --profile test --force" in err.value.fix
+    with pytest.raises(DrafterError, match="report.json cannot be read"):
+        plan(small_cfg(tmp_path / "work"), ["generate"])
+    with pytest.raises(DrafterError, match="report.json cannot be read"):
+        build_kit("test", cache)
+
+
+def test_a_stat_cache_of_another_shape_is_ignored(tmp_path: Path) -> None:
+    (tmp_path / "stat.json").write_text("[1, 2]")
+    file = tmp_path / "f.bin"
+    file.write_bytes(b"x")
+    assert StatCache(tmp_path / "stat.json").sha256(file) == StatCache(tmp_path / "none.json").sha256(file)

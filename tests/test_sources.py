@@ -6,12 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
 
 from pipeline.data.sources import (
     Conversation,
     load_conversations,
     load_humaneval,
     load_sharegpt,
+    source_fingerprint,
     split_heldout,
 )
 from pipeline.errors import DrafterError
@@ -181,3 +184,190 @@ def test_parts_of_one_chat_stay_on_one_side() -> None:
 def test_split_rejects_bad_fraction() -> None:
     with pytest.raises(DrafterError, match="heldout_fraction"):
         split_heldout([], 1.5, heldout=True)
+
+
+# --- hostile input (issue 21): Hypothesis over the prompt loaders -------------------------------------
+# Files (JSON arrays, JSON Lines, single objects, truncated or not JSON at all), saved datasets with any
+# columns, and any source string: each either loads conversations the rest of the pipeline can use (every
+# text encodes to UTF-8, every id hashes into the held-out split) or raises DrafterError with expected and
+# what to do. Derandomized and without an example database, so CI sees the same examples every run.
+
+HOSTILE = settings(max_examples=400, deadline=None, derandomize=True, database=None)
+DATASETS = settings(max_examples=60, deadline=None, derandomize=True, database=None)
+# Any character a JSON string can hold, lone surrogates included (JSON escapes them as \udXXX).
+JSON_TEXT = st.text(st.characters(exclude_categories=()), max_size=20)
+JSON_VALUE = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), JSON_TEXT),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(JSON_TEXT, inner, max_size=3)),
+    max_leaves=8)
+ROLE = st.one_of(st.sampled_from(["human", "gpt", "user", "assistant", "system", "GPT", "bard", "tool"]), JSON_VALUE)
+TURN = st.one_of(
+    st.fixed_dictionaries({"from": ROLE, "value": st.one_of(JSON_TEXT, JSON_VALUE)}),
+    st.fixed_dictionaries({"role": ROLE, "content": st.one_of(JSON_TEXT, JSON_VALUE)}),
+    JSON_VALUE)
+RECORD = st.one_of(
+    st.fixed_dictionaries({}, optional={"id": JSON_VALUE, "task_id": JSON_VALUE, "conversations": st.lists(TURN, max_size=4),
+                                        "messages": st.one_of(st.lists(TURN, max_size=4), JSON_VALUE),
+                                        "prompt": st.one_of(JSON_TEXT, JSON_VALUE), "text": JSON_TEXT}),
+    JSON_VALUE)
+
+
+def _usable(convs: list[Conversation]) -> None:
+    """What the pipeline does next with loaded conversations must work: tokenizers take UTF-8, the split
+    hashes ids, artifacts store JSON."""
+    _well_formed(convs)
+    for conv in convs:
+        for message in conv.messages:
+            message["content"].encode("utf-8")
+        json.dumps(conv.messages, ensure_ascii=False).encode("utf-8")
+    split_heldout(convs, 0.5, heldout=True)
+
+
+def _loads_or_explains(load) -> None:
+    try:
+        convs, report = load()
+    except DrafterError as err:
+        assert err.expected and err.fix, f"a DrafterError without expected/what to do:\n{err}"
+        return
+    _usable(convs)
+    assert report.records_kept == len(convs) and report.records_read >= len(convs)
+
+
+def _file_text(records: list, layout: str, ascii_only: bool, cut: int) -> str:
+    dump = lambda value: json.dumps(value, ensure_ascii=ascii_only)  # noqa: E731
+    if layout == "array":
+        return dump(records)
+    if layout == "truncated":
+        text = dump(records)
+        return text[: cut % (len(text) + 1)]
+    if layout == "object":
+        return dump(records[0] if records else {})
+    return "\n".join(dump(r) for r in records)  # jsonl
+
+
+@HOSTILE
+@given(st.lists(RECORD, max_size=5), st.sampled_from(["array", "truncated", "object", "jsonl"]), st.booleans(),
+       st.integers(0, 10_000), st.sampled_from([".json", ".jsonl"]))
+@example([{"prompt": "\ud800"}], "jsonl", True, 0, ".jsonl")  # a lone surrogate, escaped as JSON allows
+@example([{"id": "\udcff", "prompt": "hi"}], "array", True, 0, ".json")  # ... in an id the split hashes
+def test_any_conversation_file_loads_or_is_explained(tmp_path_factory: pytest.TempPathFactory, records: list,
+                                                     layout: str, ascii_only: bool, cut: int, suffix: str) -> None:
+    path = tmp_path_factory.mktemp("prompts") / f"data{suffix}"
+    # Unescaped lone surrogates cannot be UTF-8: written as the bytes a careless encoder leaves (refused as such).
+    path.write_bytes(_file_text(records, layout, ascii_only, cut).encode("utf-8", "surrogatepass"))
+    _loads_or_explains(lambda: load_conversations(str(path)))
+
+
+@HOSTILE
+@given(st.one_of(
+    st.text(st.characters(exclude_categories=()), max_size=200),
+    st.lists(st.sampled_from(["[", "]", "{", "}", '"', ",", ":", "\n", "\r\n", "\u2028", "\x85", "\x00", "\ufeff",
+                              "1" * 5000, "1e999", "NaN", "-Infinity", "\\ud800", '"\\u', "null"]),
+             max_size=30).map("".join),
+    st.integers(1, 5000).map(lambda depth: "[" * depth * 10 + "]" * depth * 10),  # nested deeper than json recurses
+))
+def test_any_text_as_a_conversation_file_loads_or_is_explained(tmp_path_factory: pytest.TempPathFactory,
+                                                               text: str) -> None:
+    path = tmp_path_factory.mktemp("prompts") / "data.jsonl"
+    path.write_bytes(text.encode("utf-8", "surrogatepass"))
+    _loads_or_explains(lambda: load_conversations(str(path)))
+
+
+@HOSTILE
+@given(st.lists(st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=30)
+                .filter(str.strip), min_size=1, max_size=6))
+@example(["a\u2028b"])  # JSON strings may hold U+2028 unescaped; JSON Lines ends a record only at \n
+def test_every_jsonl_record_with_any_unicode_is_kept(tmp_path_factory: pytest.TempPathFactory,
+                                                     prompts: list[str]) -> None:
+    path = tmp_path_factory.mktemp("prompts") / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}, ensure_ascii=False) for p in prompts) + "\n",
+                    encoding="utf-8")
+    convs, report = load_conversations(str(path))
+    assert [c.messages[0]["content"] for c in convs] == prompts
+    assert report.records_dropped == 0
+
+
+COLUMN = st.one_of(
+    st.lists(JSON_TEXT, min_size=1, max_size=3),
+    st.lists(st.integers(), min_size=1, max_size=3),
+    st.lists(st.lists(st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt", "x"]), "value": JSON_TEXT}),
+                      max_size=2), min_size=1, max_size=3),
+    st.lists(st.lists(st.fixed_dictionaries({"role": JSON_TEXT, "content": JSON_TEXT}), max_size=2),
+             min_size=1, max_size=3),
+    st.lists(st.none(), min_size=1, max_size=3))
+
+
+@DATASETS
+@given(st.dictionaries(st.sampled_from(["id", "conversations", "messages", "prompt", "text", "other"]), COLUMN,
+                       max_size=3), st.sampled_from(["dataset", "dict", "empty dict"]))
+@example({}, "empty dict")  # a DatasetDict without a split
+def test_any_saved_dataset_loads_or_is_explained(tmp_path_factory: pytest.TempPathFactory, columns: dict,
+                                                 shape: str) -> None:
+    import datasets
+
+    rows = min((len(v) for v in columns.values()), default=0)
+    try:
+        ds = datasets.Dataset.from_dict({k: v[:rows] for k, v in columns.items()})
+    except Exception:  # noqa: BLE001 - a column Arrow cannot hold is not a dataset anyone can save
+        assume(False)
+    saved = {"dataset": ds, "dict": datasets.DatasetDict({"other": ds}), "empty dict": datasets.DatasetDict()}[shape]
+    path = tmp_path_factory.mktemp("saved") / "ds"
+    saved.save_to_disk(str(path))
+    _loads_or_explains(lambda: load_conversations(str(path)))
+    fingerprint = source_fingerprint(str(path))
+    assert fingerprint["dataset_dir"] == "ds"
+
+
+@pytest.mark.parametrize(("damage", "when"), [("state.json not JSON", "plan"), ("state.json a list", "plan"),
+                                             ("no dataset files", "plan"), ("arrow cut", "load")])
+def test_a_damaged_saved_dataset_is_refused(tmp_path: Path, damage: str, when: str) -> None:
+    """What plan() can tell without reading the rows (the directory's dataset files) it refuses before any stage
+    runs; rows that cannot be read are refused when the stage loads them."""
+    import datasets
+
+    path = tmp_path / "ds"
+    datasets.Dataset.from_list([{"prompt": "hello"}]).save_to_disk(str(path))
+    if damage == "state.json not JSON":
+        (path / "state.json").write_text("{not json")  # used to raise JSONDecodeError from plan()
+    elif damage == "state.json a list":
+        (path / "state.json").write_text("[1, 2]")  # used to raise AttributeError from plan()
+    elif damage == "no dataset files":
+        for file in path.iterdir():
+            file.unlink()
+        (path / "notes.txt").write_text("not a dataset")
+    else:
+        arrow = next(path.glob("*.arrow"))
+        arrow.write_bytes(arrow.read_bytes()[:100])
+    if when == "load":
+        source_fingerprint(str(path))
+    with pytest.raises(DrafterError, match="is not a saved datasets dataset|cannot be read") as err:
+        source_fingerprint(str(path)) if when == "plan" else load_conversations(str(path))
+    assert err.value.expected and err.value.fix
+
+
+@HOSTILE
+@given(st.text(st.characters(exclude_categories=()), max_size=40))
+@example("~nobody-here/data.json")  # a home directory that does not exist
+@example("bad\x00path.json")  # a NUL byte no file name can hold
+def test_any_source_string_loads_or_is_explained(tmp_path_factory: pytest.TempPathFactory, source: str) -> None:
+    import datasets
+
+    here = tmp_path_factory.mktemp("cwd")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(here)
+
+        def offline(*args: object, **kwargs: object) -> None:
+            raise ConnectionError("no route to host")
+
+        patch.setattr(datasets, "load_dataset", offline)
+        try:  # "" and "." are the empty working directory
+            exists = source not in ("", ".") and Path(source).expanduser().exists()
+        except (RuntimeError, ValueError, OSError):
+            exists = False
+        # Never hash a real directory of this machine; the packaged sets have their own tests.
+        assume(not exists and source not in ("sharegpt", "humaneval"))
+        try:
+            source_fingerprint(source)
+        except DrafterError as err:
+            assert err.expected and err.fix, f"a DrafterError without expected/what to do:\n{err}"
+        _loads_or_explains(lambda: load_conversations(source))

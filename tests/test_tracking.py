@@ -8,14 +8,16 @@ from pathlib import Path
 
 import mlflow
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from mlflow.tracking import MlflowClient
 
-from pipeline.config.sections import load_config
+from pipeline.config.sections import MlflowConfig, load_config
 from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import artifact_id, load_artifact
 from pipeline.orchestration.dag import StagePlan, spec, stage_identity
 from pipeline.orchestration.stage import BuildResult, run_stage
-from pipeline.orchestration.tracking import check_reachable, flatten, redact
+from pipeline.orchestration.tracking import check_reachable, flatten, redact, tracking_uri
 from tests.mlflow_server import MlflowServer, free_port
 
 FP = {"model": "tiny:test/target", "revision": "r1", "vocab_hash": "abc"}
@@ -126,6 +128,109 @@ def test_a_configured_store_does_not_leak_into_the_environment(tmp_path: Path,
     _stage(_cfg(tmp_path, f"sqlite:///{tmp_path / 'elsewhere.db'}"), [])
     assert "MLFLOW_TRACKING_URI" not in os.environ
     later = load_config(None, [f"workdir={tmp_path / 'later'}"])
-    from pipeline.orchestration.tracking import tracking_uri
-
     assert tracking_uri(later.mlflow, later.workdir_path) == f"sqlite:///{tmp_path / 'later' / 'mlflow.db'}"
+
+
+# --- the store is checked before any work (issue 21) ------------------------------------------------
+
+def test_a_sqlite_store_in_a_missing_directory_is_refused_before_any_work(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "deeper" / "mlflow.db"
+    cfg = _cfg(tmp_path, f"sqlite:///{missing}")
+    calls: list = []
+    with pytest.raises(DrafterError, match="in a directory that does not exist") as err:
+        _stage(cfg, calls)
+    assert err.value.expected and "mkdir -p" in err.value.fix
+    assert calls == [] and not (tmp_path / "nowhere").exists()
+
+
+def test_the_default_store_named_explicitly_gets_its_directory(tmp_path: Path) -> None:
+    """sqlite:///<workdir>/mlflow.db is the pipeline's own location: its directory is made, as for the default."""
+    workdir = tmp_path / "new" / "work"
+    cfg = load_config(None, [f"workdir={workdir}", f"mlflow.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",
+                             "mlflow.experiment=explicit-default"])
+    assert _stage(cfg, []) is not None and (workdir / "mlflow.db").is_file()
+
+
+def test_a_dead_server_stops_drafter_run_before_the_kit_is_built(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kit takes minutes to build on a fresh machine; a dead server must not wait for it."""
+    import pipeline.tiny
+    from jobs import run
+
+    cache = tmp_path / "empty-cache"
+    monkeypatch.setenv("DRAFTER_CACHE", str(cache))
+    built: list[str] = []
+    real_build_kit = pipeline.tiny.build_kit
+
+    def build_kit(profile: str, *args: object, **kwargs: object) -> object:
+        built.append(profile)
+        raise AssertionError(f"the {profile} kit was built before the tracking store was checked")
+
+    monkeypatch.setattr(pipeline.tiny, "build_kit", build_kit)
+    for uri, message in ((f"http://127.0.0.1:{free_port()}", "unreachable after 2 attempts"),
+                         (f"sqlite:///{tmp_path / 'gone' / 'mlflow.db'}", "directory that does not exist"),
+                         ("htp://127.0.0.1:5000", "no store")):
+        with pytest.raises(DrafterError, match=message):
+            run(_cfg(tmp_path, uri), ["generate"])
+    assert built == [] and not any(cache.rglob("*")), "no kit may be built or started"
+    assert real_build_kit is not build_kit
+
+
+@pytest.mark.parametrize(("uri", "found"), [
+    ("http://127.0.0.1:99999", "Port out of range"),
+    ("http://[::1", "Invalid IPv6 URL"),
+    ("http://127.0.0.1:port", "Port could not be cast"),
+    ("http://", "no host"),
+    ("sqlite:/relative.db", "without a database file"),
+    ("sqlite:///", "without a database file"),
+    ("s3://bucket/mlflow", "no store"),
+    ("sqlite:///x.db\n", "control character"),
+    ("http://host\x08/", "control character"),  # urllib's InvalidURL
+    ("http://bücher.example/\U00051903", "beyond ASCII"),  # urllib's UnicodeEncodeError
+])
+def test_a_malformed_tracking_uri_is_refused_naming_it(tmp_path: Path, uri: str, found: str) -> None:
+    with pytest.raises(DrafterError, match="as the MLflow tracking store") as err:
+        tracking_uri(MlflowConfig(tracking_uri=uri), tmp_path / "work")
+    assert found in err.value.found and "mlflow.tracking_uri" in err.value.fix
+
+
+# Hypothesis over tracking URIs: every one is used or refused with expected and what to do; none creates a
+# file or directory anywhere (the check runs from an empty directory and looks at it afterwards).
+URI_PART = st.text(st.characters(exclude_categories=()), max_size=12)
+URI = st.one_of(
+    st.text(st.characters(exclude_categories=()), max_size=40),
+    st.tuples(st.sampled_from(["http://", "https://", "sqlite:///", "sqlite://", "sqlite:", "file://", "file:", "",
+                               "databricks", "postgresql://", "s3://", "HTTP://", "mlflow-artifacts:/", "://"]),
+              st.lists(st.one_of(URI_PART, st.sampled_from(["/", ":", "@", "[", "]", "?", "#", "%", "127.0.0.1",
+                                                            ":5000", ":0", ":-1", ":65536", "x.db", ".."])),
+                       max_size=6).map("".join)).map("".join),
+)
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@given(URI)
+@example("sqlite:///a\x00b.db")  # a NUL no path can hold
+def test_any_tracking_uri_is_used_or_refused(tmp_path_factory: pytest.TempPathFactory, uri: str) -> None:
+    import socket
+    import urllib.parse
+
+    from pipeline.orchestration.tracking import check_store
+
+    here = tmp_path_factory.mktemp("cwd")
+    cfg = MlflowConfig(tracking_uri=uri or None, retries=1, timeout_s=0.1)
+
+    def offline(*args: object, **kwargs: object) -> None:  # urllib still parses the URL, as it would online
+        raise OSError("no network in this test")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(here)
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        patch.setattr(socket, "create_connection", offline)
+        try:
+            check_store(cfg, here / "work")
+            # offline: a server URI is always probed, and the probe fails
+            assert urllib.parse.urlsplit(uri).scheme.lower() not in ("http", "https"), "a server was not probed"
+        except DrafterError as err:
+            assert err.expected and err.fix, f"a DrafterError without expected/what to do:\n{err}"
+    made = sorted(str(p.relative_to(here)) for p in here.rglob("*"))
+    assert made in ([], ["work"]), made  # only the default store's workdir

@@ -31,7 +31,7 @@ T = TypeVar("T")
 def check_value(ok: bool, key: str, expected: str, found: object) -> None:
     """Raise the standard bad-value error for config key ``key`` unless ``ok``."""
     if not ok:
-        raise DrafterError(f"Invalid value for {key}.", expected=expected, found=repr(found),
+        raise DrafterError(f"Invalid value for {key}.", expected=expected, found=_short(found),
                            fix=f"Set {key} to {expected} in the YAML or as an override {key}=...")
 
 
@@ -62,7 +62,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         raise errors[0] if len(errors) == 1 else DrafterError(
             f"Config value {where} has the wrong type.",
             expected=" or ".join(_type_name(a) for a in args),
-            found=f"{value!r} ({type(value).__name__})",
+            found=f"{_short(value)} ({type(value).__name__})",
             fix=f"Set {where} to a value of the expected type.",
         )
     if origin in (list, tuple):
@@ -72,7 +72,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise DrafterError(f"Config value {where} must be a mapping.", found=repr(value))
+            raise DrafterError(f"Config value {where} must be a mapping.", expected="a mapping {key: value, ...}",
+                               found=_short(value), fix=f"Set {where} to a mapping, e.g. {where}={{}}.")
         return dict(value)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
@@ -96,10 +97,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         raise DrafterError(
             f"Config value {where} has the wrong type.",
             expected=_type_name(tp),
-            found=f"{value!r} ({type(value).__name__})",
+            found=f"{_short(value)} ({type(value).__name__})",
             fix=f"Set {where} to {_a(_type_name(tp))}.",
         )
     return value
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a message quotes a value, it need not hold all of it."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -111,14 +118,17 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
     label = where or cls.__name__
     if data is None:
         data = {}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     if not isinstance(data, dict):
         raise DrafterError(
             f"Config section {label!r} must be a mapping.",
-            expected=f"keys of {cls.__name__}",
-            found=repr(data),
+            expected=f"a mapping with keys from: {', '.join(sorted(fields))}",
+            found=_short(data),
+            fix=(f"Write {where} as a section of `key: value` lines (or override {where}.KEY=VALUE)." if where
+                 else "Write the file as `key: value` lines at top level."),
         )
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    # YAML keys may be numbers, null or booleans; sort and print them as text, the way the user wrote them.
+    unknown = sorted((str(k) for k in data if k not in fields), key=str)
     if unknown:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
         raise DrafterError(
@@ -142,7 +152,11 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
     except DrafterError:
         raise
     except (TypeError, ValueError) as err:
-        raise DrafterError(f"Invalid config section {label!r}: {err}") from err
+        raise DrafterError(f"Invalid config section {label!r}: {err}",
+                           expected=f"values `drafter config --keys {where}` documents" if where
+                           else "values `drafter config --keys` documents",
+                           found=f"{type(err).__name__}: {err}",
+                           fix="Fix the value the error names.") from err
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
@@ -205,19 +219,33 @@ def excluded_fields(cls: type, prefix: str = "") -> dict[str, str]:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """``"generate.max_new_tokens=64"`` → (["generate", "max_new_tokens"], 64). Values are YAML scalars."""
-    if "=" not in text:
+    """``"generate.max_new_tokens=64"`` → (["generate", "max_new_tokens"], 64). Values are YAML scalars (or flow
+    collections, ``count.top_k=[8, 16]``); a value that is not YAML stays the text as written.
+
+    Raises:
+        DrafterError: no ``=``, no key before it, or a value YAML reads but Python cannot hold.
+    """
+    key, sep, raw = text.partition("=")
+    path = [k for k in key.strip().split(".") if k]
+    if not sep or not path:
         raise DrafterError(
             f"Cannot read the override {text!r}.",
             expected="key.path=value, e.g. generate.max_new_tokens=64",
-            found=text,
+            found=text if sep else f"{text} (no '=')",
+            fix="Write each override as KEY=VALUE with a dotted key; `drafter config --keys` lists the keys.",
         )
-    key, raw = text.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    return [k for k in key.strip().split(".") if k], value
+    except (ValueError, RecursionError) as err:  # e.g. an int of more digits than Python converts
+        raise DrafterError(
+            f"Cannot read the value of the override {'.'.join(path)}=….",
+            expected="a YAML value: a number, true/false, null, text, [a, b] or {k: v}",
+            found=f"{_short(raw)}: {type(err).__name__}: {str(err)[:200]}",
+            fix=f"Give {'.'.join(path)} a value of its type (`drafter config --keys {'.'.join(path)}` says which).",
+        ) from err
+    return path, value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -225,30 +253,62 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     for text in overrides:
         path, value = parse_override(text)
         node = data
-        for key in path[:-1]:
+        for depth, key in enumerate(path[:-1]):
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
-                raise DrafterError(f"Override {text!r} goes through {key!r}, which is not a section.")
+                section = ".".join(path[: depth + 1])
+                raise DrafterError(
+                    f"Override {text!r} goes through {section!r}, which is not a section.",
+                    expected="a dotted key whose parts before the last are sections, e.g. generate.max_new_tokens=64",
+                    found=f"{section} = {_short(node)}",
+                    fix=f"Set {section} itself ({section}=VALUE), or see `drafter config --keys` for the keys.",
+                )
         node[path[-1]] = value
     return data
 
 
 def load_yaml(path: str | Path) -> dict:
-    """Read a YAML config file into a mapping, with a clear error for a missing or malformed file."""
+    """Read a YAML config file into a mapping, with a clear error for a missing, unreadable or malformed file."""
     path = Path(path)
     if not path.is_file():
         raise DrafterError(
             f"Config file {str(path)!r} does not exist.",
+            expected="a YAML file",
+            found="a directory" if path.is_dir() else "no such file",
             fix="Pass an existing YAML file, e.g. --config configs/tiny.yaml.",
         )
     try:
-        data = yaml.safe_load(path.read_text())
+        raw = path.read_bytes()
+    except OSError as err:
+        raise DrafterError(f"Config file {str(path)!r} cannot be read.", expected="a readable YAML file",
+                           found=f"{type(err).__name__}: {err}", fix="Check the file's permissions.") from err
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DrafterError(
+            f"Config file {path.name} is not UTF-8 text (byte {err.start}: {raw[err.start:err.start + 1]!r}).",
+            expected="a UTF-8 YAML file",
+            found=f"{err.reason} at byte {err.start} of {len(raw)} ({path})",
+            fix=f"Re-encode it, e.g. `iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`.",
+        ) from err
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise DrafterError(f"Config file {str(path)!r} is not valid YAML: {err}") from err
+        raise DrafterError(f"Config file {str(path)!r} is not valid YAML: {err}",
+                           expected="YAML mappings of `key: value`, as in configs/tiny.yaml",
+                           found=str(getattr(err, "problem", None) or type(err).__name__),
+                           fix="Fix the line the message names.") from err
+    except (ValueError, RecursionError) as err:  # e.g. an int of more digits than Python converts
+        raise DrafterError(f"Config file {str(path)!r} holds a value Python cannot read.",
+                           expected="YAML numbers, text, lists and mappings of ordinary size",
+                           found=f"{type(err).__name__}: {str(err)[:200]}",
+                           fix="Fix the value the message names.") from err
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise DrafterError(f"Config file {str(path)!r} must hold a mapping at top level.", found=repr(data))
+        raise DrafterError(f"Config file {str(path)!r} must hold a mapping at top level.",
+                           expected="`key: value` lines at top level, as in configs/tiny.yaml",
+                           found=_short(data), fix="Write the settings as a YAML mapping.")
     return data
 
 

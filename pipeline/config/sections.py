@@ -118,6 +118,11 @@ class SlurmConfig:
             check_value(stage in STAGE_NAMES, "slurm.stages", f"stage names from {list(STAGE_NAMES)}", stage)
             check_value(isinstance(settings, dict) and set(settings) <= set(SLURM_RESOURCES),
                         f"slurm.stages.{stage}", f"a mapping with keys from {list(SLURM_RESOURCES)}", settings)
+            for key, value in settings.items():  # typed as the top-level field of the same name
+                text = key in ("mem", "time")
+                ok = isinstance(value, str) if text else isinstance(value, int) and not isinstance(value, bool)
+                check_value(ok or (key == "mem" and value is None), f"slurm.stages.{stage}.{key}",
+                            'a string, e.g. "24:00:00"' if text else "an integer", value)
         check_value(all(isinstance(x, str) and x.startswith("--") for x in self.extra), "slurm.extra",
                     "sbatch options starting with --", self.extra)
 

@@ -83,7 +83,10 @@ def _normalise(record: Any, fallback_id: str, counters: Counter[str]) -> _Frozen
     if not isinstance(record, dict):
         counters["records that are not JSON objects"] += 1
         return None
-    rec_id = str(record.get("id", record.get("task_id", fallback_id)))
+    # JSON may escape a lone surrogate (\ud800), which no UTF-8 tokenizer, Arrow column or hash can take: an
+    # id keeps it as the visible escape (still unique), a turn holding one is dropped and counted.
+    own = next((record[key] for key in ("id", "task_id") if record.get(key) not in (None, "")), fallback_id)
+    rec_id = _printable(str(own))  # an empty or null id is no id: the record's position names it
     turns: list[tuple[str, str]] = []
     if isinstance(record.get("conversations"), list):
         raw = [(t.get("from"), t.get("value")) for t in record["conversations"] if isinstance(t, dict)]
@@ -102,6 +105,9 @@ def _normalise(record: Any, fallback_id: str, counters: Counter[str]) -> _Frozen
         if not isinstance(content, str) or not content.strip():
             counters["empty turns"] += 1
             continue
+        if _printable(content) != content:
+            counters["turns holding a lone surrogate escape (not Unicode text)"] += 1
+            continue
         turns.append((mapped, content))
     # A conversation starts at its first user turn: assistant turns before it answer nothing.
     first_user = next((i for i, (role, _) in enumerate(turns) if role == "user"), None)
@@ -112,6 +118,11 @@ def _normalise(record: Any, fallback_id: str, counters: Counter[str]) -> _Frozen
     if first_user - len(system) > 0:
         counters["leading assistant turns trimmed"] += first_user - len(system)
     return rec_id, tuple(system + turns[first_user:])
+
+
+def _printable(text: str) -> str:
+    """``text`` with any lone surrogate written as its ``\\udXXX`` escape (valid Unicode, encodable)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 _PART_SUFFIX = re.compile(r"_\d+$")
@@ -132,7 +143,8 @@ def _iter_json_array(text: str) -> Iterator[Any]:
     """Yield each complete element of a top-level JSON array, parsed one record at a time.
 
     Stops at the first element that does not parse (a truncated tail) by raising
-    :class:`json.JSONDecodeError`; everything before it has been yielded.
+    :class:`json.JSONDecodeError` (or the ``ValueError``/``RecursionError`` of a number too long or a record
+    nested too deep for Python's parser); everything before it has been yielded.
     """
     decoder = json.JSONDecoder()
     start = text.find("[")
@@ -158,23 +170,25 @@ def _parse_records(text: str, name: str, notes: list[str]) -> tuple[list[Any], i
         try:
             for record in _iter_json_array(text):
                 records.append(record)
-        except json.JSONDecodeError as err:
-            notes.append(
-                f"{name}: JSON ends in an incomplete record at character {err.pos} of {len(text)} "
-                f"({err.msg}); the {len(records)} complete records before it were recovered"
-            )
+        except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+            where = f"character {err.pos} of {len(text)} ({err.msg})" if isinstance(err, json.JSONDecodeError) \
+                else f"a record Python cannot parse ({type(err).__name__}: {str(err)[:120]})"
+            notes.append(f"{name}: JSON ends in an incomplete record at {where}; the {len(records)} complete "
+                         "records before it were recovered")
             return records, 1
         return records, 0
     try:  # one (possibly pretty-printed) object; JSON Lines with several lines fails with "Extra data"
         return [json.loads(text)], 0
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         pass
     records, bad = [], 0
-    for line in text.splitlines():
+    # JSON Lines ends a record at "\n" only: str.splitlines would also cut at U+2028, U+0085 and others that a
+    # JSON string may hold unescaped.
+    for line in text.split("\n"):
         if line.strip():
             try:
                 records.append(json.loads(line))
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, a number too long, nested too deep
                 bad += 1
     if bad:
         notes.append(f"{name}: {bad} lines are not valid JSON and were dropped")
@@ -331,14 +345,15 @@ def load_conversations(source: str, *, limit: int | None = None,
         DrafterError: The source is missing, empty, unreachable, or holds no usable conversation.
     """
     if limit is not None and limit < 1:
-        raise DrafterError("limit must be positive.", expected="an integer >= 1 or None", found=str(limit))
+        raise DrafterError("limit must be positive.", expected="an integer >= 1 or None", found=str(limit),
+                           fix="Set the limit to a positive number of conversations, or null for all.")
     if source == "sharegpt":
         convs, report = load_sharegpt()
     elif source == "humaneval":
         convs = load_humaneval()
         report = SourceReport(f"humaneval (packaged {HUMANEVAL_PACKAGE})", len(convs), len(convs), 0, [])
     else:
-        path = Path(source).expanduser()
+        path = _expand(source)
         if path.is_dir():
             convs, report = _load_saved_dataset(path)
         elif path.is_file() or _looks_like_path(source):
@@ -374,7 +389,8 @@ def source_fingerprint(source: str, revision: str | None = None) -> dict:
     id and ``revision`` (a commit sha pins the data; a branch name is taken at its word).
 
     Raises:
-        DrafterError: A source that looks like a local path but does not exist.
+        DrafterError: A source that looks like a local path but does not exist, or a directory that is not a
+            saved dataset (or whose ``state.json`` is damaged).
     """
     from importlib.metadata import PackageNotFoundError, version
 
@@ -384,13 +400,12 @@ def source_fingerprint(source: str, revision: str | None = None) -> dict:
             return {"packaged": source, "package": package, "version": version(package)}
         except PackageNotFoundError:
             return {"packaged": source, "package": package, "version": None}
-    path = Path(source).expanduser()
+    path = _expand(source)
     if path.is_file():
         return {"file": path.name, "sha256": _file_sha256(path), "bytes": path.stat().st_size}
     if path.is_dir():
-        states = sorted(path.rglob("state.json"))
-        fingerprints = {str(p.relative_to(path)): json.loads(p.read_text()).get("_fingerprint") for p in states}
-        if states and all(fingerprints.values()):
+        fingerprints = _datasets_fingerprints(path)
+        if fingerprints and all(fingerprints.values()):
             return {"dataset_dir": path.name, "datasets_fingerprints": fingerprints}
         files = sorted(p for p in path.rglob("*") if p.is_file())
         return {"dataset_dir": path.name, "sha256": {str(p.relative_to(path)): _file_sha256(p) for p in files}}
@@ -401,6 +416,46 @@ def source_fingerprint(source: str, revision: str | None = None) -> dict:
     return {"hub": source, "revision": revision or "main"}
 
 
+def _expand(source: str) -> Path:
+    """``source`` as a path with ``~`` expanded; ``~user`` of an unknown user stays as written (no such path)."""
+    try:
+        return Path(source).expanduser()
+    except RuntimeError:  # "Could not determine home directory"
+        return Path(source)
+
+
+SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")
+"""What ``datasets.save_to_disk`` writes at the top of a directory: a DatasetDict's split list, a Dataset's state."""
+
+
+def _datasets_fingerprints(path: Path) -> dict[str, str | None]:
+    """The ``_fingerprint`` in every ``state.json`` of a saved dataset directory, checked on the way: a
+    directory that is not one, or whose state files are damaged, is refused before any stage runs.
+
+    Raises:
+        DrafterError: No dataset files at the top, or a ``state.json`` that is not a JSON object.
+    """
+    expected = "a directory written by datasets.Dataset.save_to_disk or DatasetDict.save_to_disk"
+    fix = "Save the dataset again with save_to_disk (or pass a ShareGPT .json/.jsonl file) and rerun."
+    if not any((path / name).is_file() for name in SAVED_DATASET_FILES):
+        raise DrafterError(f"Directory {path} is not a saved datasets dataset.", expected=expected,
+                           found=", ".join(sorted(p.name for p in path.iterdir())[:8]) or "an empty directory",
+                           fix=fix)
+    fingerprints: dict[str, str | None] = {}
+    for state in sorted(path.rglob("state.json")):
+        try:
+            data = json.loads(state.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise DrafterError(f"{state} of the saved dataset {path} cannot be read.", expected=expected,
+                               found=f"{type(err).__name__}: {str(err)[:200]}", fix=fix) from err
+        if not isinstance(data, dict):
+            raise DrafterError(f"{state} of the saved dataset {path} cannot be read.", expected=expected,
+                               found=f"a JSON {type(data).__name__}, not an object", fix=fix)
+        value = data.get("_fingerprint")
+        fingerprints[str(state.relative_to(path))] = str(value) if value else None
+    return fingerprints
+
+
 def _looks_like_path(source: str) -> bool:
     return source.endswith((".json", ".jsonl")) or source.startswith(("/", ".", "~")) or "\\" in source
 
@@ -408,11 +463,12 @@ def _looks_like_path(source: str) -> bool:
 def _load_saved_dataset(path: Path) -> tuple[list[Conversation], SourceReport]:
     import datasets
 
+    _datasets_fingerprints(path)  # the directory is one, and its state files are readable
     try:
         loaded = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError) as err:
+    except Exception as err:  # noqa: BLE001 - datasets raises many types (IndexError for one without columns)
         raise DrafterError(
-            f"Directory {path} is not a saved datasets dataset.",
+            f"Directory {path} is not a saved datasets dataset, or it cannot be read.",
             expected="a directory written by datasets.Dataset.save_to_disk (or a .json/.jsonl file)",
             found=str(err).splitlines()[0] if str(err) else type(err).__name__,
             fix="pass the dataset directory itself, or a ShareGPT .json/.jsonl file",
@@ -439,6 +495,11 @@ def _load_hub_dataset(source: str, revision: str | None = None) -> tuple[list[Co
 def _from_dataset(loaded: Any, name: str) -> tuple[list[Conversation], SourceReport]:
     notes: list[str] = []
     if hasattr(loaded, "keys") and not hasattr(loaded, "features"):  # a DatasetDict
+        if not loaded:
+            raise DrafterError(f"The dataset {name} has no split.",
+                               expected="a DatasetDict with a 'train' split (or any split) of conversations",
+                               found="a DatasetDict with no splits",
+                               fix="Save the dataset with its rows (e.g. DatasetDict({'train': ds}).save_to_disk)")
         split = "train" if "train" in loaded else next(iter(loaded.keys()))
         notes.append(f"used split '{split}' of {sorted(loaded.keys())}")
         loaded = loaded[split]

@@ -58,10 +58,20 @@ def resolve_ref(name: str, revision: str | None = None) -> ModelRef:
 
 
 def _hub_error(ref: ModelRef, err: Exception) -> DrafterError:
+    first_line = str(err).splitlines()[0] if str(err) else ""
+    if ref.is_local:  # a directory that exists but does not load: damaged or not a transformers checkpoint
+        return DrafterError(
+            f"Could not load {ref.name!r}: {type(err).__name__}: {first_line}",
+            expected="a directory written by save_pretrained: config.json (a JSON object), tokenizer files and "
+                     "complete *.safetensors",
+            found=f"{ref.location}, which {type(err).__name__} says is damaged or incomplete",
+            fix="Save or download the checkpoint again (a tiny-kit model: `drafter tiny --profile <profile> --force`).",
+        )
     return DrafterError(
-        f"Could not load {ref.name!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+        f"Could not load {ref.name!r}: {type(err).__name__}: {first_line}",
         expected="a local directory with a saved model, a tiny-kit ref like tiny:default/target, or a hub id "
                  "reachable from this machine",
+        found=f"{type(err).__name__}: {first_line}"[:300],
         fix="Check the name; without network access download the checkpoint elsewhere and pass its path.",
     )
 
@@ -74,7 +84,7 @@ def load_tokenizer(name: str, revision: str | None = None, *, trust_remote_code:
     try:
         return AutoTokenizer.from_pretrained(ref.location, revision=None if ref.is_local else ref.revision,
                                              trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # noqa: BLE001 - a damaged file raises TypeError, KeyError, tokenizers' Exception...
         raise _hub_error(ref, err) from err
 
 
@@ -92,7 +102,7 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
         model = AutoModelForCausalLM.from_pretrained(
             ref.location, revision=None if ref.is_local else ref.revision, dtype=getattr(torch, _DTYPES[dtype]),
             trust_remote_code=trust_remote_code, use_safetensors=True)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # noqa: BLE001 - a cut safetensors file raises SafetensorError, a bad config TypeError
         raise _hub_error(ref, err) from err
     finally:
         if bar:

@@ -4,7 +4,9 @@ Each stage run becomes one MLflow run: params are the resolved config (flattened
 figures, tags the artifact id, stage, target fingerprint and git sha, and the artifact directory is
 logged beside them. The default store is ``sqlite:///<workdir>/mlflow.db`` with artifacts under
 ``<workdir>/mlartifacts``; ``MLFLOW_TRACKING_URI`` (or ``mlflow.tracking_uri``) points at a server.
-A server is probed before a stage starts work (bounded retries), and logging happens only after the
+The store's URI is checked when it is resolved (a malformed one, or a local store in a directory that does not
+exist, is refused: MLflow would create that directory wherever it is). A server is probed before a stage starts
+work, and before ``drafter run`` builds a tiny kit (bounded retries), and logging happens only after the
 artifact is safely on disk: if the server dies in between, the error says so and the artifact stays,
 so a rerun is a cache hit that only logs. Credentials come from the environment (MLflow reads
 ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``/``TOKEN`` itself) and are never logged: URIs are redacted.
@@ -12,6 +14,7 @@ so a rerun is a cache hit that only logs. Credentials come from the environment 
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import subprocess
@@ -35,13 +38,87 @@ def tracking_uri(cfg: MlflowConfig, workdir: Path, *, create: bool = True) -> st
     """The store to use: the config's URI, else $MLFLOW_TRACKING_URI, else a sqlite file in the workdir.
 
     ``create=False`` is for readers (``pull``): the workdir is not made, so a wrong one stays visible.
+
+    Raises:
+        DrafterError: a URI that is malformed, names a scheme MLflow has no store for, or a local store in a
+            directory that does not exist (MLflow would create it silently, wherever it is): only the
+            default ``<workdir>/mlflow.db`` gets its directory made.
     """
     uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    default = workdir / "mlflow.db"
     if uri:
-        return uri
+        origin = "mlflow.tracking_uri" if cfg.tracking_uri else "$MLFLOW_TRACKING_URI"
+        path = _check_uri(uri, origin)
+        if path is None or path.parent.is_dir():
+            return uri
+        # A writer would have MLflow create that directory; a reader (pull) is told there is no store there.
+        if create and path.absolute() != default.absolute():
+            raise DrafterError(
+                f"The MLflow store {redact(uri)} ({origin}) is in a directory that does not exist: "
+                f"{path.parent.absolute()}.",
+                expected="a local store in an existing directory, the pipeline's own <workdir>/mlflow.db "
+                         f"({default}), or a tracking server http(s)://HOST:PORT",
+                found=f"{redact(uri)} from {origin} (MLflow would create that directory, wherever it is)",
+                fix=f"Create the directory first (mkdir -p {path.parent}), fix the path, or drop {origin} to use "
+                    "<workdir>/mlflow.db.")
     if create:
         workdir.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{workdir / 'mlflow.db'}"
+    return uri or f"sqlite:///{default}"
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _check_uri(uri: str, origin: str) -> Path | None:
+    """Refuse a tracking URI MLflow cannot use; returns the local store's path (None for a server)."""
+    def refuse(found: str) -> DrafterError:
+        return DrafterError(
+            f"Cannot use {redact(uri)!r} ({origin}) as the MLflow tracking store.",
+            expected="http(s)://HOST[:PORT][/PATH] of a tracking server, sqlite:////absolute/path/mlflow.db "
+                     "(sqlite:///relative/path.db), file:///path or a path, or a scheme an MLflow plugin provides",
+            found=found,
+            fix=f"Fix {origin}, or unset it to use the pipeline's <workdir>/mlflow.db.")
+
+    try:
+        uri.encode("utf-8")
+    except UnicodeEncodeError:
+        raise refuse("bytes that are not UTF-8 text in the URI") from None
+    if _CONTROL.search(uri):
+        raise refuse(f"a control character {_CONTROL.search(uri)[0]!r} in the URI")  # type: ignore[index]
+    try:
+        parts = urllib.parse.urlsplit(uri)
+        port = parts.port
+    except ValueError as err:  # a bad IPv6 literal, a port that is not a number or beyond 65535
+        raise refuse(f"{type(err).__name__}: {err}") from err
+    scheme = parts.scheme.lower()
+    if scheme in ("http", "https"):
+        if not parts.hostname or port == 0:
+            raise refuse("no host (or port 0) in the server URI")
+        if not uri.isascii():  # urllib cannot send it (UnicodeEncodeError in the request line)
+            raise refuse("characters beyond ASCII in a server URI (percent-encode them; write a host in punycode)")
+        return None
+    if scheme == "sqlite":
+        if uri in ("sqlite://", "sqlite:///:memory:"):
+            return None
+        path = local_store_path(uri) if uri.startswith("sqlite:///") else None
+        if path is None or not path.name or path.is_dir():
+            raise refuse("a sqlite URI without a database file (sqlite:///PATH: three slashes, then the file)")
+        return path
+    if scheme in ("file", ""):
+        path = local_store_path(uri)
+        if path is None or not str(path).strip():
+            raise refuse("a file store URI without a path")
+        return path
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    except ImportError:  # MLflow moved its registry: let MLflow judge the URI itself
+        return None
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception as err:  # noqa: BLE001 - MLflow's UnsupportedModelRegistryStoreURIException
+        raise refuse(f"scheme {parts.scheme!r}, for which MLflow has no store ({str(err).splitlines()[0][:200]})") \
+            from err
+    return None
 
 
 def local_store_path(uri: str) -> Path | None:
@@ -57,7 +134,7 @@ def local_store_path(uri: str) -> Path | None:
 
 
 def is_remote(uri: str) -> bool:
-    return uri.startswith(("http://", "https://"))
+    return uri.lower().startswith(("http://", "https://"))  # schemes are case-insensitive (MLflow's too)
 
 
 def check_reachable(uri: str, cfg: MlflowConfig) -> None:
@@ -70,7 +147,9 @@ def check_reachable(uri: str, cfg: MlflowConfig) -> None:
             with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=cfg.timeout_s) as resp:
                 if resp.status == 200:
                     return _check_credentials(uri, cfg)
-        except (urllib.error.URLError, OSError, TimeoutError) as err:
+        # HTTPException: InvalidURL for a netloc urllib reads otherwise than urlsplit (``http://:@0``), a bad status
+        # line; ValueError: a URL urllib cannot encode
+        except (urllib.error.URLError, OSError, TimeoutError, ValueError, http.client.HTTPException) as err:
             last = err
         if attempt + 1 < cfg.retries:
             time.sleep(min(2.0**attempt * 0.5, 4.0))
@@ -81,6 +160,16 @@ def check_reachable(uri: str, cfg: MlflowConfig) -> None:
         fix="Start the server or fix MLFLOW_TRACKING_URI (unset it to log to the local sqlite store), "
             "then rerun: finished artifacts are reused, nothing is recomputed.",
     )
+
+
+def check_store(cfg: MlflowConfig, workdir: Path, *, probe: bool = True) -> str:
+    """The tracking store, checked before any work: a malformed URI or a local store in a missing directory is
+    refused (:func:`tracking_uri`), a server is probed (:func:`check_reachable`) when ``probe`` is set (the
+    first rank of a launch; the others would only probe it again). Returns the URI."""
+    uri = tracking_uri(cfg, workdir)
+    if probe:
+        check_reachable(uri, cfg)
+    return uri
 
 
 def _check_credentials(uri: str, cfg: MlflowConfig) -> None:

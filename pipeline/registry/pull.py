@@ -33,21 +33,24 @@ from pipeline.registry.store import (
     registry_errors,
 )
 
-_REF = re.compile(r"^(?:models:/)?(?P<name>[^/@:]+)(?:@(?P<alias>[\w-]+)|/(?P<version>\d+))$")
+_REF = re.compile(r"^(?:models:/)?(?P<name>[^/@:]+)(?:@(?P<alias>[\w-]+)|/(?P<version>[0-9]+))$")
+_MAX_VERSION = 2**63 - 1  # MLflow keeps version numbers in a 64-bit INTEGER column
 
 
 def parse_ref(ref: str) -> tuple[str, str | None, str | None]:
     """Split ``NAME@ALIAS`` or ``NAME/VERSION`` (a ``models:/`` prefix is allowed) into its parts.
 
     Raises:
-        DrafterError: the ref has neither form.
+        DrafterError: the ref has neither form, or its version is beyond what a registry can hold.
     """
+    expected = "NAME@ALIAS (e.g. drafter-x-eagle@champion) or NAME/VERSION (e.g. drafter-x-eagle/3)"
+    fix = "Name a registered model and an alias (@champion, @candidate) or a version number."
     match = _REF.match(ref.strip())
     if match is None:
-        raise DrafterError(
-            f"Cannot read the model reference {ref!r}.",
-            expected="NAME@ALIAS (e.g. drafter-x-eagle@champion) or NAME/VERSION (e.g. drafter-x-eagle/3)",
-        )
+        raise DrafterError(f"Cannot read the model reference {ref!r}.", expected=expected, found=repr(ref), fix=fix)
+    if match["version"] is not None and int(match["version"]) > _MAX_VERSION:
+        raise DrafterError(f"The version in {ref!r} is out of range.", expected=f"{expected}, VERSION <= {_MAX_VERSION}",
+                           found=f"version {match['version'][:40]}", fix=fix)
     return match["name"], match["alias"], match["version"]
 
 
@@ -127,6 +130,7 @@ def _check_destination(to: Path) -> None:
         raise DrafterError(
             f"{to} already exists and does not hold a bundle.",
             expected="a new or empty directory, or an earlier pulled bundle to replace",
+            found="a file" if not to.is_dir() else f"a directory without {BUNDLE_JSON}",
             fix="Choose another --to directory or remove it first.",
         )
 
@@ -146,11 +150,14 @@ def _resolve(client: Any, name: str, alias: str | None, number: str | None) -> A
         except Exception:  # noqa: BLE001 - the model itself is missing
             raise DrafterError(
                 f"There is no registered model {name!r}.",
+                expected="the name of a registered model (drafter-<target>-<kind>) in this store",
+                found=f"no model named {name!r}",
                 fix="Check the name (drafter-<target>-<kind>) and the tracking URI.",
             ) from err
         what = f"alias {alias!r}" if alias else f"version {number}"
         raise DrafterError(
             f"Registered model {name!r} has no {what}.",
+            expected=f"an alias or version of {name!r}",
             found=f"aliases {dict(model.aliases)}",
             fix="Pull @champion, @candidate or an existing version number.",
         ) from err

@@ -101,6 +101,8 @@ def registry_errors(uri: str, action: str, state: str = "", fix: str | None = No
         )
         raise DrafterError(
             f"{action} in MLflow at {redact(uri)} failed: {type(err).__name__}: {first_line}.{state}",
+            expected="a tracking store that answers the registry's calls",
+            found=f"{type(err).__name__}: {first_line}",
             fix=fix or default_fix,
         ) from err
 

@@ -96,12 +96,23 @@ def _load_kit(root: Path, profile: str, digest: str, *, verify: bool = True) -> 
     every file is checked against the sha256 recorded at build time.
 
     Raises:
-        DrafterError: A complete kit whose files were changed, removed or added after it was built.
+        DrafterError: A complete kit whose files were changed, removed or added after it was built, or whose
+            report cannot be read.
     """
     report_path = root / REPORT_FILE
     if not report_path.is_file() or not all((root / role / "config.json").is_file() for role in ROLES):
         return None
-    report = json.loads(report_path.read_text())
+    try:
+        report = json.loads(report_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        report = err
+    if not isinstance(report, dict):
+        raise DrafterError(
+            f"The tiny kit at {root} is damaged: its {REPORT_FILE} cannot be read.",
+            expected=f"{REPORT_FILE} as the build wrote it (a JSON object with every file's sha256)",
+            found=f"{type(report).__name__}: {str(report)[:200]}" if isinstance(report, Exception)
+            else f"a JSON {type(report).__name__}",
+            fix=f"Rebuild it: `drafter tiny --profile {profile} --force` (or delete {root}).")
     if verify:
         _verify(root, report)
     return TinyKit(root, profile, digest, report)
