@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import logging
 import os
+import re
 import subprocess
 import time
 import urllib.error
