@@ -23,7 +23,7 @@ from pipeline.errors import DrafterError
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
-from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
 from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
 from pipeline.training.harness import shard_trainer
@@ -81,6 +81,8 @@ def _make_module(cfg: PipelineConfig, shards: list[list], pending: list[int], st
 
         def on_predict_start(self) -> None:
             if self.trainer.is_global_zero:
+                log("estimate_rdk", f"{self.trainer.world_size} rank(s) on {self.trainer.num_nodes} node(s) sum "
+                                    f"{len(pending)} shard(s)")
                 total = len(pending[self.global_rank :: self.trainer.world_size])
                 self.progress = Progress("estimate_rdk: moments", total, "shard")
 

@@ -35,7 +35,7 @@ from pipeline.models.target import Target
 from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
-from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
 from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
 from pipeline.training.harness import shard_trainer
@@ -84,6 +84,8 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
 
         def on_predict_start(self) -> None:
             if self.trainer.is_global_zero:  # rank zero's share stands for the whole job's pace
+                log("generate", f"{self.trainer.world_size} rank(s) on {self.trainer.num_nodes} node(s) answer "
+                                f"{len(pending)} shard(s)")
                 mine = pending[self.global_rank :: self.trainer.world_size]
                 total = sum(len(prompts[i * gen.shard_size : (i + 1) * gen.shard_size]) for i in mine)
                 self.progress = Progress("generate", total, "prompt")

@@ -71,7 +71,7 @@ def test_one_and_two_ranks_write_the_same_artifact(tmp_path: Path, tiny_kit) -> 
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Starting with 2 processes" in done.stdout + done.stderr  # really two ranks
+    assert "generate: 2 rank(s) on 1 node(s)" in done.stderr  # really two ranks
     two = plan(small_cfg(tmp_path / "two", *extra, "generate.devices=2"), ["generate"])["generate"]
     assert two.cached and two.id == one.id
     assert list(iter_rows(two.path / "data")) == list(iter_rows(one.path / "data"))

@@ -19,7 +19,7 @@ from jobs import generate
 from pipeline.config.sections import load_config
 from pipeline.errors import DrafterError
 from pipeline.orchestration import limits
-from pipeline.orchestration.artifacts import MANIFEST, SCHEMA_VERSION
+from pipeline.orchestration.artifacts import ArtifactWriter, artifact_id
 from pipeline.orchestration.dag import STAGE_NAMES, plan
 from tests.helpers import small_cfg
 
@@ -104,11 +104,11 @@ def test_gammas_beyond_eagle3s_trained_steps_are_refused(tmp_path: Path) -> None
 
 
 def test_a_named_eagle3_artifacts_own_steps_bound_gamma(tmp_path: Path) -> None:
-    named = tmp_path / "eagle3-artifact"
-    named.mkdir()
-    (named / MANIFEST).write_text(json.dumps({"schema_version": SCHEMA_VERSION, "kind": "eagle3_drafter",
-                                              "id": "train_drafter-0123456789ab", "files": {},
-                                              "config": {"train_drafter": {"ttt_steps": 3}}}))
+    config = {"train_drafter": {"ttt_steps": 3}}
+    aid = artifact_id("train_drafter", config, [], None)
+    writer = ArtifactWriter(tmp_path / "store", aid, kind="eagle3_drafter", stage="train_drafter", config=config,
+                            inputs=[], fingerprint=None)
+    named = writer.commit().path
     cfg = small_cfg(tmp_path, "evaluate.methods=[eagle3]", f"evaluate.eagle3={named}", "evaluate.gammas=[4]",
                     "train_drafter.ttt_steps=7")
     with pytest.raises(DrafterError, match=r"<= 3 \(ttt_steps of the artifact"):
