@@ -16,8 +16,8 @@ from pipeline.orchestration.dag import STAGE_NAMES, plan
 from pipeline.orchestration.lock import Launch
 
 if TYPE_CHECKING:
+    from pipeline.artifacts import Artifact
     from pipeline.config.sections import PipelineConfig
-    from pipeline.orchestration.artifacts import Artifact
     from pipeline.orchestration.dag import Plan
 
 STAGES: tuple[str, ...] = STAGE_NAMES
@@ -44,7 +44,7 @@ def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES, launch: Launch
     if needed:
         # What needs no model is checked before the kits are built (minutes on a fresh machine): plan() refused a
         # missing prompt source; the tracking store is checked here (each stage checks it again before its work).
-        from pipeline.orchestration.tracking import check_store
+        from pipeline.tracking import check_store
 
         check_store(cfg.mlflow, cfg.workdir_path, probe=launch.first_rank)
         _build_kits(the_plan)

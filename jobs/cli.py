@@ -222,7 +222,7 @@ def _load(args: argparse.Namespace):
 
 
 def _summary(cfg, artifacts: dict) -> str:
-    from pipeline.orchestration.tracking import redact, tracking_uri
+    from pipeline.tracking import redact, tracking_uri
 
     lines = ["", "summary", "-------"]
     for stage, art in artifacts.items():
@@ -268,8 +268,8 @@ def _pull(args: argparse.Namespace, cfg) -> int:
 
 
 def _report(args: argparse.Namespace, cfg) -> int:
+    from pipeline.artifacts import load_artifact
     from pipeline.errors import DrafterError
-    from pipeline.orchestration.artifacts import load_artifact
 
     path = args.artifact
     if path is None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.data.calibration import shard_files
 from pipeline.errors import DrafterError
 from pipeline.models.target import Target
-from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage

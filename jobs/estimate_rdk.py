@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage

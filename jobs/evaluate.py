@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage

@@ -18,6 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
+from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.config.stages import GenerateConfig
 from pipeline.data.calibration import (
@@ -32,7 +33,6 @@ from pipeline.data.calibration import (
 from pipeline.data.sources import Conversation, load_conversations, split_heldout
 from pipeline.errors import DrafterError
 from pipeline.models.target import Target
-from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage

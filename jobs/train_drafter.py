@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import Artifact
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
-from pipeline.orchestration.tracking import tracking_uri
+from pipeline.tracking import tracking_uri
 
 
 def _vocab_maps(counts: Artifact, target_vocab_size: int) -> tuple:

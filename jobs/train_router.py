@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.artifacts import Artifact
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
-from pipeline.orchestration.artifacts import Artifact
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
-from pipeline.orchestration.tracking import tracking_uri
+from pipeline.tracking import tracking_uri
 
 
 def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact,

@@ -21,6 +21,11 @@ GRACE_S = 10.0
 """A phase shorter than this writes no progress line at all (its stage's own lines say enough)."""
 
 
+def log(phase: str, message: str) -> None:
+    """A timestamped line on stderr (stdout stays clean for summaries): ``[12:00:40] phase: message``."""
+    print(f"[{time.strftime('%H:%M:%S')}] {phase}: {message}", file=sys.stderr, flush=True)
+
+
 def duration(seconds: float) -> str:
     """``95`` → ``1m35s``; ``4000`` → ``1h06m``."""
     seconds = max(0, int(round(seconds)))
@@ -58,7 +63,8 @@ class Progress:
         self.lines = 0
         self.logged_done = -1
         self.stream = stream if stream is not None else sys.stderr
-        self.log = log or (lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=self.stream, flush=True))
+        self.log = log or (lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=self.stream,
+                                                flush=True))
         self.done, self.info = 0, {}
         self.start = time.monotonic()
         self.last = self.start - interval + grace  # the first line comes after `grace` seconds

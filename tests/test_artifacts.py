@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import (
+from pipeline.artifacts import (
     FOREIGN_TMP_MAX_AGE_S,
     SCHEMA_VERSION,
     ArtifactStore,
@@ -22,6 +21,7 @@ from pipeline.orchestration.artifacts import (
     sha256_file,
     temp_owner,
 )
+from pipeline.errors import DrafterError
 
 FP = {"model": "tiny:test/target", "revision": "abc", "vocab_hash": "v1"}
 

@@ -232,13 +232,13 @@ def test_every_loader_runs_with_pickle_forbidden(evaluated, mlflow_server: Mlflo
     """With pickle.load/loads/Unpickler and torch.load raising: every artifact in the workdir loads and verifies,
     and each kind's own loader (calibration rows, shortlists and ranking, the EAGLE-3 drafter, the clustering
     and its router, the report) and a registry pull run to the end."""
+    from pipeline.artifacts import load_artifact
     from pipeline.data.calibration import iter_rows
     from pipeline.drafters.store import load_drafter
     from pipeline.dynaspec.clusters import Clustering
     from pipeline.dynaspec.router import load_router
     from pipeline.models.loading import load_model
     from pipeline.models.target import Target
-    from pipeline.orchestration.artifacts import load_artifact
     from pipeline.registry import pull
     from pipeline.vocab.counting import frequency_ranking, load_shortlists
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from jobs import run
+from pipeline.artifacts import load_artifact
 from pipeline.data.calibration import iter_rows
 from pipeline.data.sources import load_conversations
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import load_artifact
 from pipeline.orchestration.dag import plan
 from tests.helpers import SMALL, small_cfg
 

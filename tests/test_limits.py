@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from jobs import generate
+from pipeline.artifacts import ArtifactWriter, artifact_id
 from pipeline.config.sections import load_config
 from pipeline.errors import DrafterError
 from pipeline.orchestration import limits
-from pipeline.orchestration.artifacts import ArtifactWriter, artifact_id
 from pipeline.orchestration.dag import STAGE_NAMES, plan
 from tests.helpers import small_cfg
 

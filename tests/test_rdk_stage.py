@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from jobs import evaluate, run
+from pipeline.artifacts import ArtifactWriter
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import ArtifactWriter
 from pipeline.orchestration.dag import plan
 from pipeline.rdk.affinity import Affinity, dense_affinity
 from pipeline.rdk.moments import MOMENTS_FILE, MomentSums
@@ -216,7 +216,7 @@ def test_bad_input_is_refused(estimated, tmp_path: Path) -> None:
 def test_rdk_artifact_loads_with_pickle_forbidden(estimated, pickle_forbidden) -> None:
     """The estimate_rdk artifact (moments, kept sets, tau, weights) loads and transforms with pickle.load/loads/
     Unpickler and torch.load raising."""
-    from pipeline.orchestration.artifacts import load_artifact
+    from pipeline.artifacts import load_artifact
 
     _, artifact = estimated
     prior = RDKPrior.load(load_artifact(artifact.path).path)

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from mlflow import MlflowClient
 from safetensors.numpy import save_file
 
+from pipeline.artifacts import Artifact, ArtifactStore, artifact_id, sha256_file
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
 from pipeline.models.loading import fingerprint
-from pipeline.orchestration.artifacts import Artifact, ArtifactStore, artifact_id, sha256_file
 from pipeline.registry import (
     Bundle,
     bundle_sha256,

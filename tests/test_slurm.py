@@ -20,9 +20,9 @@ import pytest
 
 from jobs import run
 from jobs.cli import main as cli_main
+from pipeline.artifacts import load_artifact
 from pipeline.config.sections import load_config
 from pipeline.orchestration import slurm
-from pipeline.orchestration.artifacts import load_artifact
 from pipeline.orchestration.dag import STAGE_NAMES, plan
 from tests.helpers import SMALL, small_cfg
 from tests.mlflow_server import MlflowServer

@@ -18,12 +18,12 @@ from mlflow.tracking import MlflowClient
 from safetensors.numpy import load_file
 
 from jobs import count, generate
+from pipeline.artifacts import ArtifactWriter, load_artifact
 from pipeline.data.calibration import iter_rows, load_dataset_dir, read_shard, write_shard
 from pipeline.errors import DrafterError
 from pipeline.orchestration import stage
-from pipeline.orchestration.artifacts import ArtifactWriter, load_artifact
 from pipeline.orchestration.dag import plan
-from pipeline.orchestration.tracking import tracking_uri
+from pipeline.tracking import tracking_uri
 from tests.helpers import SMALL, small_cfg
 from tests.mlflow_server import MlflowServer
 

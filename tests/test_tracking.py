@@ -12,12 +12,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mlflow.tracking import MlflowClient
 
+from pipeline.artifacts import artifact_id, load_artifact
 from pipeline.config.sections import MlflowConfig, load_config
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import artifact_id, load_artifact
 from pipeline.orchestration.dag import StagePlan, spec, stage_identity
 from pipeline.orchestration.stage import BuildResult, run_stage
-from pipeline.orchestration.tracking import check_reachable, flatten, redact, tracking_uri
+from pipeline.tracking import check_reachable, flatten, redact, tracking_uri
 from tests.mlflow_server import MlflowServer, free_port
 
 FP = {"model": "tiny:test/target", "revision": "r1", "vocab_hash": "abc"}
@@ -214,7 +214,7 @@ def test_any_tracking_uri_is_used_or_refused(tmp_path_factory: pytest.TempPathFa
     import socket
     import urllib.parse
 
-    from pipeline.orchestration.tracking import check_store
+    from pipeline.tracking import check_store
 
     here = tmp_path_factory.mktemp("cwd")
     cfg = MlflowConfig(tracking_uri=uri or None, retries=1, timeout_s=0.1)

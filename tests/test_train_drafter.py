@@ -267,7 +267,7 @@ def _deepspeed_script(args: dict) -> None:
     import deepspeed
 
     from jobs.train_drafter import prepare
-    from pipeline.orchestration.artifacts import load_artifact
+    from pipeline.artifacts import load_artifact
     from pipeline.training.eagle3_task import Eagle3Task
     from pipeline.training.plan import trainable_parameters
     from pipeline.training.strategy import build_optimizer, build_scheduler, deepspeed_config

@@ -97,10 +97,10 @@ def bench_eval(cfg, counts_dir: str, out_dir: str | None = None) -> str:  # noqa
     import sys
     from pathlib import Path
 
+    from pipeline.artifacts import load_artifact
     from pipeline.evaluation.matrix import evaluate_matrix
     from pipeline.evaluation.report import markdown_table, write_report
     from pipeline.models.target import Target
-    from pipeline.orchestration.artifacts import load_artifact
 
     fp = Target(cfg.target).fingerprint
     counts = load_artifact(counts_dir, kind="token_counts", fingerprint=fp)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.engine.loop import first_rounds, generate_autoregressive, generate_speculative
 from pipeline.engine.metrics import parameter_ratio, summarize
@@ -25,7 +26,6 @@ from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.errors import DrafterError
 from pipeline.evaluation.results import EvalRow, LosslessCheck
 from pipeline.models.loading import load_model, load_tokenizer
-from pipeline.orchestration.artifacts import Artifact
 from pipeline.progress import Progress
 from pipeline.vocab.counting import load_shortlists
 

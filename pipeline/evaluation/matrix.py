@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.config.stages import EvaluateConfig
 from pipeline.data.calibration import encode_prompt, first_prompt
@@ -22,7 +23,6 @@ from pipeline.errors import DrafterError
 from pipeline.evaluation.evaluator import Evaluator
 from pipeline.evaluation.results import EvaluationResults, decide_gates
 from pipeline.models.target import Target
-from pipeline.orchestration.artifacts import Artifact
 
 
 def eval_prompts(cfg: PipelineConfig, tokenizer: Any) -> dict[str, list[list[int]]]:

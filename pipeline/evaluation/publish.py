@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pipeline.artifacts import Artifact, write_json_atomic
 from pipeline.config.sections import PipelineConfig
 from pipeline.evaluation.results import EvaluationResults
-from pipeline.orchestration.artifacts import Artifact, write_json_atomic
+from pipeline.progress import log
 
 REGISTRATION_FILES = {"draft-vocab": "registration.json", "eagle3": "registration-eagle3.json",
                       "dynaspec": "registration-dynaspec.json", "rdk": "registration-rdk.json"}
@@ -49,7 +50,6 @@ def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation:
 
 def _register_one(cfg: PipelineConfig, results: EvaluationResults, gates: Any, kind: str,
                   artifacts: list[Artifact], evaluation: Artifact) -> dict | None:
-    from pipeline.orchestration.stage import log
     from pipeline.registry import Bundle, register, registered_name
 
     if not gates.passed or gates.chosen is None:

@@ -18,11 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config.schema import identity
-from pipeline.config.sections import PipelineConfig
-from pipeline.config.stage_names import STAGE_NAMES
-from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import (
+from pipeline.artifacts import (
     MANIFEST,
     Artifact,
     artifact_id,
@@ -31,6 +27,10 @@ from pipeline.orchestration.artifacts import (
     read_manifest,
     stored_manifest,
 )
+from pipeline.config.schema import identity
+from pipeline.config.sections import PipelineConfig
+from pipeline.config.stage_names import STAGE_NAMES
+from pipeline.errors import DrafterError
 
 
 def _generate_models(cfg: PipelineConfig) -> dict:

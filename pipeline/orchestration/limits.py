@@ -85,7 +85,7 @@ def _ttt_steps(cfg: PipelineConfig) -> int | None:
     """The draft steps the evaluated EAGLE-3 drafter was trained for (None when its artifact does not say)."""
     if not cfg.evaluate.eagle3:
         return cfg.train_drafter.ttt_steps
-    from pipeline.orchestration.artifacts import read_manifest
+    from pipeline.artifacts import read_manifest
 
     manifest = read_manifest(Path(cfg.evaluate.eagle3).expanduser().resolve(), kind="eagle3_drafter")
     steps = manifest.get("config", {}).get("train_drafter", {}).get("ttt_steps")

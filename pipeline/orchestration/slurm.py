@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import write_json_atomic
 from pipeline.config.sections import SLURM_RESOURCES, PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import write_json_atomic
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "stage.sbatch"
 """The one job template (``slurm/stage.sbatch`` of the repository); ``slurm.template`` names another."""

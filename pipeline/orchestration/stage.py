@@ -17,24 +17,19 @@ from __future__ import annotations
 
 import errno
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import Artifact, ArtifactStore
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import Artifact, ArtifactStore
 from pipeline.orchestration.dag import StagePlan
 from pipeline.orchestration.lock import Launch, artifact_lock
-from pipeline.orchestration.tracking import check_reachable, log_stage_run, logged_run, tracking_uri
-
-
-def log(stage: str, message: str) -> None:
-    """Progress line on stderr (stdout stays clean for summaries)."""
-    print(f"[{time.strftime('%H:%M:%S')}] {stage}: {message}", file=sys.stderr, flush=True)
+from pipeline.progress import log  # noqa: F401 - the stages' log line, re-exported for the recipes
+from pipeline.tracking import check_reachable, log_stage_run, logged_run, tracking_uri
 
 
 @dataclass

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.orchestration.artifacts import sha256_file, write_json_atomic
+from pipeline.artifacts import sha256_file, write_json_atomic
 
 SIDECAR_SUFFIX = ".sha256.json"
 

@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import (
+from pipeline.artifacts import (
     FINGERPRINT_KEYS,
     MANIFEST,
     SAFE_SUFFIXES,
@@ -33,7 +32,8 @@ from pipeline.orchestration.artifacts import (
     sha256_file,
     write_json_atomic,
 )
-from pipeline.orchestration.tracking import git_sha
+from pipeline.errors import DrafterError
+from pipeline.tracking import git_sha
 
 BUNDLE_JSON = "bundle.json"
 BUNDLE_FORMAT = "drafter-bundle"

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import canonical_json
 from pipeline.config.sections import MlflowConfig
-from pipeline.orchestration.artifacts import canonical_json
-from pipeline.orchestration.tracking import ensure_experiment
 from pipeline.registry.bundle import Bundle, bundle_sha256, check_registrable, read_bundle_json, write_bundle
 from pipeline.registry.store import (
     BUNDLE_SHA,
@@ -38,6 +37,7 @@ from pipeline.registry.store import (
     version_by_alias,
     versions_of_bundle,
 )
+from pipeline.tracking import ensure_experiment
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
-from pipeline.orchestration.tracking import (
+from pipeline.tracking import (
     _configure_client_retries,
     check_reachable,
     is_remote,

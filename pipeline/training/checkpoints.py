@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import canonical_json, sha256_file, write_json_atomic
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import canonical_json, sha256_file, write_json_atomic
 
 FORMAT = 1
 STATE = "state.json"

@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.artifacts import Artifact, write_json_atomic
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
-from pipeline.orchestration.artifacts import Artifact, write_json_atomic
 from pipeline.runlog import flatten, redact  # noqa: F401 - re-exported for the CLI and the registry
 
 LOGGED_MARKER = "mlflow_runs.json"  # beside, not inside, the artifact: the artifact stays immutable
