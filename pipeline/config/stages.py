@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.config.schema import check_value, input_override, run_setting
-from pipeline.engine.methods import METHOD_NAMES
+from pipeline.engine.inputs import ShortlistInputs
+from pipeline.engine.methods import METHOD_NAMES, methods_with
 from pipeline.training.harness import TrainConfig
 
 MAX_GAMMA = 64
@@ -402,8 +403,9 @@ class EvaluateConfig:
                "auto, speedup or mbsu", self.gate_speed_metric)
         check_value(self.primary_metric in ("auto", "tau", "speedup", "mbsu"), "evaluate.primary_metric",
                "auto, tau, speedup or mbsu", self.primary_metric)
-        check_value("shortlist" not in self.methods or bool(self.shortlists), "evaluate.shortlists",
-               "at least one shortlist name when method shortlist is on", self.shortlists)
+        static = [m for m in self.methods if m in methods_with(ShortlistInputs)]  # one row per named shortlist
+        check_value(not static or bool(self.shortlists), "evaluate.shortlists",
+                    f"at least one shortlist name when method {', '.join(static)} is on", self.shortlists)
         check_value(self.dynaspec_k_min >= 1, "evaluate.dynaspec_k_min", "an integer >= 1", self.dynaspec_k_min)
         for key in ("slrs_byte_top_k", "slrs_lookahead"):
             check_value(getattr(self, key) >= 1, f"evaluate.{key}", "an integer >= 1", getattr(self, key))
