@@ -14,31 +14,55 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from jobs import STAGES, run
+from pipeline.orchestration import dag
 from pipeline.orchestration.lock import Launch
 
 DEFAULT_CONFIG = Path("configs/tiny.yaml")
 STAGE_SECTIONS = ("workdir", "target", "mlflow")
 
 
-BENCHES = {
-    "count": "vectorised counting vs collections.Counter",
-    "eval": "every speculative method vs autoregressive decoding on this device (no MLflow needed)",
-    "train": "one EAGLE-3 training step vs the frozen target's forward on the same batch\n"
-             "              (needs generate and count built)",
-    "head": "one draft step's LM head, full vs static 32k vs DynaSpec-routed, at 128k x 4096 and\n"
-            "              the tiny kit's size",
-    "cluster": "FAISS spherical k-means vs scikit-learn KMeans",
-    "rdk": "moment estimation throughput and memory vs a dense |T|^2 matrix, and one draft step\n"
-           "              of TLI vs RDK-Taylor vs the prior mix vs exact sparse RDK at 128k",
-    "fingerprint": "a plan's weight fingerprint of a large local checkpoint: hashing every byte vs\n"
-                   "              the stat cache of the next plans",
+@dataclass(frozen=True)
+class Bench:
+    """One ``drafter bench`` subcommand.
+
+    Attributes:
+        description: What it measures against what (its line in ``drafter bench --help``).
+        target: ``module:function`` returning the printed result; imported only when it runs (heavy imports).
+        options: Its keyword arguments, each the CLI option of that name (``--steps`` → ``steps``);
+            ``cfg`` is the loaded config.
+    """
+
+    description: str
+    target: str
+    options: tuple[str, ...] = ()
+
+
+BENCHES: dict[str, Bench] = {
+    "count": Bench("vectorised counting vs collections.Counter", "pipeline.evaluation.bench:bench_count",
+                   ("tokens", "calibration")),
+    "eval": Bench("every speculative method vs autoregressive decoding on this device (no MLflow needed)",
+                  "pipeline.evaluation.bench:bench_eval", ("cfg", "counts", "out")),
+    "train": Bench("one EAGLE-3 training step vs the frozen target's forward on the same batch\n"
+                   "              (needs generate and count built)", "jobs.train_drafter:bench", ("cfg", "steps")),
+    "head": Bench("one draft step's LM head, full vs static 32k vs DynaSpec-routed, at 128k x 4096 and\n"
+                  "              the tiny kit's size", "pipeline.engine.bench:bench_heads", ("steps",)),
+    "cluster": Bench("FAISS spherical k-means vs scikit-learn KMeans", "pipeline.engine.bench:bench_cluster"),
+    "rdk": Bench("moment estimation throughput and memory vs a dense |T|^2 matrix, and one draft step\n"
+                 "              of TLI vs RDK-Taylor vs the prior mix vs exact sparse RDK at 128k",
+                 "pipeline.rdk.bench:bench_rdk", ("steps",)),
+    "fingerprint": Bench("a plan's weight fingerprint of a large local checkpoint: hashing every byte vs\n"
+                         "              the stat cache of the next plans",
+                         "pipeline.models.bench:bench_fingerprint"),
 }
+"""``drafter bench NAME``: what each benchmark measures and the function that runs it."""
 KEYS_EPILOG = ("config keys: `drafter config --keys STAGE` lists a stage's keys (type, default, meaning);\n"
                "`drafter config --keys` lists every key.")
 
@@ -200,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run",
                        formatter_class=raw,
                        description="Benchmarks that print ratios against a baseline measured in the same run:\n"
-                                   + "\n".join(f"  {name:<11} {what}" for name, what in BENCHES.items()),
+                                   + "\n".join(f"  {name:<11} {b.description}" for name, b in BENCHES.items()),
                        epilog=KEYS_EPILOG)
     p.add_argument("what", choices=list(BENCHES), help="which benchmark (listed above)")
     p.add_argument("--steps", type=int, default=10, help="train, head: timed repetitions of each")
@@ -226,13 +250,8 @@ def _summary(cfg, artifacts: dict) -> str:
 
     lines = ["", "summary", "-------"]
     for stage, art in artifacts.items():
-        keys = [k for k in ("rows", "assistant_tokens", "tokens_per_s", "tokens_counted", "distinct_tokens",
-                            "lossless_passed", "gates_passed", "chosen.tau", "chosen.mbsu", "chosen.speedup",
-                            "train_steps", "best.simulated_tau", "train_seconds", "eagle3_gates_passed",
-                            "eagle3.tau", "eagle3.mbsu", "eagle3.speedup", "clusters", "max_over_mean",
-                            "cluster_seconds", "dynaspec_gates_passed", "dynaspec.tau", "dynaspec.mbsu",
-                            "dynaspec.speedup")
-                if k in art.metrics]
+        # each stage's recipe names its headline metrics (evaluate's: each bundle's, from the method registry)
+        keys = [k for k in importlib.import_module(dag.spec(stage).job).SUMMARY if k in art.metrics]
         figures = ", ".join(f"{k}={art.metrics[k]}" for k in keys)
         lines.append(f"{stage:<14} {art.id}  {figures}")
         lines.append(f"{'':<14} {art.path}")
@@ -252,6 +271,15 @@ def _summary(cfg, artifacts: dict) -> str:
     if uri.startswith("sqlite:"):
         lines.append(f"  browse them with: mlflow ui --backend-store-uri {uri}")
     return "\n".join(lines)
+
+
+def _bench(args: argparse.Namespace) -> str:
+    """Run ``drafter bench WHAT``: its function from :data:`BENCHES`, with the options it takes."""
+    bench = BENCHES[args.what]
+    module, _, function = bench.target.partition(":")
+    run_bench = getattr(importlib.import_module(module), function)
+    kwargs = {option: _load(args) if option == "cfg" else getattr(args, option) for option in bench.options}
+    return run_bench(**kwargs)
 
 
 def _pull(args: argparse.Namespace, cfg) -> int:
@@ -431,46 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                              default=str))
             return 0
         if args.command == "bench":
-            if args.what == "fingerprint":
-                from pipeline.models.bench import bench_fingerprint
-
-                print(bench_fingerprint())
-                return 0
-            if args.what == "train":
-                from jobs.train_drafter import bench
-
-                print(bench(_load(args), steps=args.steps))
-                return 0
-            if args.what == "head":
-                from pipeline.engine.bench import bench_head, head_table
-
-                results = [bench_head(repeats=args.steps)]
-                results.append(bench_head(vocab=2048, hidden=96, clusters=64, static=512, routed_share=0.25,
-                                          router_hidden=256, repeats=max(args.steps, 200)))
-                print(head_table(results))
-                return 0
-            if args.what == "cluster":
-                from pipeline.engine.bench import bench_cluster
-
-                print(bench_cluster())
-                return 0
-            if args.what == "rdk":
-                from pipeline.rdk.bench import bench_estimation, bench_redistribution
-
-                print(json.dumps({"estimation": bench_estimation(),
-                                  "redistribution": bench_redistribution(repeats=args.steps)}, indent=2))
-                return 0
-            if args.what == "count":
-                from pipeline.evaluation.bench import bench_count
-
-                print(bench_count(tokens=args.tokens, calibration=args.calibration))
-                return 0
-            from pipeline.evaluation.bench import bench_eval
-
-            if not args.counts:
-                raise DrafterError("`drafter bench eval` needs --counts DIR (a count artifact).",
-                                   fix="Run `drafter count` first; its artifact is under <workdir>/artifacts/count-*.")
-            print(bench_eval(_load(args), args.counts, args.out))
+            print(_bench(args))
             return 0
         return _run(args, launch)
     except DrafterError as err:

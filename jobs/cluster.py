@@ -20,6 +20,9 @@ from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 
+SUMMARY: tuple[str, ...] = ("clusters", "max_over_mean", "cluster_seconds")
+"""Metrics ``drafter run`` prints for this stage: clusters, their largest size over the mean and clustering time."""
+
 
 def cluster_head(cfg: PipelineConfig, weight: object, log: object = None) -> object:
     """The clustering this config asks for, of ``weight`` (a ``(V, d)`` head)."""

@@ -26,6 +26,9 @@ from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.vocab import counting
 
+SUMMARY: tuple[str, ...] = ("tokens_per_s", "tokens_counted", "distinct_tokens")
+"""Metrics ``drafter run`` prints for this stage: counting throughput, tokens counted and distinct tokens."""
+
 
 def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildResult:
     import torch

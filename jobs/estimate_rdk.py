@@ -28,6 +28,9 @@ from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
 from pipeline.training.harness import shard_trainer
 
+SUMMARY: tuple[str, ...] = ("rows",)
+"""Metrics ``drafter run`` prints for this stage: calibration rows the moments were estimated on."""
+
 SHARD = "sums-{:05d}.safetensors"
 
 

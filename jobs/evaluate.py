@@ -27,10 +27,16 @@ from typing import Any
 
 from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
+from pipeline.engine.methods import GATE_SETS
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+
+SUMMARY: tuple[str, ...] = ("lossless_passed",
+                             *(key for gate in GATE_SETS.values() for key in gate.summary_metrics()))
+"""Metrics ``drafter run`` prints for this stage: losslessness, then each bundle's verdict and headline figures
+(the method registry's bundles, :data:`~pipeline.engine.methods.GATE_SETS`)."""
 
 
 def _chosen_metrics(prefix: str, gates: Any) -> dict[str, float]:
@@ -41,25 +47,18 @@ def _chosen_metrics(prefix: str, gates: Any) -> dict[str, float]:
             if k in ("tau", "speedup", "mbsu", "acceptance_rate")}
 
 
-def _build(cfg: PipelineConfig, run: StageRun, counts_art: Artifact, eagle3: Artifact | None,
-           routing: tuple[Artifact, Artifact] | None, rdk: Artifact | None) -> BuildResult:
+def _build(cfg: PipelineConfig, run: StageRun, artifacts: dict[str, Artifact]) -> BuildResult:
     from pipeline.evaluation.matrix import evaluate_matrix
     from pipeline.evaluation.report import write_report
 
     started = time.perf_counter()
-    results = evaluate_matrix(cfg, counts_art, run.fingerprint, run.log, eagle3, routing, rdk)
-    metrics = {"eval_seconds": round(time.perf_counter() - started, 2), "gates_passed": int(results.gates.passed),
-               "lossless_passed": int(results.lossless)}
-    metrics.update(_chosen_metrics("chosen", results.gates))
-    if results.dynaspec_gates is not None:
-        metrics["dynaspec_gates_passed"] = int(results.dynaspec_gates.passed)
-        metrics.update(_chosen_metrics("dynaspec", results.dynaspec_gates))
-    if results.rdk_gates is not None:
-        metrics["rdk_gates_passed"] = int(results.rdk_gates.passed)
-        metrics.update(_chosen_metrics("rdk", results.rdk_gates))
-    if results.eagle3_gates is not None:
-        metrics["eagle3_gates_passed"] = int(results.eagle3_gates.passed)
-        metrics.update(_chosen_metrics("eagle3", results.eagle3_gates))
+    results = evaluate_matrix(cfg, artifacts, run.fingerprint, run.log)
+    metrics = {"eval_seconds": round(time.perf_counter() - started, 2), "lossless_passed": int(results.lossless)}
+    for gate in GATE_SETS.values():
+        gates = getattr(results, gate.results_field)
+        if gates is not None:
+            metrics[gate.passed_metric] = int(gates.passed)
+            metrics.update(_chosen_metrics(gate.metric_prefix, gates))
     for row in results.rows:
         metrics[f"{row.tag}.tau"] = row.tau
         if row.speedup is not None:
@@ -82,17 +81,13 @@ def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
             found=f"vocab_hash {drafter['vocab_hash'][:16]}",
             fix="Set evaluate.drafter to a drafter trained for this target, or move it to "
                 "evaluate.drafter_other (TLI/Union/SLEM handle different tokenizers).")
-    counts_art = step.input("count")
-    eagle3 = step.input("train_drafter") if "train_drafter" in step.inputs else None
-    routing = (step.input("cluster"), step.input("train_router")) if "train_router" in step.inputs else None
-    rdk = step.input("estimate_rdk") if "estimate_rdk" in step.inputs else None
-    inputs = ([counts_art] + ([eagle3] if eagle3 is not None else []) + (list(routing) if routing else [])
-              + ([rdk] if rdk is not None else []))
-    artifact = run_stage(cfg, step, inputs, build=lambda run: _build(cfg, run, counts_art, eagle3, routing, rdk), launch=launch)
+    # count, then whichever of train_drafter, cluster, train_router, estimate_rdk the evaluated methods read
+    artifacts = {stage: step.input(stage) for stage in step.inputs}
+    artifact = run_stage(cfg, step, list(artifacts.values()), build=lambda run: _build(cfg, run, artifacts), launch=launch)
     if artifact is not None and cfg.evaluate.register:
         from pipeline.evaluation.publish import register_bundle
         from pipeline.evaluation.results import EvaluationResults
 
         results = EvaluationResults.from_dict(json.loads(artifact.file("report.json").read_text()))
-        register_bundle(cfg, results, artifact, counts_art, eagle3, routing, rdk)
+        register_bundle(cfg, results, artifact, artifacts)
     return artifact

@@ -40,6 +40,9 @@ from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
 from pipeline.training.harness import shard_trainer
 
+SUMMARY: tuple[str, ...] = ("rows", "assistant_tokens", "tokens_per_s")
+"""Metrics ``drafter run`` prints for this stage: rows written, assistant tokens and generation throughput."""
+
 
 def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict]:
     """The calibration conversations: the source minus its held-out share, capped at ``limit``."""

@@ -31,6 +31,10 @@ from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.tracking import tracking_uri
 
+SUMMARY: tuple[str, ...] = ("train_steps", "best.simulated_tau", "train_seconds")
+"""Metrics ``drafter run`` prints for this stage: steps, the kept checkpoint's held-out simulated τ, training
+time."""
+
 
 def _vocab_maps(counts: Artifact, target_vocab_size: int) -> tuple:
     """The count artifact's EAGLE-3 ``d2t``/``t2d``, ``t2d`` padded to the target's embedding rows."""

@@ -26,6 +26,9 @@ from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.tracking import tracking_uri
 
+SUMMARY: tuple[str, ...] = ("train_steps", "train_seconds")
+"""Metrics ``drafter run`` prints for this stage: steps and training time."""
+
 
 def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact,
            clusters: Artifact) -> BuildResult | None:

@@ -27,6 +27,39 @@ def test_stage_modules_expose_main() -> None:
         assert callable(importlib.import_module(f"jobs.{stage}").main)
 
 
+def test_each_stage_names_its_summary_metrics_and_evaluate_each_bundles() -> None:
+    """`drafter run`'s summary reads each recipe's SUMMARY (it used to hard-code 25 keys and forgot RDK's bundle)."""
+    import importlib
+
+    from pipeline.engine.methods import GATE_SETS
+
+    for stage in STAGES:
+        summary = importlib.import_module(f"jobs.{stage}").SUMMARY
+        assert summary and all(isinstance(key, str) for key in summary), stage
+    evaluate = importlib.import_module("jobs.evaluate").SUMMARY
+    for gate in GATE_SETS.values():
+        assert {gate.passed_metric, f"{gate.metric_prefix}.tau"} <= set(evaluate), gate.name
+
+
+def test_every_bench_names_a_function_that_takes_its_options() -> None:
+    import importlib
+    import inspect
+
+    from jobs.cli import BENCHES
+
+    options = {action.dest for action in build_parser()._subparsers._group_actions[0].choices["bench"]._actions}
+    for name, bench in BENCHES.items():
+        module, _, function = bench.target.partition(":")
+        parameters = inspect.signature(getattr(importlib.import_module(module), function)).parameters
+        assert set(bench.options) <= set(parameters), name
+        assert set(bench.options) - {"cfg"} <= options, name  # each is a `drafter bench` option
+
+
+def test_bench_eval_without_counts_exits_2_naming_the_option(capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "eval"]) == 2
+    assert "`drafter bench eval` needs --counts DIR" in capsys.readouterr().err
+
+
 def test_library_never_imports_jobs() -> None:
     offenders = [str(p) for p in (ROOT / "pipeline").rglob("*.py")
                  if any(line.strip().startswith(("import jobs", "from jobs")) for line in p.read_text().splitlines())]

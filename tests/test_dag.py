@@ -20,6 +20,7 @@ from jobs import count, generate
 from jobs.cli import main as cli_main
 from pipeline.config.sections import load_config
 from pipeline.data.calibration import iter_rows
+from pipeline.engine.methods import METHOD_NAMES, METHODS
 from pipeline.orchestration.dag import STAGE_NAMES, STAGES, plan
 from tests.helpers import SMALL, small_cfg
 
@@ -98,6 +99,21 @@ def test_evaluate_id_follows_its_prompts_even_with_explicit_counts(tmp_path: Pat
     other_source = plan(small_cfg(tmp_path, *named, "generate.source=humaneval"), ["evaluate"])
     other_split = plan(small_cfg(tmp_path, *named, "generate.heldout_fraction=0.2"), ["evaluate"])
     assert len({base["evaluate"].id, other_source["evaluate"].id, other_split["evaluate"].id}) == 3
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_evaluate_reads_exactly_what_its_methods_registry_entry_needs(tmp_path: Path, tiny_kit, method: str) -> None:
+    """Issue 22: which upstream artifacts and drafter models enter the evaluate id comes from the method
+    registry (each inputs family's STAGES and MODEL), not from lists of names in the DAG."""
+    spec = METHODS[method]
+    step = plan(small_cfg(tmp_path, f"evaluate.methods=[{method}]"), ["evaluate"])["evaluate"]
+    assert set(step.inputs) == {"count", *spec.stages}
+    assert set(step.config.get("models", {})) == ({spec.model} if spec.model else set())
+    without_other = small_cfg(tmp_path, f"evaluate.methods=[{method}]", "evaluate.drafter_other=null",
+                              "evaluate.drafter_bytes=null")
+    # a null drafter_other / drafter_bytes skips the methods that draft with it: no model, no fingerprint
+    models = plan(without_other, ["evaluate"])["evaluate"].config.get("models", {})
+    assert set(models) == ({spec.model} if spec.model == "drafter" else set())
 
 
 def test_generate_tokenises_with_the_configured_tokenizer(tmp_path: Path, tiny_kit) -> None:

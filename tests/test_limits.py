@@ -148,3 +148,10 @@ def test_every_shipped_yaml_fits_its_models(name: str, monkeypatch: pytest.Monke
                         else real(cfg, model))
     cfg = load_config(ROOT / "configs" / name)
     limits.check_settings(cfg, STAGE_NAMES)
+
+
+def test_shortlist_methods_without_shortlists_are_refused_at_plan_time(tmp_path: Path) -> None:
+    """The methods that draft over named shortlists (asked of the registry, not listed here) need at least one."""
+    with pytest.raises(DrafterError, match="at least one shortlist name when method shortlist is on"):
+        plan(small_cfg(tmp_path, "evaluate.methods=[full,shortlist]", "evaluate.shortlists=[]"), ["evaluate"])
+    plan(small_cfg(tmp_path, "evaluate.methods=[full]", "evaluate.shortlists=[]"), ["evaluate"])

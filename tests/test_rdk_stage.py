@@ -20,7 +20,7 @@ from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
 from pipeline.rdk.affinity import Affinity, dense_affinity
 from pipeline.rdk.moments import MOMENTS_FILE, MomentSums
-from pipeline.rdk.prior import INTERSECTION, RDKPrior
+from pipeline.rdk.prior import EXACT, INTERSECTION, PRUNED, RDKPrior
 from tests.helpers import SMALL
 from tests.killing import kill_when
 from tests.mlflow_server import MlflowServer
@@ -220,5 +220,5 @@ def test_rdk_artifact_loads_with_pickle_forbidden(estimated, pickle_forbidden) -
 
     _, artifact = estimated
     prior = RDKPrior.load(load_artifact(artifact.path).path)
-    for name in prior.names("pruned"):
-        prior.transform("rdk", name)
+    for name in prior.names(PRUNED):
+        prior.transform(EXACT, name)

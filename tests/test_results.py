@@ -65,3 +65,32 @@ def test_report_header_shows_when_the_results_were_created(tmp_path: Path) -> No
     page = render_html(results.to_dict(), tmp_path).read_text()
     assert f"<td>{results.created}</td>" in page
     assert "Registration" not in page
+
+
+def test_each_bundle_chooses_among_its_own_methods() -> None:
+    """The bundles of the method registry's GATE_SETS: DynaSpec gates PA (F only when PA is not evaluated),
+    RDK every redistributed method by method × kept set (not its pruned baseline), EAGLE-3 its γ."""
+    from pipeline.engine.methods import GATE_SETS
+    from tests.test_report import _row
+
+    def row(method: str, tau: float, shortlist: str | None = None) -> EvalRow:
+        return EvalRow(**_row("chat", method, tau, 0.5, shortlist=(shortlist, 100) if shortlist else None))
+
+    rows = [row("dynaspec", 2.5, "k12"), row("dynaspec_pa", 2.0, "k0_30-k1_12"), row("pruned", 3.0, "keep_0.1"),
+            row("rdk", 2.2, "keep_0.1"), row("tli_rdk", 2.6), row("eagle3", 2.8), row("shortlist", 1.8, "top_k_8")]
+    checks = [LosslessCheck("greedy_equal[chat/rdk/γ=3]", True, "8/8 prompts")]
+    thresholds = {"speed_metric": "mbsu", "tau_min": 1.0, "speed_min": 0.0}
+    dynaspec = GATE_SETS["dynaspec"]
+    both = decide_gates(rows, checks, gate=dynaspec, evaluated=["dynaspec", "dynaspec_pa"], **thresholds)
+    assert both.chosen.shortlist == "k0_30-k1_12" and both.chosen.tau == 2.0  # PA, though F's τ is higher
+    fixed = decide_gates(rows, checks, gate=dynaspec, evaluated=["dynaspec"], **thresholds)
+    assert fixed.chosen.shortlist == "k12"
+    rdk = decide_gates(rows, checks, gate=GATE_SETS["rdk"], **thresholds)
+    assert (rdk.chosen.shortlist, rdk.chosen.tau) == ("tli_rdk:None", 2.6)  # pruned (τ 3.0) is no candidate
+    none = decide_gates([r for r in rows if r.method in ("pruned", "eagle3")], checks, gate=GATE_SETS["rdk"],
+                        **thresholds)
+    assert not none.passed and "rdk/rdk_taylor/rdk_prior/tli_rdk/tli_rdk_taylor/tli_rdk_prior_evaluated" in none.checks
+    eagle3 = decide_gates(rows, checks, gate=GATE_SETS["eagle3"], **thresholds)
+    assert (eagle3.chosen.shortlist, eagle3.chosen.tau) == (None, 2.8)
+    draft_vocab = decide_gates(rows, checks, **thresholds)  # the default bundle: the count artifact's shortlists
+    assert (draft_vocab.chosen.shortlist, draft_vocab.chosen.tau) == ("top_k_8", 1.8)

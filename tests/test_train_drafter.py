@@ -240,13 +240,14 @@ def test_lightning_deepspeed_stage_2_trains_the_drafter_on_gpu(trained, tmp_path
     assert trained_on["strategy"] == "deepspeed" and trained_on["deepspeed_config"]["bf16"] == {"enabled": True}
     assert trained_on["deepspeed_config"]["zero_optimization"]["stage"] == 2
     assert trained_on["best"]["score"] > 1.0
+    from pipeline.engine.inputs import FeatureInputs
     from pipeline.engine.loop import generate_autoregressive, generate_speculative
-    from pipeline.engine.methods import ProposerInputs, build_proposer
+    from pipeline.engine.methods import build_proposer
     from pipeline.engine.sampling import SamplingParams
     from pipeline.models.target import Target
 
     target = Target(gpu.target).model("cuda", dtype="float32")
-    proposer = build_proposer("eagle3", ProposerInputs(eagle3=load_drafter(head.path, target)))
+    proposer = build_proposer("eagle3", FeatureInputs(load_drafter(head.path, target)))
     prompt = Target(gpu.target).tokenizer()("The weather today is")["input_ids"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     greedy = SamplingParams()

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pipeline.config.method_names import METHOD_NAMES
 from pipeline.config.schema import check_value, input_override, run_setting
 from pipeline.config.training import TrainConfig
-from pipeline.engine.methods import METHOD_NAMES
 
 MAX_GAMMA = 64
 """Longest draft length a config accepts. Position ``i`` of a draft is accepted with probability about
@@ -284,7 +284,7 @@ class EstimateRdkConfig:
                     "positive temperatures (RDK Eq. 2 needs tau > 0)", self.taus)
 
 
-EVAL_METHODS = METHOD_NAMES  # the proposer registry, pipeline.engine.methods
+EVAL_METHODS = METHOD_NAMES  # the registry (pipeline.engine.methods) checks itself against this list
 
 
 @dataclass
@@ -402,8 +402,6 @@ class EvaluateConfig:
                "auto, speedup or mbsu", self.gate_speed_metric)
         check_value(self.primary_metric in ("auto", "tau", "speedup", "mbsu"), "evaluate.primary_metric",
                "auto, tau, speedup or mbsu", self.primary_metric)
-        check_value("shortlist" not in self.methods or bool(self.shortlists), "evaluate.shortlists",
-               "at least one shortlist name when method shortlist is on", self.shortlists)
         check_value(self.dynaspec_k_min >= 1, "evaluate.dynaspec_k_min", "an integer >= 1", self.dynaspec_k_min)
         for key in ("slrs_byte_top_k", "slrs_lookahead"):
             check_value(getattr(self, key) >= 1, f"evaluate.{key}", "an integer >= 1", getattr(self, key))

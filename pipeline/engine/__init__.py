@@ -19,7 +19,6 @@ _EXPORTS = {
     "ModelSession": "session",
     "Proposal": "proposers",
     "Proposer": "proposers",
-    "ProposerInputs": "methods",
     "SamplingParams": "sampling",
     "ShortlistProposer": "proposers",
     "SpeculationMetrics": "metrics",

@@ -119,6 +119,15 @@ def head_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def bench_heads(steps: int = 10) -> str:
+    """``drafter bench head``: :func:`bench_head` at 128k × 4096 (``steps`` repeats) and at the tiny kit's size
+    (at least 200 repeats: a tiny head's step is too short to time fewer), as one :func:`head_table`."""
+    results = [bench_head(repeats=steps)]
+    results.append(bench_head(vocab=2048, hidden=96, clusters=64, static=512, routed_share=0.25, router_hidden=256,
+                              repeats=max(steps, 200)))
+    return head_table(results)
+
+
 def bench_cluster(rows: int = 32_768, dim: int = 1024, clusters: int = 256, niter: int = 20,
                   sklearn: bool = True) -> str:
     """FAISS spherical k-means vs scikit-learn KMeans on the same synthetic unit rows (ratios printed)."""

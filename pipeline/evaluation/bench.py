@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.data.calibration import read_shard, shard_files, shard_name, write_shard
+from pipeline.errors import DrafterError
 from pipeline.vocab import counting
 
 
@@ -85,13 +86,15 @@ def bench_count(tokens: int = 2_000_000, calibration: str | None = None, vocab_s
     ])
 
 
-def bench_eval(cfg, counts_dir: str, out_dir: str | None = None) -> str:  # noqa: ANN001 - a PipelineConfig
+def bench_eval(cfg, counts: str | None, out: str | None = None) -> str:  # noqa: ANN001 - a PipelineConfig
     """The evaluate stage's method matrix on this machine's device, without artifact store or MLflow.
 
     For measuring a device (e.g. a GPU box without a tracking server): loads the target and drafters of
-    ``cfg``, the count artifact at ``counts_dir`` (verified against the target's fingerprint), runs every
-    method against autoregressive decoding on the same prompts, and returns the Markdown table; the full
-    report (JSON + HTML) goes to ``out_dir`` when given.
+    ``cfg``, the count artifact at ``counts`` (verified against the target's fingerprint), runs every
+    method against autoregressive decoding on the same prompts, and returns the Markdown table; the full report (JSON + HTML) goes to ``out`` when given.
+
+    Raises:
+        DrafterError: Without ``counts`` (``drafter bench eval --counts DIR``).
     """
     import platform
     import sys
@@ -102,12 +105,15 @@ def bench_eval(cfg, counts_dir: str, out_dir: str | None = None) -> str:  # noqa
     from pipeline.evaluation.report import markdown_table, write_report
     from pipeline.models.target import Target
 
+    if not counts:
+        raise DrafterError("`drafter bench eval` needs --counts DIR (a count artifact).",
+                           fix="Run `drafter count` first; its artifact is under <workdir>/artifacts/count-*.")
     fp = Target(cfg.target).fingerprint
-    counts = load_artifact(counts_dir, kind="token_counts", fingerprint=fp)
-    results = evaluate_matrix(cfg, counts, fp, lambda m: print(m, file=sys.stderr, flush=True))
+    artifacts = {"count": load_artifact(counts, kind="token_counts", fingerprint=fp)}
+    results = evaluate_matrix(cfg, artifacts, fp, lambda m: print(m, file=sys.stderr, flush=True))
     data = {**results.to_dict(), "command": " ".join(sys.argv), "host": platform.node()}
-    if out_dir:
-        write_report(data, Path(out_dir))
+    if out:
+        write_report(data, Path(out))
     verdict = "passed" if results.gates.passed else "FAILED"
     return (f"device: {results.device}; lossless: {results.lossless}; gates {verdict} "
             f"(speed metric {results.gates.speed_metric})\n\n" + markdown_table(data))

@@ -1,13 +1,14 @@
-"""Formatting shared by the report and its sections: numbers that may be missing, and the row order."""
+"""Formatting shared by the report and its sections: numbers that may be missing, and the row order (the
+method registry's)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-METHOD_ORDER = ("ar", "full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "eagle3", "pruned", "rdk", "rdk_taylor",
-                "rdk_prior", "tli", "union", "slem", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior", "slem_bytes",
-                "slrs")
+from pipeline.engine.methods import REPORT_ORDER
+
+METHOD_ORDER = REPORT_ORDER  # the baseline, then each method by its registry entry's order
 MISSING = "—"
 
 Row = dict[str, Any]

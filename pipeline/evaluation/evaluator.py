@@ -6,12 +6,12 @@ TLI, Union and SLEM; the routed, redistributed and byte-level methods) for each 
 prompts. It records one row of metrics per configuration (τ, α, per-position acceptance, tokens/s, measured
 speedup, Leviathan's predicted speedup, MBSU, TTFT/TPOT) and two losslessness checks per method: greedy output
 equal to the autoregressive greedy output on every prompt, and a chi-square test of the first emitted token's
-empirical distribution at temperature 1 against the target's own p.
+empirical distribution at temperature 1 against the target's own p. The configurations themselves (each
+method's inputs prepared, its proposer built) come from :mod:`pipeline.evaluation.configurations`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,22 +21,14 @@ import torch
 from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.engine.loop import first_rounds, generate_autoregressive, generate_speculative
-from pipeline.engine.metrics import parameter_ratio, summarize
+from pipeline.engine.methods import BASELINE
+from pipeline.engine.metrics import summarize
 from pipeline.engine.sampling import SamplingParams, standardise
-from pipeline.errors import DrafterError
+from pipeline.evaluation.configurations import Configuration, Configurations
 from pipeline.evaluation.results import EvalRow, LosslessCheck
-from pipeline.models.loading import load_model, load_tokenizer
 from pipeline.progress import Progress
-from pipeline.vocab.counting import load_shortlists
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def shortlist_param_ratio(drafter: torch.nn.Module, target: torch.nn.Module, k: int) -> float:
-    """Drafter/target parameter ratio when the drafter's LM head is cut to ``k`` rows (its cost ``c``)."""
-    head = drafter.get_output_embeddings().weight
-    drafter_params = sum(p.numel() for p in drafter.parameters()) - head.shape[0] * head.shape[1] + k * head.shape[1]
-    return drafter_params / sum(p.numel() for p in target.parameters())
 
 
 def chi_square_first_token(counts: np.ndarray, p: np.ndarray) -> tuple[float, int]:
@@ -56,183 +48,35 @@ def chi_square_first_token(counts: np.ndarray, p: np.ndarray) -> tuple[float, in
 
 
 class Evaluator:
-    """Runs the method × drafter × γ matrix on prepared prompts (see the module docstring)."""
+    """Runs the method × drafter × γ matrix on prepared prompts (see the module docstring).
+
+    Args:
+        artifacts: Upstream stage → its artifact: ``count`` always, and whichever of ``train_drafter``,
+            ``cluster``, ``train_router``, ``estimate_rdk`` the evaluated methods read.
+    """
 
     def __init__(self, cfg: PipelineConfig, target: torch.nn.Module, tokenizer: Any,
-                 prompts: dict[str, list[list[int]]], counts: Artifact, device: str,
-                 log: Callable[[str], None], eagle3: Artifact | None = None,
-                 routing: tuple[Artifact, Artifact] | None = None, rdk: Artifact | None = None) -> None:
+                 prompts: dict[str, list[list[int]]], artifacts: dict[str, Artifact], device: str,
+                 log: Callable[[str], None]) -> None:
         self.cfg, self.ev = cfg, cfg.evaluate
         self.target, self.tokenizer, self.prompts = target, tokenizer, prompts
-        self.counts, self.device, self.log, self.eagle3, self.routing = counts, device, log, eagle3, routing
-        self.rdk = rdk
-        self._rdk_prior: Any = None
-        self.policy_record: dict | None = None
+        self.device, self.log = device, log
+        self.configurations = Configurations(cfg, target, tokenizer, prompts, artifacts, device, log)
         self.eos = tokenizer.eos_token_id
-        self.vocab = target.get_output_embeddings().weight.shape[0]
         self.params = SamplingParams(temperature=self.ev.temperature, top_p=self.ev.top_p)
 
     def _generator(self, offset: int = 0) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.ev.seed + offset)
 
-    def proposers(self) -> Iterator[tuple[str, str, str | None, int | None, Any, float]]:
-        """(method, drafter name, shortlist name, shortlist size, proposer, cost ratio c) per configuration."""
-        from pipeline.engine.methods import METHODS, ProposerInputs, build_proposer
-        from pipeline.engine.proposers import ShortlistProposer
+    def proposers(self) -> Iterator[Configuration]:
+        """Every configuration of the evaluated methods (see :mod:`pipeline.evaluation.configurations`)."""
+        return iter(self.configurations)
 
-        ev = self.ev
-        specs = [spec for name, spec in METHODS.items() if name in ev.methods]
-        same = [spec for spec in specs if spec.same_tokenizer]
-        heads = [spec for spec in specs if "eagle3" in spec.needs]
-        other = [spec for spec in specs if "drafter_other" in spec.needs]
-        byte_level = [spec for spec in specs if "drafter_bytes" in spec.needs]
-        if same:
-            drafter = load_model(ev.drafter, dtype=self.cfg.target.dtype, device=self.device)
-            base = ProposerInputs(drafter=drafter, target_vocab_size=self.vocab)
-            policy = routed = None
-            if any("policy" in spec.needs for spec in same):
-                policy, routed = self._policy(drafter, [spec.name for spec in same if "router" in spec.needs])
-            for spec in same:
-                if "rdk" in spec.needs:
-                    prior = self._prior()
-                    for level in ev.rdk_levels or prior.names("pruned"):
-                        size = int(prior.level(level).kept.numel())
-                        inputs = dataclasses.replace(base, rdk=prior, rdk_level=level, name=f"{spec.name}:{level}")
-                        yield (spec.name, ev.drafter, level, size, build_proposer(spec.name, inputs),
-                               shortlist_param_ratio(drafter, self.target, size))
-                    continue
-                if "policy" in spec.needs:
-                    inputs = dataclasses.replace(base, policy=policy, **routed if "router" in spec.needs else {})
-                    proposer = build_proposer(spec.name, inputs)
-                    yield (spec.name, ev.drafter, None, None, proposer,
-                           shortlist_param_ratio(drafter, self.target, int(round(self._match_size))))
-                    continue
-                if "shortlist" not in spec.needs:
-                    yield (spec.name, ev.drafter, None, None, build_proposer(spec.name, base),
-                           parameter_ratio(drafter, self.target))
-                    continue
-                lists = load_shortlists(self.counts)
-                for name in ev.shortlists:
-                    if name not in lists:
-                        raise DrafterError(f"Shortlist {name!r} is not in count artifact {self.counts.id}.",
-                                           expected=f"one of {sorted(lists)}",
-                                           fix="Fix evaluate.shortlists or add the size to count.top_k/top_p.")
-                    ids = torch.from_numpy(lists[name])
-                    all_prompts = [p for items in self.prompts.values() for p in items]
-                    ShortlistProposer.check(ids, self.tokenizer, all_prompts)
-                    inputs = dataclasses.replace(base, shortlist=ids, name=f"{spec.name}:{name}")
-                    yield (spec.name, ev.drafter, name, int(ids.numel()), build_proposer(spec.name, inputs),
-                           shortlist_param_ratio(drafter, self.target, int(ids.numel())))
-        if heads:
-            from pipeline.drafters.store import load_drafter
+    @property
+    def policy_record(self) -> dict | None:
+        """How the DynaSpec and PA-FR budgets were matched, once a method needed them."""
+        return self.configurations.policy_record
 
-            if self.eagle3 is None:
-                raise DrafterError("Method eagle3 is evaluated but no train_drafter artifact was given.",
-                                   fix="Run `drafter evaluate` (it trains the drafter first) or set evaluate.eagle3.")
-            head = load_drafter(self.eagle3.path, self.target)
-            ratio = parameter_ratio(head, self.target)
-            for spec in heads:
-                proposer = build_proposer(spec.name, ProposerInputs(eagle3=head, target_vocab_size=self.vocab))
-                yield spec.name, f"eagle3:{self.eagle3.id}", None, None, proposer, ratio
-        if other and ev.drafter_other:
-            other_model = load_model(ev.drafter_other, dtype=self.cfg.target.dtype, device=self.device)
-            other_tok = load_tokenizer(ev.drafter_other)
-            ratio = parameter_ratio(other_model, self.target)
-            vocab_map = None
-            if any("vocab_map" in spec.needs for spec in other):
-                from pipeline.vocab.maps import VocabMap
-
-                vocab_map = VocabMap.build(self.tokenizer, other_tok)
-                self.log(f"vocabulary intersection with {ev.drafter_other}: {vocab_map.intersection_size} tokens")
-            inputs = ProposerInputs(drafter_other=other_model, drafter_other_tokenizer=other_tok,
-                                    target_tokenizer=self.tokenizer, vocab_map=vocab_map,
-                                    target_vocab_size=self.vocab,
-                                    rdk=self._prior() if any("rdk" in spec.needs for spec in other) else None)
-            for spec in other:
-                yield spec.name, ev.drafter_other, None, None, build_proposer(spec.name, inputs), ratio
-        if byte_level and ev.drafter_bytes:
-            byte_model = load_model(ev.drafter_bytes, dtype=self.cfg.target.dtype, device=self.device)
-            inputs = ProposerInputs(drafter_bytes=byte_model, drafter_bytes_tokenizer=load_tokenizer(ev.drafter_bytes),
-                                    target_tokenizer=self.tokenizer, byte_top_k=ev.slrs_byte_top_k,
-                                    lookahead=ev.slrs_lookahead, target_vocab_size=self.vocab)
-            ratio = parameter_ratio(byte_model, self.target)
-            for spec in byte_level:
-                yield spec.name, ev.drafter_bytes, None, None, build_proposer(spec.name, inputs), ratio
-
-    def _prior(self) -> Any:
-        """The estimate_rdk artifact as an :class:`~pipeline.rdk.prior.RDKPrior`, checked against this target."""
-        if self._rdk_prior is None:
-            from pipeline.rdk.prior import RDKPrior
-            from pipeline.vocab.tokens import vocab_hash
-
-            if self.rdk is None:
-                raise DrafterError("RDK methods are evaluated but no estimate_rdk artifact was given.",
-                                   fix="Run `drafter evaluate` (it builds estimate_rdk first) or set evaluate.rdk.")
-            self._rdk_prior = RDKPrior.load(self.rdk.path)
-            self._rdk_prior.check_target(vocab_hash(self.tokenizer), self.vocab)
-        return self._rdk_prior
-
-    def _policy(self, drafter: torch.nn.Module, routed_methods: list[str]) -> tuple[Any, dict]:
-        """Budgets of DynaSpec-F/PA and PA-FR matched, per γ, to the FR-Spec shortlist ``dynaspec_match``:
-        cluster budgets from the router's held-out size curve, PA-FR's kmax from its exact sizes."""
-        import json
-
-        from pipeline.dynaspec.budget import ShortlistPolicy, match_budgets, match_pa_fr
-        from pipeline.vocab.counting import frequency_ranking
-        from pipeline.vocab.tokens import eos_ids
-
-        ev = self.ev
-        lists = load_shortlists(self.counts)
-        if ev.dynaspec_match not in lists:
-            raise DrafterError(f"evaluate.dynaspec_match names shortlist {ev.dynaspec_match!r}, which count "
-                               f"artifact {self.counts.id} does not have.", expected=f"one of {sorted(lists)}",
-                               found=ev.dynaspec_match, fix="Set evaluate.dynaspec_match to one of them.")
-        size = float(lists[ev.dynaspec_match].size)
-        self._match_size = size
-        keep = tuple(eos_ids(self.tokenizer))
-        ranking = frequency_ranking(self.counts)
-        fields: dict[str, Any] = {"pa_fr_kmax": {g: match_pa_fr(ranking.size, size, g, ev.dynaspec_k_min)
-                                                 for g in ev.gammas}}
-        routed: dict[str, Any] = {}
-        record: dict[str, Any] = {"match": ev.dynaspec_match, "match_size": int(size), "keep_ids": list(keep),
-                                  "pa_fr_kmax": {str(g): k for g, k in fields["pa_fr_kmax"].items()}}
-        if routed_methods:
-            from pipeline.dynaspec.clusters import Clustering
-            from pipeline.dynaspec.router import load_router
-
-            if self.routing is None:
-                raise DrafterError(f"Methods {routed_methods} are evaluated but no cluster/router artifacts were given.",
-                                   fix="Run `drafter evaluate` (it builds cluster and train_router first) or set "
-                                       "evaluate.clusters and evaluate.router.")
-            clusters, router_art = self.routing
-            clustering = Clustering.load(clusters.path)
-            head = drafter.get_output_embeddings().weight
-            clustering.check_head(head, f"evaluate.drafter {ev.drafter!r}")
-            router, meta = load_router(router_art.path, clustering, head)
-            curve = json.loads(router_art.file("routing.json").read_text())["size"]
-            budgets = {g: match_budgets(curve, size, g, ev.dynaspec_k_min) for g in ev.gammas}
-            fields["fixed"] = {g: b[0] for g, b in budgets.items()}
-            fields["pa"] = {g: b[1] for g, b in budgets.items()}
-            routed = {"clustering": clustering, "router": router.to(self.device)}
-            record.update({"clusters": clusters.id, "router": router_art.id, "num_clusters": clustering.num_clusters,
-                           "fixed": {str(g): b[0].to_dict() for g, b in budgets.items()},
-                           "pa": {str(g): b[1].to_dict() for g, b in budgets.items()},
-                           "predicted_size": {str(g): {"fixed": curve[b[0].k1 - 1],
-                                                       "pa": sum(curve[b[1].at(t) - 1] for t in range(g)) / g}
-                                              for g, b in budgets.items()}})
-        self.policy_record = record
-        self.log(f"shortlist budgets matched to {ev.dynaspec_match} ({int(size)} tokens): {record}")
-        return ShortlistPolicy(keep_ids=keep, ranking=ranking, k_min=ev.dynaspec_k_min,
-                               match=f"{ev.dynaspec_match}: {int(size)} tokens", **fields), routed
-
-    def _budget_label(self, method: str, gamma: int) -> str | None:
-        record = self.policy_record or {}
-        if method == "pa_fr":
-            return f"kmax{record['pa_fr_kmax'][str(gamma)]}"
-        if method in ("dynaspec", "dynaspec_pa"):
-            b = record["fixed" if method == "dynaspec" else "pa"][str(gamma)]
-            return f"k{b['k1']}" if method == "dynaspec" else f"k0_{b['k0']}-k1_{b['k1']}"
-        return None
 
     def _decode_all(self, items: list[list[int]], proposer: Any, gamma: int, params: SamplingParams,
                     seed: int) -> list[Any]:
@@ -255,10 +99,11 @@ class Evaluator:
         for task, items in self.prompts.items():
             ar_greedy = self._decode_all(items, None, 0, GREEDY, 0)
             ar = self._decode_all(items, None, 0, self.params, 1) if sampled else ar_greedy
-            rows.append(self._row(task, "ar", None, 0, None, None, summarize(ar, ar, None), True))
+            rows.append(self._row(task, BASELINE, None, 0, None, None, summarize(ar, ar, None), True))
             self.log(f"{task}: autoregressive {rows[-1].tokens_per_s:.1f} tokens/s")
             cells.update(1)
-            for method, drafter, shortlist, size, proposer, ratio in configs:
+            for config in configs:
+                method, shortlist, proposer = config.method, config.shortlist, config.proposer
                 stats = getattr(proposer, "head_stats", None)
                 for gamma in self.ev.gammas:
                     if stats is not None:
@@ -275,14 +120,14 @@ class Evaluator:
                         before = _drafter_counts(proposer)
                     runs = self._decode_all(items, proposer, gamma, self.params, 1) if sampled else greedy_runs
                     counts = _drafter_counts(proposer)
-                    budget = self._budget_label(method, gamma)
-                    cost = ratio
+                    budget = self.configurations.budget_label(method, gamma)
+                    cost = config.cost
                     if counts is not None:
                         calls, psi_rows = (after - first for after, first in zip(counts, before, strict=True))
                         rounds = sum(len(r.drafted_per_round) for r in runs)
                         # c per measured drafter call: MBSU = τ / (1 + c · calls per round)
-                        cost = ratio * calls / (rounds * gamma) if rounds else ratio
-                    row = self._row(task, method, drafter, gamma, shortlist or budget, size,
+                        cost = config.cost * calls / (rounds * gamma) if rounds else config.cost
+                    row = self._row(task, method, config.drafter, gamma, shortlist or budget, config.size,
                                     summarize(runs, ar, cost), equal)
                     if counts is not None and row.new_tokens:
                         row.drafter_calls_per_token = calls / row.new_tokens
@@ -308,8 +153,8 @@ class Evaluator:
         if self.ev.sampling_check_samples > 0:
             with Progress("evaluate: losslessness (first-token law)", len(configs) * self.ev.sampling_check_samples,
                           "draw") as draws:
-                checks += [self.sampling_check(method, shortlist, proposer, draws)
-                           for method, _, shortlist, _, proposer, _ in configs]
+                checks += [self.sampling_check(config.method, config.shortlist, config.proposer, draws)
+                           for config in configs]
         return rows, checks
 
     @torch.no_grad()
@@ -362,7 +207,7 @@ class Evaluator:
         return EvalRow(task=task, method=method, drafter=drafter, gamma=gamma, shortlist=shortlist,
                        shortlist_size=size, prompts=m.prompts, new_tokens=m.new_tokens,
                        target_forwards=m.target_forwards, tau=m.mean_accepted_length,
-                       acceptance_rate=m.acceptance_rate if method != "ar" else None,
+                       acceptance_rate=m.acceptance_rate if method != BASELINE else None,
                        per_position_acceptance=m.per_position_acceptance, tokens_per_s=m.tokens_per_second,
                        speedup=m.speedup_vs_autoregressive, predicted_speedup=m.leviathan_expected_speedup,
                        mbsu=m.mbsu, ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms,

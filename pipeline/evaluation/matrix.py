@@ -19,6 +19,7 @@ from pipeline.config.sections import PipelineConfig
 from pipeline.config.stages import EvaluateConfig
 from pipeline.data.calibration import encode_prompt, first_prompt
 from pipeline.data.sources import load_conversations, load_humaneval, split_heldout
+from pipeline.engine.methods import GATE_SETS
 from pipeline.errors import DrafterError
 from pipeline.evaluation.evaluator import Evaluator
 from pipeline.evaluation.results import EvaluationResults, decide_gates
@@ -60,49 +61,40 @@ def speed_metric(ev: EvaluateConfig, device: str) -> str:
     return "speedup" if device == "cuda" else "mbsu"
 
 
-def evaluate_matrix(cfg: PipelineConfig, counts: Artifact, target_fingerprint: dict,
-                    log: Callable[[str], None], eagle3: Artifact | None = None,
-                    routing: tuple[Artifact, Artifact] | None = None, rdk: Artifact | None = None) -> EvaluationResults:
-    """Load the target, build the prompts, run the whole matrix and decide the gates (the draft-vocabulary
-    bundle's; the EAGLE-3 bundle's when ``eagle3``, a train_drafter artifact, is evaluated; the DynaSpec
-    bundle's when ``routing``, the (cluster, train_router) artifacts, is; the RDK bundle's when ``rdk``, an
-    estimate_rdk artifact, is)."""
+INPUT_KEYS = {"count": "counts", "train_drafter": "eagle3"}
+"""Upstream stage → its key in the results' ``inputs`` record where that is not the stage's name (report.json's
+names, kept as they were)."""
+
+
+def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_fingerprint: dict,
+                    log: Callable[[str], None]) -> EvaluationResults:
+    """Load the target, build the prompts, run the whole matrix and decide the gates of every bundle whose
+    artifacts were read (:data:`~pipeline.engine.methods.GATE_SETS`: the draft-vocabulary bundle's always; the
+    EAGLE-3, DynaSpec and RDK bundles' when their train_drafter, cluster + train_router and estimate_rdk
+    artifacts are among ``artifacts``).
+
+    Args:
+        artifacts: Upstream stage → its artifact: ``count`` always, and whichever others the evaluated methods
+            read (the evaluate stage's plan inputs).
+    """
     ev = cfg.evaluate
     device = resolve_device(ev)
     target_ = Target(cfg.target)
     tokenizer = target_.tokenizer()
     target = target_.model(device)
-    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), counts, device, log, eagle3,
-                          routing, rdk)
+    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), artifacts, device, log)
     rows, checks = evaluator.run()
     thresholds = {"speed_metric": speed_metric(ev, device), "tau_min": ev.gate_tau_min,
                   "speed_min": ev.gate_speed_min}
-    gates = decide_gates(rows, checks, **thresholds)
-    inputs = {"counts": counts.id}
-    eagle3_gates = eagle3_training = None
-    if eagle3 is not None:
-        inputs["eagle3"] = eagle3.id
-        eagle3_gates = decide_gates(rows, checks, method="eagle3", **thresholds)
-        eagle3_training = simulated_figures(eagle3)
-    dynaspec_gates = None
-    if routing is not None:
-        inputs["cluster"], inputs["train_router"] = routing[0].id, routing[1].id
-        gated = "dynaspec_pa" if "dynaspec_pa" in ev.methods else "dynaspec"
-        dynaspec_gates = decide_gates(rows, checks, method=gated, **thresholds)
-    rdk_gates = rdk_analysis = None
-    if rdk is not None:
-        inputs["estimate_rdk"] = rdk.id
-        rdk_gates = decide_gates(rows, checks, method=REDISTRIBUTED, **thresholds)
-        rdk_analysis = rdk_record(rdk)
+    verdicts = {gate.results_field: decide_gates(rows, checks, gate=gate, evaluated=ev.methods, **thresholds)
+                for gate in GATE_SETS.values() if all(stage in artifacts for stage in gate.artifacts)}
+    inputs = {INPUT_KEYS.get(stage, stage): artifact.id for stage, artifact in artifacts.items()}
+    eagle3_training = simulated_figures(artifacts["train_drafter"]) if "train_drafter" in artifacts else None
+    rdk_analysis = rdk_record(artifacts["estimate_rdk"]) if "estimate_rdk" in artifacts else None
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    return EvaluationResults(rows=rows, checks=checks, gates=gates, device=device_name,
-                             target=target_fingerprint, inputs=inputs, eagle3_gates=eagle3_gates,
-                             eagle3_training=eagle3_training, dynaspec_gates=dynaspec_gates,
-                             dynaspec_policy=evaluator.policy_record, rdk_gates=rdk_gates, rdk_analysis=rdk_analysis)
-
-
-REDISTRIBUTED = ("rdk", "rdk_taylor", "rdk_prior", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior")
-"""The RDK bundle's candidate methods (``pruned`` is their TLI baseline, not part of the bundle)."""
+    return EvaluationResults(rows=rows, checks=checks, device=device_name, target=target_fingerprint, inputs=inputs,
+                             eagle3_training=eagle3_training, dynaspec_policy=evaluator.policy_record,
+                             rdk_analysis=rdk_analysis, **verdicts)
 
 
 def rdk_record(rdk: Artifact) -> dict:

@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.engine.methods import FAMILIES, METHODS
+from pipeline.engine.inputs import SameTokenizerInputs, ShortlistInputs
+from pipeline.engine.methods import BASELINE, FAMILIES, METHODS, methods_with
 from pipeline.evaluation.cells import Row, _num, _rank, _rows, _text
 
 MAX_WIDTH_IN = 11.5
@@ -191,7 +192,7 @@ def _plot_positions(rows: list[Row]) -> Any:
         values = r.get("per_position_acceptance")
         values = values if isinstance(values, list) else []
         points = [(i + 1, v) for i, v in enumerate(values) if _num(v) is not None]
-        if points and r.get("method") != "ar":
+        if points and r.get("method") != BASELINE:
             gamma = _num(r.get("gamma"))
             gamma_text = None if gamma is None else f"γ={int(gamma)}"
             label = _label(r.get("method"), r.get("drafter"), gamma_text, r.get("shortlist"))
@@ -244,10 +245,11 @@ def _plot_shortlist(rows: list[Row]) -> Any:
     """Shortlist size vs τ, one line per task (and drafter/γ when several), full-head τ dashed."""
     from matplotlib.lines import Line2D
 
+    static, full_head = methods_with(ShortlistInputs), methods_with(SameTokenizerInputs)
     curves: dict[tuple, list[tuple[float, float]]] = {}
     for r in rows:
         size, tau = _num(r.get("shortlist_size")), _num(r.get("tau"))
-        if r.get("method") == "shortlist" and size is not None and size > 0 and tau is not None:
+        if r.get("method") in static and size is not None and size > 0 and tau is not None:
             curves.setdefault((r.get("task"), r.get("drafter"), r.get("gamma")), []).append((size, tau))
     if not curves:
         return None
@@ -255,7 +257,7 @@ def _plot_shortlist(rows: list[Row]) -> Any:
     drawn, entries = [], []
     for i, ((task, drafter, gamma), points) in enumerate(sorted(curves.items(), key=str)):
         label = _label(task, drafter, f"γ={gamma}") if several else _label(task)
-        same = [r for r in rows if r.get("method") == "full" and r.get("task") == task]
+        same = [r for r in rows if r.get("method") in full_head and r.get("task") == task]
         if several:
             same = [r for r in same if (r.get("drafter"), r.get("gamma")) == (drafter, gamma)]
         full = [t for t in (_num(r.get("tau")) for r in same) if t is not None]

@@ -8,43 +8,38 @@ from typing import Any
 
 from pipeline.artifacts import Artifact, write_json_atomic
 from pipeline.config.sections import PipelineConfig
+from pipeline.engine.methods import GATE_SETS
 from pipeline.evaluation.results import EvaluationResults
 from pipeline.progress import log
 
-REGISTRATION_FILES = {"draft-vocab": "registration.json", "eagle3": "registration-eagle3.json",
-                      "dynaspec": "registration-dynaspec.json", "rdk": "registration-rdk.json"}
+REGISTRATION_FILES = {gate.name: gate.registration for gate in GATE_SETS.values()}
 """Bundle kind → the record written beside the evaluation artifact as ``<evaluation id>.<file>``."""
 
 
 def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation: Artifact,
-                    counts: Artifact, eagle3: Artifact | None = None,
-                    routing: tuple[Artifact, Artifact] | None = None,
-                    rdk: Artifact | None = None) -> dict[str, dict | None]:
-    """Register each bundle whose gates passed: the draft-vocabulary bundle (count artifact + evaluation
-    report); when evaluated, the EAGLE-3 bundle (train_drafter artifact with its weights, config and
-    serving exports + the count artifact's draft vocabulary + the report); the DynaSpec bundle (cluster
-    artifact + train_router artifact + the report with the matched budgets); and the RDK bundle (estimate_rdk
-    artifact: μ, sparse S, kept-token maps, τ and prior weights + the report).
+                    artifacts: dict[str, Artifact]) -> dict[str, dict | None]:
+    """Register each bundle whose gates passed (:data:`~pipeline.engine.methods.GATE_SETS`): the
+    draft-vocabulary bundle (count artifact + evaluation report); when evaluated, the EAGLE-3 bundle
+    (train_drafter artifact with its weights, config and serving exports + the count artifact's draft
+    vocabulary + the report); the DynaSpec bundle (cluster artifact + train_router artifact + the report, whose
+    ``dynaspec_policy`` holds the matched budgets per γ); and the RDK bundle (estimate_rdk artifact: μ, sparse
+    S, kept-token maps, τ and prior weights + the report).
 
     Takes the results it is given (fresh from the matrix, or read back from a cached evaluation), never
     re-reading them from the report on its own.
 
+    Args:
+        artifacts: Upstream stage → the artifact evaluate read (``count`` always).
+
     Returns:
         Bundle kind → its registration record, or None where the gates failed.
     """
-    records = {"draft-vocab": _register_one(cfg, results, results.gates, "draft-vocab", [counts, evaluation],
-                                            evaluation)}
-    if eagle3 is not None and results.eagle3_gates is not None:
-        records["eagle3"] = _register_one(cfg, results, results.eagle3_gates, "eagle3",
-                                          [eagle3, counts, evaluation], evaluation)
-    if routing is not None and results.dynaspec_gates is not None:
-        # clusters + router (with the clustering and drafter head it was trained for) + the report, whose
-        # dynaspec_policy holds the matched budgets per γ
-        records["dynaspec"] = _register_one(cfg, results, results.dynaspec_gates, "dynaspec",
-                                            [*routing, evaluation], evaluation)
-    if rdk is not None and results.rdk_gates is not None:
-        # the estimate_rdk artifact (mu, sparse second moment, kept-token sets, tau and prior weight per set) + the report
-        records["rdk"] = _register_one(cfg, results, results.rdk_gates, "rdk", [rdk, evaluation], evaluation)
+    records = {}
+    for gate in GATE_SETS.values():
+        gates = getattr(results, gate.results_field)
+        if gates is not None and all(stage in artifacts for stage in gate.artifacts):
+            held = [artifacts[stage] for stage in gate.artifacts]
+            records[gate.name] = _register_one(cfg, results, gates, gate.name, [*held, evaluation], evaluation)
     return records
 
 

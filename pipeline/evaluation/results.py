@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from pipeline.engine.methods import DRAFT_VOCAB, GateSet, gate_candidates
 
 SPEED_METRICS = ("speedup", "mbsu")
 
@@ -188,12 +191,12 @@ def _mean(rows: list[EvalRow], key: str) -> float:
 
 
 def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metric: str, tau_min: float,
-                 speed_min: float, method: str | tuple[str, ...] = "shortlist") -> Gates:
-    """The verdict, a pure function of the results: lossless, and the best configuration of ``method``
-    (highest mean speed metric over tasks, then τ) reaches the τ and speed minimums.
+                 speed_min: float, gate: GateSet = DRAFT_VOCAB, evaluated: Collection[str] | None = None) -> Gates:
+    """The verdict of bundle ``gate``, a pure function of the results: lossless, and the best of its candidate
+    configurations (highest mean speed metric over tasks, then τ) reaches the τ and speed minimums.
 
-    Losslessness is judged over every check, not only ``method``'s: a failure anywhere means the engine
-    cannot be trusted, so nothing is registered.
+    Losslessness is judged over every check, not only the bundle's methods': a failure anywhere means the
+    engine cannot be trusted, so nothing is registered.
 
     Args:
         rows: The matrix rows.
@@ -201,21 +204,24 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
         speed_metric: ``speedup`` (measured; meaningful on CUDA) or ``mbsu`` (the CPU proxy).
         tau_min: Minimum mean accepted length τ of the chosen configuration.
         speed_min: Minimum of its speed metric.
-        method: ``shortlist`` (the draft-vocabulary bundle: configurations are shortlist × γ), ``eagle3``
-            (the EAGLE-3 bundle: configurations are γ) or ``dynaspec_pa`` / ``dynaspec`` (the DynaSpec bundle:
-            configurations are γ with their matched budgets); a tuple of methods (the RDK bundle:
-            configurations are method × kept set × γ, named ``<method>:<kept set>``).
+        gate: The bundle (:data:`~pipeline.engine.methods.GATE_SETS`): its methods are the registered methods
+            that name it, and its ``configurations`` say what a candidate is — a named shortlist × γ (the
+            draft-vocabulary bundle), γ of one method (EAGLE-3; DynaSpec: PA, or F when PA is not evaluated)
+            or method × kept set × γ, named ``<method>:<kept set>`` (RDK).
+        evaluated: The evaluated methods (``evaluate.methods``), which pick a ``per_gamma`` bundle's method;
+            None counts every method as evaluated.
     """
     if speed_metric not in SPEED_METRICS:
         raise ValueError(f"speed_metric must be one of {SPEED_METRICS}, not {speed_metric!r}")
+    method = gate_candidates(gate, evaluated)
     lossless = all(c.passed for c in checks)
     gate_checks = {"lossless": GateCheck(lossless, lossless, True, f"{len(checks)} checks")}
     candidates: dict[tuple[str, int], list[EvalRow]] = {}
     several = not isinstance(method, str)
     label = "/".join(method) if several else method
+    named_only = gate.configurations == "named_shortlist"
     for row in rows:
-        if (row.method in method if several else row.method == method) and (
-                method != "shortlist" or row.shortlist is not None):
+        if (row.method in method if several else row.method == method) and (not named_only or row.shortlist is not None):
             name = f"{row.method}:{row.shortlist}" if several else row.shortlist
             candidates.setdefault((name, row.gamma), []).append(row)
     chosen = None

@@ -1,8 +1,12 @@
 """Report sections for the drafter families with a bundle of their own: EAGLE-3 (simulated vs measured τ),
-context-dependent shortlists at matched size (DynaSpec, PA-FR, FR-Spec) and out-of-vocabulary drafting (RDK)."""
+context-dependent shortlists at matched size (DynaSpec, PA-FR, FR-Spec) and out-of-vocabulary drafting (RDK),
+and for string-level rejection sampling. Which methods each section lists, and in what order, is the method
+registry's (:attr:`~pipeline.engine.methods.MethodSpec.sections`)."""
 
 from __future__ import annotations
 
+from pipeline.engine.inputs import SameTokenizerInputs, ShortlistInputs
+from pipeline.engine.methods import in_section, methods_with
 from pipeline.evaluation.cells import MISSING, _fmt, _num, _rows, _text, _verdict
 
 
@@ -26,9 +30,10 @@ def eagle3_rows(results: dict) -> list[list[str]]:
     """(task, γ, simulated τ, measured τ, measured/simulated) per eagle3 row: how well train_drafter's
     cheap held-out metric predicted the τ the engine measured."""
     training = results.get("eagle3_training") or {}
+    listed = in_section("features")
     out = []
     for r in _rows(results):
-        if r.get("method") != "eagle3":
+        if r.get("method") not in listed:
             continue
         sim = simulated_tau_at(training, int(r.get("gamma") or 0))
         tau = _num(r.get("tau"))
@@ -53,7 +58,7 @@ def eagle3_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-SHORTLIST_METHODS = ("full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa")
+SHORTLIST_METHODS = in_section("matched_shortlists")
 SHORTLIST_HEADERS = ["task", "γ", "method", "budget", "head rows / step", "rows per draft position", "τ",
                      "τ share of full", "head ms / step", "head ms vs full"]
 
@@ -63,11 +68,12 @@ def shortlist_rows(results: dict, match: str | None = None) -> list[list[str]]:
     task and γ: measured head rows per step and per draft position, τ as a share of the full head's τ, and
     the head's own time against the full head's."""
     rows = _rows(results)
-    full = {(r.get("task"), r.get("gamma")): r for r in rows if r.get("method") == "full"}
+    full_head, static = methods_with(SameTokenizerInputs), methods_with(ShortlistInputs)
+    full = {(r.get("task"), r.get("gamma")): r for r in rows if r.get("method") in full_head}
     out = []
     for r in sorted((r for r in rows if r.get("method") in SHORTLIST_METHODS),
                     key=lambda r: (str(r.get("task")), r.get("gamma") or 0, SHORTLIST_METHODS.index(r["method"]))):
-        if r["method"] == "shortlist" and match is not None and r.get("shortlist") != match:
+        if r["method"] in static and match is not None and r.get("shortlist") != match:
             continue
         base = full.get((r.get("task"), r.get("gamma"))) or {}
         tau, tau_full = _num(r.get("tau")), _num(base.get("tau"))
@@ -95,7 +101,7 @@ def dynaspec_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RDK_METHODS = ("pruned", "rdk", "rdk_taylor", "rdk_prior", "tli", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior")
+RDK_METHODS = in_section("out_of_vocabulary")
 RDK_ANALYSIS_HEADERS = ["kept set", "size", "task", "target mass kept", "τ", "α TLI", "α RDK exact",
                         "α RDK-Taylor (prior)", "α prior mix (constant / confidence)", "α Taylor with true p (bound)"]
 RDK_DECODE_HEADERS = ["task", "γ", "kept set", "method", "τ", "α"]
@@ -155,7 +161,7 @@ def rdk_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-SLRS_METHODS = ("slem_bytes", "slrs")
+SLRS_METHODS = in_section("string_level")
 SLRS_HEADERS = ["task", "γ", "method", "τ", "α", "drafter calls / token", "ψ rows / token", "MBSU", "greedy equal"]
 
 

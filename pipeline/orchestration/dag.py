@@ -30,6 +30,8 @@ from pipeline.artifacts import (
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
 from pipeline.config.stage_names import STAGE_NAMES
+from pipeline.engine.inputs import DRAFTER_MODELS
+from pipeline.engine.methods import models_read, stages_read
 from pipeline.errors import DrafterError
 
 
@@ -41,19 +43,11 @@ def _generate_models(cfg: PipelineConfig) -> dict:
 
 
 def _evaluate_models(cfg: PipelineConfig) -> dict:
-    from pipeline.engine.methods import METHODS
     from pipeline.models.loading import fingerprint
 
     ev = cfg.evaluate
-    needs = set().union(*(METHODS[m].needs for m in ev.methods))
-    models = {}
-    if "drafter" in needs:
-        models["drafter"] = fingerprint(ev.drafter)
-    if "drafter_other" in needs and ev.drafter_other:
-        models["drafter_other"] = fingerprint(ev.drafter_other)
-    if "drafter_bytes" in needs and ev.drafter_bytes:
-        models["drafter_bytes"] = fingerprint(ev.drafter_bytes)
-    return models
+    used = models_read(ev.methods)
+    return {key: fingerprint(getattr(ev, key)) for key in DRAFTER_MODELS if key in used and getattr(ev, key)}
 
 
 def _prompt_data(cfg: PipelineConfig) -> dict:
@@ -93,20 +87,10 @@ def _rdk_models(cfg: PipelineConfig) -> dict:
     return models
 
 
-RDK_METHODS = ("pruned", "rdk", "rdk_taylor", "rdk_prior", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior")
-"""Evaluate methods that read the estimate_rdk artifact."""
-
-
-def _rdk(cfg: PipelineConfig) -> bool:
-    return any(m in cfg.evaluate.methods for m in RDK_METHODS)
-
-
-ROUTED_METHODS = ("dynaspec", "dynaspec_pa")
-"""Evaluate methods that read the cluster and train_router artifacts."""
-
-
-def _routed(cfg: PipelineConfig) -> bool:
-    return any(m in cfg.evaluate.methods for m in ROUTED_METHODS)
+def _read_by_methods(stage: str) -> Callable[[PipelineConfig], bool]:
+    """``evaluate``'s ``when`` for ``stage``: whether an evaluated method reads its artifact (the method registry
+    says which do)."""
+    return lambda cfg: stage in stages_read(cfg.evaluate.methods)
 
 
 @dataclass(frozen=True)
@@ -124,7 +108,7 @@ class StageSpec:
         data: Fingerprint of the data behind a config value (a prompt file's sha256, a hub revision), so
             changed content changes the id even where the config text did not change.
         when: Upstream stage → predicate on the config; the stage reads that input only when it holds
-            (``evaluate`` reads the EAGLE-3 drafter only when method ``eagle3`` is evaluated).
+            (``evaluate`` reads an upstream artifact only when an evaluated method's registry entry needs it).
     """
 
     name: str
@@ -143,6 +127,7 @@ class StageSpec:
 
 
 TARGET_IDENTITY = ("target.model", "target.revision", "target.tokenizer")
+EVALUATE_UPSTREAM = ("count", "train_drafter", "cluster", "train_router", "estimate_rdk")
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("generate", "jobs.generate", "calibration",
@@ -171,14 +156,14 @@ STAGES: tuple[StageSpec, ...] = (
               overrides={"generate": "estimate_rdk.calibration", "count": "estimate_rdk.counts"}, models=_rdk_models,
               data=_rdk_data),
     StageSpec("evaluate", "jobs.evaluate", "evaluation",
-              upstream=("count", "train_drafter", "cluster", "train_router", "estimate_rdk"),
+              upstream=EVALUATE_UPSTREAM,
               reads=(*TARGET_IDENTITY, "target.dtype", "generate.source", "generate.source_revision",
                      "generate.heldout_fraction", "evaluate"),
               overrides={"count": "evaluate.counts", "train_drafter": "evaluate.eagle3", "cluster": "evaluate.clusters",
                          "train_router": "evaluate.router", "estimate_rdk": "evaluate.rdk"},
               models=_evaluate_models, data=_evaluate_data,
-              when={"train_drafter": lambda cfg: "eagle3" in cfg.evaluate.methods, "cluster": _routed,
-                    "train_router": _routed, "estimate_rdk": _rdk}),
+              # count always (its shortlists, the draft-vocabulary bundle); the others only for the methods that read them
+              when={stage: _read_by_methods(stage) for stage in EVALUATE_UPSTREAM if stage != "count"}),
 )
 if tuple(s.name for s in STAGES) != STAGE_NAMES:  # the leaf list the config layer validates against
     raise RuntimeError(f"the DAG table's stages {[s.name for s in STAGES]} differ from {list(STAGE_NAMES)}")

@@ -93,21 +93,27 @@ def _ttt_steps(cfg: PipelineConfig) -> int | None:
 
 
 def _using(cfg: PipelineConfig, need: str) -> str:
-    """The evaluated methods whose proposer reads input ``need`` (names from the registry)."""
-    from pipeline.engine.methods import METHODS
+    """The evaluated methods that load drafter ``need`` or read stage ``need``'s artifact (from the registry)."""
+    from pipeline.engine.methods import methods_reading
 
-    return ", ".join(m for m in cfg.evaluate.methods if need in METHODS[m].needs)
+    return ", ".join(methods_reading(cfg.evaluate.methods, need))
 
 
 def _check_evaluate(cfg: PipelineConfig) -> None:
-    from pipeline.engine.methods import METHODS
+    from pipeline.engine.inputs import ShortlistInputs
+    from pipeline.engine.methods import methods_with, models_read, stages_read
 
     ev = cfg.evaluate
+    static = [m for m in ev.methods if m in methods_with(ShortlistInputs)]  # one row per named shortlist
+    if static and not ev.shortlists:
+        raise DrafterError("Set evaluate.shortlists.", expected=f"at least one shortlist name when method "
+                           f"{', '.join(static)} is on", found=repr(ev.shortlists),
+                           fix="Name shortlists of the count artifact (top_k_<k>, top_p_<p>, ...) or drop the method.")
     gamma = max(ev.gammas)
-    needs = set().union(*(METHODS[m].needs for m in ev.methods))
+    drafters, stages = models_read(ev.methods), stages_read(ev.methods)
     models = [("target", cfg.target.model)]
-    models += [("drafter", ev.drafter)] if "drafter" in needs else []
-    models += [("drafter_other", ev.drafter_other)] if "drafter_other" in needs and ev.drafter_other else []
+    models += [("drafter", ev.drafter)] if "drafter" in drafters else []
+    models += [("drafter_other", ev.drafter_other)] if "drafter_other" in drafters and ev.drafter_other else []
     for role, name in models:
         limit = _context(cfg, name)
         room = (limit or 0) - ev.max_prompt_tokens - gamma - 1
@@ -117,7 +123,7 @@ def _check_evaluate(cfg: PipelineConfig) -> None:
              (f"Lower evaluate.max_new_tokens to {room} or less" if room > 0 else
               "Lower evaluate.max_prompt_tokens, evaluate.max_new_tokens or evaluate.gammas")
              + ("" if role == "target" else f", or pick an evaluate.{role} with a longer context") + ".")
-    if "drafter_bytes" in needs and ev.drafter_bytes:
+    if "drafter_bytes" in drafters and ev.drafter_bytes:
         _fit("evaluate.max_prompt_tokens + evaluate.max_new_tokens + max(evaluate.gammas) x evaluate.slrs_lookahead",
              [ev.max_prompt_tokens, ev.max_new_tokens, gamma * ev.slrs_lookahead],
              ev.max_prompt_tokens + ev.max_new_tokens + gamma * ev.slrs_lookahead, _context(cfg, ev.drafter_bytes),
@@ -127,7 +133,7 @@ def _check_evaluate(cfg: PipelineConfig) -> None:
              "evaluate.methods.",
              " (a target token spells at least one byte, and a round drafts up to gamma x slrs_lookahead bytes; "
              "chat text averages more, about 2.4 bytes per token of the tiny kit's target)")
-    if "eagle3" in needs and (steps := _ttt_steps(cfg)) is not None and gamma > steps:
+    if "train_drafter" in stages and (steps := _ttt_steps(cfg)) is not None and gamma > steps:
         where = f"ttt_steps of the artifact {cfg.evaluate.eagle3}" if cfg.evaluate.eagle3 else "train_drafter.ttt_steps"
         raise DrafterError(
             "evaluate.gammas asks the EAGLE-3 drafter for more draft steps than it was trained to make.",
@@ -135,7 +141,7 @@ def _check_evaluate(cfg: PipelineConfig) -> None:
                      f"unrolled draft steps)",
             found=f"evaluate.gammas={ev.gammas}",
             fix=f"Drop the gammas above {steps} from evaluate.gammas, train the drafter with "
-                f"train_drafter.ttt_steps={gamma} or more, or drop {_using(cfg, 'eagle3')} from evaluate.methods.",
+                f"train_drafter.ttt_steps={gamma} or more, or drop {_using(cfg, 'train_drafter')} from evaluate.methods.",
         )
 
 

@@ -14,6 +14,7 @@ the number of "heavy" tokens (``μ > √τ/2``) — so ``μ`` is Zipf-like, as r
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
@@ -95,3 +96,10 @@ def bench_redistribution(vocab: int = 128_256, kept: int = 32_768, hidden: int =
             "affinity_build_s": round(build, 3),
             "ms": {k: round(1e3 * v, 3) for k, v in timings.items()},
             "vs_tli": {k: round(v / base, 2) for k, v in timings.items()}}
+
+
+def bench_rdk(steps: int = 20) -> str:
+    """``drafter bench rdk``: :func:`bench_estimation` and :func:`bench_redistribution` (``steps`` repeats of
+    each draft step), as indented JSON."""
+    return json.dumps({"estimation": bench_estimation(), "redistribution": bench_redistribution(repeats=steps)},
+                      indent=2)

@@ -37,9 +37,13 @@ from pipeline.rdk.moments import MOMENTS_FILE, Moments, MomentSums
 KEPT_FILE = "kept.safetensors"
 RDK_FILE = "rdk.json"
 INTERSECTION = "intersection"
-KINDS = ("rdk", "rdk_taylor", "rdk_prior")
-"""Redistributions a kept set can be drafted with (method names for a same-tokenizer drafter; ``tli_``-prefixed
-for the drafter with another tokenizer)."""
+PRUNED = "pruned"
+"""The setting of the pruning levels (a same-tokenizer drafter's kept sets), as opposed to :data:`INTERSECTION`."""
+EXACT, TAYLOR, PRIOR_MIX = "exact", "taylor", "prior_mix"
+KINDS = (EXACT, TAYLOR, PRIOR_MIX)
+"""Redistributions a kept set can be drafted with: the exact sparse affinity (Eq. 2), the Taylor form with the
+calibration prior (Eq. 3) and the rank-one prior mix (the method registry, :mod:`pipeline.engine.methods`, says
+which draft method uses which)."""
 
 
 def level_name(fraction: float) -> str:
@@ -215,7 +219,7 @@ class RDKPrior:
         self.moments, self.levels, self.meta = moments, levels, meta
 
     def names(self, setting: str) -> list[str]:
-        """Kept-set names of a setting: ``pruned`` (same tokenizer) or ``intersection``."""
+        """Kept-set names of a setting: :data:`PRUNED` (same tokenizer) or :data:`INTERSECTION`."""
         return [n for n in self.levels if (n == INTERSECTION) == (setting == INTERSECTION)]
 
     def level(self, name: str) -> LevelFit:
@@ -225,7 +229,7 @@ class RDKPrior:
         return self.levels[name]
 
     def transform(self, kind: str, name: str) -> object:
-        """The redistribution ``kind`` (``rdk``, ``rdk_taylor``, ``rdk_prior``) over kept set ``name``.
+        """The redistribution ``kind`` (one of :data:`KINDS`) over kept set ``name``.
 
         A pruning level must keep EOS (``required_ids``); the intersection need not, since every
         redistribution puts mass on all of ``T``.
@@ -234,11 +238,11 @@ class RDKPrior:
         mu = self.moments.mu
         required = () if name == INTERSECTION else self.meta.get("required_ids", ())
         check_kept(fit.kept, self.moments.vocab_size, required)
-        if kind == "rdk":
+        if kind == EXACT:
             return Affinity(self.moments, fit.kept, fit.tau, required)
-        if kind == "rdk_taylor":
+        if kind == TAYLOR:
             return TaylorForm(mu, fit.kept)
-        if kind == "rdk_prior":
+        if kind == PRIOR_MIX:
             w = fit.prior_weight
             if w.get("mode") == "confidence":
                 return PriorMix(mu, fit.kept, edges=w["edges"], weights=w["weights"])

@@ -147,8 +147,19 @@ def assert_counts_match(counts: torch.Tensor, probs: torch.Tensor, n: int, what:
     )
 
 
-def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
-    """Registry inputs for every method from loaded tiny-kit roles (``{role: (model, tokenizer)}``).
+def method_inputs(method: str, **parts: Any) -> Any:
+    """``method``'s registry inputs (its family's dataclass) from named parts: the fields of that dataclass it
+    has a part for (parts other families take are left out; fields with a default may be left out)."""
+    from dataclasses import fields
+
+    from pipeline.engine.methods import method_spec
+
+    family = method_spec(method).inputs
+    return family(**{f.name: parts[f.name] for f in fields(family) if f.name in parts})
+
+
+def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> dict[str, Any]:
+    """Registry inputs of every method, by method, from loaded tiny-kit roles (``{role: (model, tokenizer)}``).
 
     The shortlist is the target's first 256 ids plus EOS; the EAGLE-3 head (untrained, seeded) drafts
     over those ids, on the target's device and in its dtype; DynaSpec routes over a 16-cluster FAISS
@@ -156,7 +167,7 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
     and SLEM-on-bytes use the byte drafter with the registry's default byte_top_k and lookahead (4, 4).
     """
     from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from pipeline.engine.methods import ProposerInputs
+    from pipeline.engine.methods import METHOD_NAMES
     from pipeline.vocab.counting import eagle3_offset_maps
     from pipeline.vocab.maps import VocabMap
 
@@ -184,9 +195,9 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
         router = Router(2 * head.shape[1], 16, 16).to(device=head.device, dtype=head.dtype).eval()
     policy = ShortlistPolicy(keep_ids=(target_tok.eos_token_id,), fixed=ClusterBudget("fixed", 4),
                              pa=ClusterBudget("pa", 4, 8), pa_fr_kmax=256, ranking=torch.arange(head.shape[0]).numpy())
-    return ProposerInputs(
-        rdk=kit_rdk_prior(target, target_tok, VocabMap.build(target_tok, other_tok)),
-        rdk_level="keep_0.1",
+    parts = dict(
+        prior=kit_rdk_prior(target, target_tok, VocabMap.build(target_tok, other_tok)),
+        level="keep_0.1",
         clustering=clustering,
         router=router,
         policy=policy,
@@ -201,6 +212,7 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> Any:
         drafter_bytes_tokenizer=kit["drafter_bytes"][1],
         target_vocab_size=vocab,
     )
+    return {method: method_inputs(method, **parts) for method in METHOD_NAMES}
 
 
 def kit_rdk_prior(target: torch.nn.Module, tokenizer: Any, vocab_map: Any) -> Any:

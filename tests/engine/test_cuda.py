@@ -34,7 +34,7 @@ def _proposer(kit: dict, method: str):
     from pipeline.engine.methods import build_proposer
     from tests.engine.conftest import kit_proposer_inputs
 
-    return build_proposer(method, kit_proposer_inputs(kit))
+    return build_proposer(method, kit_proposer_inputs(kit)[method])
 
 
 def _prompts(tokenizer) -> list[list[int]]:

@@ -20,6 +20,7 @@ BOS-only example at temperature 1 is issue 20's crash (a zero-draft round under 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -28,16 +29,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.engine.loop import GenerationResult, generate_autoregressive, generate_speculative
-from pipeline.engine.methods import METHOD_NAMES, METHODS, ProposerInputs, build_proposer
+from pipeline.engine.methods import METHOD_NAMES, METHODS, build_proposer
 from pipeline.engine.sampling import SamplingParams
-from tests.engine.conftest import kit_proposer_inputs, rdk_prior
+from tests.engine.conftest import kit_proposer_inputs, method_inputs, rdk_prior
 
 ROLES = ("target", "drafter", "drafter_other", "drafter_bytes")
 EOS = 1  # the random-vocabulary models' EOS (BOS is 0)
-TOKENIZER_FREE = frozenset(
-    {"drafter", "shortlist", "eagle3", "clustering", "router", "policy", "rdk", "rdk_level", "target_vocab_size"}
-)
-SAME_VOCABULARY = [name for name, spec in METHODS.items() if spec.needs <= TOKENIZER_FREE]
+SAME_VOCABULARY = [name for name, spec in METHODS.items()
+                   if not any(f.name.endswith("tokenizer") for f in dataclasses.fields(spec.inputs))]
 
 SAMPLING = st.one_of(
     st.just(SamplingParams()),
@@ -101,7 +100,7 @@ def _check(result: GenerationResult, new: int, vocab: int, eos: int, reference: 
         assert result.tokens == reference, result.method
 
 
-def _decode_all(target: torch.nn.Module, inputs: ProposerInputs, methods: list[str], prompt: list[int],
+def _decode_all(target: torch.nn.Module, inputs: dict[str, Any], methods: list[str], prompt: list[int],
                 new: int, gamma: int, params: SamplingParams, eos: int, seed: int) -> None:
     """Decode ``prompt`` with each method and check it; greedy decodes against the autoregressive one."""
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -109,7 +108,7 @@ def _decode_all(target: torch.nn.Module, inputs: ProposerInputs, methods: list[s
     if params.greedy:
         reference = generate_autoregressive(target, prompt, new, params, torch.Generator(), eos).tokens
     for method in methods:
-        proposer = build_proposer(method, inputs)
+        proposer = build_proposer(method, inputs[method])
         generator = torch.Generator().manual_seed(seed)
         result = generate_speculative(target, proposer, prompt, new, gamma, params, generator, eos)
         _check(result, new, vocab, eos, reference)
@@ -187,9 +186,10 @@ def test_same_vocabulary_methods_finish_on_random_vocabularies(seed: int, vocab:
     policy = ShortlistPolicy(keep_ids=(EOS,), fixed=ClusterBudget("fixed", fixed_k), pa=ClusterBudget("pa", pa_k1, pa_k0),
                              pa_fr_kmax=data.draw(st.integers(1, vocab), label="pa_fr_kmax"),
                              ranking=torch.randperm(vocab, generator=torch.Generator().manual_seed(seed)).numpy())
-    inputs = ProposerInputs(
+    parts = dict(
         drafter=drafter, shortlist=shortlist, eagle3=eagle3, policy=policy, router=router,
         clustering=spherical_kmeans(drafter.get_output_embeddings().weight, clusters, niter=5, seed=seed),
-        rdk=rdk_prior(target, prompt, EOS), rdk_level="keep_0.1", target_vocab_size=vocab,
+        prior=rdk_prior(target, prompt, EOS), level="keep_0.1", target_vocab_size=vocab,
     )
+    inputs = {method: method_inputs(method, **parts) for method in SAME_VOCABULARY}
     _decode_all(target, inputs, SAME_VOCABULARY, prompt, new, gamma, params, EOS, seed)

@@ -21,12 +21,12 @@ from pipeline.dynaspec.clusters import spherical_kmeans
 from pipeline.dynaspec.router import Router
 from pipeline.engine.dynaspec import PositionAwareFrequencyProposer, RoutedHead, RoutedShortlistProposer
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
-from pipeline.engine.methods import ProposerInputs, build_proposer
+from pipeline.engine.methods import build_proposer
 from pipeline.engine.proposers import Proposal
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import TargetState
 from pipeline.errors import DrafterError
-from tests.engine.conftest import assert_acceptance_law, assert_counts_match, verify_blocks
+from tests.engine.conftest import assert_acceptance_law, assert_counts_match, method_inputs, verify_blocks
 
 GREEDY = SamplingParams()
 CLUSTERS = 24
@@ -60,9 +60,9 @@ def kit(tiny_kit) -> dict[str, Any]:
             "router": router, "policy": policy, "prompts": prompts}
 
 
-def _inputs(kit: dict[str, Any]) -> ProposerInputs:
-    return ProposerInputs(drafter=kit["drafter"], clustering=kit["clustering"], router=kit["router"],
-                          policy=kit["policy"], target_vocab_size=kit["target"].config.vocab_size)
+def _inputs(kit: dict[str, Any], method: str) -> Any:
+    return method_inputs(method, drafter=kit["drafter"], clustering=kit["clustering"], router=kit["router"],
+                         policy=kit["policy"], target_vocab_size=kit["target"].config.vocab_size)
 
 
 class Recording:
@@ -147,9 +147,9 @@ def test_q_is_the_routed_law_from_scratch(kit, method: str) -> None:
     those sampling parameters first, so re-synced caches after accepts and rejects are covered."""
     params = SamplingParams(temperature=0.8, top_p=0.95)
     budget = kit["policy"].fixed if method == "dynaspec" else kit["policy"].pa
-    sampled = Recording(build_proposer(method, _inputs(kit)))
+    sampled = Recording(build_proposer(method, _inputs(kit, method)))
     results = [generate_speculative(kit["target"], sampled, kit["prompts"][0], 30, 4, params, torch.Generator().manual_seed(0))]
-    greedy = Recording(build_proposer(method, _inputs(kit)), shadow=params)
+    greedy = Recording(build_proposer(method, _inputs(kit, method)), shadow=params)
     results.append(generate_speculative(kit["target"], greedy, kit["prompts"][1], 30, 5, GREEDY, torch.Generator()))
     accepted, rejected = _accepts_and_rejects(results)
     assert accepted > 0 and rejected > 0, (accepted, rejected)
@@ -166,7 +166,7 @@ def test_q_is_the_routed_law_from_scratch(kit, method: str) -> None:
 def test_greedy_equals_autoregressive(kit, method: str) -> None:
     """Every prompt, 40 new tokens, γ 1, 3 and 5: greedy speculative output is the autoregressive output
     token for token, with drafts accepted and rejected; shortlist sizes follow the budget per position."""
-    proposer = build_proposer(method, _inputs(kit))
+    proposer = build_proposer(method, _inputs(kit, method))
     results = []
     for gamma in (1, 3, 5):
         for prompt in kit["prompts"]:
@@ -212,7 +212,7 @@ def test_verify_level_output_law_and_acceptance_law(kit, method: str) -> None:
     [1-a0, a0(1-a1), a0 a1 (1-a2), a0 a1 a2], a_i = Σ min(p_i, q_i) (Leviathan et al. 2023, Thm. 3.5).
     Bound per outcome: Bernstein at e^-18 per side, |count - nπ| <= 6 + 6 sqrt(1 + nπ(1-π))
     (conftest.assert_counts_match); a zero-probability outcome must never occur."""
-    p, q = _real_case(kit, build_proposer(method, _inputs(kit)), SamplingParams(temperature=1.0))
+    p, q = _real_case(kit, build_proposer(method, _inputs(kit, method)), SamplingParams(temperature=1.0))
     gen = torch.Generator().manual_seed(5)
     n = 200_000
     x, n_accepted, next_token = verify_blocks(p, q, n, gen)  # x_i ~ q_i, verified block by block
@@ -226,7 +226,7 @@ def test_verify_level_output_law_and_acceptance_law(kit, method: str) -> None:
 def test_drafted_tokens_follow_q(kit, method: str) -> None:
     """3,000 γ = 1 proposals from one context at temperature 1: the drafted token's counts match the q the
     proposer reported (Bernstein bound as above): q is the law the drafts are drawn from."""
-    proposer = build_proposer(method, _inputs(kit))
+    proposer = build_proposer(method, _inputs(kit, method))
     context = kit["prompts"][2]
     gen = torch.Generator().manual_seed(3)
     params = SamplingParams(temperature=1.0)

@@ -25,8 +25,9 @@ from torch import Generator, Tensor
 
 from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from pipeline.engine.eagle3 import Eagle3Proposer
+from pipeline.engine.inputs import FeatureInputs, SameTokenizerInputs
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
-from pipeline.engine.methods import ProposerInputs, build_proposer
+from pipeline.engine.methods import build_proposer
 from pipeline.engine.proposers import Proposal
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState
@@ -383,11 +384,13 @@ def test_state_that_does_not_cover_the_context_is_refused(target, eagle3, prompt
 
 
 def test_registry_builds_it(eagle3) -> None:
-    proposer = build_proposer("eagle3", ProposerInputs(eagle3=eagle3, target_vocab_size=320, name="e3"))
+    proposer = build_proposer("eagle3", FeatureInputs(eagle3, target_vocab_size=320, name="e3"))
     assert isinstance(proposer, Eagle3Proposer) and proposer.name == "e3"
     assert proposer.target_layers == eagle3.config.aux_layer_ids == (1, 2, 3)
     assert proposer.target_vocab_size == 320
     with pytest.raises(DrafterError, match=r"missing inputs(.|\n)*\['eagle3'\] unset"):
-        build_proposer("eagle3", ProposerInputs(drafter=eagle3))
+        build_proposer("eagle3", FeatureInputs(None))
+    with pytest.raises(DrafterError, match="'eagle3' is built from FeatureInputs, not SameTokenizerInputs"):
+        build_proposer("eagle3", SameTokenizerInputs(eagle3))
     with pytest.raises(DrafterError, match=r"ids the target cannot emit(.|\n)*below the target's logit width 200"):
         Eagle3Proposer(eagle3, target_vocab_size=200)

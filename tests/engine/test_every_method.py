@@ -57,7 +57,7 @@ def kit(tiny_kit) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def proposers(kit) -> dict[str, Any]:
     inputs = kit_proposer_inputs(kit)
-    return {method: build_proposer(method, inputs) for method in METHOD_NAMES}
+    return {method: build_proposer(method, inputs[method]) for method in METHOD_NAMES}
 
 
 @pytest.fixture(scope="module")

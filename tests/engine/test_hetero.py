@@ -24,13 +24,14 @@ from pipeline.engine.hetero import (
     union_draft_distribution,
 )
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
-from pipeline.engine.methods import ProposerInputs, build_proposer
+from pipeline.engine.methods import build_proposer
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState
 from pipeline.engine.slem import SLEMProposer, align_draft, align_drafts, byte_lengths
 from pipeline.engine.verify import verify_speculative
 from pipeline.errors import DrafterError
 from pipeline.vocab.maps import VocabMap, decode_ids, encode_text
+from tests.engine.conftest import method_inputs
 from tests.engine.toy_tokenizers import byte_level_tokenizer, corpus, greek_tokenizer, metaspace_tokenizer
 
 # Leading spaces: a Metaspace tokenizer prepends '▁' to the first word, so only then can the two
@@ -124,12 +125,8 @@ def prompt_ids(tok_target: Tokenizer) -> list[list[int]]:
 def _proposer(
     method: str, drafter: torch.nn.Module, tok_drafter: Tokenizer, tok_target: Tokenizer, vmap: VocabMap
 ):
-    inputs = ProposerInputs(
-        drafter_other=drafter,
-        drafter_other_tokenizer=tok_drafter,
-        target_tokenizer=tok_target,
-        vocab_map=vmap,
-    )
+    inputs = method_inputs(method, drafter_other=drafter, drafter_other_tokenizer=tok_drafter,
+                           target_tokenizer=tok_target, vocab_map=vmap)
     return build_proposer(method, inputs)
 
 

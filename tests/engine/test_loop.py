@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
-from pipeline.engine.methods import ProposerInputs, build_proposer
+from pipeline.engine.methods import build_proposer
 from pipeline.engine.proposers import FullHeadProposer, Proposal, ShortlistProposer
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import ModelSession, TargetState
 from pipeline.errors import DrafterError
-from tests.engine.conftest import assert_counts_match
+from tests.engine.conftest import assert_counts_match, method_inputs
 
 GREEDY = SamplingParams()
 NEW_TOKENS = 32
@@ -88,7 +88,7 @@ def _proposer(
     wrapper = {"untranslatable": _Untranslatable, "exact": _ExactMatch}.get(kind)
     tied = kind.startswith("tied_")
     method = "full" if wrapper else kind.removeprefix("tied_")
-    inputs = ProposerInputs(drafter=tied_drafter if tied else drafter, shortlist=shortlist)
+    inputs = method_inputs(method, drafter=tied_drafter if tied else drafter, shortlist=shortlist)
     proposer = build_proposer(method, inputs)
     return wrapper(proposer) if wrapper else proposer
 

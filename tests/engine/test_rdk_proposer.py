@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
-from pipeline.engine.methods import ProposerInputs, build_proposer
+from pipeline.engine.methods import build_proposer
 from pipeline.engine.rdk import RedistributedShortlistProposer, RedistributedTLIProposer
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import TargetState
@@ -32,9 +32,20 @@ from pipeline.rdk.affinity import (
     scatter_kept,
 )
 from pipeline.rdk.moments import MomentSums
-from pipeline.rdk.prior import INTERSECTION, LevelFit, RDKPrior, analyse, pruning_levels, transfer
+from pipeline.rdk.prior import (
+    EXACT,
+    INTERSECTION,
+    PRIOR_MIX,
+    PRUNED,
+    TAYLOR,
+    LevelFit,
+    RDKPrior,
+    analyse,
+    pruning_levels,
+    transfer,
+)
 from pipeline.vocab.maps import VocabMap
-from tests.engine.conftest import assert_acceptance_law, assert_counts_match, verify_blocks
+from tests.engine.conftest import assert_acceptance_law, assert_counts_match, method_inputs, verify_blocks
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0)
@@ -80,10 +91,11 @@ def kit(tiny_kit) -> dict[str, Any]:
             "vocab_map": vocab_map, "p_rows": torch.cat(rows), "sums": sums}
 
 
-def _inputs(kit: dict[str, Any], level: str = "keep_0.025") -> ProposerInputs:
-    return ProposerInputs(drafter=kit["drafter"], drafter_other=kit["other"], drafter_other_tokenizer=kit["other_tokenizer"],
-                          target_tokenizer=kit["tokenizer"], vocab_map=kit["vocab_map"], rdk=kit["prior"],
-                          rdk_level=level, target_vocab_size=kit["target"].config.vocab_size)
+def _inputs(kit: dict[str, Any], method: str, level: str = "keep_0.025") -> Any:
+    return method_inputs(method, drafter=kit["drafter"], drafter_other=kit["other"],
+                         drafter_other_tokenizer=kit["other_tokenizer"], target_tokenizer=kit["tokenizer"],
+                         vocab_map=kit["vocab_map"], prior=kit["prior"], level=level,
+                         target_vocab_size=kit["target"].config.vocab_size)
 
 
 def test_kernel_sum_is_exact_for_light_and_heavy_scales() -> None:
@@ -196,12 +208,12 @@ def test_transfer_scores_the_fitted_choices_on_another_task_without_refitting(ki
 
 
 @torch.no_grad()
-def _law_from_scratch(kit: dict[str, Any], method: str, context: list[int], tokens: list[int],
+def _law_from_scratch(kit: dict[str, Any], kind: str, context: list[int], tokens: list[int],
                       params: SamplingParams) -> torch.Tensor:
     """q rows recomputed without caches: the pruned drafter's head on the whole prefix, standardised over the
     kept rows, redistributed."""
     drafter, prior = kit["drafter"], kit["prior"]
-    transform = prior.transform(method, "keep_0.025")
+    transform = prior.transform(kind, "keep_0.025")
     rows = []
     for t in range(len(tokens)):
         logits = drafter(torch.tensor([context + tokens[:t]])).logits[0, -1][transform.kept]
@@ -210,17 +222,18 @@ def _law_from_scratch(kit: dict[str, Any], method: str, context: list[int], toke
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("method", ["rdk", "rdk_taylor", "rdk_prior"])
-def test_q_is_the_redistributed_law(kit, method: str) -> None:
-    """Along sampled decodes (accepts and rejects), every reported row equals the from-scratch law."""
-    proposer = build_proposer(method, _inputs(kit))
+@pytest.mark.parametrize(("method", "kind"), [("rdk", EXACT), ("rdk_taylor", TAYLOR), ("rdk_prior", PRIOR_MIX)])
+def test_q_is_the_redistributed_law(kit, method: str, kind: str) -> None:
+    """Along sampled decodes (accepts and rejects), every reported row equals the from-scratch law of the
+    redistribution the registry gives the method."""
+    proposer = build_proposer(method, _inputs(kit, method))
     gen = torch.Generator().manual_seed(1)
     seen = 0
     for prompt in kit["prompts"][:2]:
         context = list(prompt)
         for _ in range(3):
             tokens, q = proposer.propose(context, 3, SAMPLED, gen, TargetState())
-            torch.testing.assert_close(q, _law_from_scratch(kit, method, context, tokens, SAMPLED), rtol=0, atol=1e-9)
+            torch.testing.assert_close(q, _law_from_scratch(kit, kind, context, tokens, SAMPLED), rtol=0, atol=1e-9)
             assert all(q[i, t] > 0 for i, t in enumerate(tokens))
             context = context + tokens[:1]
             seen += len(tokens)
@@ -231,7 +244,7 @@ def test_q_is_the_redistributed_law(kit, method: str) -> None:
 def test_greedy_equals_autoregressive(kit, method: str) -> None:
     """Every prompt, 32 new tokens, γ 1 and 3: greedy speculative output is the autoregressive output token for
     token, with drafts accepted and rejected."""
-    proposer = build_proposer(method, _inputs(kit))
+    proposer = build_proposer(method, _inputs(kit, method))
     accepted = rejected = 0
     for gamma in (1, 3):
         for prompt in kit["prompts"]:
@@ -248,7 +261,7 @@ def _real_case(kit: dict[str, Any], method: str, oov: float) -> tuple[torch.Tens
     continuation where every verifier path runs (each a_i in (0.05, 0.95)) and q_0 puts more than ``oov`` on
     tokens outside the kept set (out-of-vocabulary drafts)."""
     target, prompt = kit["target"], kit["prompts"][0]
-    proposer = build_proposer(method, _inputs(kit))
+    proposer = build_proposer(method, _inputs(kit, method))
     kept = kit["prior"].level(INTERSECTION if method.startswith("tli_") else "keep_0.025").kept
     outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
     outside[kept] = False
@@ -290,7 +303,7 @@ def test_verify_level_output_law_and_acceptance_law(kit, method: str, oov: float
 def test_drafted_tokens_follow_q(kit) -> None:
     """3,000 γ = 1 RDK proposals from one context at temperature 1: drafted-token counts match the reported q
     (Bernstein bound as above)."""
-    proposer = build_proposer("rdk", _inputs(kit))
+    proposer = build_proposer("rdk", _inputs(kit, "rdk"))
     context = kit["prompts"][2]
     gen = torch.Generator().manual_seed(3)
     counts = torch.zeros(kit["target"].config.vocab_size)
@@ -325,7 +338,10 @@ def test_bad_input_is_refused(kit) -> None:
     with pytest.raises(DrafterError, match="another target or tokenizer"):
         prior.check_target("y" * 64, moments.vocab_size)
     with pytest.raises(DrafterError, match="no kept set"):
-        prior.transform("rdk", "keep_0.5")
-    assert isinstance(RedistributedShortlistProposer(kit["drafter"], prior.transform("rdk_prior", "keep_0.1")),
+        prior.transform(EXACT, "keep_0.5")
+    with pytest.raises(DrafterError, match=r"(?s)Unknown RDK redistribution 'rdk'.*exact"):
+        prior.transform("rdk", "keep_0.1")
+    assert prior.names(PRUNED) == ["keep_0.1", "keep_0.025"]
+    assert isinstance(RedistributedShortlistProposer(kit["drafter"], prior.transform(PRIOR_MIX, "keep_0.1")),
                       RedistributedShortlistProposer)
     scatter_kept(torch.ones(1, kept.numel()), kept, moments.vocab_size)

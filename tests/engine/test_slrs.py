@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from pipeline.engine.inputs import ByteInputs
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
-from pipeline.engine.methods import ProposerInputs, build_proposer
+from pipeline.engine.methods import build_proposer
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import TargetState
 from pipeline.engine.slem import align_draft
@@ -248,8 +249,8 @@ def test_registry_methods_decode_and_count_their_drafter_work(kit) -> None:
     target, tok_t = kit["target"]
     drafter, tok_b = kit["drafter_bytes"]
     prompts = [_prompt(tok_t, q) for q in QUESTIONS[:2]]
-    inputs = ProposerInputs(drafter_bytes=drafter, drafter_bytes_tokenizer=tok_b, target_tokenizer=tok_t,
-                            byte_top_k=3, lookahead=3)  # fmt: skip
+    inputs = ByteInputs(drafter_bytes=drafter, drafter_bytes_tokenizer=tok_b, target_tokenizer=tok_t,
+                        byte_top_k=3, lookahead=3)  # fmt: skip
     for method in ("slrs", "slem_bytes"):
         proposer = build_proposer(method, inputs)
         assert proposer.name == method
@@ -262,8 +263,8 @@ def test_registry_methods_decode_and_count_their_drafter_work(kit) -> None:
             assert proposer.stats.proposed == drafted  # a "-1" draft is proposed and verified too
             assert proposer.drafter_calls <= 3 * drafted < proposer.drafter_rows
     with pytest.raises(DrafterError, match="byte budget"):
-        build_proposer("slem_bytes", ProposerInputs(drafter_bytes=drafter, drafter_bytes_tokenizer=tok_b,
-                                                    target_tokenizer=tok_t, lookahead=0))  # fmt: skip
+        build_proposer("slem_bytes", ByteInputs(drafter_bytes=drafter, drafter_bytes_tokenizer=tok_b,
+                                                target_tokenizer=tok_t, lookahead=0))  # fmt: skip
 
 
 def test_bad_inputs_are_refused(kit) -> None:

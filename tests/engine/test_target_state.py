@@ -22,8 +22,9 @@ import pytest
 import torch
 from torch import Generator
 
+from pipeline.engine.inputs import SameTokenizerInputs, ShortlistInputs
 from pipeline.engine.loop import generate_speculative
-from pipeline.engine.methods import METHOD_NAMES, ProposerInputs, build_proposer
+from pipeline.engine.methods import METHOD_NAMES, build_proposer
 from pipeline.engine.proposers import Proposal
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import TargetState
@@ -95,7 +96,7 @@ def test_proposers_receive_the_targets_state(method: str, kit) -> None:
     uncached target forward over the accepted prefix, and last_p is its standardised last row (None
     only on the first round, before the target has emitted anything)."""
     target, target_tok = kit["target"]
-    proposer = _Recording(build_proposer(method, kit_proposer_inputs(kit)))
+    proposer = _Recording(build_proposer(method, kit_proposer_inputs(kit)[method]))
     generator = torch.Generator().manual_seed(0)
     rejections = rounds_checked = 0
     for text in TEXTS:
@@ -122,7 +123,7 @@ def test_proposers_receive_the_targets_state(method: str, kit) -> None:
 def test_one_token_prompt_starts_with_an_empty_state(kit) -> None:
     """No prefill for a one-token prompt: the first state covers nothing, the next ones match."""
     target, target_tok = kit["target"]
-    proposer = _Recording(build_proposer("full", kit_proposer_inputs(kit)))
+    proposer = _Recording(build_proposer("full", kit_proposer_inputs(kit)["full"]))
     generator = torch.Generator().manual_seed(1)
     result = generate_speculative(target, proposer, [target_tok.bos_token_id], 12, 3, PARAMS, generator)
     assert result.target_forwards == len(result.accepted_per_round)
@@ -133,7 +134,7 @@ def test_one_token_prompt_starts_with_an_empty_state(kit) -> None:
 
 def test_layers_the_target_lacks_are_refused(kit) -> None:
     target, target_tok = kit["target"]
-    proposer = _Recording(build_proposer("full", kit_proposer_inputs(kit)))
+    proposer = _Recording(build_proposer("full", kit_proposer_inputs(kit)["full"]))
     depth = target.config.num_hidden_layers + 1
     proposer.target_layers = (0, depth)
     with pytest.raises(DrafterError, match="layers the target does not have"):
@@ -142,6 +143,8 @@ def test_layers_the_target_lacks_are_refused(kit) -> None:
 
 def test_unknown_method_is_refused_naming_the_valid_ones(kit) -> None:
     with pytest.raises(DrafterError, match=r"(?s)unknown draft method .eagle.*full.*shortlist"):
-        build_proposer("eagle", kit_proposer_inputs(kit))
-    with pytest.raises(DrafterError, match="missing inputs"):
-        build_proposer("shortlist", ProposerInputs(drafter=kit["drafter"][0]))
+        build_proposer("eagle", SameTokenizerInputs(kit["drafter"][0]))
+    with pytest.raises(DrafterError, match=r"(?s)missing inputs.*\['shortlist'\]"):
+        build_proposer("shortlist", ShortlistInputs(kit["drafter"][0], None))
+    with pytest.raises(DrafterError, match="'shortlist' is built from ShortlistInputs, not SameTokenizerInputs"):
+        build_proposer("shortlist", SameTokenizerInputs(kit["drafter"][0]))

@@ -54,7 +54,7 @@ def prompts(kit) -> list[list[int]]:
 @pytest.mark.parametrize("method", METHOD_NAMES)
 def test_tau_is_at_least_one_for_every_method_on_every_prompt(method: str, kit, inputs, prompts) -> None:
     target, tokenizer = kit["target"]
-    proposer = build_proposer(method, inputs)
+    proposer = build_proposer(method, inputs[method])
     generator = torch.Generator().manual_seed(0)
     results = []
     for prompt in prompts:
