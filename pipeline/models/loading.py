@@ -140,18 +140,24 @@ def weights_stat_cache() -> StatCache:
     return StatCache(default_cache_dir() / "weights-sha256.json")
 
 
-def local_weights_digest(directory: Path, cache: StatCache | None = None) -> str:
-    """sha256 over a local checkpoint's safetensors files (header and data) and its config.json.
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def local_weights_digest(directory: Path, cache: StatCache | None = None) -> str | None:
+    """sha256 over a local checkpoint's safetensors files (header and data) and its config.json; None for a
+    directory that holds no weights at all (a tokenizer saved on its own).
 
     Files are hashed through a :class:`~pipeline.checksums.StatCache`, so a second plan on an unchanged 16 GB
     checkpoint costs a ``stat`` per file instead of a minute of hashing (``drafter bench fingerprint``).
 
     Raises:
-        DrafterError: The directory holds no safetensors weights.
+        DrafterError: The directory holds weights, but only in pickled formats (never loaded).
     """
     cache = cache or weights_stat_cache()
     files = sorted({f for pattern in WEIGHT_FILES for f in directory.glob(pattern) if f.is_file()})
     if not any(f.suffix == ".safetensors" for f in files):
+        if not any(f.is_file() for pattern in PICKLED_WEIGHTS for f in directory.glob(pattern)):
+            return None  # nothing to load as a model: a tokenizer directory
         raise DrafterError(f"{str(directory)!r} holds no safetensors weights.",
                            expected="model*.safetensors written by save_pretrained (the loader never unpickles "
                                     ".bin files)",
@@ -195,7 +201,7 @@ def hub_commit(name: str, revision: str | None) -> str:
 
 def weights_identity(ref: ModelRef) -> str | None:
     """What names a model's weights in artifact ids: a local checkpoint's digest, a hub model's commit; None for a
-    tiny-kit model, whose kit hash (its revision) already names them."""
+    tiny-kit model, whose kit hash (its revision) already names them, and for a directory without weights."""
     if ref.name.startswith(TINY_PREFIX):
         return None
     if ref.is_local:
