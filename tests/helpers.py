@@ -1,4 +1,5 @@
-"""What several test modules share: the small configs of the test kit (no test module imports another).
+"""What several test modules share: the small configs of the test kit and synthetic evaluation results (no test
+module imports another).
 
 ``SMALL`` makes every stage quick on the ``test`` tiny kit; ``TRAIN`` and ``ROUTER`` add short training runs of the
 EAGLE-3 head and the DynaSpec router.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config.sections import PipelineConfig, load_config
+from pipeline.evaluation.results import EvalRow, EvaluationResults, LosslessCheck, decide_gates
 
 SMALL = ["target.model=tiny:test/target", "generate.limit=40", "generate.shard_size=4", "generate.batch_size=4",
          "generate.max_new_tokens=12", "generate.max_prompt_tokens=48", "generate.accelerator=cpu",
@@ -36,3 +38,86 @@ ROUTER = ["cluster.drafter=tiny:test/drafter", f"cluster.clusters={CLUSTERS}", "
 
 def small_cfg(workdir: Path, *extra: str) -> PipelineConfig:
     return load_config(None, [f"workdir={workdir}", *SMALL, *extra])
+
+
+# --- evaluation results without decoding (the report and the gates) ---
+GAMMA = 3
+SHORTLISTS = [("top-k 512", 512), ("top-p 0.95", 2048), ("top-k 8192", 8192)]
+
+
+def report_row(
+    task: str,
+    method: str,
+    tau: float,
+    alpha: float | None,
+    drafter: str | None = "tiny-drafter",
+    shortlist: tuple[str, int] | None = None,
+    predicted: float | None = None,
+) -> dict:
+    ar = method == "ar"
+    return {
+        "task": task,
+        "method": method,
+        "drafter": None if ar else drafter,
+        "gamma": GAMMA,
+        "shortlist": shortlist[0] if shortlist else None,
+        "shortlist_size": shortlist[1] if shortlist else None,
+        "prompts": 16,
+        "new_tokens": 1024,
+        "target_forwards": round(1024 / tau),
+        "tau": tau,
+        "acceptance_rate": alpha,
+        "per_position_acceptance": [] if ar else [alpha ** (i + 1) for i in range(GAMMA)],
+        "tokens_per_s": 40.0 * tau * (1.0 if ar else 0.8),
+        "speedup": 1.0 if ar else tau * 0.8,
+        "predicted_speedup": predicted,
+        "mbsu": None if ar else tau / 1.3,
+        "ttft_ms": 12.0,
+        "tpot_ms": 25.0 / tau,
+        "drafter_ms_per_step": None if ar else 3.0,
+        "target_ms_per_step": 25.0,
+        "greedy_equal": None if ar else True,
+    }
+
+
+def synthetic_results() -> dict:
+    """Two tasks; AR, full head, three shortlists, TLI, Union and SLEM at γ = 3 (8 rows per task)."""
+    rows = []
+    for task, scale in (("chat", 1.0), ("code", 1.15)):
+        rows.append(report_row(task, "ar", 1.0, None))
+        rows.append(report_row(task, "full", 2.4 * scale, 0.62, predicted=2.1 * scale))
+        for i, shortlist in enumerate(SHORTLISTS):
+            tau = (2.0 + 0.15 * i) * scale
+            rows.append(
+                report_row(task, "shortlist", tau, 0.5 + 0.04 * i, shortlist=shortlist, predicted=tau * 0.85)
+            )
+        rows.append(report_row(task, "tli", 1.9 * scale, 0.45, drafter="other-tokenizer", predicted=1.7))
+        rows.append(report_row(task, "union", 1.7 * scale, 0.41, drafter="other-tokenizer", predicted=1.5))
+        rows.append(report_row(task, "slem", 2.0 * scale, 0.48, drafter="other-tokenizer", predicted=1.8))
+    return {
+        "target": {"model": "tiny-target", "revision": "abc123", "vocab_hash": "deadbeef"},
+        "device": "cpu (2 cores)",
+        "created": "2025-01-01T00:00:00+00:00",
+        "rows": rows,
+        "lossless": {
+            "passed": True,
+            "checks": [{"name": "greedy equals AR", "passed": True, "detail": "22/22"}],
+        },
+        "gates": {
+            "passed": True,
+            "checks": {
+                "tau_full_chat": {"passed": True, "value": 2.4, "threshold": 1.5, "detail": "τ ≥ 1.5"},
+                "lossless": {"passed": True, "value": True, "threshold": True, "detail": "all methods"},
+            },
+        },
+        "registration": None,
+    }
+
+
+def typed_results(data: dict | None = None, *, lossless: bool = True) -> EvaluationResults:
+    data = data or synthetic_results()
+    rows = [EvalRow(**r) for r in data["rows"]]
+    checks = [LosslessCheck("greedy_equal[chat/full/γ=3]", lossless, "8/8 prompts")]
+    gates = decide_gates(rows, checks, speed_metric="mbsu", tau_min=1.5, speed_min=1.0)
+    return EvaluationResults(rows=rows, checks=checks, gates=gates, device="cpu (2 threads)",
+                             target=data["target"], inputs={"counts": "count-0123"})

@@ -12,78 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.evaluation.report import COLUMNS, markdown_table, render_html, write_report
-
-GAMMA = 3
-SHORTLISTS = [("top-k 512", 512), ("top-p 0.95", 2048), ("top-k 8192", 8192)]
-
-
-def _row(
-    task: str,
-    method: str,
-    tau: float,
-    alpha: float | None,
-    drafter: str | None = "tiny-drafter",
-    shortlist: tuple[str, int] | None = None,
-    predicted: float | None = None,
-) -> dict:
-    ar = method == "ar"
-    return {
-        "task": task,
-        "method": method,
-        "drafter": None if ar else drafter,
-        "gamma": GAMMA,
-        "shortlist": shortlist[0] if shortlist else None,
-        "shortlist_size": shortlist[1] if shortlist else None,
-        "prompts": 16,
-        "new_tokens": 1024,
-        "target_forwards": round(1024 / tau),
-        "tau": tau,
-        "acceptance_rate": alpha,
-        "per_position_acceptance": [] if ar else [alpha ** (i + 1) for i in range(GAMMA)],
-        "tokens_per_s": 40.0 * tau * (1.0 if ar else 0.8),
-        "speedup": 1.0 if ar else tau * 0.8,
-        "predicted_speedup": predicted,
-        "mbsu": None if ar else tau / 1.3,
-        "ttft_ms": 12.0,
-        "tpot_ms": 25.0 / tau,
-        "drafter_ms_per_step": None if ar else 3.0,
-        "target_ms_per_step": 25.0,
-        "greedy_equal": None if ar else True,
-    }
-
-
-def synthetic_results() -> dict:
-    """Two tasks; AR, full head, three shortlists, TLI, Union and SLEM at γ = 3 (8 rows per task)."""
-    rows = []
-    for task, scale in (("chat", 1.0), ("code", 1.15)):
-        rows.append(_row(task, "ar", 1.0, None))
-        rows.append(_row(task, "full", 2.4 * scale, 0.62, predicted=2.1 * scale))
-        for i, shortlist in enumerate(SHORTLISTS):
-            tau = (2.0 + 0.15 * i) * scale
-            rows.append(
-                _row(task, "shortlist", tau, 0.5 + 0.04 * i, shortlist=shortlist, predicted=tau * 0.85)
-            )
-        rows.append(_row(task, "tli", 1.9 * scale, 0.45, drafter="other-tokenizer", predicted=1.7))
-        rows.append(_row(task, "union", 1.7 * scale, 0.41, drafter="other-tokenizer", predicted=1.5))
-        rows.append(_row(task, "slem", 2.0 * scale, 0.48, drafter="other-tokenizer", predicted=1.8))
-    return {
-        "target": {"model": "tiny-target", "revision": "abc123", "vocab_hash": "deadbeef"},
-        "device": "cpu (2 cores)",
-        "created": "2025-01-01T00:00:00+00:00",
-        "rows": rows,
-        "lossless": {
-            "passed": True,
-            "checks": [{"name": "greedy equals AR", "passed": True, "detail": "22/22"}],
-        },
-        "gates": {
-            "passed": True,
-            "checks": {
-                "tau_full_chat": {"passed": True, "value": 2.4, "threshold": 1.5, "detail": "τ ≥ 1.5"},
-                "lossless": {"passed": True, "value": True, "threshold": True, "detail": "all methods"},
-            },
-        },
-        "registration": None,
-    }
+from tests.helpers import SHORTLISTS, report_row, synthetic_results, typed_results
 
 
 class _Checker(HTMLParser):
@@ -232,8 +161,9 @@ def test_shortlist_plot_needs_shortlist_rows(tmp_path: Path) -> None:
 
 
 def test_write_report_writes_json_html_and_markdown(tmp_path: Path) -> None:
-    results = synthetic_results()
-    paths = write_report(results, tmp_path / "out")
+    typed = typed_results()
+    results = typed.to_dict()
+    paths = write_report(typed, tmp_path / "out")
     assert [p.name for p in paths] == ["report.json", "report.html", "report.md"]
     text = paths[0].read_text(encoding="utf-8")
     assert json.loads(text) == results
@@ -253,7 +183,7 @@ def full_results() -> dict:
     results = synthetic_results()
     rows = []
     for task, scale in (("chat", 1.0), ("code", 1.15)):
-        rows.append(_row(task, "ar", 1.0, None))
+        rows.append(report_row(task, "ar", 1.0, None))
         for i, (method, spec) in enumerate(METHODS.items()):
             # top-k 500 sits beside top-k 512 on the size axis: their tick labels would overlap.
             shortlists = {"shortlist": [*SHORTLISTS, ("top-k 500", 500)]}.get(method, [None])
@@ -262,7 +192,7 @@ def full_results() -> dict:
             for gamma in (2, 4):
                 for shortlist in shortlists:
                     tau = (1.5 + 0.07 * i) * scale
-                    row = _row(task, method, tau, 0.3 + 0.02 * i, shortlist=shortlist, predicted=tau * 0.9 + 0.1)
+                    row = report_row(task, method, tau, 0.3 + 0.02 * i, shortlist=shortlist, predicted=tau * 0.9 + 0.1)
                     alpha = 0.5 + 0.025 * i
                     row.update(gamma=gamma, per_position_acceptance=[alpha ** (k + 1) for k in range(gamma)])
                     rows.append(row)

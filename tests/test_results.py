@@ -11,20 +11,11 @@ import pytest
 
 from pipeline.evaluation.report import render_html, write_report
 from pipeline.evaluation.results import EvalRow, EvaluationResults, LosslessCheck, decide_gates
-from tests.test_report import synthetic_results
-
-
-def typed(data: dict | None = None, *, lossless: bool = True) -> EvaluationResults:
-    data = data or synthetic_results()
-    rows = [EvalRow(**r) for r in data["rows"]]
-    checks = [LosslessCheck("greedy_equal[chat/full/γ=3]", lossless, "8/8 prompts")]
-    gates = decide_gates(rows, checks, speed_metric="mbsu", tau_min=1.5, speed_min=1.0)
-    return EvaluationResults(rows=rows, checks=checks, gates=gates, device="cpu (2 threads)",
-                             target=data["target"], inputs={"counts": "count-0123"})
+from tests.helpers import typed_results
 
 
 def test_gates_choose_the_best_shortlist_by_the_speed_metric() -> None:
-    results = typed()
+    results = typed_results()
     chosen = results.gates.chosen
     # synthetic_results: τ grows with the shortlist index and mbsu = τ/1.3, so the largest one wins.
     assert (chosen.shortlist, chosen.gamma, chosen.shortlist_size) == ("top-k 8192", 3, 8192)
@@ -34,12 +25,12 @@ def test_gates_choose_the_best_shortlist_by_the_speed_metric() -> None:
 
 
 def test_gates_are_a_pure_function_of_rows_checks_and_thresholds() -> None:
-    results = typed()
+    results = typed_results()
     again = decide_gates(results.rows, results.checks, speed_metric="mbsu", tau_min=1.5, speed_min=1.0)
     assert again == results.gates
     strict = decide_gates(results.rows, results.checks, speed_metric="mbsu", tau_min=99.0, speed_min=1.0)
     assert not strict.passed and strict.failures() == [f"tau_min ({strict.chosen.tau} vs 99.0)"]
-    lossy = typed(lossless=False)
+    lossy = typed_results(lossless=False)
     assert not lossy.gates.passed and not lossy.gates.checks["lossless"].passed
     no_shortlist = [r for r in results.rows if r.method != "shortlist"]
     none = decide_gates(no_shortlist, results.checks, speed_metric="speedup", tau_min=1.0, speed_min=1.0)
@@ -49,7 +40,7 @@ def test_gates_are_a_pure_function_of_rows_checks_and_thresholds() -> None:
 
 
 def test_results_round_trip_through_report_json(tmp_path: Path) -> None:
-    results = typed()
+    results = typed_results()
     write_report(results, tmp_path)
     back = EvaluationResults.from_dict(json.loads((tmp_path / "report.json").read_text()))
     assert back == results
@@ -60,7 +51,7 @@ def test_report_header_shows_when_the_results_were_created(tmp_path: Path) -> No
     """The report used to read ``created`` (and ``registration``), which the evaluate stage never set:
     the header showed "—". The typed results carry ``created``; registration is an event about the
     immutable artifact and lives beside it, not in the report."""
-    results = typed()
+    results = typed_results()
     assert results.created[:2] == "20" and results.created.endswith("Z")
     page = render_html(results.to_dict(), tmp_path).read_text()
     assert f"<td>{results.created}</td>" in page
@@ -71,10 +62,10 @@ def test_each_bundle_chooses_among_its_own_methods() -> None:
     """The bundles of the method registry's GATE_SETS: DynaSpec gates PA (F only when PA is not evaluated),
     RDK every redistributed method by method × kept set (not its pruned baseline), EAGLE-3 its γ."""
     from pipeline.engine.methods import GATE_SETS
-    from tests.test_report import _row
+    from tests.helpers import report_row
 
     def row(method: str, tau: float, shortlist: str | None = None) -> EvalRow:
-        return EvalRow(**_row("chat", method, tau, 0.5, shortlist=(shortlist, 100) if shortlist else None))
+        return EvalRow(**report_row("chat", method, tau, 0.5, shortlist=(shortlist, 100) if shortlist else None))
 
     rows = [row("dynaspec", 2.5, "k12"), row("dynaspec_pa", 2.0, "k0_30-k1_12"), row("pruned", 3.0, "keep_0.1"),
             row("rdk", 2.2, "keep_0.1"), row("tli_rdk", 2.6), row("eagle3", 2.8), row("shortlist", 1.8, "top_k_8")]

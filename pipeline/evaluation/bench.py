@@ -111,9 +111,9 @@ def bench_eval(cfg, counts: str | None, out: str | None = None) -> str:  # noqa:
     fp = Target(cfg.target).fingerprint
     artifacts = {"count": load_artifact(counts, kind="token_counts", fingerprint=fp)}
     results = evaluate_matrix(cfg, artifacts, fp, lambda m: print(m, file=sys.stderr, flush=True))
-    data = {**results.to_dict(), "command": " ".join(sys.argv), "host": platform.node()}
+    provenance = {"command": " ".join(sys.argv), "host": platform.node()}
     if out:
-        write_report(data, Path(out))
+        write_report(results, Path(out), provenance=provenance)
     verdict = "passed" if results.gates.passed else "FAILED"
     return (f"device: {results.device}; lossless: {results.lossless}; gates {verdict} "
-            f"(speed metric {results.gates.speed_metric})\n\n" + markdown_table(data))
+            f"(speed metric {results.gates.speed_metric})\n\n" + markdown_table({**results.to_dict(), **provenance}))

@@ -161,7 +161,9 @@ class Configurations:
                                 shortlist_param_ratio(drafter, self.target, int(ids.numel())))
 
     def _matched_cost(self, drafter: torch.nn.Module) -> float:
-        return shortlist_param_ratio(drafter, self.target, int(round(self._match_size)))
+        """The cost ratio of a head cut to the matched shortlist's size (the budgets are matched to it)."""
+        self._policy_once(drafter)
+        return shortlist_param_ratio(drafter, self.target, int(self.policy_record["match_size"]))
 
     def _routed(self, spec: MethodSpec) -> Iterator[Configuration]:
         drafter = self._drafter(spec.model)[0]
@@ -274,7 +276,6 @@ class Configurations:
                                f"artifact {self.counts.id} does not have.", expected=f"one of {sorted(lists)}",
                                found=ev.dynaspec_match, fix="Set evaluate.dynaspec_match to one of them.")
         size = float(lists[ev.dynaspec_match].size)
-        self._match_size = size
         keep = tuple(eos_ids(self.tokenizer))
         ranking = frequency_ranking(self.counts)
         fields: dict[str, Any] = {"pa_fr_kmax": {g: match_pa_fr(ranking.size, size, g, ev.dynaspec_k_min)

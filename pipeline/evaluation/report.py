@@ -225,16 +225,17 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
     return path
 
 
-def write_report(results: EvaluationResults | dict, out_dir: Path) -> list[Path]:
+def write_report(evaluation: EvaluationResults, out_dir: Path, *, provenance: dict | None = None) -> list[Path]:
     """Write ``report.json`` (sorted keys, indent 2), ``report.html`` and ``report.md`` into ``out_dir``.
 
-    The JSON is written first so the numbers survive even if rendering fails.
+    The stage hands over its typed results; the page and the table are rendered from the JSON written first (plus
+    ``provenance``, e.g. the command and host of a bench run), so the numbers survive even if rendering fails and a
+    page rendered again from ``report.json`` is the same page.
 
     Returns:
         The three paths, in that order.
     """
-    if isinstance(results, EvaluationResults):
-        results = results.to_dict()
+    results = {**evaluation.to_dict(), **(provenance or {})}
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "report.json"
     json_path.write_text(json.dumps(results, sort_keys=True, indent=2, default=str) + "\n", encoding="utf-8")

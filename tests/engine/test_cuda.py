@@ -105,6 +105,6 @@ def test_eagle3_trained_head_on_cuda(target, prompts) -> None:
     test_greedy_equals_autoregressive_on_cuda.)"""
     import copy
 
-    from tests.engine.test_eagle3_proposer import check_on_device
+    from tests.engine.eagle3_support import check_on_device
 
     check_on_device(copy.deepcopy(target).to("cuda"), prompts)
