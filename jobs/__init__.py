@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 
 from pipeline.orchestration.dag import STAGE_NAMES, plan
 from pipeline.orchestration.lock import Launch
+from pipeline.orchestration.stage import log
+from pipeline.tiny import build_kit
+from pipeline.tracking import check_store
 
 if TYPE_CHECKING:
     from pipeline.artifacts import Artifact
@@ -44,7 +47,6 @@ def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES, launch: Launch
     if needed:
         # What needs no model is checked before the kits are built (minutes on a fresh machine): plan() refused a
         # missing prompt source; the tracking store is checked here (each stage checks it again before its work).
-        from pipeline.tracking import check_store
 
         check_store(cfg.mlflow, cfg.workdir_path, probe=launch.first_rank)
         _build_kits(the_plan)
@@ -59,8 +61,6 @@ def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES, launch: Launch
 def _build_kits(the_plan: Plan) -> None:
     """Build the tiny kits the plan names before the first stage, as a phase of its own with progress (a stage
     loading a kit model would otherwise build it silently inside its own first step)."""
-    from pipeline.orchestration.stage import log
-    from pipeline.tiny import build_kit
 
     for kit in the_plan.kits:
         if not kit.built:

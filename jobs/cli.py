@@ -22,8 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobs import STAGES, run
-from pipeline.orchestration import dag
+from pipeline.artifacts import load_artifact
+from pipeline.config.schema import INPUT_OVERRIDE, describe, excluded_fields, to_dict
+from pipeline.config.sections import PipelineConfig, load_config
+from pipeline.errors import DrafterError
+from pipeline.models.loading import fingerprint
+from pipeline.orchestration import dag, slurm
+from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
+from pipeline.orchestration.stage import log
+from pipeline.registry import pull
+from pipeline.tiny import build_kit
+from pipeline.tiny.spec import BUILD_MINUTES
+from pipeline.tracking import redact, tracking_uri
 
 DEFAULT_CONFIG = Path("configs/tiny.yaml")
 STAGE_SECTIONS = ("workdir", "target", "mlflow")
@@ -76,9 +87,6 @@ def config_reference(section: str | None = None) -> str:
     """
     from dataclasses import fields
 
-    from pipeline.config.schema import INPUT_OVERRIDE, describe, excluded_fields
-    from pipeline.config.sections import PipelineConfig
-    from pipeline.errors import DrafterError
 
     every = describe(PipelineConfig)
 
@@ -145,7 +153,6 @@ def _add_plan_args(parser: argparse.ArgumentParser, json_help: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pipeline.tiny.spec import BUILD_MINUTES
 
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
@@ -237,7 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace):
-    from pipeline.config.sections import load_config
 
     path = args.config
     if path is None and DEFAULT_CONFIG.is_file():
@@ -246,7 +252,6 @@ def _load(args: argparse.Namespace):
 
 
 def _summary(cfg, artifacts: dict) -> str:
-    from pipeline.tracking import redact, tracking_uri
 
     lines = ["", "summary", "-------"]
     for stage, art in artifacts.items():
@@ -255,7 +260,7 @@ def _summary(cfg, artifacts: dict) -> str:
         figures = ", ".join(f"{k}={art.metrics[k]}" for k in keys)
         lines.append(f"{stage:<14} {art.id}  {figures}")
         lines.append(f"{'':<14} {art.path}")
-        from pipeline.evaluation.publish import REGISTRATION_FILES
+        from pipeline.evaluation.publish import REGISTRATION_FILES  # deferred: pulls in numpy
 
         for suffix in REGISTRATION_FILES.values():
             registration = art.path.parent / f"{art.id}.{suffix}"
@@ -283,11 +288,9 @@ def _bench(args: argparse.Namespace) -> str:
 
 
 def _pull(args: argparse.Namespace, cfg) -> int:
-    from pipeline.registry import pull
 
     expect = None
     if args.expect_target:
-        from pipeline.models.loading import fingerprint
 
         expect = fingerprint(args.expect_target)
     path = pull(args.ref, args.to, cfg.mlflow, cfg.workdir_path, expect_fingerprint=expect)
@@ -296,8 +299,6 @@ def _pull(args: argparse.Namespace, cfg) -> int:
 
 
 def _report(args: argparse.Namespace, cfg) -> int:
-    from pipeline.artifacts import load_artifact
-    from pipeline.errors import DrafterError
 
     path = args.artifact
     if path is None:
@@ -322,7 +323,6 @@ def _run(args: argparse.Namespace, launch: Launch) -> int:
     if args.command == "config":
         import yaml
 
-        from pipeline.config.schema import to_dict
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
@@ -342,7 +342,6 @@ def _run(args: argparse.Namespace, launch: Launch) -> int:
 
 
 def _wanted(args: argparse.Namespace) -> tuple[str, ...]:
-    from pipeline.errors import DrafterError
 
     wanted = STAGES if not args.stages else tuple(s.strip() for s in args.stages.split(","))
     unknown = [s for s in wanted if s not in STAGES]
@@ -360,7 +359,6 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 
 def _slurm(args: argparse.Namespace, cfg) -> int:
-    from pipeline.orchestration import slurm
 
     wanted = list(_wanted(args))
     if args.command == "status":
@@ -390,7 +388,6 @@ def _slurm(args: argparse.Namespace, cfg) -> int:
 
 
 def _plan(args: argparse.Namespace, cfg) -> int:
-    from pipeline.orchestration.dag import plan
 
     wanted = _wanted(args)
     the_plan = plan(cfg, wanted)
@@ -437,7 +434,6 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
-    from pipeline.errors import DrafterError
 
     try:
         if args.command == "config" and args.keys is not None:
@@ -451,8 +447,6 @@ def main(argv: list[str] | None = None) -> int:
             print(config_reference(args.keys or None))
             return 0
         if args.command == "tiny":
-            from pipeline.orchestration.stage import log
-            from pipeline.tiny import build_kit
 
             kit = build_kit(args.profile, force=args.force, log=lambda line: log("tiny kit", line.strip()))
             print(json.dumps({"root": str(kit.root), "kit_hash": kit.kit_hash, **kit.report}, indent=2,

@@ -16,9 +16,12 @@ from pathlib import Path
 from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
+from pipeline.models.loading import load_model, load_tokenizer
+from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.vocab.tokens import vocab_hash
 
 SUMMARY: tuple[str, ...] = ("clusters", "max_over_mean", "cluster_seconds")
 """Metrics ``drafter run`` prints for this stage: clusters, their largest size over the mean and clustering time."""
@@ -26,7 +29,7 @@ SUMMARY: tuple[str, ...] = ("clusters", "max_over_mean", "cluster_seconds")
 
 def cluster_head(cfg: PipelineConfig, weight: object, log: object = None) -> object:
     """The clustering this config asks for, of ``weight`` (a ``(V, d)`` head)."""
-    from pipeline.dynaspec.clusters import spherical_kmeans
+    from pipeline.dynaspec.clusters import spherical_kmeans  # deferred: pulls in numpy
 
     cc = cfg.cluster
     use_gpu = None if cc.device == "auto" else cc.device == "cuda"
@@ -35,8 +38,6 @@ def cluster_head(cfg: PipelineConfig, weight: object, log: object = None) -> obj
 
 
 def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult:
-    from pipeline.models.loading import load_model, load_tokenizer
-    from pipeline.models.target import Target
 
     drafter = load_model(cfg.cluster.drafter, dtype="float32", device="cpu")
     tokenizer = Target(cfg.target).tokenizer()
@@ -47,7 +48,6 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult:
                            found=f"{weight.shape[0]} rows",
                            fix="Cluster a drafter that shares the target's tokenizer (cluster.drafter).")
     drafter_tok = load_tokenizer(cfg.cluster.drafter)
-    from pipeline.vocab.tokens import vocab_hash
 
     if vocab_hash(drafter_tok) != vocab_hash(tokenizer):
         raise DrafterError(f"The drafter {cfg.cluster.drafter!r} does not share the target's tokenizer.",

@@ -20,13 +20,17 @@ from pathlib import Path
 
 from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
+from pipeline.data.sources import load_humaneval
 from pipeline.errors import DrafterError
+from pipeline.models.loading import load_model, load_tokenizer
+from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
 from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
 from pipeline.training.harness import shard_trainer
+from pipeline.vocab.tokens import vocab_hash
 
 SUMMARY: tuple[str, ...] = ("rows",)
 """Metrics ``drafter run`` prints for this stage: calibration rows the moments were estimated on."""
@@ -39,7 +43,7 @@ def answer_distributions(model, rows: list, batch_size: int, device) -> object: 
     (position ``t`` with ``loss_mask[t] = 1``, predicted from ``input_ids[:t]``), in row order."""
     import torch
 
-    from pipeline.data.calibration import chunks
+    from pipeline.data.calibration import chunks  # deferred: pulls in pyarrow
 
     out = []
     for _, batch in chunks(rows, batch_size):
@@ -63,8 +67,7 @@ def _make_module(cfg: PipelineConfig, shards: list[list], pending: list[int], st
     import torch
     from torch.utils.data import DataLoader
 
-    from pipeline.models.target import Target
-    from pipeline.rdk.moments import MomentSums
+    from pipeline.rdk.moments import MomentSums  # deferred: pulls in torch
 
     er = cfg.estimate_rdk
 
@@ -113,7 +116,7 @@ def _make_module(cfg: PipelineConfig, shards: list[list], pending: list[int], st
 def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tuple[object, dict] | None:
     """The merged moment sums (None on ranks other than 0) and the estimation figures."""
 
-    from pipeline.rdk.moments import MomentSums
+    from pipeline.rdk.moments import MomentSums  # deferred: pulls in torch
 
     er = cfg.estimate_rdk
     shards = [train[i : i + er.shard_rows] for i in range(0, len(train), er.shard_rows)]
@@ -150,7 +153,7 @@ def _heldout_inputs(cfg: PipelineConfig, rows: list, target, drafter, kept_sets:
     ``other`` is the other-tokenizer drafter as (model, tokenizer, its T ∩ D ids) when ``intersection`` is kept."""
     import torch
 
-    from pipeline.rdk.prior import INTERSECTION
+    from pipeline.rdk.prior import INTERSECTION  # deferred: pulls in torch
 
     er = cfg.estimate_rdk
     p = answer_distributions(target, rows, er.batch_size, "cpu")
@@ -174,9 +177,8 @@ def _code_rows(cfg: PipelineConfig, tokenizer) -> list:  # noqa: ANN001
 
     The answer is encoded on its own and appended, the way generated tokens follow a prompt: templating the
     whole turn would let BPE merge the template's newline with the solution's leading indentation."""
-    from pipeline.data.calibration import encode_prompt
-    from pipeline.data.rows import Row
-    from pipeline.data.sources import load_humaneval
+    from pipeline.data.calibration import encode_prompt  # deferred: pulls in pyarrow
+    from pipeline.data.rows import Row  # deferred: pulls in torch
 
     er, ev = cfg.estimate_rdk, cfg.evaluate
     problems = load_humaneval(with_solutions=True)
@@ -202,7 +204,7 @@ def _other_positions(other: tuple, heldout: list, tokenizer, limit: int):  # noq
     re-encoded by the drafter, its last logits restricted to T ∩ D (one uncached forward per position)."""
     import torch
 
-    from pipeline.vocab.maps import decode_ids, encode_text
+    from pipeline.vocab.maps import decode_ids, encode_text  # deferred: pulls in torch
 
     model, other_tok, inter_d = other
     rows = []
@@ -227,14 +229,17 @@ def _alpha_line(tau: float, figures: dict) -> str:
 
 
 def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact) -> BuildResult | None:
-    from pipeline.data.rows import CalibrationRows
-    from pipeline.engine.hetero import intersection_pairs
-    from pipeline.models.loading import load_model, load_tokenizer
-    from pipeline.models.target import Target
-    from pipeline.rdk.prior import INTERSECTION, RDKPrior, analyse, pruning_levels, transfer
-    from pipeline.vocab.counting import frequency_ranking
-    from pipeline.vocab.maps import VocabMap
-    from pipeline.vocab.tokens import vocab_hash
+    from pipeline.data.rows import CalibrationRows  # deferred: pulls in torch
+    from pipeline.engine.hetero import intersection_pairs  # deferred: pulls in torch
+    from pipeline.rdk.prior import (  # deferred: pulls in torch
+        INTERSECTION,
+        RDKPrior,
+        analyse,
+        pruning_levels,
+        transfer,
+    )
+    from pipeline.vocab.counting import frequency_ranking  # deferred: pulls in pyarrow
+    from pipeline.vocab.maps import VocabMap  # deferred: pulls in torch
 
     er, ev = cfg.estimate_rdk, cfg.evaluate
     target_ = Target(cfg.target)

@@ -48,8 +48,8 @@ def _chosen_metrics(prefix: str, gates: Any) -> dict[str, float]:
 
 
 def _build(cfg: PipelineConfig, run: StageRun, artifacts: dict[str, Artifact]) -> BuildResult:
-    from pipeline.evaluation.matrix import evaluate_matrix
-    from pipeline.evaluation.report import write_report
+    from pipeline.evaluation.matrix import evaluate_matrix  # deferred: pulls in torch
+    from pipeline.evaluation.report import write_report  # deferred: pulls in numpy
 
     started = time.perf_counter()
     results = evaluate_matrix(cfg, artifacts, run.fingerprint, run.log)
@@ -85,8 +85,8 @@ def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     artifacts = {stage: step.input(stage) for stage in step.inputs}
     artifact = run_stage(cfg, step, list(artifacts.values()), build=lambda run: _build(cfg, run, artifacts), launch=launch)
     if artifact is not None and cfg.evaluate.register:
-        from pipeline.evaluation.publish import register_bundle
-        from pipeline.evaluation.results import EvaluationResults
+        from pipeline.evaluation.publish import register_bundle  # deferred: pulls in numpy
+        from pipeline.evaluation.results import EvaluationResults  # deferred: pulls in numpy
 
         results = EvaluationResults.from_dict(json.loads(artifact.file("report.json").read_text()))
         register_bundle(cfg, results, artifact, artifacts)

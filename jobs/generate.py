@@ -32,6 +32,7 @@ from pipeline.data.calibration import (
 )
 from pipeline.data.sources import Conversation, load_conversations, split_heldout
 from pipeline.errors import DrafterError
+from pipeline.models.loading import load_model
 from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
@@ -62,7 +63,6 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
     import torch
     from torch.utils.data import DataLoader
 
-    from pipeline.models.loading import load_model
 
     gen = cfg.generate
     target = Target(cfg.target)

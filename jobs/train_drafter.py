@@ -26,10 +26,12 @@ from pipeline.artifacts import Artifact
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
+from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.tracking import tracking_uri
+from pipeline.training.harness import fit
 
 SUMMARY: tuple[str, ...] = ("train_steps", "best.simulated_tau", "train_seconds")
 """Metrics ``drafter run`` prints for this stage: steps, the kept checkpoint's held-out simulated τ, training
@@ -52,7 +54,7 @@ def _vocab_maps(counts: Artifact, target_vocab_size: int) -> tuple:
 
 
 def _check_disk(rows: list, cfg: PipelineConfig, run: StageRun, hidden: int, dtype: object) -> None:
-    from pipeline.training.eagle3_task import feature_bytes
+    from pipeline.training.eagle3_task import feature_bytes  # deferred: pulls in torch
 
     need = feature_bytes(rows, hidden, dtype)
     free = shutil.disk_usage(run.staging).free
@@ -85,9 +87,8 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact) -> Pre
     calibration rows split into training and held-out (the DeepSpeed test trains exactly this)."""
     import torch
 
-    from pipeline.data.rows import CalibrationRows
-    from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from pipeline.models.target import Target
+    from pipeline.data.rows import CalibrationRows  # deferred: pulls in torch
+    from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter  # deferred: pulls in torch
 
     td = cfg.train_drafter
     target_ = Target(cfg.target)
@@ -108,9 +109,8 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact) -> Pre
 
 
 def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact) -> BuildResult | None:
-    from pipeline.drafters.store import save_drafter
-    from pipeline.training.eagle3_task import Eagle3Task, FeatureCache
-    from pipeline.training.harness import fit
+    from pipeline.drafters.store import save_drafter  # deferred: pulls in torch
+    from pipeline.training.eagle3_task import Eagle3Task, FeatureCache  # deferred: pulls in torch
 
     td = cfg.train_drafter
     ready = prepare(cfg, calibration, counts)
@@ -162,7 +162,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
 
 def _exports(cfg: PipelineConfig, drafter: object, target: object, out: Path) -> None:
     """The serving layouts: EAGLE-3 / SGLang (``exports/eagle3``) and ``speculators`` for vLLM."""
-    from pipeline.drafters.export import export_eagle3, export_speculators
+    from pipeline.drafters.export import export_eagle3, export_speculators  # deferred: pulls in torch
 
     export_eagle3(drafter, out / "eagle3", target_model=cfg.target.model, target_config=target.config)
     export_speculators(drafter, out / "speculators", target_model=cfg.target.model, target_config=target.config)
@@ -181,8 +181,8 @@ def bench(cfg: PipelineConfig, steps: int = 10) -> str:
     Both are timed in this run on this device (CUDA when present); the result is a table of ratios."""
     import torch
 
-    from pipeline.training.eagle3_objective import target_features
-    from pipeline.training.eagle3_task import Eagle3Task
+    from pipeline.training.eagle3_objective import target_features  # deferred: pulls in torch
+    from pipeline.training.eagle3_task import Eagle3Task  # deferred: pulls in torch
 
     step = plan(cfg, ["train_drafter"])["train_drafter"]
     ready = prepare(cfg, step.input("generate"), step.input("count"))

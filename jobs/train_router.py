@@ -21,10 +21,14 @@ from pathlib import Path
 from pipeline.artifacts import Artifact
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
+from pipeline.models.loading import load_model
+from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.tracking import tracking_uri
+from pipeline.training.harness import fit
+from pipeline.vocab.tokens import eos_ids
 
 SUMMARY: tuple[str, ...] = ("train_steps", "train_seconds")
 """Metrics ``drafter run`` prints for this stage: steps and training time."""
@@ -34,14 +38,15 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
            clusters: Artifact) -> BuildResult | None:
     import torch
 
-    from pipeline.data.rows import CalibrationRows
-    from pipeline.dynaspec.clusters import Clustering, head_sha256
-    from pipeline.dynaspec.router import Router, RouterTask, routing_curves, save_router
-    from pipeline.models.loading import load_model
-    from pipeline.models.target import Target
-    from pipeline.training.harness import fit
-    from pipeline.vocab.counting import frequency_ranking
-    from pipeline.vocab.tokens import eos_ids
+    from pipeline.data.rows import CalibrationRows  # deferred: pulls in torch
+    from pipeline.dynaspec.clusters import Clustering, head_sha256  # deferred: pulls in numpy
+    from pipeline.dynaspec.router import (  # deferred: pulls in torch
+        Router,
+        RouterTask,
+        routing_curves,
+        save_router,
+    )
+    from pipeline.vocab.counting import frequency_ranking  # deferred: pulls in pyarrow
 
     tr = cfg.train_router
     target_ = Target(cfg.target)

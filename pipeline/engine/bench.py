@@ -57,9 +57,9 @@ def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, s
     Returns:
         ``{"device", "shape", "rows", "ms", "vs_full"}``.
     """
-    from pipeline.dynaspec.clusters import Clustering, head_sha256
-    from pipeline.dynaspec.router import Router
-    from pipeline.engine.dynaspec import RoutedHead
+    from pipeline.dynaspec.clusters import Clustering, head_sha256  # deferred: pulls in numpy
+    from pipeline.dynaspec.router import Router  # deferred: pulls in torch
+    from pipeline.engine.dynaspec import RoutedHead  # deferred: pulls in torch
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
@@ -133,7 +133,10 @@ def bench_cluster(rows: int = 32_768, dim: int = 1024, clusters: int = 256, nite
     """FAISS spherical k-means vs scikit-learn KMeans on the same synthetic unit rows (ratios printed)."""
     import faiss
 
-    from pipeline.dynaspec.clusters import sklearn_kmeans_seconds, spherical_kmeans
+    from pipeline.dynaspec.clusters import (  # deferred: pulls in numpy
+        sklearn_kmeans_seconds,
+        spherical_kmeans,
+    )
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(rows, dim, generator=gen)

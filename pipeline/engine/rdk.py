@@ -144,7 +144,7 @@ class RedistributedTLIProposer(CrossVocabDrafter):
     def __init__(self, drafter: torch.nn.Module, drafter_tokenizer: Any, target_tokenizer: Any,
                  vocab_map: VocabMap, transform: Redistribution, *, target_vocab_size: int | None = None,
                  name: str = "tli_rdk") -> None:
-        from pipeline.engine.hetero import intersection_pairs
+        from pipeline.engine.hetero import intersection_pairs  # deferred: pulls in torch
 
         vocab_map.require_nonempty()
         super().__init__(drafter, drafter_tokenizer, target_tokenizer)

@@ -16,6 +16,7 @@ from pipeline.engine.proposers import Proposal
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState, common_prefix_length
 from pipeline.vocab.maps import as_backend, decode_ids
+from pipeline.vocab.tokens import Spelling, token_meanings
 
 
 def align_draft(target_tokenizer: Any, context: list[int], draft_text: str, lookbehind: int = 8) -> list[int]:
@@ -47,7 +48,6 @@ def byte_lengths(tokenizer: Any) -> list[int] | None:
     Such a tokenizer decodes by concatenating its tokens' bytes (specials skipped) and reading them as
     UTF-8; specials add 0 bytes, and -1 marks ids whose bytes are not known (non-special added tokens).
     """
-    from pipeline.vocab.tokens import Spelling, token_meanings
 
     backend = as_backend(tokenizer)
     spelling = Spelling.of(backend)

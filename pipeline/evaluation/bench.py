@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.artifacts import load_artifact
 from pipeline.data.calibration import read_shard, shard_files, shard_name, write_shard
 from pipeline.errors import DrafterError
+from pipeline.models.target import Target
 from pipeline.vocab import counting
 
 
@@ -100,10 +102,8 @@ def bench_eval(cfg, counts: str | None, out: str | None = None) -> str:  # noqa:
     import sys
     from pathlib import Path
 
-    from pipeline.artifacts import load_artifact
-    from pipeline.evaluation.matrix import evaluate_matrix
-    from pipeline.evaluation.report import markdown_table, write_report
-    from pipeline.models.target import Target
+    from pipeline.evaluation.matrix import evaluate_matrix  # deferred: pulls in torch
+    from pipeline.evaluation.report import markdown_table, write_report  # deferred: pulls in numpy
 
     if not counts:
         raise DrafterError("`drafter bench eval` needs --counts DIR (a count artifact).",

@@ -19,6 +19,7 @@ import torch
 
 from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
+from pipeline.dynaspec.budget import ShortlistPolicy, match_budgets, match_pa_fr
 from pipeline.engine.inputs import (
     ByteInputs,
     CrossRDKInputs,
@@ -38,6 +39,7 @@ from pipeline.errors import DrafterError
 from pipeline.models.loading import load_model, load_tokenizer
 from pipeline.rdk.prior import PRUNED
 from pipeline.vocab.counting import load_shortlists
+from pipeline.vocab.tokens import eos_ids, vocab_hash
 
 
 def shortlist_param_ratio(drafter: torch.nn.Module, target: torch.nn.Module, k: int) -> float:
@@ -190,7 +192,7 @@ class Configurations:
                                 shortlist_param_ratio(drafter, self.target, size))
 
     def _features(self, spec: MethodSpec) -> Iterator[Configuration]:
-        from pipeline.drafters.store import load_drafter
+        from pipeline.drafters.store import load_drafter  # deferred: pulls in torch
 
         (stage,) = spec.stages
         if stage not in self.artifacts:
@@ -207,7 +209,7 @@ class Configurations:
     def _map(self) -> Any:
         """``VocabMap.build(target tokenizer, other drafter's tokenizer)``, built once."""
         if self._vocab_map is None:
-            from pipeline.vocab.maps import VocabMap
+            from pipeline.vocab.maps import VocabMap  # deferred: pulls in torch
 
             self._vocab_map = VocabMap.build(self.tokenizer, self._drafter(CrossVocabInputs.MODEL)[1])
             self.log(f"vocabulary intersection with {self.ev.drafter_other}: "
@@ -243,8 +245,7 @@ class Configurations:
     def _prior(self) -> Any:
         """The estimate_rdk artifact as an :class:`~pipeline.rdk.prior.RDKPrior`, checked against this target."""
         if self._rdk_prior is None:
-            from pipeline.rdk.prior import RDKPrior
-            from pipeline.vocab.tokens import vocab_hash
+            from pipeline.rdk.prior import RDKPrior  # deferred: pulls in torch
 
             if "estimate_rdk" not in self.artifacts:
                 raise DrafterError("RDK methods are evaluated but no estimate_rdk artifact was given.",
@@ -265,9 +266,7 @@ class Configurations:
         cluster budgets from the router's held-out size curve, PA-FR's kmax from its exact sizes."""
         import json
 
-        from pipeline.dynaspec.budget import ShortlistPolicy, match_budgets, match_pa_fr
-        from pipeline.vocab.counting import frequency_ranking
-        from pipeline.vocab.tokens import eos_ids
+        from pipeline.vocab.counting import frequency_ranking  # deferred: pulls in pyarrow
 
         ev = self.ev
         lists = load_shortlists(self.counts)
@@ -284,8 +283,8 @@ class Configurations:
         record: dict[str, Any] = {"match": ev.dynaspec_match, "match_size": int(size), "keep_ids": list(keep),
                                   "pa_fr_kmax": {str(g): k for g, k in fields["pa_fr_kmax"].items()}}
         if routed_methods:
-            from pipeline.dynaspec.clusters import Clustering
-            from pipeline.dynaspec.router import load_router
+            from pipeline.dynaspec.clusters import Clustering  # deferred: pulls in numpy
+            from pipeline.dynaspec.router import load_router  # deferred: pulls in torch
 
             if not set(RoutedInputs.STAGES) <= set(self.artifacts):
                 raise DrafterError(f"Methods {routed_methods} are evaluated but no cluster/router artifacts were given.",

@@ -11,6 +11,7 @@ from pipeline.config.sections import PipelineConfig
 from pipeline.engine.methods import GATE_SETS
 from pipeline.evaluation.results import EvaluationResults
 from pipeline.progress import log
+from pipeline.registry import Bundle, register, registered_name
 
 REGISTRATION_FILES = {gate.name: gate.registration for gate in GATE_SETS.values()}
 """Bundle kind → the record written beside the evaluation artifact as ``<evaluation id>.<file>``."""
@@ -45,7 +46,6 @@ def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation:
 
 def _register_one(cfg: PipelineConfig, results: EvaluationResults, gates: Any, kind: str,
                   artifacts: list[Artifact], evaluation: Artifact) -> dict | None:
-    from pipeline.registry import Bundle, register, registered_name
 
     if not gates.passed or gates.chosen is None:
         log("evaluate", f"{kind} gates failed, not registered: " + "; ".join(gates.failures()))

@@ -12,6 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline.checksums import StatCache
+from pipeline.models.loading import local_weights_digest
+
 LLAMA3_8B_BYTES = 16.06e9
 
 
@@ -19,8 +22,6 @@ def bench_fingerprint(gib: float = 2.0, shard_gib: float = 0.5) -> str:
     import torch
     from safetensors.torch import save_file
 
-    from pipeline.checksums import StatCache
-    from pipeline.models.loading import local_weights_digest
 
     with tempfile.TemporaryDirectory(prefix="drafter-bench-fp-") as tmp:
         root = Path(tmp) / "ckpt"

@@ -14,6 +14,8 @@ from functools import lru_cache
 
 from pipeline.errors import DrafterError
 from pipeline.models.loading import TINY_PREFIX, resolve_ref
+from pipeline.tiny import parse_tiny_ref
+from pipeline.tiny.spec import get_profile
 
 
 @lru_cache(maxsize=32)
@@ -29,8 +31,6 @@ def context_length(name: str, revision: str | None = None, trust_remote_code: bo
         DrafterError: The model's config cannot be read (a missing directory, no network for a hub id).
     """
     if name.startswith(TINY_PREFIX):
-        from pipeline.tiny import parse_tiny_ref
-        from pipeline.tiny.spec import get_profile
 
         profile, role = parse_tiny_ref(name)
         spec = get_profile(profile)

@@ -20,6 +20,8 @@ from typing import Any
 
 from pipeline.checksums import StatCache, tree_digest
 from pipeline.errors import DrafterError
+from pipeline.tiny import default_cache_dir, kit_hash, parse_tiny_ref, resolve_tiny_ref
+from pipeline.tiny.spec import ROLE_TOKENIZERS
 from pipeline.vocab.tokens import vocab_hash
 
 TINY_PREFIX = "tiny:"
@@ -42,7 +44,6 @@ class ModelRef:
 def resolve_ref(name: str, revision: str | None = None) -> ModelRef:
     """Map a config's model string to a loadable location (building a tiny kit if needed)."""
     if name.startswith(TINY_PREFIX):
-        from pipeline.tiny import kit_hash, resolve_tiny_ref
 
         path = resolve_tiny_ref(name)
         profile = name[len(TINY_PREFIX):].split("/", 1)[0]
@@ -119,8 +120,6 @@ def _tiny_fingerprint(name: str, revision: str | None, tokenizer_name: str) -> t
     The kit is a pure function of (profile spec, kit code version, packaged data), so nothing needs to be
     built to know it: ``drafter plan`` and ``drafter status`` stay instant on a fresh machine.
     """
-    from pipeline.tiny import kit_hash, parse_tiny_ref
-    from pipeline.tiny.spec import ROLE_TOKENIZERS
 
     profile, _ = parse_tiny_ref(name)
     tok_profile, tok_role = parse_tiny_ref(tokenizer_name)
@@ -135,7 +134,6 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 def weights_stat_cache() -> StatCache:
     """The digest cache of local weight files, beside the tiny kits under the drafter cache."""
-    from pipeline.tiny import default_cache_dir
 
     return StatCache(default_cache_dir() / "weights-sha256.json")
 

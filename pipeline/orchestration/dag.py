@@ -27,23 +27,26 @@ from pipeline.artifacts import (
     read_manifest,
     stored_manifest,
 )
-from pipeline.config.schema import identity
+from pipeline.config.schema import identity, to_dict
 from pipeline.config.sections import PipelineConfig
 from pipeline.config.stage_names import STAGE_NAMES
+from pipeline.data.sources import source_fingerprint
 from pipeline.engine.inputs import DRAFTER_MODELS
 from pipeline.engine.methods import models_read, stages_read
 from pipeline.errors import DrafterError
+from pipeline.models.loading import fingerprint
+from pipeline.models.target import Target
+from pipeline.orchestration.limits import check_settings
+from pipeline.tiny import kit_status, parse_tiny_ref
 
 
 def _generate_models(cfg: PipelineConfig) -> dict:
-    from pipeline.models.loading import fingerprint
 
     gen = cfg.generate
     return {"generator": fingerprint(gen.drafter)} if gen.kind == "drafter" and gen.drafter else {}
 
 
 def _evaluate_models(cfg: PipelineConfig) -> dict:
-    from pipeline.models.loading import fingerprint
 
     ev = cfg.evaluate
     used = models_read(ev.methods)
@@ -51,13 +54,11 @@ def _evaluate_models(cfg: PipelineConfig) -> dict:
 
 
 def _prompt_data(cfg: PipelineConfig) -> dict:
-    from pipeline.data.sources import source_fingerprint
 
     return {"source": source_fingerprint(cfg.generate.source, cfg.generate.source_revision)}
 
 
 def _evaluate_data(cfg: PipelineConfig) -> dict:
-    from pipeline.data.sources import source_fingerprint
 
     data = _prompt_data(cfg)
     if "code" in cfg.evaluate.tasks:
@@ -66,19 +67,16 @@ def _evaluate_data(cfg: PipelineConfig) -> dict:
 
 
 def _rdk_data(cfg: PipelineConfig) -> dict:
-    from pipeline.data.sources import source_fingerprint
 
     return {"code": source_fingerprint("humaneval")} if cfg.estimate_rdk.code_problems else {}
 
 
 def _cluster_models(cfg: PipelineConfig) -> dict:
-    from pipeline.models.loading import fingerprint
 
     return {"drafter": fingerprint(cfg.cluster.drafter)}
 
 
 def _rdk_models(cfg: PipelineConfig) -> dict:
-    from pipeline.models.loading import fingerprint
 
     ev = cfg.evaluate
     models = {"drafter": fingerprint(ev.drafter)}
@@ -263,7 +261,6 @@ class KitPlan:
 
 def _kit_profiles(node: Any) -> set[str]:
     """Profiles of every ``tiny:<profile>/<role>`` reference anywhere in a (nested) config dict."""
-    from pipeline.tiny import parse_tiny_ref
 
     if isinstance(node, dict):
         return set().union(set(), *(_kit_profiles(v) for v in node.values()))
@@ -276,8 +273,6 @@ def _kit_profiles(node: Any) -> set[str]:
 
 def kits(cfg: PipelineConfig) -> list[KitPlan]:
     """The tiny kits ``cfg`` names, with their recipe hash and cache status (nothing is built)."""
-    from pipeline.config.schema import to_dict
-    from pipeline.tiny import kit_status
 
     return [KitPlan(profile, digest, root, built)
             for profile in sorted(_kit_profiles(to_dict(cfg)))
@@ -330,8 +325,6 @@ def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
     Raises:
         DrafterError: An unknown stage, or a setting the models cannot hold (the message names the key).
     """
-    from pipeline.models.target import Target
-    from pipeline.orchestration.limits import check_settings
 
     wanted = list(stages) if stages is not None else list(STAGE_NAMES)
     for name in wanted:

@@ -38,12 +38,15 @@ from __future__ import annotations
 from collections.abc import Collection
 from pathlib import Path
 
+from pipeline.artifacts import read_manifest
 from pipeline.config.sections import PipelineConfig
+from pipeline.engine.inputs import ShortlistInputs
+from pipeline.engine.methods import methods_reading, methods_with, models_read, stages_read
 from pipeline.errors import DrafterError
+from pipeline.models.context import context_length
 
 
 def _context(cfg: PipelineConfig, name: str) -> int | None:
-    from pipeline.models.context import context_length
 
     revision = cfg.target.revision if name == cfg.target.model else None
     return context_length(name, revision, cfg.target.trust_remote_code)
@@ -85,7 +88,6 @@ def _ttt_steps(cfg: PipelineConfig) -> int | None:
     """The draft steps the evaluated EAGLE-3 drafter was trained for (None when its artifact does not say)."""
     if not cfg.evaluate.eagle3:
         return cfg.train_drafter.ttt_steps
-    from pipeline.artifacts import read_manifest
 
     manifest = read_manifest(Path(cfg.evaluate.eagle3).expanduser().resolve(), kind="eagle3_drafter")
     steps = manifest.get("config", {}).get("train_drafter", {}).get("ttt_steps")
@@ -94,14 +96,11 @@ def _ttt_steps(cfg: PipelineConfig) -> int | None:
 
 def _using(cfg: PipelineConfig, need: str) -> str:
     """The evaluated methods that load drafter ``need`` or read stage ``need``'s artifact (from the registry)."""
-    from pipeline.engine.methods import methods_reading
 
     return ", ".join(methods_reading(cfg.evaluate.methods, need))
 
 
 def _check_evaluate(cfg: PipelineConfig) -> None:
-    from pipeline.engine.inputs import ShortlistInputs
-    from pipeline.engine.methods import methods_with, models_read, stages_read
 
     ev = cfg.evaluate
     static = [m for m in ev.methods if m in methods_with(ShortlistInputs)]  # one row per named shortlist

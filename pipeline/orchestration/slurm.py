@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import write_json_atomic
+from pipeline.config.schema import to_dict
 from pipeline.config.sections import SLURM_RESOURCES, PipelineConfig
 from pipeline.errors import DrafterError
+from pipeline.orchestration.dag import plan
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "stage.sbatch"
 """The one job template (``slurm/stage.sbatch`` of the repository); ``slurm.template`` names another."""
@@ -214,8 +216,6 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
     """
     import yaml
 
-    from pipeline.config.schema import to_dict
-    from pipeline.orchestration.dag import plan
 
     the_plan = plan(cfg, stages)
     needed = set(the_plan.needed(stages))
@@ -298,7 +298,6 @@ def _log_tail(path: Path, lines: int = 3) -> str | None:
 
 def status(cfg: PipelineConfig, stages: list[str]) -> list[StageStatus]:
     """Each planned stage: whether its artifact exists, its latest job's state, and why it failed or waits."""
-    from pipeline.orchestration.dag import plan
 
     the_plan = plan(cfg, stages)
     records = _records(cfg)

@@ -38,7 +38,7 @@ def synthetic_distributions(n: int, vocab: int, generator: torch.Generator, devi
 def bench_estimation(vocab: int = 128_256, top_k: int = 64, contexts: int = 2048, batch: int = 256,
                      seed: int = 0) -> dict:
     """Contexts/s of the streaming estimate, and its memory against a dense |T|² float32 matrix."""
-    from pipeline.rdk.moments import MomentSums
+    from pipeline.rdk.moments import MomentSums  # deferred: pulls in torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(seed)
@@ -64,8 +64,8 @@ def bench_estimation(vocab: int = 128_256, top_k: int = 64, contexts: int = 2048
 def bench_redistribution(vocab: int = 128_256, kept: int = 32_768, hidden: int = 4096, top_k: int = 64,
                          tau: float = 1e-3, contexts: int = 1024, repeats: int = 20, seed: int = 0) -> dict:
     """Milliseconds per draft step of TLI, RDK-Taylor, the prior mix and exact RDK, and their ratio to TLI."""
-    from pipeline.rdk.affinity import Affinity, PriorMix, TaylorForm, scatter_kept
-    from pipeline.rdk.moments import MomentSums
+    from pipeline.rdk.affinity import Affinity, PriorMix, TaylorForm, scatter_kept  # deferred: pulls in torch
+    from pipeline.rdk.moments import MomentSums  # deferred: pulls in torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(seed)

@@ -169,7 +169,7 @@ def _remove_stale(root: Path, log: Callable[[str], None]) -> None:
 
 
 def _build_locked(profile: str, root: Path, digest: str, log: Callable[[str], None]) -> TinyKit:
-    from pipeline.tiny.recipe import build_into
+    from pipeline.tiny.recipe import build_into  # deferred: pulls in torch
 
     spec = get_profile(profile)
     log(f"tiny kit {root.name}: building profile '{profile}' (cached after this)")

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.data.sources import SHAREGPT_PACKAGE, SHAREGPT_RESOURCE
 from pipeline.errors import DrafterError
 
 # 3: the byte-level drafter (role drafter_bytes). 4: bfloat16 autocast where the CPU has native bf16.
@@ -166,7 +167,6 @@ def data_identity() -> dict[str, str | int]:
     import importlib.metadata
     import importlib.resources
 
-    from pipeline.data.sources import SHAREGPT_PACKAGE, SHAREGPT_RESOURCE
 
     identity: dict[str, str | int] = {}
     try:

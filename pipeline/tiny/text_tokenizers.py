@@ -27,6 +27,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pipeline.vocab.tokens import bytes_to_unicode
+
 SCHEMES = ("bytelevel", "metaspace")
 
 _BYTELEVEL_SPECIALS = {
@@ -115,7 +117,6 @@ def byte_tokenizer(scheme: str = "bytelevel") -> Any:
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from pipeline.vocab.tokens import bytes_to_unicode
 
     named, extra, template = _specials(scheme)
     specials = list(dict.fromkeys([*named.values(), *extra]))

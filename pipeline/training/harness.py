@@ -69,7 +69,6 @@ def shard_trainer(stage: str, accelerator: str, devices: int | str, num_nodes: i
     """
     import lightning as L
 
-    from pipeline.errors import DrafterError
 
     class StopOnSigterm(L.Callback):
         def on_predict_batch_start(self, trainer, *_) -> None:  # noqa: ANN001
