@@ -157,7 +157,7 @@ def test_type_error_names_the_type_with_the_right_article(capsys: pytest.Capture
 def test_plan_columns_line_up_with_long_ids(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     import re
 
-    from pipeline.orchestration import dag
+    from jobs import cli
 
     rows = [{"stage": "generate", "artifact_id": "generate-" + "0" * 40, "status": "cached", "inputs": {}},
             {"stage": "count", "artifact_id": "count-1a2b", "status": "to run",
@@ -174,7 +174,7 @@ def test_plan_columns_line_up_with_long_ids(monkeypatch: pytest.MonkeyPatch, cap
         def table(self) -> list[dict]:
             return [dict(row) for row in rows]
 
-    monkeypatch.setattr(dag, "plan", lambda cfg, wanted: FakePlan())
+    monkeypatch.setattr(cli, "plan", lambda cfg, wanted: FakePlan())
     assert main(["plan", "--stages", "generate,count,evaluate"]) == 0
     header, *lines = capsys.readouterr().out.splitlines()[:4]
     columns = {name: header.index(name) for name in ("status", "inputs")}
