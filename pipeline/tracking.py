@@ -181,9 +181,9 @@ def _check_credentials(uri: str, cfg: MlflowConfig) -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    _configure_client_retries(cfg)
     try:
-        MlflowClient(uri).search_experiments(max_results=1)
+        with http_limits(cfg):
+            MlflowClient(uri).search_experiments(max_results=1)
     except MlflowException as err:
         code = getattr(err, "error_code", "")
         if code not in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
@@ -214,13 +214,34 @@ def git_sha() -> str:
         return "unknown"
 
 
-def _configure_client_retries(cfg: MlflowConfig) -> None:
-    # A new local store's table creation is logged at INFO: noise in a stage's log.
+def quiet_store_logs() -> None:
+    """A new local store's table creation is logged at INFO: noise in a stage's log."""
     for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # MLflow's own HTTP retry budget defaults to minutes of backoff; keep a dead server's error prompt.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(max(cfg.retries - 1, 0)))
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(cfg.timeout_s * 2, 10))))
+
+
+HTTP_LIMIT_VARIABLES = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+
+
+@contextmanager
+def http_limits(cfg: MlflowConfig) -> Iterator[None]:
+    """MLflow's HTTP retry budget and timeout from ``cfg`` for the calls made inside the block.
+
+    MLflow's REST client reads these two limits only from its environment variables, at each request, and
+    its defaults are minutes of backoff: a dead server's error would come late. They are set for the
+    block's duration and restored after it, so nothing leaks into the rest of the process or its children;
+    a value the user exported wins.
+    """
+    wanted = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(max(cfg.retries - 1, 0)),
+              "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(max(cfg.timeout_s * 2, 10)))}
+    mine = {var: value for var, value in wanted.items() if var not in os.environ}
+    os.environ.update(mine)
+    try:
+        yield
+    finally:
+        for var, value in mine.items():
+            if os.environ.get(var) == value:
+                os.environ.pop(var, None)
 
 
 def use_store(uri: str) -> None:
@@ -294,7 +315,7 @@ def log_stage_run(artifact: Artifact, cfg: MlflowConfig, workdir: Path, *, param
     uri = tracking_uri(cfg, workdir)
     if (run_id := logged_run(artifact, uri)) is not None:
         return run_id
-    _configure_client_retries(cfg)
+    quiet_store_logs()
     check_reachable(uri, cfg)
     fp = artifact.fingerprint or {}
     all_tags = {"drafter.artifact_id": artifact.id, "drafter.stage": artifact.manifest["stage"],
@@ -302,7 +323,7 @@ def log_stage_run(artifact: Artifact, cfg: MlflowConfig, workdir: Path, *, param
                 "drafter.target_revision": str(fp.get("revision")), "drafter.vocab_hash": str(fp.get("vocab_hash")),
                 "drafter.inputs": ",".join(artifact.manifest.get("inputs", [])), "git.sha": git_sha(),
                 **(tags or {})}
-    with _mlflow_errors(uri, artifact):
+    with _mlflow_errors(uri, artifact), http_limits(cfg):
         experiment_id = ensure_experiment(uri, cfg.experiment, workdir)
         with mlflow.start_run(experiment_id=experiment_id, run_name=artifact.id) as run:
             mlflow.log_params(flatten(params))

@@ -17,7 +17,14 @@ from pipeline.config.sections import MlflowConfig, load_config
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import StagePlan, spec, stage_identity
 from pipeline.orchestration.stage import BuildResult, run_stage
-from pipeline.tracking import check_reachable, flatten, redact, tracking_uri
+from pipeline.tracking import (
+    HTTP_LIMIT_VARIABLES,
+    check_reachable,
+    flatten,
+    http_limits,
+    redact,
+    tracking_uri,
+)
 from tests.mlflow_server import MlflowServer, free_port
 
 FP = {"model": "tiny:test/target", "revision": "r1", "vocab_hash": "abc"}
@@ -67,6 +74,7 @@ def test_stage_run_is_logged_and_read_back(tmp_path: Path, mlflow_server: Mlflow
     again = _stage(cfg, calls)
     assert again.id == art.id and len(calls) == 1
     assert len(client.search_runs([exp.experiment_id], f"tags.`drafter.artifact_id` = '{art.id}'")) == 1
+    assert not set(HTTP_LIMIT_VARIABLES) & set(os.environ), "MLflow's HTTP limits leaked into the environment"
 
 
 def test_unreachable_server_fails_fast_before_any_work(tmp_path: Path) -> None:
@@ -129,6 +137,26 @@ def test_a_configured_store_does_not_leak_into_the_environment(tmp_path: Path,
     assert "MLFLOW_TRACKING_URI" not in os.environ
     later = load_config(None, [f"workdir={tmp_path / 'later'}"])
     assert tracking_uri(later.mlflow, later.workdir_path) == f"sqlite:///{tmp_path / 'later' / 'mlflow.db'}"
+
+
+def test_http_limits_hold_only_inside_their_block_and_an_exported_value_wins(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow reads its retry budget from the environment at each request: the limits come from the config
+    as a value, hold for the calls made in the block, and leave the process as they found it."""
+    for var in HTTP_LIMIT_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    cfg = MlflowConfig(retries=3, timeout_s=7.0)
+    with http_limits(cfg):
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "2"
+        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "14"
+    assert not set(HTTP_LIMIT_VARIABLES) & set(os.environ)
+    with pytest.raises(RuntimeError), http_limits(cfg):
+        raise RuntimeError("a failed call")
+    assert not set(HTTP_LIMIT_VARIABLES) & set(os.environ)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "9")
+    with http_limits(cfg):
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "9"
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "9" and "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
 
 
 # --- the store is checked before any work (issue 21) ------------------------------------------------

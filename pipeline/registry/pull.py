@@ -32,6 +32,7 @@ from pipeline.registry.store import (
     error_code,
     registry_errors,
 )
+from pipeline.tracking import http_limits
 
 _REF = re.compile(r"^(?:models:/)?(?P<name>[^/@:]+)(?:@(?P<alias>[\w-]+)|/(?P<version>[0-9]+))$")
 _MAX_VERSION = 2**63 - 1  # MLflow keeps version numbers in a 64-bit INTEGER column
@@ -73,6 +74,14 @@ def pull(
         DrafterError: unknown model/alias/version, an incomplete version, a file or fingerprint that
             does not match (named, with expected and found values), or an unreachable server.
     """
+    with http_limits(cfg):
+        return _pull(ref, to, cfg, workdir, expect_fingerprint=expect_fingerprint)
+
+
+def _pull(
+    ref: str, to: Path, cfg: MlflowConfig, workdir: Path, *, expect_fingerprint: dict | None = None
+) -> Path:
+    """``pull`` under MLflow's HTTP limits."""
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
     name, alias, number = parse_ref(ref)

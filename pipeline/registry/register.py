@@ -37,7 +37,7 @@ from pipeline.registry.store import (
     version_by_alias,
     versions_of_bundle,
 )
-from pipeline.tracking import ensure_experiment
+from pipeline.tracking import ensure_experiment, http_limits
 
 
 @dataclass
@@ -96,7 +96,7 @@ def version_tags(document: dict, sha256: str) -> dict[str, str]:
 def register(
     bundle: Bundle,
     cfg: MlflowConfig,
-    workdir: Path,
+    workdir: Path | str,
     *,
     promote: bool = False,
     run_id: str | None = None,
@@ -117,6 +117,19 @@ def register(
         DrafterError: gates failed or fingerprints disagree (nothing is written), the server is
             unreachable, or a registry step failed (the message says what was left behind).
     """
+    with http_limits(cfg):
+        return _register(bundle, cfg, workdir, promote=promote, run_id=run_id)
+
+
+def _register(
+    bundle: Bundle,
+    cfg: MlflowConfig,
+    workdir: Path,
+    *,
+    promote: bool = False,
+    run_id: str | None = None,
+) -> RegistrationResult:
+    """``register`` under MLflow's HTTP limits."""
     check_registrable(bundle)
     workdir = Path(workdir)
     uri, client = connect(cfg, workdir)

@@ -17,10 +17,10 @@ from typing import Any
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
 from pipeline.tracking import (
-    _configure_client_retries,
     check_reachable,
     is_remote,
     local_store_path,
+    quiet_store_logs,
     redact,
     tracking_uri,
 )
@@ -55,7 +55,7 @@ def connect(cfg: MlflowConfig, workdir: Path, *, existing: bool = False) -> tupl
     uri = tracking_uri(cfg, Path(workdir), create=not existing)
     if existing:
         _require_local_store(uri, cfg)
-    _configure_client_retries(cfg)
+    quiet_store_logs()
     check_reachable(uri, cfg)
     return uri, MlflowClient(tracking_uri=uri, registry_uri=uri)
 
