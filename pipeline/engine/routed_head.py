@@ -89,7 +89,8 @@ class RoutedHead:
         keep_ids: Token ids in every shortlist (EOS).
         mode: ``auto`` (the kernel on CUDA with Triton, ``torch`` on CUDA without it, ``blocks`` on CPU),
             ``kernel``, ``torch`` or ``blocks``; see the module docstring.
-        block_rows: Rows per kernel work item (default 32 on CUDA, 64 on CPU).
+        block_rows: Rows per kernel work item (default 32 on CUDA; 256 on CPU, where Triton's interpreter runs the
+            kernel and each work item costs milliseconds).
     """
 
     def __init__(self, model: torch.nn.Module, clustering: Any, keep_ids: Sequence[int], mode: str = "auto",
@@ -117,7 +118,7 @@ class RoutedHead:
         if mode == "auto":
             mode = ("kernel" if triton_available() else "torch") if device.type == "cuda" else "blocks"
         self.mode = mode
-        self.block_rows = block_rows or (32 if device.type == "cuda" else 64)
+        self.block_rows = block_rows or (32 if device.type == "cuda" else 256)
         sizes = np.diff(offsets)
         # host-known bounds for k chosen clusters: the k largest clusters' rows and row tiles
         self._rows_upto = np.concatenate([[0], np.cumsum(np.sort(sizes)[::-1])]).tolist()

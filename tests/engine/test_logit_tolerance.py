@@ -2,11 +2,13 @@
 (tests/engine/test_cuda.py), shown on the CPU with the tiny kit's target in float64.
 
 The two devices cannot agree to float64 rounding: Hugging Face's Llama computes RoPE's angles, cos and sin in
-float32 whatever the model's dtype, and CUDA's ``cosf``/``sinf`` and the CPU's differ by up to about 2 float32
-ulps; float64 sums in another order add far less. Modelled here by perturbing every cos/sin entry by a random
-relative ±2⁻²² (two ulps), that noise must stay ≥ 100× below the tolerance, and the smallest faults the comparison
-is there to catch — one weight of one layer off by 1 %, the weights rounded to bfloat16, every position shifted
-by one — must each move the logits ≥ 100× above it.
+float32 whatever the model's dtype, and CUDA's ``cosf``/``sinf`` (up to 2 ulps of error) and the CPU's differ by
+an ulp or a few; float64 sums in another order add far less. Modelled here by perturbing every cos/sin entry by a
+random relative ±2⁻²¹ (four float32 ulps; max over 5 draws: 5.2e-6 on 2026-11-25, where the old 1e-9 tolerance
+fails), that noise must stay ≥ 10× below the tolerance, and the faults the comparison is there to catch — the last
+token's position off by one (1.39), one row of one weight matrix 1 % off (5.8e-3), the weights rounded to bfloat16
+(3.2e-2) — must each move the logits ≥ 10× above it. (Shifting *every* position by one is no fault for RoPE: it
+only moves the logits by rounding, 4e-6.)
 """
 
 from __future__ import annotations
@@ -37,26 +39,27 @@ def test_tolerance_sits_between_device_noise_and_a_wrong_weight_or_position(tiny
     exact = rotary.forward
     gen = torch.Generator().manual_seed(0)
 
-    def two_ulps(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def four_ulps(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = exact(x, position_ids)
-        jitter = lambda t: t * (1 + (torch.rand(t.shape, generator=gen, dtype=t.dtype) * 2 - 1) * 2**-22)  # noqa: E731
+        jitter = lambda t: t * (1 + (torch.rand(t.shape, generator=gen, dtype=t.dtype) * 2 - 1) * 2**-21)  # noqa: E731
         return jitter(cos), jitter(sin)
 
-    rotary.forward = two_ulps
+    rotary.forward = four_ulps
     try:
         noise = max(float((target(ids).logits - base).abs().max()) for _ in range(5))
     finally:
         rotary.forward = exact
 
-    shifted = target(ids, position_ids=torch.arange(1, ids.shape[1] + 1)[None]).logits
-    one_weight = copy.deepcopy(target)
-    one_weight.model.layers[0].self_attn.q_proj.weight[0, 0] *= 1.01
+    positions = torch.arange(ids.shape[1])[None].clone()
+    positions[0, -1] += 1
+    one_row = copy.deepcopy(target)
+    one_row.model.layers[0].mlp.down_proj.weight[0].mul_(1.01)
     rounded = copy.deepcopy(target)
     for parameter in rounded.parameters():
         parameter.copy_(parameter.to(torch.bfloat16))
-    faults = {"position + 1": float((shifted - base).abs().max()),
-              "one weight 1 % off": float((one_weight(ids).logits - base).abs().max()),
+    faults = {"last position + 1": float((target(ids, position_ids=positions).logits - base).abs().max()),
+              "one weight row 1 % off": float((one_row(ids).logits - base).abs().max()),
               "weights rounded to bfloat16": float((rounded(ids).logits - base).abs().max())}
     assert noise > 0  # the perturbation reached the logits
-    assert noise * 100 <= CPU_GPU_LOGIT_ATOL, (noise, CPU_GPU_LOGIT_ATOL)
-    assert all(error >= 100 * CPU_GPU_LOGIT_ATOL for error in faults.values()), (faults, CPU_GPU_LOGIT_ATOL)
+    assert noise * 10 <= CPU_GPU_LOGIT_ATOL, (noise, CPU_GPU_LOGIT_ATOL)
+    assert all(error >= 10 * CPU_GPU_LOGIT_ATOL for error in faults.values()), (faults, CPU_GPU_LOGIT_ATOL)
