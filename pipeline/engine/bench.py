@@ -13,10 +13,12 @@ rows (and FAISS-GPU when FAISS sees a GPU).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
-from pipeline.timing import median_seconds
+from pipeline.timing import interleaved_medians, median_seconds
 
 
 class _Head(torch.nn.Module):
@@ -42,7 +44,7 @@ def unbalanced_assignment(vocab: int, clusters: int, seed: int = 0) -> np.ndarra
 
 def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, static: int = 32_768,
                routed_share: float = 0.22, router_hidden: int = 512, repeats: int = 50, device: str | None = None,
-               dtype: str | None = None, interpreted_repeats: int = 3) -> dict:
+               dtype: str | None = None, interpreted_repeats: int = 1) -> dict:
     """Time one draft step's head: full vs static vs routed (router + the routed head), for each path of the routed
     head (:mod:`pipeline.engine.routed_head`: ``kernel`` where Triton is installed — interpreted on CPU, which is
     a correctness run, not a speed figure —, ``torch`` and ``blocks``), all on one head in one run.
@@ -56,7 +58,8 @@ def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, s
         repeats: Timed calls per variant (median reported).
         device: cpu or cuda (default: cuda when present).
         dtype: float32 (CPU default) or bfloat16 (CUDA default).
-        interpreted_repeats: Timed calls of the kernel when Triton's interpreter runs it (CPU).
+        interpreted_repeats: Timed calls of the kernel when Triton's interpreter runs it (CPU; no warm-up: at
+            128k × 4096 one interpreted call takes ~20 s).
 
     Returns:
         ``{"device", "dtype", "shape", "clusters", "k", "rows", "paths", "ms", "vs_full"}``; ``ms`` holds
@@ -105,13 +108,24 @@ def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, s
         return torch.topk(router(feature), k).indices
 
     rows = int(routed.shortlist(h, chosen).count)
-    ms = {name: 1e3 * median_seconds(fn, dev, repeats) for name, fn in
-          (("full", full), ("static", static_head), ("router_mlp_topk", router_only))}
+
+    def on(path: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            routed.mode = path
+            return fn()
+        return call
+
+    # every variant timed in turn in each round (a shared machine's load moves them alike); the interpreted
+    # kernel (seconds per call on CPU) apart, after them
+    interpreted = dev.type != "cuda"
+    fns = {"full": full, "static": static_head, "router_mlp_topk": router_only}
     for path in paths:
-        routed.mode = path
-        n = interpreted_repeats if path == "kernel" and dev.type != "cuda" else repeats
-        ms[f"head_{path}"] = 1e3 * median_seconds(head_only, dev, n)
-        ms[f"routed_{path}"] = 1e3 * median_seconds(routed_step, dev, n)
+        if not (path == "kernel" and interpreted):
+            fns |= {f"head_{path}": on(path, head_only), f"routed_{path}": on(path, routed_step)}
+    ms = {name: 1e3 * s for name, s in interleaved_medians(fns, dev, repeats).items()}
+    if "kernel" in paths and interpreted:  # no compilation to warm up
+        ms["head_kernel"] = 1e3 * median_seconds(on("kernel", head_only), dev, interpreted_repeats, warmup=0)
+        ms["routed_kernel"] = 1e3 * median_seconds(on("kernel", routed_step), dev, interpreted_repeats, warmup=0)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return {"device": name, "dtype": str(dt).replace("torch.", ""), "shape": [vocab, hidden], "clusters": clusters,
             "k": k, "rows": {"full": vocab, "static": static, "routed": rows, "capacity": routed.capacity(k)},
@@ -139,7 +153,7 @@ def bench_heads(steps: int = 10) -> str:
     (at least 200 repeats: a tiny head's step is too short to time fewer), as one :func:`head_table`."""
     results = [bench_head(repeats=steps)]
     results.append(bench_head(vocab=2048, hidden=96, clusters=64, static=512, routed_share=0.25, router_hidden=256,
-                              repeats=max(steps, 200), interpreted_repeats=20))
+                              repeats=max(steps, 200), interpreted_repeats=5))
     return head_table(results)
 
 

@@ -14,7 +14,8 @@ a range, then the kept tokens whose cluster was not chosen):
   default on CUDA when Triton is installed. On CPU tensors Triton's interpreter runs it (tests; slow).
 * ``torch`` — the same without Triton: each output slot's row found by a search over the ranges' cumulative
   lengths, rows gathered and multiplied in chunks of fixed size (no host synchronisation, fixed shapes; it
-  computes the padding slots too, which the kernel skips).
+  computes the padding slots too, which the kernel skips). The default on CUDA without Triton; on the CPU its
+  gather costs more than the full head (README, Measured), hence ``blocks`` there.
 * ``blocks`` — one matmul per contiguous run of chosen clusters on views of the head (no copy, no padding);
   the host reads the chosen clusters to slice, which on CPU costs no synchronisation. The CPU default.
 
