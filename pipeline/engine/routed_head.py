@@ -24,6 +24,7 @@ a range, then the kept tokens whose cluster was not chosen):
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -43,6 +44,19 @@ CHUNK_ELEMENTS = 1 << 20
 def triton_available() -> bool:
     """Whether Triton is installed (not imported: the kernel module is loaded on first use)."""
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def kernel_loads() -> bool:
+    """Whether the kernel module imports (Triton installed and importable with this torch): ``auto`` on CUDA uses the
+    kernel only then, the torch path otherwise."""
+    if not triton_available():
+        return False
+    try:
+        from pipeline.engine import routed_triton  # noqa: F401  # deferred: pulls in triton
+    except Exception:  # a Triton that does not import with this torch/CUDA: the torch path serves
+        return False
+    return True
 
 
 def keep_tensor(keep_ids: Sequence[int], vocab: int, device: torch.device) -> Tensor:
@@ -88,7 +102,7 @@ class RoutedHead:
         model: The drafter (its output embedding is the head).
         clustering: The head's :class:`~pipeline.dynaspec.clusters.Clustering` (checked against the head).
         keep_ids: Token ids in every shortlist (EOS).
-        mode: ``auto`` (the kernel on CUDA with Triton, ``torch`` on CUDA without it, ``blocks`` on CPU),
+        mode: ``auto`` (the kernel on CUDA where Triton imports, ``torch`` on CUDA otherwise, ``blocks`` on CPU),
             ``kernel``, ``torch`` or ``blocks``; see the module docstring.
         block_rows: Rows per kernel work item (default 32 on CUDA; 256 on CPU, where Triton's interpreter runs the
             kernel and each work item costs milliseconds).
@@ -117,7 +131,7 @@ class RoutedHead:
             raise DrafterError("The routed head's kernel needs Triton.", expected="triton installed",
                                found="no triton module", fix="pip install triton, or use mode torch or blocks.")
         if mode == "auto":
-            mode = ("kernel" if triton_available() else "torch") if device.type == "cuda" else "blocks"
+            mode = ("kernel" if kernel_loads() else "torch") if device.type == "cuda" else "blocks"
         self.mode = mode
         self.block_rows = block_rows or (32 if device.type == "cuda" else 256)
         sizes = np.diff(offsets)
