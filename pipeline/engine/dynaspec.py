@@ -3,10 +3,10 @@
 :class:`RoutedShortlistProposer` (DynaSpec, Zhang et al., §4.2–4.3 and Alg. 1): at draft position ``t``
 the router scores the ``M`` token clusters from ``[E(x_t), h_{t-1}]``, the top ``k_c(t)`` clusters
 (a fixed ``k`` — DynaSpec-F — or Eq. 3's position-aware budget — DynaSpec-PA) form the shortlist, and
-the drafter's head is evaluated on those rows only (:class:`~pipeline.engine.routed_head.RoutedHead`: rows stored
-by cluster, so a shortlist is a few contiguous ranges — on CUDA one Triton kernel reading them in place into a
-fixed-capacity buffer, on CPU one matmul per range on views) — never the full head then a mask. Tokens the caller must always be able to draft (EOS) are added when
-their cluster is not chosen. ``q`` is the softmax over the shortlist (after the sampling transforms)
+the drafter's head is evaluated on those rows only (:class:`~pipeline.engine.routed_head.RoutedHead`: rows
+stored by cluster, so a shortlist is a few contiguous ranges — on CUDA one Triton kernel reading them in place
+into a fixed-capacity buffer, on CPU one matmul per range on views) — never the full head then a mask. Tokens
+the caller must always be able to draft (EOS) are added when their cluster is not chosen. ``q`` is the softmax over the shortlist (after the sampling transforms)
 scattered into target ids — exactly the law the drafts are drawn from, so verification over the full
 vocabulary keeps decoding lossless. On CUDA the router runs on a side stream while the drafter body
 computes ``h_t`` (§4.3, Fig. 1); on CPU they run one after the other.

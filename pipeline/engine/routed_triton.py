@@ -11,8 +11,9 @@ share of the padding past the valid length, and program 0 writes that length. Th
 what it knows without reading the device: the tiles of the ``k`` largest clusters plus the kept rows' tiles.
 
 This module imports Triton; :mod:`pipeline.engine.routed_head` imports it only when the kernel path is used.
-On CUDA tensors the compiled kernel runs; on CPU tensors (or with ``TRITON_INTERPRET=1``) Triton's interpreter
-runs the same kernel, which is how the tests check it on machines without a GPU.
+On CUDA tensors the compiled kernel runs; on CPU tensors Triton's interpreter runs the same kernel, with or without
+``TRITON_INTERPRET=1`` (which interprets every kernel, CUDA ones too), which is how the tests check it on machines
+without a GPU.
 """
 
 from __future__ import annotations
