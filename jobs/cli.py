@@ -63,8 +63,9 @@ BENCHES: dict[str, Bench] = {
                   "pipeline.evaluation.bench:bench_eval", ("cfg", "counts", "out")),
     "train": Bench("one EAGLE-3 training step vs the frozen target's forward on the same batch\n"
                    "              (needs generate and count built)", "jobs.train_drafter:bench", ("cfg", "steps")),
-    "head": Bench("one draft step's LM head, full vs static 32k vs DynaSpec-routed, at 128k x 4096 and\n"
-                  "              the tiny kit's size", "pipeline.engine.bench:bench_heads", ("steps",)),
+    "head": Bench("one draft step's LM head, full vs static 32k vs DynaSpec-routed (Triton kernel, torch path,\n"
+                  "              per-block views), at 128k x 4096 and the tiny kit's size",
+                  "pipeline.engine.bench:bench_heads", ("steps",)),
     "cluster": Bench("FAISS spherical k-means vs scikit-learn KMeans", "pipeline.engine.bench:bench_cluster"),
     "rdk": Bench("moment estimation throughput and memory vs a dense |T|^2 matrix, and one draft step\n"
                  "              of TLI vs RDK-Taylor vs the prior mix vs exact sparse RDK at 128k",

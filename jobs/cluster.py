@@ -2,8 +2,9 @@
 
 Run alone with ``drafter cluster --config configs/tiny.yaml``. Reads the head of ``cluster.drafter`` (the
 same-tokenizer drafter DynaSpec routes over), normalises each token's row to unit length, and clusters
-the rows into ``cluster.clusters`` unbalanced clusters with FAISS (``faiss-gpu`` when FAISS sees a GPU,
-``faiss-cpu`` otherwise; inner-product metric, seeded). Not a training job, so no Lightning: it follows the
+the rows into ``cluster.clusters`` unbalanced clusters with FAISS (a GPU index whenever FAISS sees a GPU —
+the ``gpu`` extra's ``faiss-gpu`` —, the CPU index otherwise, with a log line saying why; inner-product metric,
+seeded). Not a training job, so no Lightning: it follows the
 stage contract (artifact id, manifest, atomic publish, MLflow run) like every other stage. Writes
 ``clusters.safetensors`` (token → cluster assignment, unit centroids; the head's SHA-256 in its metadata)
 and ``clusters.json`` (sizes, imbalance, where the special tokens fell, timing).
@@ -11,6 +12,7 @@ and ``clusters.json`` (sizes, imbalance, where the special tokens fell, timing).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.artifacts import Artifact
@@ -27,14 +29,15 @@ SUMMARY: tuple[str, ...] = ("clusters", "max_over_mean", "cluster_seconds")
 """Metrics ``drafter run`` prints for this stage: clusters, their largest size over the mean and clustering time."""
 
 
-def cluster_head(cfg: PipelineConfig, weight: object, log: object = None) -> object:
-    """The clustering this config asks for, of ``weight`` (a ``(V, d)`` head)."""
+def cluster_head(cfg: PipelineConfig, weight: object, log: Callable[[str], None] | None = None) -> object:
+    """The clustering this config asks for, of ``weight`` (a ``(V, d)`` head); ``log`` hears why the CPU index was
+    used when ``cluster.device=auto`` and FAISS sees no GPU (or its GPU run failed)."""
     from pipeline.dynaspec.clusters import spherical_kmeans  # deferred: pulls in numpy
 
     cc = cfg.cluster
     use_gpu = None if cc.device == "auto" else cc.device == "cuda"
     return spherical_kmeans(weight, cc.clusters, niter=cc.niter, redo=cc.redo, seed=cc.seed, use_gpu=use_gpu,
-                            max_points_per_centroid=cc.max_points_per_centroid)
+                            max_points_per_centroid=cc.max_points_per_centroid, log=log)
 
 
 def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult:
@@ -54,7 +57,7 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult:
                            expected="the target's vocabulary (DynaSpec drafts over the target's token ids)",
                            found="another vocabulary",
                            fix="Set cluster.drafter to a same-tokenizer drafter (like evaluate.drafter).")
-    clustering = cluster_head(cfg, weight)
+    clustering = cluster_head(cfg, weight, run.log)
     specials = sorted(set(tokenizer.all_special_ids))
     summary = clustering.summary(specials)
     run.log(f"{clustering.num_clusters} clusters of {clustering.vocab_size} head rows in {summary['seconds']:.2f} s "

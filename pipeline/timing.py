@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 
-def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls after 3 warm-up calls (CUDA synchronised)."""
-    for _ in range(3):
+def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after ``warmup`` warm-up calls (CUDA synchronised)."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
@@ -24,3 +24,21 @@ def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) ->
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int,
+                        warmup: int = 3) -> dict[str, float]:
+    """Median seconds of each of ``fns``, timed in turn within each of ``repeats`` rounds (after ``warmup`` rounds),
+    so a load that comes and goes on a shared machine moves every variant alike and their ratios hold."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_index in range(warmup + repeats):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if round_index >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(values)) for name, values in times.items()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,13 +160,22 @@ class Clustering:
         with safe_open(str(path), framework="numpy") as handle:
             head = (handle.metadata() or {}).get("head_sha256", "")
         meta = json.loads((Path(directory) / SUMMARY_FILE).read_text()) if (Path(directory) / SUMMARY_FILE).is_file() else {}
-        keep = {k: meta[k] for k in ("backend", "seconds", "niter", "redo", "seed", "objective") if k in meta}
+        keep = {k: meta[k] for k in ("backend", "seconds", "niter", "redo", "seed", "objective", "cpu_reason") if k in meta}
         return cls(tensors["assignment"], tensors["centroids"], head, keep)
+
+
+def faiss_gpu_status(faiss: Any) -> tuple[int, str]:
+    """GPUs FAISS sees, and when none why not (this FAISS build has no GPU support, or no CUDA device is visible)."""
+    if not hasattr(faiss, "StandardGpuResources") or not hasattr(faiss, "get_num_gpus"):
+        return 0, (f"the installed FAISS ({faiss.__version__}) is a CPU-only build: install the gpu extra "
+                   f"(pip install '.[gpu]', the faiss-gpu package) in place of faiss-cpu")
+    gpus = int(faiss.get_num_gpus())
+    return gpus, "" if gpus else f"FAISS {faiss.__version__} has GPU support but sees no CUDA device"
 
 
 def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int = 1, seed: int = 0,
                      use_gpu: bool | None = None, max_points_per_centroid: int | None = None,
-                     verbose: bool = False) -> Clustering:
+                     verbose: bool = False, log: Callable[[str], None] | None = None) -> Clustering:
     """Spherical k-means of the head's unit rows with FAISS (DynaSpec §4.2).
 
     Args:
@@ -174,10 +184,13 @@ def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int =
         niter: Lloyd iterations per run.
         redo: Independent runs (different seeds); the one with the best objective is kept.
         seed: FAISS's seed: the same weight and arguments give the same clustering.
-        use_gpu: FAISS-GPU (``faiss-gpu``) when True; None: when CUDA GPUs are visible to FAISS.
+        use_gpu: True: FAISS-GPU (the ``faiss-gpu`` package), an error without a GPU; False: the CPU index;
+            None: a GPU index whenever FAISS sees a GPU, else (or when the GPU run fails) the CPU index, and
+            ``log`` says why.
         max_points_per_centroid: FAISS samples at most this many rows per centroid for training; None
             trains on every row. The assignment always covers every row.
         verbose: FAISS's progress lines.
+        log: Where the line saying why the CPU index was used goes (also kept in ``meta["cpu_reason"]``).
 
     Returns:
         The :class:`Clustering` (assignment by nearest centroid under inner product, every token in
@@ -191,27 +204,59 @@ def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int =
         raise DrafterError("The number of token clusters does not fit the vocabulary.",
                            expected=f"cluster.clusters in [1, {vocab}] (the head has {vocab} rows)",
                            found=str(clusters), fix="Set cluster.clusters to a smaller number.")
-    gpus = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
-    if use_gpu is None:
-        use_gpu = gpus > 0
+    gpus, why_not = faiss_gpu_status(faiss)
     if use_gpu and gpus == 0:
         raise DrafterError("cluster.device=cuda but FAISS sees no GPU.",
                            expected="faiss-gpu (pip install '.[gpu]') on a machine with CUDA",
-                           found=f"faiss {faiss.__version__} with 0 GPUs", fix="Use cluster.device=auto or cpu.")
+                           found=why_not, fix="Use cluster.device=auto or cpu.")
     started = time.perf_counter()
-    kmeans = faiss.Kmeans(dim, clusters, niter=niter, nredo=redo, seed=seed, spherical=True, gpu=bool(use_gpu),
+    cpu_reason = "" if use_gpu or gpus else why_not
+    if use_gpu is False:
+        cpu_reason = "cluster.device=cpu"
+    result = None
+    if use_gpu or (use_gpu is None and gpus):
+        try:
+            result = _kmeans(faiss, x, clusters, niter, redo, seed, max_points_per_centroid, verbose, gpu=True)
+        except Exception as error:  # a GPU run that fails (memory, CUDA runtime) falls back when not forced
+            if use_gpu:
+                raise
+            cpu_reason = f"the FAISS GPU run failed ({type(error).__name__}: {error})"
+    if result is None:
+        if use_gpu is None and log is not None:
+            log(f"k-means on the CPU index: {cpu_reason}")
+        result = _kmeans(faiss, x, clusters, niter, redo, seed, max_points_per_centroid, verbose, gpu=False)
+    centroids, nearest, objective, on_gpu = result
+    meta = {"backend": f"faiss-{'gpu' if on_gpu else 'cpu'} {faiss.__version__}",
+            "seconds": round(time.perf_counter() - started, 4), "niter": niter, "redo": redo, "seed": seed,
+            "objective": objective}
+    if not on_gpu:
+        meta["cpu_reason"] = cpu_reason
+    return Clustering(nearest, centroids, head_sha256(weight), meta)
+
+
+def _kmeans(faiss: Any, x: np.ndarray, clusters: int, niter: int, redo: int, seed: int,
+            max_points_per_centroid: int | None, verbose: bool, gpu: bool
+            ) -> tuple[np.ndarray, np.ndarray, float, bool]:
+    """FAISS spherical k-means on one backend: centroids, every row's nearest centroid, objective, on GPU."""
+    vocab, dim = x.shape
+    kmeans = faiss.Kmeans(dim, clusters, niter=niter, nredo=redo, seed=seed, spherical=True, gpu=gpu,
                           verbose=verbose, max_points_per_centroid=max_points_per_centroid or vocab,
                           min_points_per_centroid=1)
     kmeans.train(x)
     centroids = np.ascontiguousarray(kmeans.centroids, dtype=np.float32)
     index = faiss.IndexFlatIP(dim)
+    if gpu:
+        index = faiss.index_cpu_to_all_gpus(index)
     index.add(centroids)
     _, nearest = index.search(x, 1)
-    seconds = time.perf_counter() - started
     objective = float(kmeans.obj[-1]) if len(kmeans.obj) else float("nan")
-    meta = {"backend": f"faiss-{'gpu' if use_gpu else 'cpu'} {faiss.__version__}", "seconds": round(seconds, 4),
-            "niter": niter, "redo": redo, "seed": seed, "objective": objective}
-    return Clustering(nearest[:, 0].astype(np.int64), centroids, head_sha256(weight), meta)
+    return centroids, nearest[:, 0].astype(np.int64), objective, gpu
+
+
+def mean_cosine_to_centroid(weight: Any, clustering: Clustering) -> float:
+    """Mean cosine between each head row and its cluster's centroid: the quality of an assignment."""
+    x = normalised_rows(weight)
+    return float(np.einsum("ij,ij->i", x, clustering.centroids[clustering.assignment]).mean())
 
 
 def sklearn_kmeans_seconds(weight: Any, clusters: int, *, niter: int = 20, seed: int = 0) -> float:

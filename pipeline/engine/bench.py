@@ -3,7 +3,8 @@
 :func:`bench_head`: one draft step's LM head at a realistic size (default 128k × 4096, Llama-3-8B's head)
 and at the tiny kit's size: the full head, a static FR-Spec head (a pre-sliced ``(k, d)`` matrix), and
 the routed head (router MLP + top-k + the chosen clusters' rows, the code the proposer runs: rows stored
-by cluster, one gathered GEMM on CUDA, per-block matmuls on views on CPU), with the routed shortlist sized like DynaSpec's (≈ 28k of 128k). Weights are
+by cluster) on each of its paths — the Triton kernel, the torch path without host synchronisation, per-block
+matmuls on views —, with the routed shortlist sized like DynaSpec's (≈ 28k of 128k). Weights are
 synthetic (latency does not depend on their values) and the clusters unbalanced (log-normal sizes).
 
 :func:`bench_cluster`: spherical k-means with FAISS against scikit-learn's ``KMeans`` on the same unit
@@ -12,10 +13,12 @@ rows (and FAISS-GPU when FAISS sees a GPU).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
-from pipeline.timing import median_seconds
+from pipeline.timing import interleaved_medians, median_seconds
 
 
 class _Head(torch.nn.Module):
@@ -41,8 +44,10 @@ def unbalanced_assignment(vocab: int, clusters: int, seed: int = 0) -> np.ndarra
 
 def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, static: int = 32_768,
                routed_share: float = 0.22, router_hidden: int = 512, repeats: int = 50, device: str | None = None,
-               dtype: str | None = None) -> dict:
-    """Time one draft step's head: full vs static vs routed (router + selection + gathered matmul).
+               dtype: str | None = None, interpreted_repeats: int = 1) -> dict:
+    """Time one draft step's head: full vs static vs routed (router + the routed head), for each path of the routed
+    head (:mod:`pipeline.engine.routed_head`: ``kernel`` where Triton is installed — interpreted on CPU, which is
+    a correctness run, not a speed figure —, ``torch`` and ``blocks``), all on one head in one run.
 
     Args:
         vocab, hidden: The head's shape.
@@ -53,13 +58,17 @@ def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, s
         repeats: Timed calls per variant (median reported).
         device: cpu or cuda (default: cuda when present).
         dtype: float32 (CPU default) or bfloat16 (CUDA default).
+        interpreted_repeats: Timed calls of the kernel when Triton's interpreter runs it (CPU; no warm-up: at
+            128k × 4096 one interpreted call takes ~20 s).
 
     Returns:
-        ``{"device", "shape", "rows", "ms", "vs_full"}``.
+        ``{"device", "dtype", "shape", "clusters", "k", "rows", "paths", "ms", "vs_full"}``; ``ms`` holds
+        ``full``, ``static``, ``router_mlp_topk`` and, per path, ``routed_<path>`` (router + head) and
+        ``head_<path>`` (the routed head alone, given the clusters).
     """
     from pipeline.dynaspec.clusters import Clustering, head_sha256  # deferred: pulls in numpy
     from pipeline.dynaspec.router import Router  # deferred: pulls in torch
-    from pipeline.engine.dynaspec import RoutedHead  # deferred: pulls in torch
+    from pipeline.engine.routed_head import RoutedHead, triton_available  # deferred: pulls in torch
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
@@ -69,13 +78,14 @@ def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, s
     assignment = unbalanced_assignment(vocab, clusters)
     clustering = Clustering(assignment, np.zeros((clusters, hidden), np.float32), head_sha256(weight))
     model = _Head(weight)
-    routed = RoutedHead(model, clustering, keep_ids=[0])
+    routed = RoutedHead(model, clustering, keep_ids=[0], mode="torch")  # one stored head; its path switched below
     router = Router(2 * hidden, router_hidden, clusters).to(device=dev, dtype=dt).eval()
     feature = torch.randn(2 * hidden, generator=gen).to(device=dev, dtype=dt)
     # k: clusters whose mean union size is the routed share (by the mean cluster size)
     k = max(1, min(clusters, round(routed_share * clusters)))
     static_rows = weight[:static].clone()
     chosen = torch.topk(router(feature), k).indices
+    paths = (["kernel"] if triton_available() else []) + ["torch", "blocks"]
 
     @torch.no_grad()
     def full() -> torch.Tensor:
@@ -86,36 +96,55 @@ def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, s
         return torch.nn.functional.linear(h, static_rows)
 
     @torch.no_grad()
-    def gather_only() -> torch.Tensor:
-        return routed.shortlist(h, chosen)[1]
+    def head_only() -> torch.Tensor:
+        return routed.shortlist(h, chosen).logits
 
     @torch.no_grad()
     def routed_step() -> torch.Tensor:
-        return routed.shortlist(h, torch.topk(router(feature), k).indices)[1]
+        return routed.shortlist(h, torch.topk(router(feature), k).indices).logits
 
     @torch.no_grad()
     def router_only() -> torch.Tensor:
         return torch.topk(router(feature), k).indices
 
-    rows = int(routed.shortlist(h, chosen)[0].numel())
-    ms = {name: 1e3 * median_seconds(fn, dev, repeats) for name, fn in
-          (("full", full), ("static", static_head), ("routed", routed_step), ("routed_gather_matmul", gather_only),
-           ("router_mlp_topk", router_only))}
+    rows = int(routed.shortlist(h, chosen).count)
+
+    def on(path: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            routed.mode = path
+            return fn()
+        return call
+
+    # every variant timed in turn in each round (a shared machine's load moves them alike); the interpreted
+    # kernel (seconds per call on CPU) apart, after them
+    interpreted = dev.type != "cuda"
+    fns = {"full": full, "static": static_head, "router_mlp_topk": router_only}
+    for path in paths:
+        if not (path == "kernel" and interpreted):
+            fns |= {f"head_{path}": on(path, head_only), f"routed_{path}": on(path, routed_step)}
+    ms = {name: 1e3 * s for name, s in interleaved_medians(fns, dev, repeats).items()}
+    if "kernel" in paths and interpreted:  # no compilation to warm up
+        ms["head_kernel"] = 1e3 * median_seconds(on("kernel", head_only), dev, interpreted_repeats, warmup=0)
+        ms["routed_kernel"] = 1e3 * median_seconds(on("kernel", routed_step), dev, interpreted_repeats, warmup=0)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return {"device": name, "dtype": str(dt).replace("torch.", ""), "shape": [vocab, hidden], "clusters": clusters,
-            "k": k, "rows": {"full": vocab, "static": static, "routed": rows}, "ms": ms,
+            "k": k, "rows": {"full": vocab, "static": static, "routed": rows, "capacity": routed.capacity(k)},
+            "paths": paths, "interpreted": dev.type != "cuda", "ms": ms,
             "vs_full": {n: v / ms["full"] for n, v in ms.items()}}
 
 
 def head_table(results: list[dict]) -> str:
-    lines = ["| head | device | dtype | rows | full ms | static ms (× full) | routed ms (× full) | of which shortlist head | router |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| head | device | dtype | routed path | rows (full / static / routed / capacity) | full ms | "
+             "static ms (× full) | routed ms (× full) | of which routed head | router |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        ms, vs = r["ms"], r["vs_full"]
-        lines.append(f"| {r['shape'][0]}×{r['shape'][1]}, M={r['clusters']}, k={r['k']} | {r['device']} | {r['dtype']} | "
-                     f"{r['rows']['full']} / {r['rows']['static']} / {r['rows']['routed']} | {ms['full']:.3f} | "
-                     f"{ms['static']:.3f} ({vs['static']:.2f}×) | {ms['routed']:.3f} ({vs['routed']:.2f}×) | "
-                     f"{ms['routed_gather_matmul']:.3f} | {ms['router_mlp_topk']:.3f} |")
+        ms, vs, n = r["ms"], r["vs_full"], r["rows"]
+        for path in r["paths"]:
+            label = path + (" (Triton interpreter: not a speed figure)" if path == "kernel" and r["interpreted"] else "")
+            lines.append(f"| {r['shape'][0]}×{r['shape'][1]}, M={r['clusters']}, k={r['k']} | {r['device']} | "
+                         f"{r['dtype']} | {label} | {n['full']} / {n['static']} / {n['routed']} / {n['capacity']} | "
+                         f"{ms['full']:.3f} | {ms['static']:.3f} ({vs['static']:.2f}×) | {ms[f'routed_{path}']:.3f} "
+                         f"({vs[f'routed_{path}']:.2f}×) | {ms[f'head_{path}']:.3f} | {ms['router_mlp_topk']:.3f} |")
     return "\n".join(lines)
 
 
@@ -124,7 +153,7 @@ def bench_heads(steps: int = 10) -> str:
     (at least 200 repeats: a tiny head's step is too short to time fewer), as one :func:`head_table`."""
     results = [bench_head(repeats=steps)]
     results.append(bench_head(vocab=2048, hidden=96, clusters=64, static=512, routed_share=0.25, router_hidden=256,
-                              repeats=max(steps, 200)))
+                              repeats=max(steps, 200), interpreted_repeats=5))
     return head_table(results)
 
 

@@ -3,10 +3,10 @@
 :class:`RoutedShortlistProposer` (DynaSpec, Zhang et al., §4.2–4.3 and Alg. 1): at draft position ``t``
 the router scores the ``M`` token clusters from ``[E(x_t), h_{t-1}]``, the top ``k_c(t)`` clusters
 (a fixed ``k`` — DynaSpec-F — or Eq. 3's position-aware budget — DynaSpec-PA) form the shortlist, and
-the drafter's head is evaluated on those rows only: the head's rows are stored once sorted by cluster,
-so a shortlist is a handful of contiguous blocks — on CUDA gathered into one ``(B, d)`` matrix for a
-single GEMM, on CPU multiplied block by block as views (no copy) — never the full head then a mask. Tokens the caller must always be able to draft (EOS) are added when
-their cluster is not chosen. ``q`` is the softmax over the shortlist (after the sampling transforms)
+the drafter's head is evaluated on those rows only (:class:`~pipeline.engine.routed_head.RoutedHead`: rows
+stored by cluster, so a shortlist is a few contiguous ranges — on CUDA one Triton kernel reading them in place
+into a fixed-capacity buffer, on CPU one matmul per range on views) — never the full head then a mask. Tokens
+the caller must always be able to draft (EOS) are added when their cluster is not chosen. ``q`` is the softmax over the shortlist (after the sampling transforms)
 scattered into target ids — exactly the law the drafts are drawn from, so verification over the full
 vocabulary keeps decoding lossless. On CUDA the router runs on a side stream while the drafter body
 computes ``h_t`` (§4.3, Fig. 1); on CPU they run one after the other.
@@ -29,6 +29,7 @@ from torch import Generator, Tensor
 
 from pipeline.dynaspec.budget import ClusterBudget, pa_fr
 from pipeline.engine.proposers import HeadStats, LinearHead, Proposal, require_context, timed_call
+from pipeline.engine.routed_head import RoutedHead, keep_tensor
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import ModelSession, TargetState
 from pipeline.errors import DrafterError
@@ -50,15 +51,6 @@ def _per_gamma(value: Any, gamma: int, what: str) -> Any:
     return value[min(above)] if above else value[max(value)]
 
 
-def _keep_tensor(keep_ids: Sequence[int], vocab: int, device: torch.device) -> Tensor:
-    keep = sorted({int(t) for t in keep_ids})
-    bad = [t for t in keep if not 0 <= t < vocab]
-    if bad:
-        raise DrafterError("Tokens to keep in every shortlist lie outside the drafter's vocabulary.",
-                           expected=f"ids in [0, {vocab})", found=str(bad), fix="Pass the target's EOS id(s).")
-    return torch.tensor(keep, dtype=torch.long, device=device)
-
-
 def _require_keep(keep_ids: Sequence[int], what: str) -> None:
     if not list(keep_ids):
         raise DrafterError(f"The {what} would exclude the end-of-sequence token.",
@@ -73,7 +65,7 @@ def _draw(ids: Tensor, logits: Tensor, params: SamplingParams, generator: Genera
     probs = standardise(logits, params)
     token = int(ids[int(sample(probs, generator))])
     row = torch.zeros(width, dtype=torch.float64, device=logits.device)
-    inside = ids < width
+    inside = (ids >= 0) & (ids < width)  # -1: a padding slot of a fixed-capacity shortlist (probability 0)
     row[ids[inside]] = probs[inside]
     return token, row
 
@@ -82,84 +74,6 @@ def _proposal(tokens: list[int], rows: list[Tensor], width: int) -> Proposal:
     """Drafted tokens (``-1`` for one with no target id: always rejected) and their q rows."""
     q = torch.stack(rows) if rows else torch.zeros(0, width, dtype=torch.float64)
     return Proposal([t if t < width else -1 for t in tokens], q)
-
-
-class RoutedHead:
-    """A drafter's LM head stored by cluster, evaluated on the union of chosen clusters.
-
-    Args:
-        model: The drafter (its output embedding is the head).
-        clustering: The head's :class:`~pipeline.dynaspec.clusters.Clustering` (checked against the head).
-        keep_ids: Token ids in every shortlist (EOS).
-    """
-
-    def __init__(self, model: torch.nn.Module, clustering: Any, keep_ids: Sequence[int], mode: str = "auto") -> None:
-        weight = model.get_output_embeddings().weight
-        clustering.check_head(weight)
-        device = weight.device
-        order, offsets = clustering.layout()
-        self.order = torch.from_numpy(order).to(device)
-        self.offsets = torch.from_numpy(offsets).to(device)
-        self.sizes = self.offsets[1:] - self.offsets[:-1]
-        self.assignment = torch.from_numpy(clustering.assignment).to(device)
-        self.head = LinearHead(model, self.order)  # rows in cluster order: a cluster is one contiguous block
-        self.num_clusters = clustering.num_clusters
-        keep = _keep_tensor(keep_ids, clustering.vocab_size, device)
-        position = torch.empty_like(self.order)
-        position[self.order] = torch.arange(self.order.numel(), device=device)
-        self.keep_clusters = self.assignment[keep]
-        self.keep_rows = position[keep]
-        if mode not in ("auto", "gather", "blocks"):
-            raise DrafterError("Unknown routed-head mode.", expected="auto, gather or blocks", found=repr(mode))
-        # CUDA: one gather + one GEMM (few launches); CPU: one matmul per contiguous run of chosen clusters
-        # on views of the cluster-sorted rows (no copy: a gather costs more than the matmul it feeds here).
-        self.mode = ("gather" if device.type == "cuda" else "blocks") if mode == "auto" else mode
-        self._offsets = offsets.tolist()
-        self._keep = list(zip(self.keep_clusters.tolist(), self.keep_rows.tolist()))
-
-    def select(self, clusters: Tensor) -> Tensor:
-        """Row indices (into the cluster-sorted head) of the chosen clusters' union, plus kept tokens."""
-        clusters = torch.sort(clusters).values
-        lengths = self.sizes[clusters]
-        starts = self.offsets[clusters]
-        total = int(lengths.sum())
-        # arange over each [start, start + length) block, concatenated, without a Python loop
-        shift = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
-        rows = torch.arange(total, device=clusters.device) + shift
-        if self.keep_rows.numel():
-            chosen = torch.zeros(self.num_clusters, dtype=torch.bool, device=clusters.device)
-            chosen[clusters] = True
-            extra = self.keep_rows[~chosen[self.keep_clusters]]
-            if extra.numel():
-                rows = torch.cat([rows, extra])
-        return rows
-
-    def shortlist(self, hidden: Tensor, clusters: Tensor) -> tuple[Tensor, Tensor]:
-        """``(token ids, logits)`` of the chosen clusters' union plus kept tokens (ids in the order of the
-        logits; the same set and values in either mode)."""
-        if self.mode == "gather":
-            rows = self.select(clusters)
-            return self.order[rows], self.head(hidden, rows)
-        chosen = sorted(set(clusters.tolist()))
-        runs: list[list[int]] = []
-        for c in chosen:  # merge adjacent clusters into one contiguous block
-            if runs and runs[-1][1] == self._offsets[c]:
-                runs[-1][1] = self._offsets[c + 1]
-            else:
-                runs.append([self._offsets[c], self._offsets[c + 1]])
-        picked = set(chosen)
-        runs += [[row, row + 1] for cluster, row in self._keep if cluster not in picked]
-        weight, bias = self.head.weight, self.head.bias
-        parts = [torch.nn.functional.linear(hidden, weight[a:b], None if bias is None else bias[a:b]) for a, b in runs]
-        ids = torch.cat([self.order[a:b] for a, b in runs])
-        return ids, self.head.finish(torch.cat(parts) if len(parts) > 1 else parts[0])
-
-    def logits(self, hidden: Tensor, rows: Tensor) -> Tensor:
-        """Logits of ``rows`` only: one gathered ``(B, d)`` block, one matmul."""
-        return self.head(hidden, rows)
-
-    def token_ids(self, rows: Tensor) -> Tensor:
-        return self.order[rows]
 
 
 class RoutedShortlistProposer:
@@ -246,9 +160,9 @@ class RoutedShortlistProposer:
                 previous, hidden = hidden, hidden_next
             else:
                 clusters, _ = self._route_and_step(token, previous, budget.at(t), advance=False)
-            (ids, logits), seconds = timed_call(hidden.device, self.routed.shortlist, hidden, clusters)
-            self.head_stats.add(t, int(ids.numel()), seconds)
-            token, row = _draw(ids, logits, params, generator, self.target_vocab_size)
+            routed, seconds = timed_call(hidden.device, self.routed.shortlist, hidden, clusters)
+            self.head_stats.add(t, int(routed.count), seconds)
+            token, row = _draw(routed.ids, routed.logits, params, generator, self.target_vocab_size)
             tokens.append(token)
             dists.append(row)
         # the last drafted token was never fed: the session holds context + tokens[:-1]
@@ -289,7 +203,7 @@ class PositionAwareFrequencyProposer:
         device = self.session.device
         self.ranking = ranking.to(device)
         self.head = LinearHead(model, self.ranking)  # rows in ranking order: K_fr(t) rows are a prefix
-        keep = _keep_tensor(keep_ids, vocab, device)
+        keep = keep_tensor(keep_ids, vocab, device)
         rank_of = torch.full((vocab,), vocab, dtype=torch.long, device=device)
         rank_of[self.ranking] = torch.arange(self.ranking.numel(), device=device)
         self._keep, self._keep_rank = keep, rank_of[keep]

@@ -19,10 +19,11 @@ from torch import Generator
 from pipeline.dynaspec.budget import ClusterBudget, ShortlistPolicy
 from pipeline.dynaspec.clusters import spherical_kmeans
 from pipeline.dynaspec.router import Router
-from pipeline.engine.dynaspec import PositionAwareFrequencyProposer, RoutedHead, RoutedShortlistProposer
+from pipeline.engine.dynaspec import PositionAwareFrequencyProposer, RoutedShortlistProposer
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.methods import build_proposer
 from pipeline.engine.proposers import Proposal
+from pipeline.engine.routed_head import RoutedHead, triton_available
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import TargetState
 from pipeline.errors import DrafterError
@@ -30,6 +31,14 @@ from tests.engine.conftest import assert_acceptance_law, assert_counts_match, me
 
 GREEDY = SamplingParams()
 CLUSTERS = 24
+NEEDS_TRITON = pytest.mark.skipif(not triton_available(), reason="triton is not installed (the dev extra installs it)")
+KERNEL = pytest.param("kernel", marks=NEEDS_TRITON)
+"""The routed head's Triton kernel, run by Triton's interpreter on these CPU tensors."""
+
+
+def kernel_case(method: str) -> Any:
+    """``(method, "kernel")``: the method with its routed head computed by the (interpreted) Triton kernel."""
+    return pytest.param(method, "kernel", marks=NEEDS_TRITON, id=f"{method}-kernel")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +72,14 @@ def kit(tiny_kit) -> dict[str, Any]:
 def _inputs(kit: dict[str, Any], method: str) -> Any:
     return method_inputs(method, drafter=kit["drafter"], clustering=kit["clustering"], router=kit["router"],
                          policy=kit["policy"], target_vocab_size=kit["target"].config.vocab_size)
+
+
+def _proposer(kit: dict[str, Any], method: str, head: str = "auto") -> Any:
+    """The registry's proposer; with ``head`` other than auto, its routed head computed by that path."""
+    proposer = build_proposer(method, _inputs(kit, method))
+    if head != "auto":
+        proposer.routed = RoutedHead(kit["drafter"], kit["clustering"], [kit["tokenizer"].eos_token_id], mode=head)
+    return proposer
 
 
 class Recording:
@@ -117,39 +134,41 @@ def _accepts_and_rejects(results: list[Any]) -> tuple[int, int]:
     return accepted, rejected
 
 
-def test_routed_head_is_the_full_heads_rows(kit) -> None:
-    """For any chosen clusters the gathered head's logits equal the full head's logits at the shortlist ids
-    (float64, to 1e-12: a smaller matmul may sum in another order), the ids are the chosen clusters' members plus EOS, each once."""
-    heads = [RoutedHead(kit["drafter"], kit["clustering"], [kit["tokenizer"].eos_token_id], mode=m)
-             for m in ("gather", "blocks")]
-    head = heads[0]
+@pytest.mark.parametrize("mode", [KERNEL, "torch", "blocks"])
+def test_routed_head_is_the_full_heads_rows(kit, mode: str) -> None:
+    """For any chosen clusters the routed head's logits equal the full head's logits at the shortlist ids
+    (float64, to 1e-12: a smaller matmul may sum in another order), the ids are the chosen clusters' members plus
+    EOS, each once, and the rest of the fixed-capacity buffer is padding (id -1, logit -inf)."""
+    eos = kit["tokenizer"].eos_token_id
+    head = RoutedHead(kit["drafter"], kit["clustering"], [eos], mode=mode)
     hidden = torch.randn(kit["drafter"].config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    full = kit["drafter"].get_output_embeddings()(hidden)
-    eos_cluster = int(kit["clustering"].assignment[kit["tokenizer"].eos_token_id])
+    full = kit["drafter"].get_output_embeddings()(hidden).detach()
+    eos_cluster = int(kit["clustering"].assignment[eos])
     for chosen in ([0], [3, 1, 7], list(range(CLUSTERS)), [c for c in range(5) if c != eos_cluster]):
-        rows = head.select(torch.tensor(chosen))
-        ids = head.token_ids(rows)
+        out = head.shortlist(hidden, torch.tensor(chosen))
+        n = int(out.count)
+        ids = out.ids[:n]
         members = set(np.flatnonzero(np.isin(kit["clustering"].assignment, chosen)).tolist())
-        assert sorted(ids.tolist()) == sorted(members | {kit["tokenizer"].eos_token_id})
+        assert sorted(ids.tolist()) == sorted(members | {eos})
         assert ids.unique().numel() == ids.numel()
-        # a smaller matmul may sum in another order: equal up to float64 rounding
-        torch.testing.assert_close(head.logits(hidden, rows), full[ids].detach(), rtol=0, atol=1e-12)
-        for each in heads:  # both layouts: the same shortlist, the full head's values
-            ids_, logits = each.shortlist(hidden, torch.tensor(chosen))
-            assert sorted(ids_.tolist()) == sorted(ids.tolist())
-            torch.testing.assert_close(logits, full[ids_].detach(), rtol=0, atol=1e-12)
+        assert out.ids.shape == out.logits.shape == (head.capacity(len(chosen)),)
+        assert (out.ids[n:] == -1).all() and torch.isneginf(out.logits[n:]).all()
+        torch.testing.assert_close(out.logits[:n], full[ids], rtol=0, atol=1e-12)
+        rows, count = head.select(torch.tensor(chosen))  # the torch path's rows: the same set
+        assert int(count[0]) == n and sorted(head.token_ids(rows[0, :n]).tolist()) == sorted(ids.tolist())
 
 
-@pytest.mark.parametrize("method", ["dynaspec", "dynaspec_pa"])
-def test_q_is_the_routed_law_from_scratch(kit, method: str) -> None:
+@pytest.mark.parametrize(("method", "head"), [("dynaspec", "auto"), ("dynaspec_pa", "auto"), ("dynaspec_pa", "torch"),
+                                             kernel_case("dynaspec_pa")])
+def test_q_is_the_routed_law_from_scratch(kit, method: str, head: str) -> None:
     """Every q row equals the law recomputed from scratch (atol 1e-9): over a sampled generation
     (temperature 0.8, top-p 0.95, γ 4) and over a greedy one (γ 5) whose rounds are each also asked with
     those sampling parameters first, so re-synced caches after accepts and rejects are covered."""
     params = SamplingParams(temperature=0.8, top_p=0.95)
     budget = kit["policy"].fixed if method == "dynaspec" else kit["policy"].pa
-    sampled = Recording(build_proposer(method, _inputs(kit, method)))
+    sampled = Recording(_proposer(kit, method, head))
     results = [generate_speculative(kit["target"], sampled, kit["prompts"][0], 30, 4, params, torch.Generator().manual_seed(0))]
-    greedy = Recording(build_proposer(method, _inputs(kit, method)), shadow=params)
+    greedy = Recording(_proposer(kit, method, head), shadow=params)
     results.append(generate_speculative(kit["target"], greedy, kit["prompts"][1], 30, 5, GREEDY, torch.Generator()))
     accepted, rejected = _accepts_and_rejects(results)
     assert accepted > 0 and rejected > 0, (accepted, rejected)
@@ -162,14 +181,17 @@ def test_q_is_the_routed_law_from_scratch(kit, method: str) -> None:
                                    rtol=0, atol=1e-9)
 
 
-@pytest.mark.parametrize("method", ["dynaspec", "dynaspec_pa", "pa_fr"])
-def test_greedy_equals_autoregressive(kit, method: str) -> None:
+@pytest.mark.parametrize(("method", "head"), [("dynaspec", "auto"), ("dynaspec_pa", "auto"), ("pa_fr", "auto"),
+                                             ("dynaspec", "torch"), kernel_case("dynaspec_pa")])
+def test_greedy_equals_autoregressive(kit, method: str, head: str) -> None:
     """Every prompt, 40 new tokens, γ 1, 3 and 5: greedy speculative output is the autoregressive output
-    token for token, with drafts accepted and rejected; shortlist sizes follow the budget per position."""
-    proposer = build_proposer(method, _inputs(kit, method))
+    token for token, with drafts accepted and rejected; shortlist sizes follow the budget per position.
+    Through the interpreted kernel (slow): DynaSpec-PA, whose budget changes k at every position, γ 5 on two
+    prompts."""
+    proposer = _proposer(kit, method, head)
     results = []
-    for gamma in (1, 3, 5):
-        for prompt in kit["prompts"]:
+    for gamma in (5,) if head == "kernel" else (1, 3, 5):
+        for prompt in kit["prompts"][:2] if head == "kernel" else kit["prompts"]:
             ar = generate_autoregressive(kit["target"], prompt, 40, GREEDY, torch.Generator())
             spec = generate_speculative(kit["target"], proposer, prompt, 40, gamma, GREEDY, torch.Generator())
             assert spec.tokens == ar.tokens, (method, gamma, prompt)
@@ -178,6 +200,11 @@ def test_greedy_equals_autoregressive(kit, method: str) -> None:
     assert accepted > 0 and rejected > 0, (accepted, rejected)
     sizes = proposer.head_stats.per_position()
     assert len(sizes) == 5 and proposer.head_stats.ms_per_step() > 0
+    if head == "kernel":  # the shortlist sizes are the valid lengths the kernel left on the device
+        auto = _proposer(kit, method)
+        for prompt in kit["prompts"][:2]:
+            generate_speculative(kit["target"], auto, prompt, 40, 5, GREEDY, torch.Generator())
+        assert sizes == auto.head_stats.per_position()
     if method == "pa_fr":  # K_fr = 256, 256, 85, 64, 51 (+ EOS when it ranks below)
         assert [round(s) for s in sizes][:2] == [256, 256] or sizes[0] == 257
         assert sizes[2] < sizes[1] and sizes[4] < sizes[3]
@@ -204,15 +231,15 @@ def _real_case(kit: dict[str, Any], proposer: Any, params: SamplingParams) -> tu
     raise AssertionError("no context exercises every path of the verifier")
 
 
-@pytest.mark.parametrize("method", ["dynaspec_pa", "pa_fr"])
-def test_verify_level_output_law_and_acceptance_law(kit, method: str) -> None:
+@pytest.mark.parametrize(("method", "head"), [("dynaspec_pa", "auto"), ("pa_fr", "auto"), kernel_case("dynaspec_pa")])
+def test_verify_level_output_law_and_acceptance_law(kit, method: str, head: str) -> None:
     """Speculative sampling with the real rows of one γ = 3 proposal (temperature 1): over n = 200,000
     blocks (x_i ~ q_i, verified by verify_speculative), the first emitted token follows p_0 — including the
     tokens off the routed shortlist, emitted only through the residual — and the accepted count k follows
     [1-a0, a0(1-a1), a0 a1 (1-a2), a0 a1 a2], a_i = Σ min(p_i, q_i) (Leviathan et al. 2023, Thm. 3.5).
     Bound per outcome: Bernstein at e^-18 per side, |count - nπ| <= 6 + 6 sqrt(1 + nπ(1-π))
     (conftest.assert_counts_match); a zero-probability outcome must never occur."""
-    p, q = _real_case(kit, build_proposer(method, _inputs(kit, method)), SamplingParams(temperature=1.0))
+    p, q = _real_case(kit, _proposer(kit, method, head), SamplingParams(temperature=1.0))
     gen = torch.Generator().manual_seed(5)
     n = 200_000
     x, n_accepted, next_token = verify_blocks(p, q, n, gen)  # x_i ~ q_i, verified block by block
