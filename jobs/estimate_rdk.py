@@ -29,7 +29,8 @@ from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
 from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
-from pipeline.training.harness import shard_trainer
+from pipeline.training.harness import predict_shards, shard_trainer
+from pipeline.training.ranks import took_part
 from pipeline.vocab.tokens import vocab_hash
 
 SUMMARY: tuple[str, ...] = ("rows",)
@@ -124,12 +125,11 @@ def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tu
     pending = [i for i in range(len(shards)) if not staged_ok(run.staging / SHARD.format(i), run.log)]
     run.log(f"{len(train)} rows in {len(shards)} shards; {len(shards) - len(pending)} already summed (resumed)")
     started = time.perf_counter()
-    module = None
+    module, ranks = None, []
     if pending:
         module = _make_module(cfg, shards, pending, run.staging, vocab)
-        trainer = shard_trainer("estimate_rdk", er.accelerator, er.devices, er.num_nodes)
-        trainer.predict(module, return_predictions=False)
-        trainer.strategy.barrier()
+        trainer = shard_trainer("estimate_rdk", er.accelerator, er.devices, er.num_nodes, er.collective_timeout)
+        ranks = predict_shards(trainer, module, "estimate_rdk", er.collective_timeout)
         if not trainer.is_global_zero:
             return None
     unsound = [SHARD.format(i) for i in range(len(shards)) if not staged_ok(run.staging / SHARD.format(i), run.log)]
@@ -143,7 +143,8 @@ def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tu
     seconds = module.seconds if module is not None else 0.0
     figures = {"positions": total.count, "rows": len(train), "shards": len(shards),
                "resumed_shards": len(shards) - len(pending), "estimate_seconds": round(time.perf_counter() - started, 2),
-               "contexts_per_s": round(module.positions / seconds, 1) if module is not None and seconds else None}
+               "contexts_per_s": round(module.positions / seconds, 1) if module is not None and seconds else None,
+               **took_part(ranks)}
     return total, figures
 
 
@@ -301,7 +302,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     prior = RDKPrior(moments, levels, meta)
     metrics = {"positions": moments.count, "top_k_mass": round(moments.covered, 6), "nnz": moments.nnz,
                "sparse_mib": round(moments.sparse_bytes() / 2**20, 3), "dense_mib": round(moments.dense_bytes() / 2**20, 3),
-               **{k: v for k, v in figures.items() if isinstance(v, (int, float))}}
+               **{k: v for k, v in figures.items() if isinstance(v, (int, float))},
+               "nodes": figures["nodes"], "ranks": figures["ranks"]}
     for name, fit in levels.items():
         metrics[f"{name}.tau"] = fit.tau
         metrics.update({f"{name}.alpha.{k}": round(v, 6) for k, v in fit.figures["alpha"].items()})

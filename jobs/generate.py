@@ -39,7 +39,8 @@ from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
 from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
-from pipeline.training.harness import shard_trainer
+from pipeline.training.harness import predict_shards, shard_trainer
+from pipeline.training.ranks import took_part
 
 SUMMARY: tuple[str, ...] = ("rows", "assistant_tokens", "tokens_per_s")
 """Metrics ``drafter run`` prints for this stage: rows written, assistant tokens and generation throughput."""
@@ -153,7 +154,7 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     pending = [i for i in range(n_shards) if not staged_ok(run.staging / shard_name(i), run.log)]
     run.log(f"{len(prompts)} prompts in {n_shards} shards; {n_shards - len(pending)} already done (resumed)")
     started = time.perf_counter()
-    generated, gen_seconds = 0, 0.0
+    generated, gen_seconds, ranks = 0, 0.0, []
     if gen.kind == "raw":
         for shard in pending:
             rows = [r for _, c in prompts[shard * gen.shard_size : (shard + 1) * gen.shard_size]
@@ -161,9 +162,8 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
             write_staged(run.staging / shard_name(shard), lambda tmp, rows=rows: write_shard(tmp, rows))
     elif pending:
         module = _make_module(cfg, prompts, pending, run.staging)
-        trainer = shard_trainer("generate", gen.accelerator, gen.devices, gen.num_nodes)
-        trainer.predict(module, return_predictions=False)
-        trainer.strategy.barrier()
+        trainer = shard_trainer("generate", gen.accelerator, gen.devices, gen.num_nodes, gen.collective_timeout)
+        ranks = predict_shards(trainer, module, "generate", gen.collective_timeout)
         generated, gen_seconds = module.generated_tokens, module.generate_seconds
         if not trainer.is_global_zero:
             return None
@@ -185,7 +185,7 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     metrics = {"rows": rows, "shards": n_shards, "resumed_shards": n_shards - len(pending),
                "assistant_tokens": assistant, "generated_tokens": generated,
                "tokens_per_s": round(generated / gen_seconds, 1) if gen_seconds else 0.0,
-               "build_seconds": round(elapsed, 2), **source_report}
+               "build_seconds": round(elapsed, 2), **source_report, **took_part(ranks)}
     run.log(f"{rows} rows, {assistant} assistant tokens"
             + (f", {metrics['tokens_per_s']} generated tokens/s" if generated else ""))
 

@@ -1,10 +1,18 @@
-"""A real one-node Slurm cluster for tests: Debian ``slurm-wlm`` + ``munge``, started under a temp dir, stopped after.
+"""Real Slurm clusters for tests: Debian ``slurm-wlm`` + ``munge``, started under a temp dir, stopped after.
 
-``slurmctld`` and ``slurmd`` run as root with a ``slurm.conf`` written here (``select/cons_tres`` on cores,
-``proctrack/linuxproc``, ``task/none``, state and spool under the temp dir, free ports), ``munged`` as the
-munge user (left running if it already was). ``SLURM_CONF`` points the client tools (and so ``drafter
-submit``/``status``) at it for the fixture's lifetime. Needs root and the two packages; ``.ci/run`` installs
-them (``apt-get install slurm-wlm munge``) and sets ``DRAFTER_REQUIRE_SLURM=1``, which turns a missing
+Two layouts, both on this machine alone. The one-node cluster (``slurm_cluster``) runs ``slurmctld`` and one
+``slurmd`` named after this host. The two-node cluster (``two_node_slurm``) runs two ``slurmd`` (Debian builds
+Slurm with multiple-slurmd support), ``nodeA`` and ``nodeB``, each with one CPU, on 127.0.0.1 at its own port
+and in its own UTS namespace (``unshare --uts``), so a job step on each node sees that node's name as its host
+name — as on a real cluster. Those names resolve nowhere: a job must reach its first node by ``NodeAddr``,
+which is what ``slurm/stage.sbatch`` does. Both use ``select/cons_tres`` on cores, ``proctrack/linuxproc``,
+``task/none``, state and spool under the temp dir and free ports; ``munged`` runs as the munge user (left
+running if it already was). Daemons are stopped by the pids in their pid files.
+
+Each cluster is started once per session; the fixtures a test uses point the client tools (and so ``drafter
+submit``/``status``) at that cluster by setting ``SLURM_CONF`` for the test only (:meth:`SlurmCluster.active`),
+so both clusters can live in one pytest process. Needs root and the two packages; ``.ci/run`` installs them
+(``apt-get install slurm-wlm munge``) and sets ``DRAFTER_REQUIRE_SLURM=1``, which turns a missing
 installation into a failure instead of a skip.
 """
 
@@ -16,89 +24,164 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from tests.mlflow_server import free_port
 
-BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "munged")
+BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "munged", "unshare")
+TWO_NODES = ("nodeA", "nodeB")
+TWO_NODE_CLUSTER = "drafter-test-nodes"
+"""The two-node cluster's ClusterName (its jobs see it as ``SLURM_CLUSTER_NAME``)."""
 
 
 class SlurmCluster:
-    def __init__(self, root: Path) -> None:
+    """A test cluster under ``root``. ``nodes`` None: one node, this host; else one ``slurmd`` per name, each
+    in its own UTS namespace, all on 127.0.0.1."""
+
+    def __init__(self, root: Path, nodes: tuple[str, ...] | None = None) -> None:
         self.root = root
         self.conf = root / "slurm.conf"
         self.host = socket.gethostname()
-        self.procs: list[str] = []
+        self.multi = nodes is not None
+        self.nodes = nodes or (self.host,)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """This process's environment with the client tools pointed at this cluster."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    @contextmanager
+    def active(self) -> Iterator[SlurmCluster]:
+        """``SLURM_CONF`` points at this cluster inside the block (and back to what it was after)."""
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SLURM_CONF", str(self.conf))
+            yield self
+
+    def tool(self, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+        """A Slurm client command against this cluster."""
+        return subprocess.run(list(args), capture_output=True, text=True, env=self.env, check=check)
 
     def write_conf(self) -> None:
-        cpus = os.cpu_count() or 1
         mem_mb = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
-                          if line.startswith("MemTotal")) ) // 1024 // 2
+                          if line.startswith("MemTotal"))) // 1024 // 2
         for sub in ("state", "spool", "log"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        if self.multi:
+            for name in self.nodes:
+                (self.root / "spool" / name).mkdir(exist_ok=True)
+            spool, pid, log = self.root / "spool" / "%n", self.root / "slurmd-%n.pid", self.root / "log" / "slurmd-%n.log"
+            node_lines = [f"NodeName={name} NodeHostname={name} NodeAddr=127.0.0.1 Port={free_port()} CPUs=1 "
+                          f"RealMemory={mem_mb // len(self.nodes)} State=UNKNOWN" for name in self.nodes]
+            name = TWO_NODE_CLUSTER
+        else:
+            spool, pid, log = self.root / "spool", self.root / "slurmd.pid", self.root / "log" / "slurmd.log"
+            node_lines = [f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} RealMemory={mem_mb} "
+                          "State=UNKNOWN"]
+            name = "drafter-test"
         self.conf.write_text("\n".join([
-            "ClusterName=drafter-test", f"SlurmctldHost={self.host}", f"SlurmctldPort={free_port()}",
+            f"ClusterName={name}", f"SlurmctldHost={self.host}(127.0.0.1)", f"SlurmctldPort={free_port()}",
             f"SlurmdPort={free_port()}", "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SlurmUser=root", "SlurmdUser=root",
-            f"StateSaveLocation={self.root / 'state'}", f"SlurmdSpoolDir={self.root / 'spool'}",
-            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}", f"SlurmdPidFile={self.root / 'slurmd.pid'}",
-            f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={self.root / 'log' / 'slurmd.log'}", "AuthType=auth/munge", "MpiDefault=none",
-            "ReturnToService=2", "MinJobAge=3600", "KillWait=5",
-            f"NodeName={self.host} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN",
-            f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP", ""]))
+            f"StateSaveLocation={self.root / 'state'}", f"SlurmdSpoolDir={spool}",
+            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}", f"SlurmdPidFile={pid}",
+            f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={log}",
+            "AuthType=auth/munge", "MpiDefault=none", "ReturnToService=2", "MinJobAge=3600", "KillWait=5",
+            *node_lines,
+            f"PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP", ""]))
+
+    def pid_files(self) -> list[Path]:
+        slurmd = [self.root / f"slurmd-{n}.pid" for n in self.nodes] if self.multi else [self.root / "slurmd.pid"]
+        return [*slurmd, self.root / "slurmctld.pid"]
 
     def start(self, timeout: float = 60.0) -> None:
         self.write_conf()
-        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+        if not _munged_running():
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
-            subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", "munged"], check=True)
-        for daemon in ("slurmctld", "slurmd"):
-            subprocess.run([daemon, "-f", str(self.conf)], check=True)
-            self.procs.append(daemon)
-        os.environ["SLURM_CONF"] = str(self.conf)
+            started = subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", "munged"], capture_output=True, text=True)
+            if started.returncode != 0 and not _munged_running():  # not just another test process that won the race
+                raise RuntimeError(f"munged did not start: {started.stderr.strip()}")
+        subprocess.run(["slurmctld", "-f", str(self.conf)], check=True, env=self.env)
+        if self.multi:
+            for name in self.nodes:  # each node its own host name, as job steps on it will see
+                subprocess.run(["unshare", "--uts", "sh", "-c", f'hostname {name} && exec slurmd -f "$SLURM_CONF" -N {name}'],
+                               check=True, env=self.env)
+        else:
+            subprocess.run(["slurmd", "-f", str(self.conf)], check=True, env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
-            if out.returncode == 0 and out.stdout.strip() == "idle":
+            out = self.tool("sinfo", "-h", "-N", "-o", "%N %T")
+            states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+            if out.returncode == 0 and set(states) == set(self.nodes) and set(states.values()) == {"idle"}:
                 return
             time.sleep(1)
-        raise RuntimeError(f"the test Slurm node did not come up in {timeout:.0f} s; logs in {self.root / 'log'}")
+        raise RuntimeError(f"the test Slurm nodes {self.nodes} did not come up in {timeout:.0f} s; logs in "
+                           f"{self.root / 'log'}")
 
     def wait(self, job_ids: list[str], timeout: float = 900.0) -> None:
         """Until none of ``job_ids`` is queued or running."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            out = subprocess.run(["squeue", "-h", "-o", "%i", "-j", ",".join(job_ids)], capture_output=True,
-                                 text=True)
+            out = self.tool("squeue", "-h", "-o", "%i", "-j", ",".join(job_ids))
             if not out.stdout.strip():
                 return
             time.sleep(2)
         raise TimeoutError(f"jobs {job_ids} still queued after {timeout:.0f} s; logs in {self.root}")
 
     def stop(self) -> None:
-        subprocess.run(["scancel", "--full", "-u", "root"], capture_output=True)
-        for name in ("slurmd", "slurmctld"):
-            pid_file = self.root / f"{name}.pid"
+        self.tool("scancel", "--full", "-u", "root")
+        deadline = time.monotonic() + 30  # the jobs' processes end under their slurmd before it is stopped
+        while self.tool("squeue", "-h", "-o", "%i").stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid_file in self.pid_files():
             if pid_file.is_file():
                 subprocess.run(["kill", pid_file.read_text().strip()], capture_output=True)
-        os.environ.pop("SLURM_CONF", None)
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+def _munged_running() -> bool:
+    return subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0
+
+
+def _started(tmp_path_factory: pytest.TempPathFactory, name: str, nodes: tuple[str, ...] | None
+             ) -> Iterator[SlurmCluster]:
     missing = [b for b in BINARIES if shutil.which(b) is None]
     if missing or os.geteuid() != 0:
         why = f"Slurm binaries {missing} not installed" if missing else "not root (slurmd/munged need root)"
         if os.environ.get("DRAFTER_REQUIRE_SLURM") == "1":
             pytest.fail(f"{why}: `apt-get install -y slurm-wlm munge` as root (.ci/run does)")
         pytest.skip(f"{why}; .ci/run installs Slurm and runs these tests")
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    cluster = SlurmCluster(tmp_path_factory.mktemp(name), nodes)
     try:
         cluster.start()
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_one_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """The one-node cluster, started once per session (module fixtures use it inside ``cluster.active()``)."""
+    yield from _started(tmp_path_factory, "slurm", None)
+
+
+@pytest.fixture(scope="session")
+def slurm_two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """The two-node cluster (nodeA, nodeB), started once per session."""
+    yield from _started(tmp_path_factory, "slurm-nodes", TWO_NODES)
+
+
+@pytest.fixture
+def slurm_cluster(slurm_one_node: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The one-node cluster, with ``SLURM_CONF`` pointing at it for this test."""
+    with slurm_one_node.active() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def two_node_slurm(slurm_two_nodes: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The two-node cluster, with ``SLURM_CONF`` pointing at it for this test."""
+    with slurm_two_nodes.active() as cluster:
+        yield cluster

@@ -111,21 +111,22 @@ def _files(path: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def submitted(tmp_path_factory: pytest.TempPathFactory, tiny_kit, slurm_cluster: SlurmCluster,
+def submitted(tmp_path_factory: pytest.TempPathFactory, tiny_kit, slurm_one_node: SlurmCluster,
               mlflow_server: MlflowServer):
     """The chain submitted as jobs and waited for, and the same chain run in-process elsewhere."""
     workdir = tmp_path_factory.mktemp("submitted")
     cfg = _cfg(workdir, mlflow_server.uri)
-    rows = slurm.submit(cfg, CHAIN, [])
+    with slurm_one_node.active():
+        rows = slurm.submit(cfg, CHAIN, [])
     jobs = [row.job_id for row in rows if row.status == "submitted"]
-    slurm_cluster.wait(jobs)
+    slurm_one_node.wait(jobs)
     local = run(_cfg(tmp_path_factory.mktemp("local"), mlflow_server.uri), CHAIN)
     return cfg, rows, local
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_submitted_chain_ends_like_the_in_process_run(submitted) -> None:
+def test_submitted_chain_ends_like_the_in_process_run(submitted, slurm_cluster: SlurmCluster) -> None:
     cfg, rows, local = submitted
     assert [(r.stage, r.status) for r in rows] == [(s, "submitted") for s in CHAIN]
     by_stage = {r.stage: r for r in rows}
@@ -149,7 +150,7 @@ def test_submitted_chain_ends_like_the_in_process_run(submitted) -> None:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_second_submit_submits_nothing(submitted, capsys) -> None:
+def test_second_submit_submits_nothing(submitted, slurm_cluster: SlurmCluster) -> None:
     cfg, _, _ = submitted
     records = (cfg.workdir_path / "slurm" / "jobs.json").read_text()
     again = slurm.submit(cfg, CHAIN, [])
@@ -171,8 +172,8 @@ def test_requeue_mid_generate_resumes_and_ends_identically(tmp_path: Path, tiny_
     while not list(staging.glob("shard-*.arrow")) and time.monotonic() < deadline:
         time.sleep(0.2)  # until the first shard has landed
     assert list(staging.glob("shard-*.arrow")) and not plan(cfg, ["generate"])["generate"].cached
-    subprocess.run(["scontrol", "requeue", row.job_id], check=True)
-    subprocess.run(["scontrol", "update", f"JobId={row.job_id}", "StartTime=now"], check=True)  # skip the back-off
+    slurm_cluster.tool("scontrol", "requeue", row.job_id, check=True)
+    slurm_cluster.tool("scontrol", "update", f"JobId={row.job_id}", "StartTime=now", check=True)  # skip the back-off
     slurm_cluster.wait([row.job_id])
     step = plan(cfg, ["generate"])["generate"]
     assert slurm.job_state(row.job_id).state == "COMPLETED" and step.cached

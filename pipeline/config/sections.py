@@ -8,6 +8,7 @@ a job. :func:`load_config` reads a YAML file and ``key=value`` overrides into a 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,6 +107,10 @@ class SlurmConfig:
     """Further sbatch options written into every script's header verbatim (e.g. ``--exclusive``)."""
     logs: str | None = run_setting(None)
     """Directory of the job logs (``<stage>-<job id>.out``); null: ``<workdir>/slurm/logs``."""
+    socket_ifname: str | None = run_setting(None)
+    """Network interface the ranks of a multi-node job talk over (e.g. ``ib0``, ``eth0``): the job script exports
+    it as ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``. Null: those variables pass through from the
+    submitting shell when set there, else gloo and NCCL pick an interface themselves."""
     template: str | None = run_setting(None)
     """The batch script every stage's job is made from; null: ``slurm/stage.sbatch`` of this checkout. A copy of it
     may add site-specific setup (modules, containers) above the pipeline's command."""
@@ -123,6 +128,10 @@ class SlurmConfig:
                 ok = isinstance(value, str) if text else isinstance(value, int) and not isinstance(value, bool)
                 check_value(ok or (key == "mem" and value is None), f"slurm.stages.{stage}.{key}",
                             'a string, e.g. "24:00:00"' if text else "an integer", value)
+        check_value(self.socket_ifname is None or (isinstance(self.socket_ifname, str)
+                                                   and re.fullmatch(r"[A-Za-z0-9_.:@,^=-]+", self.socket_ifname)),
+                    "slurm.socket_ifname", "an interface name such as ib0, or a list NCCL and gloo accept (ib0,ib1)",
+                    self.socket_ifname)
         check_value(all(isinstance(x, str) and x.startswith("--") for x in self.extra), "slurm.extra",
                     "sbatch options starting with --", self.extra)
 

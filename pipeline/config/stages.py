@@ -62,6 +62,10 @@ class GenerateConfig:
     to ranks round-robin and seeded per shard, so the rows do not depend on it."""
     num_nodes: int = run_setting(1)
     """Nodes in the job (Slurm: $SLURM_JOB_NUM_NODES); ranks = num_nodes x devices. A run setting."""
+    collective_timeout: int = run_setting(1800)
+    """Seconds a rank waits for its peers in one collective (the start-up rendezvous, the barrier after its
+    shards) before it fails, ending the job instead of leaving it waiting on a dead or hung node. It must cover
+    the imbalance of one shard between ranks. A run setting."""
 
     def __post_init__(self) -> None:
         check_value(self.kind in ("target", "raw", "drafter"), "generate.kind", "target, raw or drafter", self.kind)
@@ -73,6 +77,8 @@ class GenerateConfig:
         for key in ("max_prompt_tokens", "max_new_tokens", "batch_size", "shard_size"):
             check_value(getattr(self, key) > 0, f"generate.{key}", "a positive integer", getattr(self, key))
         check_value(self.num_nodes >= 1, "generate.num_nodes", "an integer >= 1", self.num_nodes)
+        check_value(self.collective_timeout >= 1, "generate.collective_timeout", "seconds, an integer >= 1",
+                    self.collective_timeout)
         check_value(math.isfinite(self.temperature) and self.temperature >= 0, "generate.temperature",
                     "a finite number >= 0", self.temperature)
         check_value(0 < self.top_p <= 1, "generate.top_p", "a number in (0, 1]", self.top_p)
@@ -267,6 +273,8 @@ class EstimateRdkConfig:
     """Lightning devices; ranks estimate disjoint shards and rank 0 adds their sums."""
     num_nodes: int = run_setting(1)
     """Nodes (Slurm)."""
+    collective_timeout: int = run_setting(1800)
+    """Seconds a rank waits for its peers in one collective before it fails (as ``generate.collective_timeout``)."""
 
     def __post_init__(self) -> None:
         check_value(self.top_k >= 1, "estimate_rdk.top_k", "an integer >= 1", self.top_k)
@@ -278,6 +286,9 @@ class EstimateRdkConfig:
         check_value(self.heldout_max_positions >= 2, "estimate_rdk.heldout_max_positions", "an integer >= 2",
                     self.heldout_max_positions)
         check_value(self.code_problems >= 0, "estimate_rdk.code_problems", "an integer >= 0", self.code_problems)
+        check_value(self.num_nodes >= 1, "estimate_rdk.num_nodes", "an integer >= 1", self.num_nodes)
+        check_value(self.collective_timeout >= 1, "estimate_rdk.collective_timeout", "seconds, an integer >= 1",
+                    self.collective_timeout)
         check_value(bool(self.keep_fractions) and all(0 < f <= 1 for f in self.keep_fractions),
                     "estimate_rdk.keep_fractions", "shares of the vocabulary in (0, 1]", self.keep_fractions)
         check_value(bool(self.taus) and all(t > 0 for t in self.taus), "estimate_rdk.taus",

@@ -70,6 +70,11 @@ class TrainConfig:
     """Processes per node: auto (every GPU, or 1 on CPU), a count, or a list like "0,1"."""
     num_nodes: int = run_setting(1)
     """Nodes in the job (Slurm: $SLURM_JOB_NUM_NODES)."""
+    collective_timeout: int = run_setting(1800)
+    """Seconds a rank waits for its peers in one collective (the start-up rendezvous, a step's gradient
+    all-reduce, a checkpoint's barrier) before it fails: a hung or dead node ends the job (Slurm's
+    ``--kill-on-bad-exit`` then stops the other ranks) instead of leaving the others waiting. It must cover the
+    slowest checkpoint write on the shared filesystem."""
     checkpoint_every: int = run_setting(500)
     """Write a resumable checkpoint every this many optimizer steps (and after the last one)."""
     keep_checkpoints: int = run_setting(1)
@@ -90,7 +95,7 @@ class TrainConfig:
         _check(self.max_steps is None or self.max_steps > 0, "max_steps", "a positive integer or null",
                self.max_steps)
         for key in ("epochs", "global_batch_size", "micro_batch_size", "checkpoint_every", "keep_checkpoints",
-                    "log_every", "num_nodes"):
+                    "log_every", "num_nodes", "collective_timeout"):
             _check(getattr(self, key) >= 1, key, "an integer >= 1", getattr(self, key))
         _check(self.lr > 0, "lr", "a positive number", self.lr)
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "two numbers in [0, 1)",

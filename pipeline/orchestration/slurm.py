@@ -9,12 +9,15 @@ is submitted ``--requeue`` with a SIGUSR1 before its time limit on which the scr
 
 Jobs read the *resolved* config, written once per submission under ``<workdir>/slurm/`` (so editing the
 YAML later cannot change what a queued job computes), plus the stage's run settings derived from its
-allocation (accelerator, devices per node, nodes; none of them enters an artifact id). ``generate`` and
-``estimate_rdk`` spread their shards over the job's ranks (Lightning reads them from Slurm) and rank 0
-publishes once: one job per stage keeps the dependency chain one edge per stage and the publish step inside
-the job that produced the shards, where an array job would need a separate publish job and a barrier on
-shared disk. Every submission is recorded in ``<workdir>/slurm/jobs.json`` (artifact id → job), which
-:func:`status` reads back with ``squeue`` / ``sacct`` / ``scontrol``.
+allocation (accelerator, devices per node, nodes; none of them enters an artifact id). On several nodes every
+stage runs one ``srun`` task per rank and Lightning's Slurm environment gives each its ranks; the template
+points them at the first node's address (``MASTER_ADDR`` from its ``NodeAddr``, ``MASTER_PORT`` from the job
+id) and the config may name the network interface (:func:`job_environment`). ``generate`` and
+``estimate_rdk`` spread their shards over the job's ranks and global rank 0 publishes once: one job per stage
+keeps the dependency chain one edge per stage and the publish step inside the job that produced the shards,
+where an array job would need a separate publish job and a barrier on shared disk. Every submission is
+recorded in ``<workdir>/slurm/jobs.json`` (artifact id → job), which :func:`status` reads back with ``squeue`` /
+``sacct`` / ``scontrol``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED
                     "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT"})
 """Job states in which a job will still produce its artifact (a resubmission reuses it)."""
 RECORDS = "jobs.json"
+LAUNCH_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                              "MASTER_ADDR", "MASTER_PORT"})
+"""Variables of a torch.distributed launch that ``submit`` keeps out of its jobs' environment: a job's ranks and
+rendezvous come from its own allocation (Slurm and the template), never from the shell that submitted it."""
 
 
 @dataclass(frozen=True)
@@ -107,12 +114,23 @@ def header(cfg: PipelineConfig, stage: str, logs: Path) -> list[str]:
     return [f"#SBATCH {line}" for line in lines]
 
 
+def job_environment(cfg: PipelineConfig) -> dict[str, str]:
+    """Variables the job script exports for every rank, from the config: the network interface of gloo and NCCL
+    (``slurm.socket_ifname``). The rendezvous (``MASTER_ADDR``/``MASTER_PORT``) is the template's own, from the
+    allocation; anything else in the submitting shell passes through (sbatch's default ``--export=ALL``)."""
+    if not cfg.slurm.socket_ifname:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": cfg.slurm.socket_ifname, "NCCL_SOCKET_IFNAME": cfg.slurm.socket_ifname}
+
+
 def render(cfg: PipelineConfig, stage: str, logs: Path) -> str:
-    """The template with its ``#SBATCH`` block replaced by ``stage``'s header."""
+    """The template with its ``#SBATCH`` block replaced by ``stage``'s header, followed by the exports of
+    :func:`job_environment` (``#SBATCH`` lines must come before the first command)."""
     lines = _template(cfg).splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
     rest = [line for line in lines[first:] if not line.startswith("#SBATCH")]
-    return "\n".join([*lines[:first], *header(cfg, stage, logs), *rest]) + "\n"
+    exports = [f"export {key}={shlex.quote(value)}" for key, value in job_environment(cfg).items()]
+    return "\n".join([*lines[:first], *header(cfg, stage, logs), *exports, *rest]) + "\n"
 
 
 def _slurm_dir(cfg: PipelineConfig) -> Path:
@@ -232,7 +250,9 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
             tmp = config_path.with_suffix(".tmp")
             tmp.write_text(resolved)
             os.replace(tmp, config_path)
-    env = {**os.environ, "DRAFTER_CMD": f"{shlex.quote(python or sys.executable)} -m jobs.cli"}
+    # the launch variables of this process (an srun/torchrun or Lightning launch it runs in) say nothing of the jobs'
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES},
+           "DRAFTER_CMD": f"{shlex.quote(python or sys.executable)} -m jobs.cli"}
     jobs: dict[str, str] = {}
     rows: list[Submitted] = []
     for name, step in the_plan.stages.items():

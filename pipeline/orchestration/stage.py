@@ -108,7 +108,10 @@ def _build_and_publish(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifa
     run = StageRun(cfg, stage, aid, staging, step.fingerprint, inputs)
     started = time.perf_counter()
     result = build(run)
-    if result is None:  # a non-zero rank: its shards are in staging, rank zero publishes
+    if result is None or not launch.first_rank:
+        # A non-zero rank: its shards or checkpoints are in staging, rank zero publishes. Builds return None
+        # there themselves; a build that found nothing left to do (every shard staged, say, after a requeue)
+        # returns on every rank, and only the first may publish and log it.
         return None
     writer = store.writer(aid, kind=step.spec.kind, stage=stage, config=step.config,
                           inputs=[a.id for a in inputs], fingerprint=step.fingerprint)

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,11 @@ from pipeline.config.training import TrainConfig
 from pipeline.errors import DrafterError
 from pipeline.training import checkpoints as ckpt
 from pipeline.training.plan import RunPlan, trainable_parameters
+from pipeline.training.ranks import collectives, participants
 from pipeline.training.strategy import (
+    ddp_strategy,
     deepspeed_config,
+    device_count,
     planned_world_size,
     resolve_strategy,
     trainer_arguments,
@@ -59,16 +62,17 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
-def shard_trainer(stage: str, accelerator: str, devices: int | str, num_nodes: int):  # noqa: ANN201
+def shard_trainer(stage: str, accelerator: str, devices: int | str, num_nodes: int,
+                  collective_timeout: int = 1800):  # noqa: ANN201
     """The Lightning trainer of a sharded predict stage (generate, estimate_rdk): one shard per predict step,
-    each written atomically by the step, ranks splitting the pending shards.
+    each written atomically by the step, ranks splitting the pending shards. With more than one rank its
+    collectives give up after ``collective_timeout`` seconds (:func:`~pipeline.training.strategy.ddp_strategy`).
 
     Lightning's predict loop only *notes* a SIGTERM (preemption, ``scancel``, ``scontrol requeue``) and would
     keep producing shards until Slurm's SIGKILL, so a requeued job could race its own dying predecessor to the
     publish. The trainer stops before the next shard instead, with an error that says the rerun resumes.
     """
     import lightning as L
-
 
     class StopOnSigterm(L.Callback):
         def on_predict_batch_start(self, trainer, *_) -> None:  # noqa: ANN001
@@ -81,9 +85,22 @@ def shard_trainer(stage: str, accelerator: str, devices: int | str, num_nodes: i
     if isinstance(devices, str) and devices.isdigit():
         devices = int(devices)
     quiet_lightning()
+    several = num_nodes > 1 or device_count(accelerator, devices) > 1
     return L.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, logger=False,
+                     strategy=ddp_strategy(collective_timeout) if several else "auto",
                      plugins=slurm_plugins(), callbacks=[StopOnSigterm()], enable_checkpointing=False,
                      use_distributed_sampler=False, enable_model_summary=False, enable_progress_bar=False)
+
+
+def predict_shards(trainer: Any, module: Any, stage: str, collective_timeout: int) -> list[dict]:
+    """Run ``module``'s predict pass on ``trainer`` (each rank its shards), wait for every rank's shards (a
+    barrier) and return the ranks that took part (:func:`~pipeline.training.ranks.participants`). A peer lost
+    on the way is our error (:func:`~pipeline.training.ranks.collectives`)."""
+    with collectives(stage, trainer, collective_timeout, f"{stage}.collective_timeout"):
+        trainer.predict(module, return_predictions=False)
+        trainer.strategy.barrier()
+        return participants(trainer)
+
 
 @dataclass
 class TrainResult:
@@ -105,6 +122,9 @@ class TrainResult:
     best: dict | None = None
     """With ``eval_every``: the best evaluation (``step``, ``score``, ``metric``, all ``metrics``, weights'
     ``sha256``); the module then holds those weights. None without evaluation (the last weights)."""
+    ranks: list[dict] = field(default_factory=list)
+    """The ranks that trained in this call (:func:`~pipeline.training.ranks.participants`: rank, node rank, local
+    rank, host); this rank alone when the run was already finished and nothing trained."""
 
     @property
     def is_global_zero(self) -> bool:
@@ -186,17 +206,20 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
         return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world,
                            global_rank=trainer.global_rank, deepspeed_config=ds_config,
                            metrics=state.get("metrics", {}), mlflow_run_id=state.get("mlflow_run_id"),
-                           seconds=time.perf_counter() - started, best=_take_best(module, staging, state))
+                           seconds=time.perf_counter() - started, best=_take_best(module, staging, state),
+                           ranks=participants(trainer))
     # The Trainer exists before the checkpoint is read (its rank decides who cleans up), so the steps left
     # are set here; Lightning's own step counter starts at 0, ours at `start`.
     trainer.fit_loop.epoch_loop.max_steps = total - start
     lightning_module = HarnessModule(module, dataset, plan)
-    trainer.fit(lightning_module)
+    with collectives(label, trainer, cfg.collective_timeout, f"{label}.train.collective_timeout"):
+        trainer.fit(lightning_module)
+        ranks = participants(trainer)  # the process group outlives fit (Lightning does not destroy it)
     final = ckpt.read_checkpoint(ckpt.checkpoints(staging)[-1], expected)  # every rank: written before a barrier
     return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world,
                        global_rank=trainer.global_rank, deepspeed_config=ds_config,
                        metrics=lightning_module.last_metrics, mlflow_run_id=lightning_module.mlflow_run_id,
-                       seconds=time.perf_counter() - started, best=_take_best(module, staging, final))
+                       seconds=time.perf_counter() - started, best=_take_best(module, staging, final), ranks=ranks)
 
 
 def _take_best(module: Any, staging: Path, state: dict) -> dict | None:

@@ -13,6 +13,7 @@ three paths can be compared step for step (the CPU test does, against ``deepspee
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -29,21 +30,41 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _device_count(cfg: TrainConfig) -> int:
-    """Processes per node the run asks for (``auto`` means every GPU, or one process on CPU)."""
-    if isinstance(cfg.devices, int):
-        return cfg.devices
-    if str(cfg.devices).isdigit():
-        return int(cfg.devices)
-    if cfg.devices == "auto":
+def device_count(accelerator: str, devices: int | str) -> int:
+    """Processes per node that ``accelerator``/``devices`` ask for (``auto`` means every GPU, or one process on CPU)."""
+    if isinstance(devices, int):
+        return devices
+    if str(devices).isdigit():
+        return int(devices)
+    if devices == "auto":
         import torch
 
-        return torch.cuda.device_count() if _uses_cuda(cfg) else 1
-    return len([d for d in str(cfg.devices).split(",") if d.strip()])
+        return torch.cuda.device_count() if _cuda(accelerator) else 1
+    return len([d for d in str(devices).split(",") if d.strip()])
+
+
+def _device_count(cfg: TrainConfig) -> int:
+    return device_count(cfg.accelerator, cfg.devices)
+
+
+def _cuda(accelerator: str) -> bool:
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and cuda_available())
 
 
 def _uses_cuda(cfg: TrainConfig) -> bool:
-    return cfg.accelerator in ("gpu", "cuda") or (cfg.accelerator == "auto" and cuda_available())
+    return _cuda(cfg.accelerator)
+
+
+def ddp_strategy(collective_timeout: int) -> Any:
+    """Lightning's DDP strategy whose collectives give up after ``collective_timeout`` seconds.
+
+    The timeout reaches ``torch.distributed.init_process_group``: a rank whose peer died or hung fails its next
+    collective (gloo and NCCL alike) instead of waiting forever, and under ``srun --kill-on-bad-exit`` that ends
+    the whole job. Lightning reads ranks and the rendezvous address from its cluster environment (Slurm's under
+    ``srun``)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(timeout=timedelta(seconds=collective_timeout))
 
 
 def resolve_strategy(cfg: TrainConfig) -> str:
@@ -116,7 +137,8 @@ def trainer_arguments(cfg: TrainConfig, strategy: str, world_size: int = 1) -> d
         ds = deepspeed_config(cfg, world_size)
         del ds["gradient_accumulation_steps"]  # Lightning refuses it in the dict and sets the same value
         return {"accelerator": "gpu", "devices": cfg.devices, "num_nodes": cfg.num_nodes,
-                "strategy": DeepSpeedStrategy(config=ds), "precision": "bf16-mixed" if cfg.bf16 else "32-true"}
+                "strategy": DeepSpeedStrategy(config=ds, timeout=timedelta(seconds=cfg.collective_timeout)),
+                "precision": "bf16-mixed" if cfg.bf16 else "32-true"}
     # CPU and plain-GPU paths train in float32 (bf16 is a DeepSpeed setting, and fp32 keeps CPU runs exact),
     # unless cpu_bf16 asks for autocast on the CPU.
     clip = cfg.gradient_clipping or None
@@ -126,7 +148,8 @@ def trainer_arguments(cfg: TrainConfig, strategy: str, world_size: int = 1) -> d
     if strategy == "ddp":
         accelerator = "gpu" if _uses_cuda(cfg) else "cpu"
         devices = cfg.devices if cfg.devices != "auto" or accelerator == "gpu" else 1
-        return {"accelerator": accelerator, "devices": devices, "strategy": "ddp", **common}
+        return {"accelerator": accelerator, "devices": devices, "strategy": ddp_strategy(cfg.collective_timeout),
+                **common}
     accelerator = "gpu" if _uses_cuda(cfg) else "cpu"
     return {"accelerator": accelerator, "devices": 1, "strategy": "auto", **common}
 
