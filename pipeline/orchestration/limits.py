@@ -84,6 +84,22 @@ def _check_train_drafter(cfg: PipelineConfig) -> None:
          "tokens", f"Set train_drafter.max_length to {limit} or less.")
 
 
+def _check_train_dflash(cfg: PipelineConfig) -> None:
+    tc = cfg.train_dflash
+    limit = _context(cfg, cfg.target.model)
+    _fit("train_dflash.max_length", [tc.max_length], tc.max_length, limit, f"the target {cfg.target.model}",
+         "tokens", f"Set train_dflash.max_length to {limit} or less.")
+
+
+def _block_size(cfg: PipelineConfig) -> int | None:
+    """The block size of the evaluated DFlash drafter (None when its artifact does not say)."""
+    if not cfg.evaluate.dflash:
+        return cfg.train_dflash.block_size
+    manifest = read_manifest(Path(cfg.evaluate.dflash).expanduser().resolve(), kind="dflash_drafter")
+    size = manifest.get("config", {}).get("train_dflash", {}).get("block_size")
+    return size if isinstance(size, int) else None
+
+
 def _ttt_steps(cfg: PipelineConfig) -> int | None:
     """The draft steps the evaluated EAGLE-3 drafter was trained for (None when its artifact does not say)."""
     if not cfg.evaluate.eagle3:
@@ -144,7 +160,18 @@ def _check_evaluate(cfg: PipelineConfig) -> None:
         )
 
 
-_CHECKS = {"generate": _check_generate, "train_drafter": _check_train_drafter, "evaluate": _check_evaluate}
+    if "train_dflash" in stages and (size := _block_size(cfg)) is not None and gamma > size - 1:
+        raise DrafterError(
+            "evaluate.gammas asks the DFlash drafter for more drafts than one block holds.",
+            expected=f"every evaluate.gammas entry <= block_size - 1 = {size - 1}",
+            found=f"evaluate.gammas={ev.gammas}",
+            fix=f"Drop the gammas above {size - 1}, train with train_dflash.block_size={gamma + 1} or more, or drop "
+                f"{_using(cfg, 'train_dflash')} from evaluate.methods.",
+        )
+
+
+_CHECKS = {"generate": _check_generate, "train_drafter": _check_train_drafter, "train_dflash": _check_train_dflash,
+           "evaluate": _check_evaluate}
 
 
 def check_settings(cfg: PipelineConfig, stages: Collection[str]) -> None:
