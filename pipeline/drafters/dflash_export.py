@@ -14,8 +14,9 @@ reference keys — nothing else, because SGLang drops keys it does not know with
 **speculators layout** (:func:`export_speculators`), what ``speculators.models.dflash`` (0.9.0:
 ``DFlashSpeculatorConfig``, ``DFlashDraftModel``) loads and vLLM auto-detects by ``speculators_model_type``:
 ``transformer_layer_config`` (the Qwen3 layer config), ``aux_hidden_state_layer_ids`` = reference ids + 1 (the
-``hidden_states`` indices themselves), ``mask_token_id``, ``block_size`` and a greedy proposal of
-``speculative_tokens = B − 1``.
+``hidden_states`` indices themselves), ``mask_token_id``, ``block_size``, a greedy proposal of
+``speculative_tokens = B − 1`` and ``sliding_window_non_causal: true`` (vLLM derives ``causal = not
+sliding_window_non_causal`` for every layer: the block stays bidirectional).
 
 Both exports are written into a temp sibling and renamed into place (``out_dir`` must not exist or be empty);
 nothing here unpickles.
@@ -199,6 +200,12 @@ def speculators_config_dict(config: DFlashConfig, *, target_model: str, target_c
         "mask_token_id": config.mask_token_id,
         "block_size": config.block_size,
         "draft_vocab_size": config.vocab_size,
+        # vLLM 0.33.0 (transformers_utils/configs/speculators/algos.py, update_dflash) turns this into
+        # dflash_config.causal = not sliding_window_non_causal, which qwen3_dflash.py applies to *every* layer before
+        # looking at layer_types; speculators' own default (false) would serve the block causally. True keeps it
+        # bidirectional there; speculators reads it only for sliding-window layers, of which there are none.
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
         "dtype": layer["dtype"],
         PROVENANCE: _provenance(config, target_model),
     }

@@ -145,6 +145,7 @@ def test_reference_export_holds_exactly_the_reference_keys_and_fields(target, tm
     assert doc["layer_types"] == ["full_attention"] * 2 and doc["block_size"] == 4
     assert doc["num_target_layers"] == 6 and doc["num_hidden_layers"] == 2
     assert doc["dflash_config"] == {"target_layer_ids": list(drafter.config.target_layer_ids), "mask_token_id": 96}
+    assert "is_causal" not in doc  # vLLM and SGLang then take full_attention layers as bidirectional
     back = load_reference_export(out, target)
     assert back.config == drafter.config
     ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(2))
@@ -163,6 +164,12 @@ def test_speculators_export_stores_the_hidden_state_indices(target, tmp_path: Pa
     assert doc["aux_hidden_state_layer_ids"] == [i + 1 for i in drafter.config.target_layer_ids]
     assert doc["block_size"] == 4 and doc["mask_token_id"] == 96
     assert doc["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    # served bidirectionally: vLLM 0.33.0 sets dflash_config.causal = not sliding_window_non_causal (default true) and
+    # applies it to every layer; no layer is a sliding one, so speculators and SGLang attend both ways too
+    assert doc["sliding_window_non_causal"] is True and doc["sample_from_anchor"] is False
+    layer = doc["transformer_layer_config"]
+    assert layer["layer_types"] == ["full_attention"] * 2 and layer["use_sliding_window"] is False
+    assert "is_causal" not in layer and "is_causal" not in doc
 
 
 def test_tapped_layers_round_trip_to_the_same_hidden_states_through_both_layouts(target, tmp_path: Path) -> None:
