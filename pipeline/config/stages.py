@@ -363,10 +363,11 @@ class EvaluateConfig:
     same-tokenizer drafter pruned to each estimate_rdk level, without and with RDK redistribution) and tli_rdk /
     tli_rdk_taylor / tli_rdk_prior (the different-tokenizer drafter, TLI then RDK; all need estimate_rdk); slrs
     (string-level rejection sampling, Alg. 3) and slem_bytes (its exact-match baseline) with the byte-level
-    drafter."""
+    drafter; dflash (the DFlash block drafter of train_dflash) is opt-in: not in the default list, evaluated (and
+    train_dflash run) only when named here."""
     gammas: list[int] = field(default_factory=lambda: [4])
     """Draft lengths to try (each a row of the matrix): 1 to 64, and with method eagle3 at most the drafter's
-    train_drafter.ttt_steps (checked at plan time)."""
+    train_drafter.ttt_steps, with dflash at most train_dflash.block_size - 1 (checked at plan time)."""
     drafter: str = "tiny:default/drafter"
     """Drafter sharing the target's tokenizer (full head and shortlists)."""
     drafter_other: str | None = "tiny:default/drafter_other"

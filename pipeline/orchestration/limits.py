@@ -14,7 +14,8 @@ What each stage must fit, in positions of the model that reads them:
   ``max_new_tokens`` answer tokens (``kind: raw`` keeps at most as many tokens of the dataset's turns), so
   ``max_prompt_tokens + max_new_tokens`` must fit the target, which reads every row in later stages, and
   the answering drafter for ``kind: drafter``. No row is then longer than the target's context.
-* ``train_drafter``: ``max_length`` must fit the target, which computes the features of every kept position.
+* ``train_drafter`` and ``train_dflash``: ``max_length`` must fit the target, which computes the features of every
+  kept position.
 * ``evaluate``: a verify forward scores up to γ drafts and the position after them past the tokens kept,
   so the target and the same-tokenizer drafter must fit ``max_prompt_tokens + max_new_tokens +
   max(gammas) + 1``. (The loop drafts no further than ``max_new_tokens`` and so stays below this; the
@@ -31,6 +32,8 @@ What each stage must fit, in positions of the model that reads them:
   measure an extrapolation, not the method. Refused rather than warned: a τ at such a γ would enter the
   report and the gate as EAGLE-3's. The steps come from ``train_drafter.ttt_steps``, or from the manifest
   of the artifact ``evaluate.eagle3`` names.
+* ``evaluate`` with DFlash: every γ must be at most ``block_size − 1`` (one block's drafts), from
+  ``train_dflash.block_size`` or the manifest of the artifact ``evaluate.dflash`` names.
 """
 
 from __future__ import annotations
