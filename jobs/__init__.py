@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pipeline.orchestration.dag import STAGE_NAMES, plan
+from pipeline.orchestration.dag import STAGE_NAMES, default_stages, plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import log
 from pipeline.tiny import build_kit
@@ -26,12 +26,13 @@ if TYPE_CHECKING:
 STAGES: tuple[str, ...] = STAGE_NAMES
 
 
-def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES, launch: Launch | None = None) -> dict[str, Artifact]:
+def run(cfg: PipelineConfig, stages: Iterable[str] | None = None, launch: Launch | None = None) -> dict[str, Artifact]:
     """Run ``stages`` and whatever upstream stages they need (not cached, not named in the config).
 
     Args:
         cfg: The resolved config.
-        stages: Stages wanted (their uncached upstreams run too).
+        stages: Stages wanted (their uncached upstreams run too); None: the config's default run
+            (:func:`~pipeline.orchestration.dag.default_stages`).
         launch: How the process was started (the CLI reads it once at start); None reads the environment now.
 
     Returns:
@@ -39,7 +40,7 @@ def run(cfg: PipelineConfig, stages: Iterable[str] = STAGE_NAMES, launch: Launch
         than zero of a multi-rank launch the first sharded stage returns no artifact and this stops
         there (rank zero publishes and goes on).
     """
-    wanted = list(stages)
+    wanted = list(stages) if stages is not None else list(default_stages(cfg))
     launch = launch if launch is not None else Launch.from_environ()  # before any stage's Lightning edits it
     artifacts: dict[str, Artifact] = {}
     the_plan = plan(cfg, wanted)

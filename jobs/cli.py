@@ -28,7 +28,7 @@ from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
 from pipeline.models.loading import fingerprint
 from pipeline.orchestration import dag, slurm
-from pipeline.orchestration.dag import plan
+from pipeline.orchestration.dag import default_stages, plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import log
 from pipeline.registry import pull
@@ -336,15 +336,16 @@ def _run(args: argparse.Namespace, launch: Launch) -> int:
         if args.command in artifacts:
             print(_summary(cfg, {args.command: artifacts[args.command]}))
         return 0
-    artifacts = run(cfg, _wanted(args), launch)
+    artifacts = run(cfg, _wanted(args, cfg), launch)
     if artifacts:
         print(_summary(cfg, artifacts))
     return 0
 
 
-def _wanted(args: argparse.Namespace) -> tuple[str, ...]:
-
-    wanted = STAGES if not args.stages else tuple(s.strip() for s in args.stages.split(","))
+def _wanted(args: argparse.Namespace, cfg) -> tuple[str, ...]:
+    """The stages ``--stages`` names, else the config's default run (every stage but the opt-in ones it does not
+    ask for: ``default_stages``)."""
+    wanted = default_stages(cfg) if not args.stages else tuple(s.strip() for s in args.stages.split(","))
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
         raise DrafterError(f"Unknown stage(s) {unknown}.", expected=f"some of {list(STAGES)}")
@@ -361,7 +362,7 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def _slurm(args: argparse.Namespace, cfg) -> int:
 
-    wanted = list(_wanted(args))
+    wanted = list(_wanted(args, cfg))
     if args.command == "status":
         rows = [row.to_dict() for row in slurm.status(cfg, wanted)]
         if args.json:
@@ -390,7 +391,7 @@ def _slurm(args: argparse.Namespace, cfg) -> int:
 
 def _plan(args: argparse.Namespace, cfg) -> int:
 
-    wanted = _wanted(args)
+    wanted = _wanted(args, cfg)
     the_plan = plan(cfg, wanted)
     to_run = set(the_plan.needed(wanted))
     rows = [kit.row() for kit in the_plan.kits] + the_plan.table()

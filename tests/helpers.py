@@ -19,7 +19,8 @@ SMALL = ["target.model=tiny:test/target", "generate.limit=40", "generate.shard_s
          "evaluate.drafter_other=tiny:test/drafter_other", "evaluate.drafter_bytes=tiny:test/drafter_bytes",
          "mlflow.experiment=stages", "mlflow.log_artifacts=false",
          # within the test kit's 128-token context (checked at plan time): 64 + 32 + gamma 4 + 1 and 128
-         "evaluate.max_prompt_tokens=64", "evaluate.max_new_tokens=32", "train_drafter.max_length=128"]
+         "evaluate.max_prompt_tokens=64", "evaluate.max_new_tokens=32", "train_drafter.max_length=128",
+         "train_dflash.max_length=128"]
 
 
 TRAIN = ["train_drafter.ttt_steps=3", "train_drafter.eval_fraction=0.2", "train_drafter.train.max_steps=24",

@@ -21,7 +21,7 @@ from jobs.cli import main as cli_main
 from pipeline.config.sections import load_config
 from pipeline.data.calibration import iter_rows
 from pipeline.engine.methods import METHOD_NAMES, METHODS
-from pipeline.orchestration.dag import STAGE_NAMES, STAGES, plan
+from pipeline.orchestration.dag import STAGE_NAMES, STAGES, default_stages, plan
 from tests.helpers import SMALL, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_run_settings_stay_out_of_every_id(tmp_path: Path, tiny_kit) -> None:
                       "estimate_rdk.accelerator=gpu", "estimate_rdk.num_nodes=2")
     a, b = plan(here), plan(there)
     assert [s.id for s in a.stages.values()] == [s.id for s in b.stages.values()]
-    assert list(a.stages) == list(STAGE_NAMES)
+    assert list(a.stages) == list(default_stages(here)) == [s for s in STAGE_NAMES if s != "train_dflash"]
 
 
 @pytest.mark.slow
@@ -140,7 +140,8 @@ def test_drafter_plan_prints_ids_and_cache_status(tmp_path: Path, tiny_kit, caps
     args = ["plan", "--json", f"workdir={tmp_path}", *SMALL]
     assert cli_main(args) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["stage"], r["status"]) for r in rows] == [("tiny kit", "cached")] + [(s, "to run") for s in STAGE_NAMES]
+    default = default_stages(load_config(None, [f"workdir={tmp_path}", *SMALL]))  # train_dflash is opt-in
+    assert [(r["stage"], r["status"]) for r in rows] == [("tiny kit", "cached")] + [(s, "to run") for s in default]
     generate.main(load_config(None, [f"workdir={tmp_path}", *SMALL]))
     capsys.readouterr()  # Lightning's own console output
     assert cli_main(args) == 0
@@ -164,7 +165,7 @@ def test_plan_and_status_build_no_kit_and_name_it_as_a_row(tmp_path: Path, monke
     the_plan = plan(cfg)
     assert [k.row()["status"] for k in the_plan.kits] == ["to build"]
     assert the_plan.kits[0].row()["artifact_id"] == f"default-{kit_hash('default')}"
-    assert set(the_plan.stages) == set(STAGE_NAMES)
+    assert set(the_plan.stages) == set(default_stages(cfg))
     rows = slurm.status(cfg, list(STAGE_NAMES))
     assert [r.stage for r in rows] == list(STAGE_NAMES) and not any(r.artifact for r in rows)
     assert not cache.exists() or not any(cache.rglob("*.safetensors")), "planning must not build the kit"

@@ -36,7 +36,7 @@ def _ids(workdir: Path, *extra: str) -> dict[str, str]:
 
 
 def _changed(a: dict[str, str], b: dict[str, str]) -> set[str]:
-    return {name for name in STAGE_NAMES if a[name] != b[name]}
+    return {name for name in STAGE_NAMES if name in a and a[name] != b[name]}
 
 
 QUESTIONS = [f"Question number {i}: what is {i} plus {i}?" for i in range(30)]

@@ -52,7 +52,7 @@ def test_template_is_valid_bash_with_a_slurm_header() -> None:
 def test_every_stage_run_settings_keep_every_id(tmp_path: Path, tiny_kit) -> None:
     """A job's overrides for an 8-GPU x 2-node allocation (and for a CPU one) plan every stage's id
     unchanged: the next stage of the chain, on another node, finds the artifact."""
-    plain = plan(small_cfg(tmp_path))
+    plain = plan(small_cfg(tmp_path), STAGE_NAMES)  # every stage, the opt-in train_dflash included
     cpu = slurm.Resources(1, 1, 0, 2, None, "1:00:00")
     for stage in STAGE_NAMES:
         for res in (GPU_ALLOCATION, cpu):

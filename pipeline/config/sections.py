@@ -26,6 +26,7 @@ from pipeline.config.stages import (
     EstimateRdkConfig,
     EvaluateConfig,
     GenerateConfig,
+    TrainDFlashConfig,
     TrainDrafterConfig,
     TrainRouterConfig,
 )
@@ -150,6 +151,9 @@ class PipelineConfig:
     """Stage ``count``: token frequencies and shortlists."""
     train_drafter: TrainDrafterConfig = field(default_factory=TrainDrafterConfig)
     """Stage ``train_drafter``: the EAGLE-3 drafter (Lightning + DeepSpeed), on the calibration set."""
+    train_dflash: TrainDFlashConfig = field(default_factory=TrainDFlashConfig)
+    """Stage ``train_dflash``: the DFlash block drafter (same harness), on the calibration set; runs only when
+    asked for or when evaluate's methods include dflash."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Stage ``cluster``: spherical k-means (FAISS) of the drafter's LM head (DynaSpec)."""
     train_router: TrainRouterConfig = field(default_factory=TrainRouterConfig)

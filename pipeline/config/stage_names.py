@@ -4,5 +4,5 @@ A leaf: the config layer validates stage keys against it without importing the D
 (:data:`pipeline.orchestration.dag.STAGES`) is checked against it when it is built.
 """
 
-STAGE_NAMES: tuple[str, ...] = ("generate", "count", "train_drafter", "cluster", "train_router", "estimate_rdk",
-                                "evaluate")
+STAGE_NAMES: tuple[str, ...] = ("generate", "count", "train_drafter", "train_dflash", "cluster", "train_router",
+                                "estimate_rdk", "evaluate")

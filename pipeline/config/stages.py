@@ -1,4 +1,4 @@
-"""One configuration section per stage (``generate``, ``count``, ``train_drafter``, ``cluster``, ``train_router``,
+"""One configuration section per stage (``generate``, ``count``, ``train_drafter``, ``train_dflash``, ``cluster``, ``train_router``,
 ``estimate_rdk``, ``evaluate``), each field documented below it; :class:`~pipeline.config.sections.PipelineConfig`
 holds them beside the shared sections. Checks live in each section's ``__post_init__`` so a bad value fails when
 the config is read, not an hour into a job.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pipeline.config.method_names import METHOD_NAMES
+from pipeline.config.method_names import DEFAULT_METHOD_NAMES, METHOD_NAMES
 from pipeline.config.schema import check_value, input_override, run_setting
 from pipeline.config.training import TrainConfig
 
@@ -175,6 +175,62 @@ class TrainDrafterConfig:
                     "three layer indices or null", self.aux_layer_ids)
 
 
+def _dflash_training() -> TrainConfig:
+    # A freshly initialised drafter of a few layers: AdamW as for EAGLE-3, checkpoint choice by held-out
+    # simulated tau every 100 steps.
+    return TrainConfig(lr=6e-4, warmup_steps=50, global_batch_size=16, micro_batch_size=4, eval_every=100,
+                       checkpoint_every=100)
+
+
+@dataclass
+class TrainDFlashConfig:
+    calibration: str | None = input_override()
+    """Train on this calibration artifact directory instead of the one ``generate`` builds for this config
+    (its artifact id, not this path, enters the train_dflash id)."""
+    num_layers: int = 1
+    """Draft layers (Qwen3-style decoder layers; the published Qwen3-8B drafter has 5)."""
+    block_size: int = 8
+    """B: the block's rows (the last verified token and B - 1 masks); the drafter proposes up to B - 1 tokens per
+    forward, so evaluate.gammas with method dflash are at most B - 1 (checked at plan time)."""
+    target_layer_ids: list[int] | None = None
+    """Tapped target layers in the reference numbering (id i = output of layer i = output_hidden_states[i + 1]).
+    null: the reference spread over 1 .. L - 3 (Qwen3-8B, 5 layers: [1, 9, 17, 25, 33]); shallower targets spread
+    over 0 .. L - 2. The speculators export stores these + 1 (aux_hidden_state_layer_ids)."""
+    mask_token_id: int | None = None
+    """The token whose frozen target embedding fills the masked rows; null: the tokenizer's pad token, else its
+    unknown token, else the last id of the vocabulary."""
+    anchors_per_row: int = 16
+    """Blocks trained per calibration row: anchor positions drawn (seeded by the row and step) among the positions
+    whose next token is an assistant token (SpecForge draws up to 512 per sequence)."""
+    loss_decay: float = 7.0
+    """gamma of the position weight exp(-(k - 1) / gamma) for block position k (SpecForge: 7 at B = 16; speculators:
+    4 at B = 8)."""
+    max_length: int = 256
+    """Tokens kept per calibration row; at most the target's context (checked at plan time)."""
+    eval_fraction: float = 0.05
+    """Share of calibration conversations (by id hash) held out to score checkpoints by simulated tau."""
+    eval_max_rows: int = 64
+    """Most held-out rows scored per evaluation."""
+    init_seed: int = 0
+    """Seed of the drafter's initial weights."""
+    train: TrainConfig = field(default_factory=_dflash_training)
+    """Optimiser, schedule, batch, strategy (DeepSpeed ZeRO on GPUs, DDP or one process on CPU), checkpoints."""
+
+    def __post_init__(self) -> None:
+        check_value(self.num_layers >= 1, "train_dflash.num_layers", "an integer >= 1", self.num_layers)
+        check_value(self.block_size >= 2, "train_dflash.block_size", "an integer >= 2", self.block_size)
+        check_value(self.anchors_per_row >= 1, "train_dflash.anchors_per_row", "an integer >= 1", self.anchors_per_row)
+        check_value(self.loss_decay > 0, "train_dflash.loss_decay", "a positive number", self.loss_decay)
+        check_value(self.max_length >= self.block_size + 1, "train_dflash.max_length",
+                    f"at least block_size + 1 = {self.block_size + 1}", self.max_length)
+        check_value(0 < self.eval_fraction < 1, "train_dflash.eval_fraction", "a number in (0, 1)", self.eval_fraction)
+        check_value(self.eval_max_rows >= 1, "train_dflash.eval_max_rows", "an integer >= 1", self.eval_max_rows)
+        check_value(self.target_layer_ids is None or len(self.target_layer_ids) >= 1, "train_dflash.target_layer_ids",
+                    "a non-empty list of layer ids or null", self.target_layer_ids)
+        check_value(self.mask_token_id is None or self.mask_token_id >= 0, "train_dflash.mask_token_id",
+                    "a token id >= 0 or null", self.mask_token_id)
+
+
 @dataclass
 class ClusterConfig:
     drafter: str = "tiny:default/drafter"
@@ -310,7 +366,7 @@ class EvaluateConfig:
     max_new_tokens: int = 64
     """Tokens decoded per prompt. max_prompt_tokens + max_new_tokens + max(gammas) + 1 must fit the target's and
     the drafters' contexts (the byte drafter's in bytes), checked at plan time."""
-    methods: list[str] = field(default_factory=lambda: list(EVAL_METHODS))
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHOD_NAMES))
     """Speculative methods besides the autoregressive baseline: full (same-tokenizer drafter, full head),
     shortlist (its head cut to each shortlist below), pa_fr (position-aware frequency shortlist), dynaspec /
     dynaspec_pa (router-chosen clusters, fixed / Eq. 3 budget; need cluster and train_router), eagle3 (needs
@@ -318,10 +374,11 @@ class EvaluateConfig:
     same-tokenizer drafter pruned to each estimate_rdk level, without and with RDK redistribution) and tli_rdk /
     tli_rdk_taylor / tli_rdk_prior (the different-tokenizer drafter, TLI then RDK; all need estimate_rdk); slrs
     (string-level rejection sampling, Alg. 3) and slem_bytes (its exact-match baseline) with the byte-level
-    drafter."""
+    drafter; dflash (the DFlash block drafter of train_dflash) is opt-in: not in the default list, evaluated (and
+    train_dflash run) only when named here."""
     gammas: list[int] = field(default_factory=lambda: [4])
     """Draft lengths to try (each a row of the matrix): 1 to 64, and with method eagle3 at most the drafter's
-    train_drafter.ttt_steps (checked at plan time)."""
+    train_drafter.ttt_steps, with dflash at most train_dflash.block_size - 1 (checked at plan time)."""
     drafter: str = "tiny:default/drafter"
     """Drafter sharing the target's tokenizer (full head and shortlists)."""
     drafter_other: str | None = "tiny:default/drafter_other"
@@ -342,6 +399,9 @@ class EvaluateConfig:
     eagle3: str | None = input_override()
     """Use this train_drafter artifact directory (an EAGLE-3 drafter) for method ``eagle3`` instead of the one
     ``train_drafter`` builds for this config (its artifact id, not this path, enters the evaluate id)."""
+    dflash: str | None = input_override()
+    """Use this train_dflash artifact directory (a DFlash drafter) for method ``dflash`` instead of the one
+    ``train_dflash`` builds for this config."""
     rdk_levels: list[str] | None = None
     """estimate_rdk kept sets the same-tokenizer RDK rows (pruned, rdk, rdk_taylor, rdk_prior) decode with, by name
     (``keep_<fraction>``); null for every pruning level. The held-out α table covers every level either way."""

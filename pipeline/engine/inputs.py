@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
+    from pipeline.drafters.dflash import DFlashDrafter
     from pipeline.drafters.eagle3 import Eagle3Drafter
     from pipeline.dynaspec.budget import ShortlistPolicy
     from pipeline.dynaspec.clusters import Clustering
@@ -126,6 +127,23 @@ class FeatureInputs:
     STAGES: ClassVar[tuple[str, ...]] = ("train_drafter",)
 
     eagle3: Eagle3Drafter
+    target_vocab_size: int | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class BlockFeatureInputs:
+    """A block drafter conditioned on the target's hidden states (DFlash: a whole block per forward).
+
+    Attributes:
+        dflash: A DFlash drafter trained for this target (a ``train_dflash`` artifact), on the target's device
+            (it holds the target's embedding and LM head by reference).
+    """
+
+    MODEL: ClassVar[str | None] = None
+    STAGES: ClassVar[tuple[str, ...]] = ("train_dflash",)
+
+    dflash: DFlashDrafter
     target_vocab_size: int | None = None
     name: str | None = None
 

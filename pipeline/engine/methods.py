@@ -19,8 +19,9 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config.method_names import METHOD_NAMES
+from pipeline.config.method_names import METHOD_NAMES, OPT_IN_METHOD_NAMES
 from pipeline.engine.inputs import (
+    BlockFeatureInputs,
     ByteInputs,
     CrossRDKInputs,
     CrossVocabInputs,
@@ -47,6 +48,7 @@ FAMILIES: tuple[str, ...] = (
     "cross-vocabulary",
     "RDK",
     "byte-level",
+    "block features (DFlash)",
 )
 """Method families, in report order: what a method drafts with and how its head is cut. Plots colour by
 family and tell a family's methods (its variants) apart by marker."""
@@ -56,6 +58,7 @@ SECTIONS: dict[str, str] = {
     "matched_shortlists": "shortlists at matched size (DynaSpec, PA-FR, FR-Spec) against the full head",
     "out_of_vocabulary": "out-of-vocabulary drafting (RDK) beside its TLI baselines",
     "string_level": "string-level rejection sampling (SLRS) beside SLEM on the same byte drafter",
+    "block_drafting": "DFlash (a block per drafter forward) beside EAGLE-3 (a forward per draft) at equal γ",
 }
 """Report sections beyond the main table (every method is in that), by key: what each one shows."""
 
@@ -113,6 +116,8 @@ GATE_SETS: dict[str, GateSet] = {
                 ("cluster", "train_router"), "per_gamma"),
         GateSet("rdk", "rdk_gates", "rdk", "rdk_gates_passed", "registration-rdk.json", ("estimate_rdk",),
                 "per_method"),
+        GateSet("dflash", "dflash_gates", "dflash", "dflash_gates_passed", "registration-dflash.json",
+                ("train_dflash",), "per_gamma"),
     )
 }
 """Every bundle, in the order they are registered and summarised. The draft-vocabulary bundle (the count
@@ -137,6 +142,8 @@ class MethodSpec:
         gates: The :data:`GATE_SETS` bundle it is a candidate of, or None.
         budget: For a method whose shortlist budget depends on γ: its label at γ (``kmax700``, ``k12``) from
             the evaluator's record of the matched budgets; None otherwise.
+        opt_in: Evaluated only when ``evaluate.methods`` names it (not in the default list): for a method whose
+            upstream stage would lengthen the default run (:data:`~pipeline.config.method_names.OPT_IN_METHOD_NAMES`).
     """
 
     name: str
@@ -148,6 +155,7 @@ class MethodSpec:
     sections: frozenset[str] = frozenset()
     gates: str | None = None
     budget: Callable[[dict, int], str] | None = None
+    opt_in: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -234,6 +242,12 @@ def _eagle3(inputs: FeatureInputs) -> Proposer:
     return Eagle3Proposer(inputs.eagle3, target_vocab_size=inputs.target_vocab_size, **_label(inputs))
 
 
+def _dflash(inputs: BlockFeatureInputs) -> Proposer:
+    from pipeline.engine.dflash import DFlashProposer  # deferred: pulls in torch
+
+    return DFlashProposer(inputs.dflash, target_vocab_size=inputs.target_vocab_size, **_label(inputs))
+
+
 def _routed(budget: str) -> Callable[[RoutedInputs], Proposer]:
     """DynaSpec with the policy's ``fixed`` (DynaSpec-F) or ``pa`` (Eq. 3) cluster budget."""
 
@@ -316,7 +330,7 @@ def _pa_budget(record: dict, gamma: int) -> str:
 
 # --- the registry ----------------------------------------------------------------------------------------
 
-_SAME, _ROUTED, _FEATURES, _CROSS, _RDK, _BYTE = FAMILIES
+_SAME, _ROUTED, _FEATURES, _CROSS, _RDK, _BYTE, _BLOCK = FAMILIES
 _SHORTLISTS = frozenset({"matched_shortlists"})
 _OOV = frozenset({"out_of_vocabulary"})
 _RDK_EXACT = "exact sparse affinity M^T q' (RDK Alg. 1, Eq. 2)"
@@ -366,7 +380,9 @@ METHODS: dict[str, MethodSpec] = {
                    "byte-level drafter, string-level exact match with SLRS's byte budget (SLRS's baseline)",
                    _BYTE, ByteInputs, _slem_bytes, 170, frozenset({"string_level"})),
         MethodSpec("eagle3", "EAGLE-3 head on the target's low/mid/high features (Li et al. 2025)",
-                   _FEATURES, FeatureInputs, _eagle3, 60, frozenset({"features"}), gates="eagle3"),
+                   _FEATURES, FeatureInputs, _eagle3, 60, frozenset({"features", "block_drafting"}), gates="eagle3"),
+        MethodSpec("dflash", "DFlash block drafter on the target's features: B - 1 drafts per forward (block diffusion)",
+                   _BLOCK, BlockFeatureInputs, _dflash, 65, frozenset({"block_drafting"}), gates="dflash", opt_in=True),
     )
 }
 """Every draft method. The order is the default ``evaluate.methods`` (so it enters the evaluate id: append,
@@ -374,6 +390,9 @@ do not reorder); the report orders by :attr:`MethodSpec.order`."""
 if tuple(METHODS) != METHOD_NAMES:  # the leaf list the config layer validates evaluate.methods against
     raise RuntimeError(f"the method registry {list(METHODS)} differs from pipeline.config.method_names "
                        f"{list(METHOD_NAMES)}: add the new method's name there too")
+if tuple(name for name, spec in METHODS.items() if spec.opt_in) != OPT_IN_METHOD_NAMES:
+    raise RuntimeError(f"the registry's opt-in methods differ from pipeline.config.method_names.OPT_IN_METHOD_NAMES "
+                       f"{list(OPT_IN_METHOD_NAMES)}: keep the two in step")
 REPORT_ORDER: tuple[str, ...] = (BASELINE, *sorted(METHODS, key=lambda name: METHODS[name].order))
 """Row order of every report table: the baseline, then the methods by :attr:`MethodSpec.order`."""
 

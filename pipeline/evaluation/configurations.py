@@ -21,6 +21,7 @@ from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.dynaspec.budget import ShortlistPolicy, match_budgets, match_pa_fr
 from pipeline.engine.inputs import (
+    BlockFeatureInputs,
     ByteInputs,
     CrossRDKInputs,
     CrossVocabInputs,
@@ -104,11 +105,11 @@ class Configurations:
     def preparers(self) -> dict[type, Callable[[MethodSpec], Iterator[Configuration]]]:
         """Inputs family (:mod:`pipeline.engine.inputs`) → how a method of it is prepared: load what the family's
         dataclass holds, yield the method's configurations. In run order: the same-tokenizer
-        drafter's families, EAGLE-3's, the other tokenizer's, the byte drafter's (each drafter loaded once)."""
+        drafter's families, EAGLE-3's, DFlash's, the other tokenizer's, the byte drafter's (each drafter loaded once)."""
         return {
             SameTokenizerInputs: self._full_head, ShortlistInputs: self._static_shortlists,
             RoutedInputs: self._routed, FrequencyInputs: self._frequency, RDKInputs: self._pruned,
-            FeatureInputs: self._features, CrossVocabInputs: self._cross_vocab,
+            FeatureInputs: self._features, BlockFeatureInputs: self._block_features, CrossVocabInputs: self._cross_vocab,
             OtherTokenizerInputs: self._other_tokenizer, CrossRDKInputs: self._cross_rdk, ByteInputs: self._bytes,
         }
 
@@ -205,6 +206,25 @@ class Configurations:
         proposer = build_proposer(spec.name, FeatureInputs(head, target_vocab_size=self.vocab))
         yield Configuration(spec.name, f"{spec.name}:{artifact.id}", None, None, proposer,
                             parameter_ratio(head, self.target))
+
+    def _block_features(self, spec: MethodSpec) -> Iterator[Configuration]:
+        from pipeline.drafters.dflash_export import load_dflash  # deferred: pulls in torch
+
+        (stage,) = spec.stages
+        if stage not in self.artifacts:
+            raise DrafterError(f"Method {spec.name} is evaluated but no {stage} artifact was given.",
+                               fix="Run `drafter evaluate` (it trains the drafter first) or set evaluate.dflash.")
+        artifact = self.artifacts[stage]
+        if stage not in self._drafters:
+            self._drafters[stage] = (load_dflash(artifact.path, self.target), None)
+        drafter = self._drafters[stage][0]
+        proposer = build_proposer(spec.name, BlockFeatureInputs(drafter, target_vocab_size=self.vocab))
+        # c: its layers plus the target's LM head, which it applies to its B - 1 rows every forward (EAGLE-3's
+        # head is among its own parameters); charged once per measured forward, not γ times.
+        head = self.target.get_output_embeddings().weight.numel()
+        total = sum(p.numel() for p in self.target.parameters())
+        yield Configuration(spec.name, f"{spec.name}:{artifact.id}", None, None, proposer,
+                            parameter_ratio(drafter, self.target) + head / total)
 
     def _map(self) -> Any:
         """``VocabMap.build(target tokenizer, other drafter's tokenizer)``, built once."""

@@ -90,11 +90,12 @@ def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_
                 for gate in GATE_SETS.values() if all(stage in artifacts for stage in gate.artifacts)}
     inputs = {INPUT_KEYS.get(stage, stage): artifact.id for stage, artifact in artifacts.items()}
     eagle3_training = simulated_figures(artifacts["train_drafter"]) if "train_drafter" in artifacts else None
+    dflash_training = simulated_figures(artifacts["train_dflash"]) if "train_dflash" in artifacts else None
     rdk_analysis = rdk_record(artifacts["estimate_rdk"]) if "estimate_rdk" in artifacts else None
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return EvaluationResults(rows=rows, checks=checks, device=device_name, target=target_fingerprint, inputs=inputs,
                              eagle3_training=eagle3_training, dynaspec_policy=evaluator.policy_record,
-                             rdk_analysis=rdk_analysis, **verdicts)
+                             rdk_analysis=rdk_analysis, dflash_training=dflash_training, **verdicts)
 
 
 def rdk_record(rdk: Artifact) -> dict:
@@ -110,9 +111,10 @@ def rdk_record(rdk: Artifact) -> dict:
     return {"artifact": rdk.id, "levels": levels, **{k: record.get(k) for k in keep}}
 
 
-def simulated_figures(eagle3: Artifact) -> dict:
-    """train_drafter's prediction for its drafter: the kept checkpoint's held-out simulated τ and accuracies."""
+def simulated_figures(trained: Artifact) -> dict:
+    """A training stage's prediction for its drafter (train_drafter, train_dflash): the kept checkpoint's held-out
+    simulated τ and accuracies."""
     import json
 
-    best = json.loads(eagle3.file("training.json").read_text()).get("best") or {}
-    return {"artifact": eagle3.id, "step": best.get("step"), **(best.get("metrics") or {})}
+    best = json.loads(trained.file("training.json").read_text()).get("best") or {}
+    return {"artifact": trained.id, "step": best.get("step"), **(best.get("metrics") or {})}

@@ -32,12 +32,16 @@ from pipeline.evaluation.cells import (  # noqa: F401 - re-exported for callers 
 from pipeline.evaluation.plots import PLOTS, figures, svg
 from pipeline.evaluation.results import EvaluationResults
 from pipeline.evaluation.sections import (
+    BLOCK_HEADERS,
+    BLOCK_NOTE,
     EAGLE3_HEADERS,
     RDK_ANALYSIS_HEADERS,
     RDK_DECODE_HEADERS,
     SHORTLIST_HEADERS,
     SLRS_HEADERS,
     SLRS_NOTE,
+    block_markdown,
+    block_rows,
     dynaspec_markdown,
     eagle3_markdown,
     eagle3_rows,
@@ -195,6 +199,14 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
                   _html_table(RDK_DECODE_HEADERS, rdk_decode_rows(results), {1, 4, 5})]
         if rdk_gates is not None:
             parts.append(_checks_html(rdk_gates.get("checks")))
+    if block_table := block_rows(results):
+        block_gates = results.get("dflash_gates")
+        parts += ["<h2>Block drafting (DFlash) beside EAGLE-3"
+                  + (f": {_verdict_html(block_gates.get('passed'))}" if block_gates is not None else "") + "</h2>",
+                  f"<p class='note'>{html.escape(BLOCK_NOTE)}</p>"]
+        if block_gates is not None:
+            parts.append(_checks_html(block_gates.get("checks")))
+        parts.append(_html_table(BLOCK_HEADERS, block_table, {1, 3, 5, 6, 7, 8, 9, 10}))
     if slrs_table := slrs_rows(results):
         parts += ["<h2>String-level rejection sampling (SLRS)</h2>", f"<p class='note'>{esc(SLRS_NOTE)}</p>",
                   _html_table(SLRS_HEADERS, slrs_table, {1, 3, 4, 5, 6, 7})]
@@ -245,7 +257,7 @@ def write_report(evaluation: EvaluationResults, out_dir: Path, *, provenance: di
     md_path = out_dir / "report.md"
     md = f"# Drafter evaluation: {model}\n\nDevice: {device} · gates: **{verdict}**\n\n{markdown_table(results)}\n"
     for extra in (eagle3_markdown(results), dynaspec_markdown(results), rdk_markdown(results),
-                  slrs_markdown(results)):
+                  block_markdown(results), slrs_markdown(results)):
         if extra:
             md += "\n" + extra
     md_path.write_text(md, encoding="utf-8")

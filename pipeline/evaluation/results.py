@@ -147,6 +147,10 @@ class EvaluationResults:
     eagle3_training: dict | None = None
     """What train_drafter predicted for the evaluated EAGLE-3 drafter: the checkpoint's step and its
     held-out simulated τ and per-step accuracies, shown beside the τ measured here."""
+    dflash_gates: Gates | None = None
+    """The DFlash bundle's verdict (its best γ), when method ``dflash`` was evaluated."""
+    dflash_training: dict | None = None
+    """What train_dflash predicted for the evaluated DFlash drafter (its kept checkpoint's held-out simulated τ)."""
 
     @property
     def lossless(self) -> bool:
@@ -163,7 +167,11 @@ class EvaluationResults:
                 "dynaspec_gates": dataclasses.asdict(self.dynaspec_gates) if self.dynaspec_gates else None,
                 "dynaspec_policy": self.dynaspec_policy,
                 "rdk_gates": dataclasses.asdict(self.rdk_gates) if self.rdk_gates else None,
-                "rdk_analysis": self.rdk_analysis}
+                "rdk_analysis": self.rdk_analysis,
+                # only when DFlash was evaluated (an opt-in method): other reports keep their keys
+                **({"dflash_gates": dataclasses.asdict(self.dflash_gates) if self.dflash_gates else None,
+                    "dflash_training": self.dflash_training}
+                   if self.dflash_gates or self.dflash_training else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> EvaluationResults:
@@ -182,7 +190,8 @@ class EvaluationResults:
             created=data["created"], eagle3_gates=gates(data.get("eagle3_gates")),
             eagle3_training=data.get("eagle3_training"), dynaspec_gates=gates(data.get("dynaspec_gates")),
             dynaspec_policy=data.get("dynaspec_policy"), rdk_gates=gates(data.get("rdk_gates")),
-            rdk_analysis=data.get("rdk_analysis"))
+            rdk_analysis=data.get("rdk_analysis"), dflash_gates=gates(data.get("dflash_gates")),
+            dflash_training=data.get("dflash_training"))
 
 
 def _mean(rows: list[EvalRow], key: str) -> float:

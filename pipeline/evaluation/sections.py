@@ -187,3 +187,49 @@ def slrs_markdown(results: dict) -> str:
         return ""
     return "\n".join(["## String-level rejection sampling (SLRS)", "", SLRS_NOTE, "",
                       *_md_table(SLRS_HEADERS, table)]) + "\n"
+
+
+BLOCK_METHODS = in_section("block_drafting")
+BLOCK_HEADERS = ["task", "γ", "method", "τ", "per-position acceptance", "drafter forwards / round",
+                 "drafter ms / round", "drafter ms vs chain", "MBSU", "tokens/s", "speedup"]
+BLOCK_NOTE = ("DFlash drafts a whole block in one drafter forward; EAGLE-3 runs one forward per draft (γ per round, "
+              "its chain). Both read the target's features and are verified by the same lossless loop. MBSU charges "
+              "the drafter's parameter ratio (DFlash: its layers plus the target's LM head) per measured forward.")
+
+
+def block_rows(results: dict) -> list[list[str]]:
+    """DFlash beside EAGLE-3 per task and γ (empty when no block drafter was evaluated): τ, per-position
+    acceptance, drafter forwards and milliseconds per round (against the chain drafter's), MBSU, wall-clock."""
+    rows = [r for r in _rows(results) if r.get("method") in BLOCK_METHODS]
+    counted = [r for r in rows if r.get("drafter_calls_per_token") is not None]
+    if not counted:
+        return []
+    chain = {(r.get("task"), r.get("gamma")): r for r in rows if r.get("drafter_calls_per_token") is None}
+    rows.sort(key=lambda r: (str(r.get("task")), r.get("gamma") or 0, BLOCK_METHODS.index(r["method"])))
+    out = []
+    for r in rows:
+        calls, tau = _num(r.get("drafter_calls_per_token")), _num(r.get("tau"))
+        # a method that counts its forwards: calls per token × tokens per round; a chain: γ per round
+        per_round = calls * tau if calls is not None and tau is not None else _num(r.get("gamma"))
+        ms, base = _num(r.get("drafter_ms_per_step")), _num((chain.get((r.get("task"), r.get("gamma"))) or {})
+                                                            .get("drafter_ms_per_step"))
+        positions = " / ".join(_fmt(x, ".2f") for x in (r.get("per_position_acceptance") or [])) or MISSING
+        out.append([_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _text(r.get("method")), _fmt(tau), positions,
+                    _fmt(per_round, ".2f"), _fmt(ms, ".3f"), _fmt(ms / base if ms is not None and base else None,
+                                                                   ".2f", "×"),
+                    _fmt(r.get("mbsu"), ".2f", "×"), _fmt(r.get("tokens_per_s"), ".1f"),
+                    _fmt(r.get("speedup"), ".2f", "×")])
+    return out
+
+
+def block_markdown(results: dict) -> str:
+    """The block-drafting section of report.md ('' when no block drafter was evaluated)."""
+    table = block_rows(results)
+    if not table:
+        return ""
+    training = results.get("dflash_training") or {}
+    return "\n".join([f"## Block drafting (DFlash) beside EAGLE-3{_gate_suffix(results.get('dflash_gates'))}", "",
+                      BLOCK_NOTE, "",
+                      f"DFlash drafter {_text(training.get('artifact'))}: checkpoint kept at step "
+                      f"{_text(training.get('step'))}, held-out simulated τ {_fmt(training.get('simulated_tau'))}.",
+                      "", *_md_table(BLOCK_HEADERS, table)]) + "\n"

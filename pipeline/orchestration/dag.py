@@ -107,6 +107,9 @@ class StageSpec:
             changed content changes the id even where the config text did not change.
         when: Upstream stage → predicate on the config; the stage reads that input only when it holds
             (``evaluate`` reads an upstream artifact only when an evaluated method's registry entry needs it).
+        opt_in: For a stage outside the default run: a predicate on the config saying when the default run
+            (``drafter run``, ``drafter plan``, ``drafter submit`` without ``--stages``) includes it anyway
+            (``train_dflash``: when an evaluated method reads it). None: always in the default run.
     """
 
     name: str
@@ -118,6 +121,7 @@ class StageSpec:
     models: Callable[[PipelineConfig], dict] | None = None
     data: Callable[[PipelineConfig], dict] | None = None
     when: dict[str, Callable[[PipelineConfig], bool]] = field(default_factory=dict)
+    opt_in: Callable[[PipelineConfig], bool] | None = None
 
     def upstream_of(self, cfg: PipelineConfig) -> tuple[str, ...]:
         """The upstream stages this stage reads under ``cfg``."""
@@ -125,7 +129,7 @@ class StageSpec:
 
 
 TARGET_IDENTITY = ("target.model", "target.revision", "target.tokenizer")
-EVALUATE_UPSTREAM = ("count", "train_drafter", "cluster", "train_router", "estimate_rdk")
+EVALUATE_UPSTREAM = ("count", "train_drafter", "cluster", "train_router", "estimate_rdk", "train_dflash")
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("generate", "jobs.generate", "calibration",
@@ -139,6 +143,11 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("train_drafter", "jobs.train_drafter", "eagle3_drafter", upstream=("generate", "count"),
               reads=(*TARGET_IDENTITY, "train_drafter"),
               overrides={"generate": "train_drafter.calibration", "count": "train_drafter.counts"}),
+    # DFlash learns from the calibration set alone (the full target vocabulary: its head is the target's). Outside
+    # the default run unless evaluate decodes it: its training would lengthen the embedded default's `make run`.
+    StageSpec("train_dflash", "jobs.train_dflash", "dflash_drafter", upstream=("generate",),
+              reads=(*TARGET_IDENTITY, "train_dflash"), overrides={"generate": "train_dflash.calibration"},
+              opt_in=_read_by_methods("train_dflash")),
     # DynaSpec: the drafter's head is clustered (no upstream: it reads only a model), the router learns from
     # the calibration set with the clustering, and compares itself with count's frequency shortlists.
     StageSpec("cluster", "jobs.cluster", "token_clusters", reads=(*TARGET_IDENTITY, "cluster"),
@@ -158,13 +167,19 @@ STAGES: tuple[StageSpec, ...] = (
               reads=(*TARGET_IDENTITY, "target.dtype", "generate.source", "generate.source_revision",
                      "generate.heldout_fraction", "evaluate"),
               overrides={"count": "evaluate.counts", "train_drafter": "evaluate.eagle3", "cluster": "evaluate.clusters",
-                         "train_router": "evaluate.router", "estimate_rdk": "evaluate.rdk"},
+                         "train_router": "evaluate.router", "estimate_rdk": "evaluate.rdk",
+                         "train_dflash": "evaluate.dflash"},
               models=_evaluate_models, data=_evaluate_data,
               # count always (its shortlists, the draft-vocabulary bundle); the others only for the methods that read them
               when={stage: _read_by_methods(stage) for stage in EVALUATE_UPSTREAM if stage != "count"}),
 )
 if tuple(s.name for s in STAGES) != STAGE_NAMES:  # the leaf list the config layer validates against
     raise RuntimeError(f"the DAG table's stages {[s.name for s in STAGES]} differ from {list(STAGE_NAMES)}")
+
+
+def default_stages(cfg: PipelineConfig) -> tuple[str, ...]:
+    """The stages a run without ``--stages`` covers: every stage but the opt-in ones ``cfg`` does not ask for."""
+    return tuple(row.name for row in STAGES if row.opt_in is None or row.opt_in(cfg))
 
 
 def spec(name: str) -> StageSpec:
@@ -314,7 +329,7 @@ class Plan:
 
 
 def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
-    """Compute the artifact id and cache status of ``stages`` (default: all) and their upstreams.
+    """Compute the artifact id and cache status of ``stages`` (default: :func:`default_stages`) and their upstreams.
 
     Nothing runs and nothing is built: a tiny-kit model's fingerprint comes from its recipe, another
     model's tokenizer is loaded for its vocabulary hash, and manifests of explicitly named input artifacts
@@ -326,7 +341,7 @@ def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
         DrafterError: An unknown stage, or a setting the models cannot hold (the message names the key).
     """
 
-    wanted = list(stages) if stages is not None else list(STAGE_NAMES)
+    wanted = list(stages) if stages is not None else list(default_stages(cfg))
     for name in wanted:
         spec(name)
     fingerprint = Target(cfg.target).fingerprint

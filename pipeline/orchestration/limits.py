@@ -14,7 +14,8 @@ What each stage must fit, in positions of the model that reads them:
   ``max_new_tokens`` answer tokens (``kind: raw`` keeps at most as many tokens of the dataset's turns), so
   ``max_prompt_tokens + max_new_tokens`` must fit the target, which reads every row in later stages, and
   the answering drafter for ``kind: drafter``. No row is then longer than the target's context.
-* ``train_drafter``: ``max_length`` must fit the target, which computes the features of every kept position.
+* ``train_drafter`` and ``train_dflash``: ``max_length`` must fit the target, which computes the features of every
+  kept position.
 * ``evaluate``: a verify forward scores up to γ drafts and the position after them past the tokens kept,
   so the target and the same-tokenizer drafter must fit ``max_prompt_tokens + max_new_tokens +
   max(gammas) + 1``. (The loop drafts no further than ``max_new_tokens`` and so stays below this; the
@@ -31,6 +32,8 @@ What each stage must fit, in positions of the model that reads them:
   measure an extrapolation, not the method. Refused rather than warned: a τ at such a γ would enter the
   report and the gate as EAGLE-3's. The steps come from ``train_drafter.ttt_steps``, or from the manifest
   of the artifact ``evaluate.eagle3`` names.
+* ``evaluate`` with DFlash: every γ must be at most ``block_size − 1`` (one block's drafts), from
+  ``train_dflash.block_size`` or the manifest of the artifact ``evaluate.dflash`` names.
 """
 
 from __future__ import annotations
@@ -82,6 +85,22 @@ def _check_train_drafter(cfg: PipelineConfig) -> None:
     limit = _context(cfg, cfg.target.model)
     _fit("train_drafter.max_length", [td.max_length], td.max_length, limit, f"the target {cfg.target.model}",
          "tokens", f"Set train_drafter.max_length to {limit} or less.")
+
+
+def _check_train_dflash(cfg: PipelineConfig) -> None:
+    tc = cfg.train_dflash
+    limit = _context(cfg, cfg.target.model)
+    _fit("train_dflash.max_length", [tc.max_length], tc.max_length, limit, f"the target {cfg.target.model}",
+         "tokens", f"Set train_dflash.max_length to {limit} or less.")
+
+
+def _block_size(cfg: PipelineConfig) -> int | None:
+    """The block size of the evaluated DFlash drafter (None when its artifact does not say)."""
+    if not cfg.evaluate.dflash:
+        return cfg.train_dflash.block_size
+    manifest = read_manifest(Path(cfg.evaluate.dflash).expanduser().resolve(), kind="dflash_drafter")
+    size = manifest.get("config", {}).get("train_dflash", {}).get("block_size")
+    return size if isinstance(size, int) else None
 
 
 def _ttt_steps(cfg: PipelineConfig) -> int | None:
@@ -144,7 +163,18 @@ def _check_evaluate(cfg: PipelineConfig) -> None:
         )
 
 
-_CHECKS = {"generate": _check_generate, "train_drafter": _check_train_drafter, "evaluate": _check_evaluate}
+    if "train_dflash" in stages and (size := _block_size(cfg)) is not None and gamma > size - 1:
+        raise DrafterError(
+            "evaluate.gammas asks the DFlash drafter for more drafts than one block holds.",
+            expected=f"every evaluate.gammas entry <= block_size - 1 = {size - 1}",
+            found=f"evaluate.gammas={ev.gammas}",
+            fix=f"Drop the gammas above {size - 1}, train with train_dflash.block_size={gamma + 1} or more, or drop "
+                f"{_using(cfg, 'train_dflash')} from evaluate.methods.",
+        )
+
+
+_CHECKS = {"generate": _check_generate, "train_drafter": _check_train_drafter, "train_dflash": _check_train_dflash,
+           "evaluate": _check_evaluate}
 
 
 def check_settings(cfg: PipelineConfig, stages: Collection[str]) -> None:

@@ -250,3 +250,151 @@ def test_speculators_converts_and_runs_our_eagle3_export(speculators_python: Pat
     theirs, info = run_speculators(speculators_python, "convert", out, target_dir, inputs, tmp_path)
     assert info["speculators"] == "0.9.0" and info["aux_layer_ids"] == [0, 1, 2]
     compare(drafter, inputs, theirs)
+
+
+# --- DFlash ----------------------------------------------------------------------------------------
+# speculators 0.9.0's DFlashDraftModel runs its own training graph (``_backbone_forward``: every anchor's block side
+# by side, its anchor block mask) on our export. With a loss mask that is 1 at exactly the anchors we pick (and
+# ``max_anchors`` = their number) its anchor draw takes all of them, so both sides see the same blocks. Its eager
+# attention path is used (``_attn_implementation = "eager"``: the float form of the same anchor mask) because its
+# flex-attention path compiles the block mask with torch.compile, which this CPU test does not need to exercise.
+
+DFLASH_SCRIPT = r'''
+import json, sys
+import torch
+from importlib.metadata import version
+from safetensors.torch import load_file, save_file
+from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+
+mode, model_dir, verifier_dir, inputs_path, out_path, scratch = sys.argv[1:7]
+if mode == "convert":
+    from speculators.convert.dflash.converter import DFlashConverter
+    DFlashConverter().convert(model_dir, scratch, base_model=verifier_dir, validate=False)
+    model_dir = scratch
+config = DFlashSpeculatorConfig.from_pretrained(model_dir)
+config.transformer_layer_config._attn_implementation = "eager"
+model = DFlashDraftModel.from_pretrained(model_dir, config=config).eval()
+x = load_file(inputs_path)
+length = x["input_ids"].shape[1]
+loss_mask = torch.zeros(1, length, dtype=torch.long)
+loss_mask[0, x["anchors"]] = 1
+with torch.no_grad():
+    hidden, logits, _, _, index = model._backbone_forward(
+        x["hidden"], x["input_ids"], loss_mask, torch.zeros(1, length, model.hidden_size),
+        torch.zeros(1, length, dtype=torch.long), max_anchors=int(x["anchors"].numel()))
+out = {"hidden": hidden, "logits": logits, "index": index}
+out.update({"state." + k: v.contiguous() for k, v in model.state_dict().items() if v is not None})
+save_file(out, out_path)
+print(json.dumps({"aux_hidden_state_layer_ids": list(model.target_layer_ids), "block_size": model.block_size,
+                  "mask_token_id": model.mask_token_id, "use_draft_vocab": model.use_draft_vocab,
+                  "sliding_window_non_causal": model.config.sliding_window_non_causal,
+                  "uses_sliding_window_attn": model.uses_sliding_window_attn,
+                  "speculative_tokens": model.config.speculators_config.proposal_methods[0].speculative_tokens,
+                  "speculators": version("speculators")}))
+'''
+
+DFLASH_T, DFLASH_BLOCK, DFLASH_ANCHORS = 64, 4, (3, 20, 33, 50)
+
+
+@pytest.fixture
+def dflash_setup(tmp_path: Path):
+    """A random 4-layer Llama target saved for speculators, a random 2-layer DFlash drafter on its embedding and
+    head (norms not ones), features of its tapped layers and the anchors of four blocks."""
+    from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter
+
+    torch.manual_seed(0)
+    target_config = LlamaConfig(hidden_size=H, intermediate_size=88, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=8, num_hidden_layers=4, vocab_size=V, rms_norm_eps=1e-6,
+                                max_position_embeddings=2 * T, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    target = LlamaForCausalLM(target_config).float()
+    target.save_pretrained(tmp_path / "target")
+    config = DFlashConfig.from_target(target_config, num_hidden_layers=2, block_size=DFLASH_BLOCK, mask_token_id=V - 1)
+    drafter = DFlashDrafter(config, target.model.embed_tokens, target.lm_head)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"input_ids": torch.randint(0, V - 1, (1, DFLASH_T), generator=gen),
+              "hidden": torch.randn(1, DFLASH_T, len(config.target_layer_ids) * H, generator=gen),
+              "anchors": torch.tensor(DFLASH_ANCHORS)}
+    return drafter, target, target_config, tmp_path / "target", inputs
+
+
+def dflash_ours(drafter, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our training forward on the same blocks: final-normed hidden and logits of every block row."""
+    from pipeline.training.dflash_task import block_attention
+
+    ids, size = inputs["input_ids"], drafter.config.block_size
+    anchors = inputs["anchors"].unsqueeze(0)
+    count = anchors.shape[1]
+    block = drafter.block_ids(ids[0, inputs["anchors"]]).view(1, count * size)
+    positions = (anchors.unsqueeze(-1) + torch.arange(size)).view(1, count * size)
+    mask = block_attention(anchors, torch.ones_like(anchors, dtype=torch.bool), DFLASH_T, size)
+    with torch.no_grad():
+        hidden = drafter(block, inputs["hidden"], positions, torch.arange(DFLASH_T).unsqueeze(0), mask=mask)
+        return hidden, drafter.logits(hidden)
+
+
+def dflash_compare(drafter, target, inputs: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    from pipeline.drafters.dflash import reference_keys
+
+    hidden, logits = dflash_ours(drafter, inputs)
+    expected_index = (inputs["anchors"].unsqueeze(-1) + torch.arange(DFLASH_BLOCK)).flatten()
+    assert torch.equal(theirs["index"], expected_index)  # the same blocks at the same positions
+    for name, mine in (("hidden", hidden), ("logits", logits)):
+        diff = (theirs[name] - mine).abs().max().item()
+        assert theirs[name].shape == mine.shape, name
+        assert torch.allclose(theirs[name], mine, atol=ATOL, rtol=RTOL), f"{name}: max |diff| {diff:.2e}"
+    # Every tensor speculators holds is ours, or the target's embedding / LM head / final norm.
+    state = drafter.trainable_state_dict()
+    for key in reference_keys(drafter.config):
+        assert torch.equal(theirs["state." + key], state[key]), key
+    assert torch.equal(theirs["state.embed_tokens.weight"], target.model.embed_tokens.weight)
+    assert torch.equal(theirs["state.lm_head.weight"], target.lm_head.weight)
+    assert torch.equal(theirs["state.verifier_norm.weight"], target.model.norm.weight)
+    extra = {k.removeprefix("state.") for k in theirs if k.startswith("state.")} - set(reference_keys(drafter.config))
+    assert extra == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+
+
+def run_dflash(python: Path, mode: str, model_dir: Path, verifier: Path, inputs: dict[str, torch.Tensor],
+               work: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    save_file({k: v.contiguous() for k, v in inputs.items()}, str(work / "inputs.safetensors"))
+    (work / "dflash_script.py").write_text(DFLASH_SCRIPT)
+    cmd = [str(python), str(work / "dflash_script.py"), mode, str(model_dir), str(verifier),
+           str(work / "inputs.safetensors"), str(work / "outputs.safetensors"), str(work / "converted")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_clean_env(), cwd=work)
+    assert done.returncode == 0, f"speculators could not load/run the DFlash export:\n{done.stderr[-4000:]}"
+    return load_file(work / "outputs.safetensors"), json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_speculators_loads_and_runs_our_dflash_export(speculators_python: Path, dflash_setup, tmp_path: Path) -> None:
+    """The speculators layout: aux_hidden_state_layer_ids = reference ids + 1 (the hidden_states indices our
+    drafter was trained on), B − 1 speculative tokens, no sliding window (so vLLM's causal = not
+    sliding_window_non_causal never applies: no layer is a sliding one), every tensor equal, the same block outputs."""
+    from pipeline.drafters.dflash_export import export_speculators
+
+    drafter, target, target_config, target_dir, inputs = dflash_setup
+    out = export_speculators(drafter, tmp_path / "spec", target_model=str(target_dir), target_config=target_config)
+    theirs, info = run_dflash(speculators_python, "load", out, target_dir, inputs, tmp_path)
+    assert info["speculators"] == "0.9.0" and info["use_draft_vocab"] is False
+    assert info["aux_hidden_state_layer_ids"] == list(drafter.config.hidden_state_indices)
+    assert info["aux_hidden_state_layer_ids"] == [i + 1 for i in drafter.config.target_layer_ids]
+    assert info["block_size"] == DFLASH_BLOCK and info["speculative_tokens"] == DFLASH_BLOCK - 1
+    assert info["mask_token_id"] == V - 1 and info["uses_sliding_window_attn"] is False
+    dflash_compare(drafter, target, inputs, theirs)
+
+
+def test_speculators_converts_and_runs_our_dflash_reference_export(speculators_python: Path, dflash_setup,
+                                                                   tmp_path: Path) -> None:
+    """speculators' DFlashConverter reads the reference layout (what vLLM and SGLang load) as it reads z-lab's
+    checkpoints: target_layer_ids become hidden_states indices id + 1, the weights are taken as they are."""
+    from pipeline.drafters.dflash_export import export_reference
+
+    drafter, target, target_config, target_dir, inputs = dflash_setup
+    out = export_reference(drafter, tmp_path / "ref", target_model=str(target_dir), target_config=target_config)
+    theirs, info = run_dflash(speculators_python, "convert", out, target_dir, inputs, tmp_path)
+    assert info["aux_hidden_state_layer_ids"] == list(drafter.config.hidden_state_indices)
+    assert info["block_size"] == DFLASH_BLOCK and info["mask_token_id"] == V - 1
+    dflash_compare(drafter, target, inputs, theirs)

@@ -167,7 +167,8 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> dict[str
     """Registry inputs of every method, by method, from loaded tiny-kit roles (``{role: (model, tokenizer)}``).
 
     The shortlist is the target's first 256 ids plus EOS; the EAGLE-3 head (untrained, seeded) drafts
-    over those ids, on the target's device and in its dtype; DynaSpec routes over a 16-cluster FAISS
+    over those ids, on the target's device and in its dtype; the DFlash drafter (untrained, seeded, one layer,
+    blocks of 8) likewise; DynaSpec routes over a 16-cluster FAISS
     clustering of the drafter's head with an untrained seeded router; PA-FR ranks ids in id order; SLRS
     and SLEM-on-bytes use the byte drafter with the registry's default byte_top_k and lookahead (4, 4).
     """
@@ -213,11 +214,26 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> dict[str
         target_tokenizer=target_tok,
         vocab_map=VocabMap.build(target_tok, other_tok),
         eagle3=eagle3,
+        dflash=make_dflash(target),
         drafter_bytes=kit["drafter_bytes"][0],
         drafter_bytes_tokenizer=kit["drafter_bytes"][1],
         target_vocab_size=vocab,
     )
     return {method: method_inputs(method, **parts) for method in METHOD_NAMES}
+
+
+def make_dflash(target: torch.nn.Module, *, block_size: int = 8, layers: int = 1, seed: int = 0) -> Any:
+    """A seeded (untrained) DFlash drafter for ``target``, on its device and in its dtype; the mask token is the
+    last id of the vocabulary."""
+    from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter
+
+    config = DFlashConfig.from_target(target.config, num_hidden_layers=layers, block_size=block_size,
+                                      mask_token_id=int(target.config.vocab_size) - 1)
+    embedding = target.get_input_embeddings()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter = DFlashDrafter(config, embedding, target.get_output_embeddings())
+    return drafter.to(device=embedding.weight.device, dtype=embedding.weight.dtype).eval()
 
 
 def kit_rdk_prior(target: torch.nn.Module, tokenizer: Any, vocab_map: Any) -> Any:

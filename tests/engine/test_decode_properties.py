@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from pipeline.engine.loop import GenerationResult, generate_autoregressive, generate_speculative
 from pipeline.engine.methods import METHOD_NAMES, METHODS, build_proposer
 from pipeline.engine.sampling import SamplingParams
-from tests.engine.conftest import kit_proposer_inputs, method_inputs, rdk_prior
+from tests.engine.conftest import kit_proposer_inputs, make_dflash, method_inputs, rdk_prior
 
 ROLES = ("target", "drafter", "drafter_other", "drafter_bytes")
 EOS = 1  # the random-vocabulary models' EOS (BOS is 0)
@@ -190,6 +190,7 @@ def test_same_vocabulary_methods_finish_on_random_vocabularies(seed: int, vocab:
         drafter=drafter, shortlist=shortlist, eagle3=eagle3, policy=policy, router=router,
         clustering=spherical_kmeans(drafter.get_output_embeddings().weight, clusters, niter=5, seed=seed),
         prior=rdk_prior(target, prompt, EOS), level="keep_0.1", target_vocab_size=vocab,
+        dflash=make_dflash(target, block_size=data.draw(st.integers(2, 8), label="block_size"), seed=seed),
     )
     inputs = {method: method_inputs(method, **parts) for method in SAME_VOCABULARY}
     _decode_all(target, inputs, SAME_VOCABULARY, prompt, new, gamma, params, EOS, seed)

@@ -110,7 +110,7 @@ def test_every_method_completes(method: str, case: str, setting: str, kit, propo
 
 @pytest.mark.parametrize(
     ("method", "case"),
-    [("eagle3", "one_token"), ("eagle3", "bos_only"),
+    [("eagle3", "one_token"), ("eagle3", "bos_only"), ("dflash", "one_token"), ("dflash", "bos_only"),
      *((method, "bos_only") for method in ("tli", "union", "tli_rdk", "tli_rdk_taylor", "tli_rdk_prior"))],
 )
 def test_rounds_without_drafts_happen(method: str, case: str, kit, proposers, cases) -> None:

@@ -75,9 +75,10 @@ def test_every_section_and_gate_set_lists_a_method_in_report_order() -> None:
 
 
 def test_a_bundle_chooses_among_the_methods_that_name_it() -> None:
-    draft_vocab, eagle3, dynaspec, rdk = GATE_SETS.values()
+    draft_vocab, eagle3, dynaspec, rdk, dflash = GATE_SETS.values()
     assert gate_candidates(draft_vocab, ["full"]) == "shortlist"  # decided even when shortlist is not evaluated
     assert gate_candidates(eagle3) == "eagle3"
+    assert gate_candidates(dflash, ["eagle3", "dflash"]) == "dflash"
     # DynaSpec's bundle is gated on PA, or on F when PA is not evaluated
     assert gate_candidates(dynaspec, ["dynaspec", "dynaspec_pa"]) == "dynaspec_pa"
     assert gate_candidates(dynaspec, ["full", "dynaspec"]) == "dynaspec"
@@ -86,7 +87,18 @@ def test_a_bundle_chooses_among_the_methods_that_name_it() -> None:
     assert gate_candidates(rdk, ["rdk"]) == ("rdk", "rdk_taylor", "rdk_prior", "tli_rdk", "tli_rdk_taylor",
                                              "tli_rdk_prior")
     assert [gate.summary_metrics()[0] for gate in GATE_SETS.values()] == [
-        "gates_passed", "eagle3_gates_passed", "dynaspec_gates_passed", "rdk_gates_passed"]
+        "gates_passed", "eagle3_gates_passed", "dynaspec_gates_passed", "rdk_gates_passed", "dflash_gates_passed"]
+
+
+def test_opt_in_methods_are_outside_the_default_methods() -> None:
+    """DFlash is evaluated only when named: the default evaluate.methods (part of the evaluate id) stays the list it
+    was before it was registered, and every other method is in it, in registry order."""
+    from pipeline.config.method_names import DEFAULT_METHOD_NAMES, OPT_IN_METHOD_NAMES
+    from pipeline.config.sections import PipelineConfig
+
+    assert OPT_IN_METHOD_NAMES == ("dflash",) and METHODS["dflash"].opt_in
+    assert DEFAULT_METHOD_NAMES == tuple(name for name, spec in METHODS.items() if not spec.opt_in)
+    assert PipelineConfig().evaluate.methods == list(DEFAULT_METHOD_NAMES)
 
 
 def test_what_methods_read_comes_from_their_inputs_family() -> None:

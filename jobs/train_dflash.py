@@ -1,0 +1,145 @@
+"""Stage ``train_dflash``: a DFlash block drafter trained on the target's own answers.
+
+Run alone with ``drafter train_dflash --config configs/tiny-dflash.yaml`` (it reuses, or first builds, the
+calibration set of ``generate``); ``drafter run`` includes it only when ``evaluate.methods`` names ``dflash``
+(the embedded default does not: see the README's "DFlash"). The frozen target computes its tapped layers and
+logits inside every training step (online, no hidden-state dump), the drafter learns the decayed block loss
+on anchored blocks of the assistant tokens (:mod:`pipeline.training.dflash_task`), and the checkpoint kept is
+the one with the best held-out simulated τ. Training runs under the same harness as ``train_drafter``
+(:mod:`pipeline.training.harness`: DeepSpeed ZeRO on GPUs, DDP or one process on CPU, resumable after a kill
+from ``<workdir>/staging/<id>``). The artifact holds ``model.safetensors`` + ``dflash_config.json``, the serving
+exports under ``exports/`` (``dflash/``: the reference layout vLLM and SGLang load; ``speculators/``) and
+``training.json`` (the same fields as ``train_drafter``'s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import Artifact
+from pipeline.config.schema import identity
+from pipeline.config.sections import PipelineConfig
+from pipeline.models.target import Target
+from pipeline.orchestration.dag import plan
+from pipeline.orchestration.lock import Launch
+from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.tracking import tracking_uri
+from pipeline.training.harness import fit
+
+SUMMARY: tuple[str, ...] = ("train_steps", "best.simulated_tau", "train_seconds")
+"""Metrics ``drafter run`` prints for this stage: steps, the kept checkpoint's held-out simulated τ, training
+time."""
+
+
+def mask_token_id(configured: int | None, tokenizer: Any, vocab_size: int) -> int:
+    """``train_dflash.mask_token_id``, else the tokenizer's pad token, else its unknown token, else the last id."""
+    for candidate in (configured, getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "unk_token_id", None)):
+        if candidate is not None:
+            return int(candidate)
+    return vocab_size - 1
+
+
+@dataclass
+class Prepared:
+    """What training needs, built from the config and the calibration artifact."""
+
+    target: Any
+    tokenizer: Any
+    config: Any
+    drafter: Any
+    data: Any
+    pad_id: int
+
+
+def prepare(cfg: PipelineConfig, calibration: Artifact) -> Prepared:
+    """The frozen target, a freshly initialised DFlash drafter on its embedding and head, and the calibration rows
+    split into training and held-out."""
+    import torch
+
+    from pipeline.data.rows import CalibrationRows  # deferred: pulls in torch
+    from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter  # deferred: pulls in torch
+
+    tc = cfg.train_dflash
+    target_ = Target(cfg.target)
+    tokenizer = target_.tokenizer()
+    target = target_.model(dtype="float32")  # the strategy casts (DeepSpeed bf16) or keeps fp32 (CPU)
+    vocab = int(target.config.vocab_size)
+    config = DFlashConfig.from_target(
+        target.config, num_hidden_layers=tc.num_layers, block_size=tc.block_size,
+        mask_token_id=mask_token_id(tc.mask_token_id, tokenizer, vocab),
+        target_layer_ids=tuple(tc.target_layer_ids) if tc.target_layer_ids else None)
+    torch.manual_seed(tc.init_seed)
+    drafter = DFlashDrafter(config, target.get_input_embeddings(), target.get_output_embeddings())
+    final_norm = getattr(getattr(target, "model", None), "norm", None)
+    if getattr(final_norm, "weight", None) is not None:
+        with torch.no_grad():  # the frozen LM head reads the drafter's norm: start it at the target's own scale
+            drafter.norm.weight.copy_(final_norm.weight)
+    data = CalibrationRows(calibration.path / "data", max_length=tc.max_length, eval_fraction=tc.eval_fraction,
+                           eval_max_rows=tc.eval_max_rows, min_length=3, what="the DFlash drafter")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return Prepared(target, tokenizer, config, drafter, data, pad)
+
+
+def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildResult | None:
+    from pipeline.drafters.dflash_export import (  # deferred: pulls in torch
+        export_reference,
+        export_speculators,
+        save_dflash,
+    )
+    from pipeline.training.dflash_task import DFlashTask  # deferred: pulls in torch
+
+    tc = cfg.train_dflash
+    ready = prepare(cfg, calibration)
+    target, config, drafter, data = ready.target, ready.config, ready.drafter, ready.data
+    train_tokens = sum(len(r.input_ids) for r in data.train)
+    run.log(f"{len(data.train)} training rows ({train_tokens} tokens), {len(data.heldout)} held-out rows; "
+            f"dropped {data.dropped}; tapped layers {config.target_layer_ids} (hidden_states "
+            f"{list(config.hidden_state_indices)}), {config.num_hidden_layers} layer(s), block {config.block_size}, "
+            f"mask token {config.mask_token_id}")
+    task = DFlashTask(drafter, target, data.heldout, anchors_per_row=tc.anchors_per_row, decay=tc.loss_decay,
+                      pad_id=ready.pad_id)
+    result = fit(task, data.train, tc.train, run.staging / "train",
+                 tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path), experiment=cfg.mlflow.experiment,
+                 run_name=f"{run.artifact_id}/training", label="train_dflash",
+                 identity={"drafter": dataclasses.asdict(config), "train_dflash": identity(tc),
+                           "inputs": [calibration.id]})
+    if not result.is_global_zero:
+        return None
+    best = result.best or {}
+    metrics = {"train_steps": result.steps, "train_rows": len(data.train), "train_tokens": train_tokens,
+               "heldout_rows": len(data.heldout), "train_seconds": round(result.seconds, 2),
+               "world_size": result.world_size}
+    metrics.update({f"final.{k}": round(v, 6) for k, v in result.metrics.items() if not k.startswith("eval.")})
+    if best:
+        metrics["best_step"] = best["step"]
+        metrics.update({f"best.{k}": round(v, 6) for k, v in best["metrics"].items()})
+    run.log(f"trained {result.steps} steps on {result.world_size} rank(s) ({result.strategy}); best simulated "
+            f"tau {best.get('score', float('nan')):.3f} at step {best.get('step')}")
+    report = {"steps": result.steps, "resumed_from": result.start_step, "strategy": result.strategy,
+              "world_size": result.world_size, "deepspeed_config": result.deepspeed_config, "best": best,
+              "last_step_metrics": result.metrics, "mlflow_run_id": result.mlflow_run_id,
+              "features": "online", "rows": {"train": len(data.train), "heldout": len(data.heldout),
+                                             "dropped": data.dropped, "train_tokens": train_tokens},
+              "target_layer_ids": list(config.target_layer_ids), "block_size": config.block_size,
+              "calibration": calibration.id}
+
+    def write(out: Path) -> None:
+        save_dflash(drafter, out)
+        exports = out / "exports"
+        export_reference(drafter, exports / "dflash", target_model=cfg.target.model, target_config=target.config)
+        export_speculators(drafter, exports / "speculators", target_model=cfg.target.model,
+                           target_config=target.config)
+        (out / "training.json").write_text(json.dumps(report, indent=2))
+
+    return BuildResult(write, metrics)
+
+
+def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
+    """Train (or reuse) the DFlash drafter this config plans for."""
+    step = plan(cfg, ["train_dflash"])["train_dflash"]
+    calibration = step.input("generate")
+    return run_stage(cfg, step, [calibration], build=lambda run: _build(cfg, run, calibration), launch=launch)

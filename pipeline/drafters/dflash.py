@@ -1,0 +1,369 @@
+"""The DFlash draft network: a few Qwen3-style layers that draft a whole block in one forward.
+
+DFlash (block diffusion for flash speculative decoding, z-lab; the layout read here from the installable
+code: ``speculators`` 0.9.0 ``speculators/models/dflash/``, vLLM 0.33.0 ``qwen3_dflash.py``, SGLang 0.5.23
+``srt/models/dflash.py`` — read, not copied) conditions on the target's hidden states at several layers and
+denoises a block ``[x_n, MASK × (B − 1)]`` in a single pass:
+
+* **Context.** The tapped target layers are concatenated (``len(target_layer_ids) × H``) and projected by
+  ``fc`` (no bias) then ``hidden_norm`` into one ``H``-wide feature per verified position. Each draft layer
+  projects that feature with its *own* ``k_proj``/``v_proj`` (and ``k_norm``): the keys and values a layer
+  attends over are the context's, followed by the block's. The context never runs through the layers.
+* **Block.** Its rows are the target's (frozen) token embeddings of the last verified token and ``B − 1`` mask
+  tokens, at positions ``n .. n + B − 1``. Attention inside the block is bidirectional (no causal mask), and
+  every block row sees the whole context. The final ``norm`` and then the target's own (frozen) LM head give
+  a distribution at each block row; row ``k ≥ 1`` drafts the token at position ``n + k``, so one forward
+  gives ``B − 1`` drafts, each from its own distribution (none depends on the others' samples).
+* **Layer numbering.** ``target_layer_ids`` use the *reference* numbering (the DFlash code and SGLang): id
+  ``i`` is the output of target layer ``i``, i.e. HF ``output_hidden_states[i + 1]``. ``speculators`` stores
+  ``i + 1`` (``aux_hidden_state_layer_ids``) and vLLM converts back; :mod:`pipeline.drafters.dflash_export`
+  writes both and a test round-trips them to the same ``hidden_states`` indices.
+
+The state dict of :class:`DFlashDrafter` *is* the reference layout: ``layers.N.self_attn.{q,k,v,o}_proj``,
+``layers.N.self_attn.{q,k}_norm``, ``layers.N.mlp.{gate,up,down}_proj``, ``layers.N.{input,post_attention}
+_layernorm``, ``fc``, ``hidden_norm``, ``norm`` (:data:`reference_keys`) — and nothing else: the embedding
+and LM head are the target's, held by reference, and RoPE tables are non-persistent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.drafters.eagle3 import MLP, RMSNorm, rotate
+from pipeline.errors import DrafterError
+
+# --- config ----------------------------------------------------------------------------------------
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Tapped target layers (reference numbering: layer outputs) for a target and drafter depth.
+
+    Deep targets (``L ≥ num_draft_layers + 4``): the reference spread, ``num_draft_layers`` ids from 1 to
+    ``L − 3`` evenly, rounded (Qwen3-8B, 36 layers, 5 draft layers: ``[1, 9, 17, 25, 33]``); one draft layer
+    taps the middle layer ``L // 2`` (at most ``L − 2``). Shallower targets (the tiny kit's) spread the ids over ``0 .. L − 2``
+    (the last layer's output is the one before the final norm no server hands over twice), duplicates dropped.
+    """
+    if num_target_layers < 2:
+        raise DrafterError("A DFlash drafter needs at least two target layers to tap.",
+                           expected="a target of at least 2 layers", found=f"{num_target_layers} layer(s)")
+    if num_draft_layers == 1:
+        return (min(num_target_layers // 2, num_target_layers - 2),)
+    if num_target_layers >= num_draft_layers + 4:
+        start, end = 1, num_target_layers - 3
+        return tuple(int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers))
+    top = num_target_layers - 2
+    spread = [int(round(i * top / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    return tuple(sorted(set(spread)))
+
+
+def check_target_layer_ids(ids: Any, num_target_layers: int) -> None:
+    """Raise :class:`DrafterError` unless ``ids`` are ascending layer outputs in ``[0, num_target_layers − 1]``."""
+    ok = (isinstance(ids, (tuple, list)) and len(ids) >= 1 and all(isinstance(i, int) for i in ids)
+          and all(0 <= i < num_target_layers for i in ids) and all(a < b for a, b in zip(ids, ids[1:])))
+    if not ok:
+        raise DrafterError(
+            "DFlash target_layer_ids do not name target layers.",
+            expected=f"distinct ascending layer outputs in [0, {num_target_layers - 1}] (reference numbering: id i "
+                     f"reads output_hidden_states[i + 1])",
+            found=f"target_layer_ids={ids!r}",
+            fix="Leave target_layer_ids unset for the default, or pick increasing layer indices of the target.")
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """Shape of a DFlash drafter; :meth:`from_target` copies the attention shape from the target's config."""
+
+    hidden_size: int
+    """Width of the target's residual stream (the block rows are its embeddings)."""
+    intermediate_size: int
+    """Width of each layer's gated MLP (the target's)."""
+    num_hidden_layers: int
+    """Draft layers (the published Qwen3-8B drafter: 5)."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int
+    """Rows of the target's embedding and LM head."""
+    block_size: int
+    """``B``: rows of a block (the verified token and ``B − 1`` masks); ``B − 1`` drafts per forward."""
+    target_layer_ids: tuple[int, ...]
+    """Tapped target layers, reference numbering (id ``i`` = output of layer ``i`` = ``hidden_states[i + 1]``)."""
+    num_target_layers: int
+    """Depth of the target."""
+    mask_token_id: int
+    """The token whose (frozen, target) embedding fills the block's masked rows."""
+    rope_scaling: dict | None = None
+    """The target's non-default RoPE parameters, else None."""
+
+    def __post_init__(self) -> None:
+        sizes = {name: getattr(self, name) for name in (
+            "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "max_position_embeddings", "vocab_size", "num_target_layers")}
+        bad = {name: value for name, value in sizes.items() if not isinstance(value, int) or value <= 0}
+        if bad:
+            raise DrafterError("DFlashConfig has sizes that are not positive integers.",
+                               expected="positive integers", found=repr(bad))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DrafterError("DFlashConfig: attention heads are not a multiple of key/value heads.",
+                               expected="num_attention_heads % num_key_value_heads == 0",
+                               found=f"{self.num_attention_heads} heads, {self.num_key_value_heads} kv heads")
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise DrafterError("DFlashConfig: a block must hold the verified token and at least one mask.",
+                               expected="block_size >= 2", found=f"block_size={self.block_size!r}")
+        if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
+            raise DrafterError("DFlashConfig: the mask token is not a row of the target's embedding.",
+                               expected=f"mask_token_id in [0, {self.vocab_size})", found=f"{self.mask_token_id!r}")
+        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))  # lists from JSON
+
+    @property
+    def hidden_state_indices(self) -> tuple[int, ...]:
+        """Indices into HF ``output_hidden_states`` of the tapped layers (``id + 1``)."""
+        return tuple(i + 1 for i in self.target_layer_ids)
+
+    @classmethod
+    def from_target(cls, target_config: Any, *, num_hidden_layers: int, block_size: int, mask_token_id: int,
+                    target_layer_ids: tuple[int, ...] | None = None) -> DFlashConfig:
+        """The drafter for a Llama/Qwen3-style target config (heads, head dim, MLP width, RoPE and eps copied).
+
+        Args:
+            target_config: the target's ``transformers`` config.
+            num_hidden_layers: draft layers.
+            block_size: ``B``.
+            mask_token_id: the mask token (a row of the target's embedding).
+            target_layer_ids: tapped layers (reference numbering); None picks :func:`default_target_layer_ids`.
+        """
+        depth = int(target_config.num_hidden_layers)
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(depth, num_hidden_layers)
+        rope = dict(getattr(target_config, "rope_parameters", None) or getattr(target_config, "rope_scaling", None)
+                    or {})
+        theta = float(rope.pop("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
+        heads = int(target_config.num_attention_heads)
+        return cls(
+            hidden_size=int(target_config.hidden_size),
+            intermediate_size=int(target_config.intermediate_size),
+            num_hidden_layers=int(num_hidden_layers),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads),
+            rms_norm_eps=float(target_config.rms_norm_eps),
+            rope_theta=theta,
+            max_position_embeddings=int(target_config.max_position_embeddings),
+            vocab_size=int(target_config.vocab_size),
+            block_size=int(block_size),
+            target_layer_ids=tuple(int(i) for i in target_layer_ids),
+            num_target_layers=depth,
+            mask_token_id=int(mask_token_id),
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+        )
+
+
+def reference_keys(config: DFlashConfig) -> tuple[str, ...]:
+    """Every weight name of the reference layout (what vLLM's and SGLang's DFlash loaders read), in order."""
+    per_layer = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "input_layernorm.weight", "post_attention_layernorm.weight")
+    layers = tuple(f"layers.{n}.{key}" for n in range(config.num_hidden_layers) for key in per_layer)
+    return (*layers, "fc.weight", "hidden_norm.weight", "norm.weight")
+
+
+# --- the context cache -----------------------------------------------------------------------------
+
+
+class ContextCache:
+    """Per draft layer, the keys and values of the context positions seen so far, ``(B, kv_heads, P, d)``.
+
+    Only context rows are kept (they depend on the target's features of an accepted prefix, which never
+    change); block rows are recomputed every forward. :meth:`crop` drops positions after a rejection.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def crop(self, length: int) -> None:
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                self.keys[i], self.values[i] = k[:, :, :length], v[:, :, :length]
+
+    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append a layer's new context keys/values; all of that layer's context keys/values."""
+        if self.keys[layer] is not None:
+            key = torch.cat([self.keys[layer], key], dim=2)
+            value = torch.cat([self.values[layer], value], dim=2)
+        self.keys[layer], self.values[layer] = key, value
+        return key, value
+
+
+# --- one draft layer -------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Qwen3 attention (per-head ``q_norm``/``k_norm`` before RoPE) whose keys/values are context then block."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                    config.head_dim)
+        width = config.hidden_size
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, width, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def _keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, length, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(k, cos, sin), v
+
+    def forward(self, block: torch.Tensor, context: torch.Tensor, rope_block: tuple, rope_context: tuple,
+                mask: torch.Tensor | None, cache: ContextCache | None, layer: int) -> torch.Tensor:
+        batch, length, _ = block.shape
+        q = self.q_norm(self.q_proj(block).view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
+        q = rotate(q, *rope_block)
+        k_block, v_block = self._keys_values(block, *rope_block)
+        k_ctx, v_ctx = self._keys_values(context, *rope_context)
+        if cache is not None:
+            k_ctx, v_ctx = cache.extend(layer, k_ctx, v_ctx)
+        k, v = torch.cat([k_ctx, k_block], dim=2), torch.cat([v_ctx, v_block], dim=2)
+        # No causal mask: a block row sees every context key and every row of its block (both directions).
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """A Qwen3 decoder layer over the block; the (already normed) context enters only as keys and values."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, block: torch.Tensor, context: torch.Tensor, rope_block: tuple, rope_context: tuple,
+                mask: torch.Tensor | None, cache: ContextCache | None, layer: int) -> torch.Tensor:
+        block = block + self.self_attn(self.input_layernorm(block), context, rope_block, rope_context, mask, cache,
+                                       layer)
+        return block + self.mlp(self.post_attention_layernorm(block))
+
+
+# --- the drafter -----------------------------------------------------------------------------------
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash over a frozen target embedding and LM head.
+
+    Args:
+        config: the drafter's shape (:meth:`DFlashConfig.from_target`).
+        target_embedding: the target's token embedding (block rows), frozen and held by reference.
+        target_head: the target's LM head, frozen and held by reference (neither is in the state dict nor
+            moves with ``.to()``: keep the drafter on the target's device).
+    """
+
+    def __init__(self, config: DFlashConfig, target_embedding: nn.Module, target_head: nn.Module) -> None:
+        super().__init__()
+        for what, module in (("embedding", target_embedding), ("LM head", target_head)):
+            if tuple(module.weight.shape) != (config.vocab_size, config.hidden_size):
+                raise DrafterError(f"The target {what} does not match the DFlash config.",
+                                   expected=f"shape {(config.vocab_size, config.hidden_size)}",
+                                   found=f"shape {tuple(module.weight.shape)}",
+                                   fix="Build the config with DFlashConfig.from_target(target.config, ...).")
+            module.weight.requires_grad_(False)
+        self.config = config
+        object.__setattr__(self, "embed_tokens", target_embedding)  # references, not submodules
+        object.__setattr__(self, "lm_head", target_head)
+
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = _rotary_embedding(config)
+        object.__setattr__(self, "_rope_inv_freq", self.rotary_emb.inv_freq.clone())
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DFlashDrafter:
+        # RoPE frequencies stay float32 whatever dtype the weights take (see Eagle3Drafter._apply).
+        super()._apply(fn, recurse)
+        rotary = self._modules.get("rotary_emb")
+        if rotary is not None:
+            exact = self._rope_inv_freq.to(rotary.inv_freq.device)
+            rotary.inv_freq, rotary.original_inv_freq = exact, exact.clone()
+        return self
+
+    # -- the network --------------------------------------------------------------------------------
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden_norm(fc(·))`` of the concatenated tapped layers ``(B, C, n·H)`` → ``(B, C, H)``."""
+        expected = len(self.config.target_layer_ids) * self.config.hidden_size
+        if target_hidden.shape[-1] != expected:
+            raise DrafterError("Target features of the wrong width for this DFlash drafter.",
+                               expected=f"{expected} ({len(self.config.target_layer_ids)} layers × "
+                                        f"{self.config.hidden_size})",
+                               found=f"last dimension {target_hidden.shape[-1]}")
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def block_ids(self, first: torch.Tensor) -> torch.Tensor:
+        """Blocks ``[first, MASK × (B − 1)]`` for first tokens ``(N,)`` → ``(N, B)``."""
+        masks = torch.full((first.shape[0], self.config.block_size - 1), self.config.mask_token_id,
+                           dtype=first.dtype, device=first.device)
+        return torch.cat([first.unsqueeze(1), masks], dim=1)
+
+    def forward(self, block_ids: torch.Tensor, target_hidden: torch.Tensor, block_positions: torch.Tensor,
+                context_positions: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: ContextCache | None = None) -> torch.Tensor:
+        """The final-normed hidden state of every block row, ``(B, L, H)``; :meth:`logits` turns it into logits.
+
+        Args:
+            block_ids: ``(B, L)`` block tokens (one or several blocks side by side).
+            target_hidden: ``(B, C, n·H)`` the tapped layers at the (new) context positions; ``C`` may be 0.
+            block_positions: ``(B, L)`` RoPE positions of the block rows.
+            context_positions: ``(B, C)`` RoPE positions of the context rows.
+            mask: None (every row sees every key: one block at inference) or a boolean ``(B, 1, L, K)`` over
+                keys ``[context (cache + new); block]`` (training: each block sees its own prefix and itself).
+            cache: a :class:`ContextCache` (inference); the new context rows are appended to it.
+        """
+        context = self.project_context(target_hidden)
+        with torch.no_grad():
+            block = self.embed_tokens(block_ids).to(context.dtype)
+        rope_block = self.rotary_emb(block, block_positions)
+        rope_context = self.rotary_emb(context, context_positions)
+        for index, layer in enumerate(self.layers):
+            block = layer(block, context, rope_block, rope_context, mask, cache, index)
+        return self.norm(block)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head on the drafter's normed output (full target vocabulary)."""
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The reference layout's tensors (:func:`reference_keys`): what every export saves."""
+        return {name: tensor.detach() for name, tensor in self.state_dict().items()}
+
+
+def _rotary_embedding(config: DFlashConfig) -> nn.Module:
+    """transformers' Llama RoPE for the target's parameters (Qwen3's is the same rotation)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    llama = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                        head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+                        rope_parameters=rope)
+    return LlamaRotaryEmbedding(llama)

@@ -1,0 +1,143 @@
+"""The DFlash proposer: one drafter forward per round drafts a whole block, losslessly verified.
+
+DFlash (:mod:`pipeline.drafters.dflash`) denoises the block ``[x_n, MASK × (B − 1)]`` conditioned on the
+target's features of every verified position before ``x_n`` — exactly what
+:class:`~pipeline.engine.session.TargetState` holds (every position of the context but the newest). Block row
+``k ≥ 1`` gives a distribution over the token at position ``n + k``; this proposer samples each of the first
+``min(γ, B − 1)`` rows from its own standardised distribution (temperature, top-k, top-p; greedy: the argmax)
+and reports that distribution as ``q``.
+
+**Why that is lossless.** The rows are computed in one forward from the context alone, and each draft is
+drawn independently from its row, so the law of draft ``k`` given the drafts before it is exactly its row
+``q_k``: what :func:`~pipeline.engine.verify.verify_speculative` needs (Leviathan et al. 2023, Thm. 3.5;
+their proof conditions each position on the earlier drafts, and here ``q_k`` does not depend on them).
+Drafting fewer than ``B − 1`` tokens (γ < B − 1) still runs the whole block the drafter was trained on and
+keeps its first γ rows.
+
+**The context cache.** Context keys/values (per draft layer, from the target's features of an accepted
+prefix, :class:`~pipeline.drafters.dflash.ContextCache`) stay valid while the context agrees with the ids they
+were computed for; each round crops the cache to the common prefix and projects only the new positions. Block
+rows are never cached.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Generator, Tensor
+
+from pipeline.drafters.dflash import ContextCache, DFlashDrafter
+from pipeline.engine.proposers import Proposal, require_context
+from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.session import TargetState, common_prefix_length
+from pipeline.errors import DrafterError
+
+
+class DFlashProposer:
+    """A :class:`~pipeline.engine.proposers.Proposer` drafting a block per forward with a DFlash drafter.
+
+    Args:
+        drafter: The DFlash drafter for this target (its embedding and LM head are the target's).
+        target_vocab_size: Width of ``q``; defaults to the drafter's ``config.vocab_size`` (the target's head).
+        name: Label used in metrics and reports.
+
+    Attributes:
+        drafter_calls: Drafter forwards run so far (one per round that drafts; the evaluator reads the count).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, *, target_vocab_size: int | None = None, name: str = "dflash") -> None:
+        config = drafter.config
+        self.drafter = drafter
+        self.name = name
+        self.block_size = config.block_size
+        self.target_layers: tuple[int, ...] = config.hidden_state_indices
+        self.target_vocab_size = int(target_vocab_size or config.vocab_size)
+        if self.target_vocab_size < config.vocab_size:
+            raise DrafterError("The DFlash drafter's head is wider than the target's logits.",
+                               expected=f"target_vocab_size >= {config.vocab_size}",
+                               found=f"target_vocab_size={self.target_vocab_size}",
+                               fix="Leave target_vocab_size unset (the drafter's head is the target's).")
+        self._depth = config.num_target_layers + 1
+        self.drafter_calls = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the cached context; see :class:`~pipeline.engine.proposers.Proposer`."""
+        self.cache = ContextCache(self.drafter.config.num_hidden_layers)
+        self._ids: list[int] = []  # the ids whose features the cached context rows were computed from
+
+    def _features(self, state: TargetState, context: list[int]) -> list[Tensor]:
+        """The state's hidden states at the tapped layers, in ``target_layer_ids`` order.
+
+        Raises:
+            DrafterError: If the state does not cover every context position but the newest, or lacks a layer.
+        """
+        if state.length != len(context) - 1:
+            raise DrafterError(
+                "the target state does not cover the context the DFlash drafter is asked to continue",
+                expected=f"target hidden states for every position but the newest: length {len(context) - 1}",
+                found=f"state length {state.length}",
+                fix="call the proposer from the speculative loop (generate_speculative), which captures "
+                "the target's states at proposer.target_layers",
+            )
+        available = {int(layer) % self._depth: index for index, layer in enumerate(state.layers)}
+        missing = [layer for layer in self.target_layers if layer not in available]
+        if missing:
+            raise DrafterError(
+                "the target state lacks layers the DFlash drafter reads",
+                expected=f"hidden states at output_hidden_states indices {list(self.target_layers)} "
+                         f"(target_layer_ids + 1)",
+                found=f"layers {list(state.layers)}",
+                fix="capture the target at proposer.target_layers",
+            )
+        hidden = [state.hidden[available[layer]] for layer in self.target_layers]
+        width = self.drafter.config.hidden_size
+        bad = [tuple(h.shape) for h in hidden if h.dim() != 2 or h.shape[0] != state.length or h.shape[1] != width]
+        if bad:
+            raise DrafterError(
+                "the target state's hidden states do not fit the DFlash drafter",
+                expected=f"({state.length}, {width}) per layer",
+                found=f"shapes {bad}",
+                fix="build the drafter with DFlashConfig.from_target(target.config, ...) for this target",
+            )
+        return hidden
+
+    def block_distributions(self, context: list[int], hidden: list[Tensor], params: SamplingParams) -> Tensor:
+        """One drafter forward: the standardised distributions of block rows ``1 .. B − 1``, ``(B − 1, V)`` float64.
+
+        The context cache is brought to every position of ``context`` but the newest (whose token opens the block).
+        """
+        rows = len(context) - 1
+        valid = min(self.cache.length, common_prefix_length(self._ids, context[:rows]))
+        self.cache.crop(valid)
+        weight = self.drafter.fc.weight
+        features = torch.cat([h[valid:rows] for h in hidden], dim=-1).to(weight.device, weight.dtype)
+        context_positions = torch.arange(valid, rows, device=weight.device).unsqueeze(0)
+        block_positions = torch.arange(rows, rows + self.block_size, device=weight.device).unsqueeze(0)
+        first = torch.tensor([context[-1]], dtype=torch.long, device=weight.device)
+        out = self.drafter(self.drafter.block_ids(first), features.unsqueeze(0), block_positions, context_positions,
+                           cache=self.cache)
+        self._ids = list(context[:rows])
+        self.drafter_calls += 1
+        return standardise(self.drafter.logits(out[0, 1:]), params)
+
+    @torch.no_grad()
+    def propose(
+        self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
+    ) -> Proposal:
+        """Draft up to ``min(gamma, B − 1)`` tokens in one forward; see :class:`~pipeline.engine.proposers.Proposer`.
+
+        Nothing is drafted (an empty proposal) while the state covers no position, i.e. for a one-token
+        prompt's first round: there is no target feature to condition on.
+        """
+        require_context(context)
+        hidden = self._features(state, context)
+        device = self.drafter.fc.weight.device
+        drafts = min(gamma, self.block_size - 1)
+        if drafts <= 0 or len(context) < 2:
+            return Proposal([], torch.zeros(0, self.target_vocab_size, dtype=torch.float64, device=device))
+        probs = self.block_distributions(context, hidden, params)[:drafts]
+        tokens = sample(probs, generator)  # each row on its own: draft k's law is row k whatever came before
+        q = probs
+        if q.shape[-1] < self.target_vocab_size:
+            q = torch.nn.functional.pad(q, (0, self.target_vocab_size - q.shape[-1]))
+        return Proposal([int(t) for t in tokens.tolist()], q)

@@ -1,0 +1,230 @@
+"""DFlash training as a harness task: anchored blocks of calibration rows, a position-decayed loss.
+
+Each training row (the target's own answer, from ``generate``) is read once by the frozen target, **online**:
+its tapped layers become the context features of every position, its logits the teacher. Then ``A`` anchor
+positions ``a`` are drawn among those whose next token is an assistant token (the global torch seed the harness
+sets per micro-batch makes the draw a function of seed and step, so a resumed run draws the same anchors). Each
+anchor opens a block ``[x_a, MASK × (B − 1)]`` at positions ``a .. a + B − 1`` that sees the context features of
+positions ``< a`` (exactly what the proposer's block sees after ``x_a`` was verified) and, bidirectionally, its
+own rows; all of a row's blocks run side by side in one forward with that attention mask (SpecForge trains the
+same way: many anchors per sequence, one forward).
+
+Loss: block row ``k`` (``1 ≤ k < B``) predicts position ``a + k``; its soft cross-entropy to the target's
+distribution there (``speculators`` uses the KL to the target's logits, the same gradient) is weighted by
+``exp(−(k − 1)/γ)`` (``train_dflash.loss_decay``; SpecForge γ = 7 at B = 16, ``speculators`` γ = 4 at B = 8),
+only where position ``a + k`` is an assistant token of the row. Weighted mean per example, then the mean over
+examples (the harness's contract: a global batch may be split over ranks and micro-batches freely).
+
+Checkpoint choice (``evaluate()``): on held-out rows with a fixed anchor draw, the **simulated τ** of a block =
+1 + the number of leading rows whose argmax is the target's argmax (the target conditioned on the row's own
+tokens), averaged over anchors — a greedy round's accepted length if the target had written the row greedily.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pipeline.data.rows import Row, pad_batch
+from pipeline.drafters.dflash import DFlashDrafter
+
+
+@torch.no_grad()
+def tapped_features(target: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    hidden_state_indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target's tapped layers ``(B, T, n·H)`` (``output_hidden_states[i]`` for each index) and logits."""
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    return torch.cat([out.hidden_states[i] for i in hidden_state_indices], dim=-1), out.logits
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A batch's anchored blocks, ``N`` per row (padded with invalid ones).
+
+    Attributes:
+        anchors: ``(B, N)`` anchor positions (0 where invalid).
+        valid: ``(B, N)`` whether the anchor exists.
+        targets: ``(B, N, K)`` with ``K = B_size − 1``: whether block row ``k + 1`` has an assistant token to learn.
+    """
+
+    anchors: torch.Tensor
+    valid: torch.Tensor
+    targets: torch.Tensor
+
+
+def draw_blocks(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int, per_row: int,
+                generator: torch.Generator | None = None) -> Blocks:
+    """Up to ``per_row`` anchors per row, without replacement, among positions ``a ≥ 1`` with ``loss_mask[a+1]``.
+
+    ``a ≥ 1`` because a block at ``a`` sees the features of positions ``< a`` (the proposer drafts nothing
+    without one).
+    """
+    batch, length = loss_mask.shape
+    anchors = torch.zeros(batch, per_row, dtype=torch.long)
+    valid = torch.zeros(batch, per_row, dtype=torch.bool)
+    mask = loss_mask.cpu().bool()
+    for b in range(batch):
+        n = int(lengths[b])
+        candidates = torch.nonzero(mask[b, 2:n]).flatten() + 1  # a with loss_mask[a + 1], 1 <= a <= n - 2
+        if candidates.numel() == 0:
+            continue
+        order = torch.randperm(candidates.numel(), generator=generator)[:per_row]
+        chosen = candidates[order].sort().values
+        anchors[b, : chosen.numel()] = chosen
+        valid[b, : chosen.numel()] = True
+    rows = anchors.unsqueeze(-1) + torch.arange(1, block_size)  # (B, N, K) predicted positions
+    inside = rows < lengths.cpu().view(batch, 1, 1)
+    learn = mask.gather(1, rows.clamp(max=length - 1).view(batch, -1)).view_as(rows) & inside & valid.unsqueeze(-1)
+    device = loss_mask.device
+    return Blocks(anchors.to(device), valid.to(device), learn.to(device))
+
+
+def block_attention(anchors: torch.Tensor, valid: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
+    """``(B, 1, N·B_size, T + N·B_size)`` boolean: a block row sees context keys ``< a`` and its own block's rows."""
+    batch, count = anchors.shape
+    query_block = torch.arange(count, device=anchors.device).repeat_interleave(block_size)  # (N·Bs,)
+    context = torch.arange(context_length, device=anchors.device).view(1, 1, -1) < anchors[:, query_block].unsqueeze(-1)
+    context = context & valid[:, query_block].unsqueeze(-1)
+    own = (query_block.view(-1, 1) == query_block.view(1, -1)).expand(batch, -1, -1)
+    return torch.cat([context, own], dim=-1).unsqueeze(1)
+
+
+@dataclass(frozen=True)
+class BlockResult:
+    """One batch of blocks. Everything but ``loss`` is detached."""
+
+    loss: torch.Tensor
+    """Scalar weighted soft cross-entropy (mean of per-example weighted means), with gradient."""
+    per_position_correct: torch.Tensor
+    """``(K,)`` learned rows where the drafter's argmax is the target's."""
+    per_position_tokens: torch.Tensor
+    """``(K,)`` learned rows."""
+    accepted: torch.Tensor
+    """Sum over valid blocks of the leading run of agreeing rows (stops at the first miss or unlearnable row)."""
+    blocks: int
+    """Valid blocks."""
+
+
+def _head_loss(drafter: DFlashDrafter, hidden: torch.Tensor, target_p: torch.Tensor,
+               weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example weighted sums ``(B,)`` of the rows' soft cross-entropies, and the drafter's argmax."""
+    logits = drafter.logits(hidden).float()
+    cross_entropy = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1)
+    return (cross_entropy * weight).flatten(1).sum(-1), logits.argmax(-1)
+
+
+def block_loss(drafter: DFlashDrafter, input_ids: torch.Tensor, target_hidden: torch.Tensor,
+               target_logits: torch.Tensor, blocks: Blocks, decay: float) -> BlockResult:
+    """The decayed block loss of one batch (see the module docstring)."""
+    batch, length = input_ids.shape
+    size = drafter.config.block_size
+    count = blocks.anchors.shape[1]
+    device = input_ids.device
+    first = input_ids.gather(1, blocks.anchors)  # (B, N)
+    block_ids = drafter.block_ids(first.flatten()).view(batch, count * size)
+    block_positions = (blocks.anchors.unsqueeze(-1) + torch.arange(size, device=device)).view(batch, count * size)
+    context_positions = torch.arange(length, device=device).expand(batch, length)
+    mask = block_attention(blocks.anchors, blocks.valid, length, size)
+    hidden = drafter(block_ids, target_hidden, block_positions, context_positions, mask=mask)
+    hidden = hidden.view(batch, count, size, -1)[:, :, 1:]  # rows 1..B-1 draft
+
+    with torch.no_grad():
+        # Row k of the block at a predicts position a + k: the target's distribution there is its logits at a + k - 1.
+        source = (blocks.anchors.unsqueeze(-1) + torch.arange(size - 1, device=device)).clamp(max=length - 1)
+        teacher = target_logits.gather(1, source.view(batch, -1, 1).expand(-1, -1, target_logits.shape[-1]))
+        target_p = torch.softmax(teacher.float(), dim=-1).view(batch, count, size - 1, -1)
+        target_top = target_p.argmax(-1)
+        position_weight = torch.exp(-torch.arange(size - 1, device=device, dtype=torch.float32) / decay)
+        weight = blocks.targets.float() * position_weight
+
+    sums, draft_top = checkpoint(_head_loss, drafter, hidden, target_p, weight, use_reentrant=False)
+    loss = (sums / weight.flatten(1).sum(-1).clamp(min=1e-9)).mean()
+    with torch.no_grad():
+        right = (draft_top == target_top) & blocks.targets
+        run = torch.cumprod(right.long(), dim=-1).sum(-1)  # leading agreeing, learnable rows
+    return BlockResult(loss=loss, per_position_correct=right.sum((0, 1)), per_position_tokens=blocks.targets.sum((0, 1)),
+                       accepted=run[blocks.valid].sum(), blocks=int(blocks.valid.sum()))
+
+
+class DFlashTask(nn.Module):
+    """The harness module: a trainable DFlash drafter on a frozen target.
+
+    Args:
+        drafter: the drafter.
+        target: the frozen target (a submodule, so it moves with the task; it stays in eval mode).
+        heldout: rows scored by :meth:`evaluate`.
+        anchors_per_row: blocks per row.
+        decay: γ of the position weight ``exp(−(k − 1)/γ)``.
+        pad_id: token id used to pad batches.
+        eval_batch_size: rows per forward in :meth:`evaluate`.
+    """
+
+    selection_metric = "simulated_tau"
+
+    def __init__(self, drafter: DFlashDrafter, target: nn.Module, heldout: Sequence[Row], *, anchors_per_row: int,
+                 decay: float, pad_id: int = 0, eval_batch_size: int = 8) -> None:
+        super().__init__()
+        self.drafter, self.target = drafter, target.eval().requires_grad_(False)
+        self.heldout_rows, self.anchors_per_row, self.decay = list(heldout), anchors_per_row, decay
+        self.pad_id, self.eval_batch_size = pad_id, eval_batch_size
+
+    def train(self, mode: bool = True) -> DFlashTask:
+        super().train(mode)
+        self.target.eval()  # frozen: never dropout, whatever Lightning toggles
+        return self
+
+    def collate(self, rows: Sequence[Row]) -> dict[str, torch.Tensor]:
+        return pad_batch(rows, self.pad_id)
+
+    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["attention_mask"].sum())
+
+    def _blocks(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> BlockResult:
+        hidden, logits = tapped_features(self.target, batch["input_ids"], batch["attention_mask"],
+                                         self.drafter.config.hidden_state_indices)
+        blocks = draw_blocks(batch["loss_mask"], batch["attention_mask"].sum(-1), self.drafter.config.block_size,
+                             self.anchors_per_row, generator)
+        hidden = hidden.to(self.drafter.fc.weight.dtype)
+        return block_loss(self.drafter, batch["input_ids"], hidden, logits, blocks, self.decay)
+
+    def training_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        result = self._blocks(batch, None)  # the harness seeded the global generator for this micro-batch
+        acc = result.per_position_correct.float() / result.per_position_tokens.clamp(min=1).float()
+        metrics = {f"acc_{k + 1}": acc[k] for k in range(acc.numel())}
+        metrics["train_simulated_tau"] = 1 + float(result.accepted) / max(1, result.blocks)
+        return result.loss, metrics
+
+    forward = training_step
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out simulated τ (the selection metric), per-position agreement and loss, on fixed anchors."""
+        device = next(self.drafter.parameters()).device
+        generator = torch.Generator().manual_seed(0)  # the same held-out blocks at every evaluation
+        size = self.drafter.config.block_size
+        correct = torch.zeros(size - 1, dtype=torch.float64)
+        tokens = torch.zeros(size - 1, dtype=torch.float64)
+        accepted, blocks, loss = 0.0, 0, 0.0
+        for start in range(0, len(self.heldout_rows), self.eval_batch_size):
+            rows = self.heldout_rows[start : start + self.eval_batch_size]
+            batch = {k: v.to(device) for k, v in pad_batch(rows, self.pad_id).items()}
+            result = self._blocks(batch, generator)
+            correct += result.per_position_correct.double().cpu()
+            tokens += result.per_position_tokens.double().cpu()
+            accepted += float(result.accepted)
+            blocks += result.blocks
+            loss += float(result.loss) * len(rows)
+        acc = correct / tokens.clamp(min=1)
+        out = {f"acc_{k + 1}": float(a) for k, a in enumerate(acc)}
+        out["simulated_tau"] = 1 + accepted / max(1, blocks)
+        out["loss"] = loss / max(1, len(self.heldout_rows))
+        out["blocks"] = float(blocks)
+        if not math.isfinite(out["loss"]):
+            out["simulated_tau"] = 0.0  # never keep weights that diverged
+        return out

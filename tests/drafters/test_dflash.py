@@ -1,0 +1,195 @@
+"""The DFlash network (pipeline/drafters/dflash.py) and its files (pipeline/drafters/dflash_export.py): its
+state dict is exactly the reference layout, the block attends bidirectionally and only to the context before it,
+the many-anchor training forward equals one inference forward per block, the artifact and both serving layouts
+round-trip, and the tapped layers read the same ``hidden_states`` entries through either layout (the off-by-one
+between the reference numbering and ``speculators``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids, reference_keys
+from pipeline.drafters.dflash_export import (
+    export_reference,
+    export_speculators,
+    hidden_state_indices_of,
+    load_dflash,
+    load_reference_export,
+    save_dflash,
+)
+from pipeline.errors import DrafterError
+from pipeline.training.dflash_task import block_attention, tapped_features
+
+
+def _target(layers: int = 6, hidden: int = 32, vocab: int = 97) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=0.3, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.float64).eval()
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return _target()
+
+
+def _drafter(target: torch.nn.Module, *, layers: int = 2, block: int = 4, seed: int = 1) -> DFlashDrafter:
+    config = DFlashConfig.from_target(target.config, num_hidden_layers=layers, block_size=block, mask_token_id=96)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config, target.get_input_embeddings(), target.get_output_embeddings())
+    with torch.no_grad():  # non-trivial norms, so a swapped or skipped norm shows
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return drafter.to(torch.float64).eval()
+
+
+def test_default_tapped_layers() -> None:
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # the published Qwen3-8B drafter
+    assert default_target_layer_ids(36, 1) == (18,)
+    assert default_target_layer_ids(4, 2) == (0, 2)  # the tiny kit: spread over 0 .. L - 2
+    assert default_target_layer_ids(2, 1) == (0,)
+    with pytest.raises(DrafterError, match="target_layer_ids"):
+        DFlashConfig.from_target(_target(layers=4).config, num_hidden_layers=1, block_size=4, mask_token_id=0,
+                                 target_layer_ids=(1, 4))
+
+
+def test_state_dict_is_exactly_the_reference_layout(target) -> None:
+    drafter = _drafter(target)
+    assert sorted(drafter.trainable_state_dict()) == sorted(reference_keys(drafter.config))
+    assert "embed_tokens.weight" not in drafter.state_dict() and "lm_head.weight" not in drafter.state_dict()
+    assert not target.get_input_embeddings().weight.requires_grad
+    assert not target.get_output_embeddings().weight.requires_grad
+    assert drafter.fc.weight.shape == (32, 2 * 32)  # two tapped layers x hidden
+
+
+def _features(target: torch.nn.Module, drafter: DFlashDrafter, ids: torch.Tensor) -> torch.Tensor:
+    hidden, _ = tapped_features(target, ids, None, drafter.config.hidden_state_indices)
+    return hidden
+
+
+def _one_block(drafter: DFlashDrafter, features: torch.Tensor, ids: torch.Tensor, anchor: int) -> torch.Tensor:
+    """The inference forward for the block at ``anchor``: context = features before it, no mask."""
+    size = drafter.config.block_size
+    block = drafter.block_ids(ids[0, anchor:anchor + 1])
+    return drafter(block, features[:, :anchor], torch.arange(anchor, anchor + size).unsqueeze(0),
+                   torch.arange(anchor).unsqueeze(0))[0]
+
+
+def test_the_block_is_bidirectional_and_sees_only_the_context_before_it(target) -> None:
+    drafter = _drafter(target)
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    features = _features(target, drafter, ids)
+    anchor = 12
+    out = _one_block(drafter, features, ids, anchor)
+    # A later block row changes an earlier row's output (no causal mask inside the block) ...
+    block = drafter.block_ids(ids[0, anchor:anchor + 1])
+    block[0, 3] = 5
+    changed = drafter(block, features[:, :anchor], torch.arange(anchor, anchor + 4).unsqueeze(0),
+                      torch.arange(anchor).unsqueeze(0))[0]
+    assert (changed[1] - out[1]).abs().max() > 1e-6
+    # ... and every context feature matters.
+    moved = features.clone()
+    moved[:, 0] += 1.0
+    assert (_one_block(drafter, moved, ids, anchor)[1] - out[1]).abs().max() > 1e-6
+
+
+def test_many_anchors_in_one_masked_forward_equal_one_forward_per_block(target) -> None:
+    """The training forward (every block side by side, block_attention's mask) gives each block exactly what the
+    proposer's forward for that block alone gives."""
+    drafter = _drafter(target, block=5)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    features = _features(target, drafter, ids)
+    anchors = torch.tensor([[3, 9, 15], [1, 20, 0]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    size = drafter.config.block_size
+    first = ids.gather(1, anchors)
+    block = drafter.block_ids(first.flatten()).view(2, 3 * size)
+    positions = (anchors.unsqueeze(-1) + torch.arange(size)).view(2, 3 * size)
+    mask = block_attention(anchors, valid, 24, size)
+    batched = drafter(block, features, positions, torch.arange(24).expand(2, 24), mask=mask).view(2, 3, size, -1)
+    for b in range(2):
+        for j in range(3):
+            if not valid[b, j]:
+                continue
+            alone = _one_block(drafter, features[b:b + 1], ids[b:b + 1], int(anchors[b, j]))
+            torch.testing.assert_close(batched[b, j], alone, rtol=0, atol=1e-10)
+
+
+def test_artifact_files_round_trip(target, tmp_path: Path) -> None:
+    drafter = _drafter(target)
+    save_dflash(drafter, tmp_path / "art")
+    assert set(load_file(str(tmp_path / "art" / "model.safetensors"))) == set(reference_keys(drafter.config))
+    loaded = load_dflash(tmp_path / "art", target)
+    assert loaded.config == drafter.config
+    for name, tensor in drafter.trainable_state_dict().items():
+        assert torch.equal(loaded.trainable_state_dict()[name], tensor), name
+    with pytest.raises(DrafterError, match="another target"):
+        load_dflash(tmp_path / "art", _target(layers=4))
+
+
+def test_reference_export_holds_exactly_the_reference_keys_and_fields(target, tmp_path: Path) -> None:
+    drafter = _drafter(target)
+    out = export_reference(drafter, tmp_path / "ref", target_model="t", target_config=target.config)
+    assert set(load_file(str(out / "model.safetensors"))) == set(reference_keys(drafter.config))
+    doc = json.loads((out / "config.json").read_text())
+    assert doc["architectures"] == ["DFlashDraftModel"] and doc["model_type"] == "qwen3"
+    assert doc["layer_types"] == ["full_attention"] * 2 and doc["block_size"] == 4
+    assert doc["num_target_layers"] == 6 and doc["num_hidden_layers"] == 2
+    assert doc["dflash_config"] == {"target_layer_ids": list(drafter.config.target_layer_ids), "mask_token_id": 96}
+    assert "is_causal" not in doc  # vLLM and SGLang then take full_attention layers as bidirectional
+    back = load_reference_export(out, target)
+    assert back.config == drafter.config
+    ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(2))
+    features = _features(target, drafter, ids)
+    torch.testing.assert_close(_one_block(back, features, ids, 9), _one_block(drafter, features, ids, 9),
+                               rtol=0, atol=0)
+    with pytest.raises(DrafterError, match="not an empty directory"):
+        export_reference(drafter, tmp_path / "ref", target_model="t", target_config=target.config)
+
+
+def test_speculators_export_stores_the_hidden_state_indices(target, tmp_path: Path) -> None:
+    drafter = _drafter(target)
+    out = export_speculators(drafter, tmp_path / "spec", target_model="t", target_config=target.config)
+    doc = json.loads((out / "config.json").read_text())
+    assert doc["speculators_model_type"] == "dflash"
+    assert doc["aux_hidden_state_layer_ids"] == [i + 1 for i in drafter.config.target_layer_ids]
+    assert doc["block_size"] == 4 and doc["mask_token_id"] == 96
+    assert doc["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    # served bidirectionally: vLLM 0.33.0 sets dflash_config.causal = not sliding_window_non_causal (default true) and
+    # applies it to every layer; no layer is a sliding one, so speculators and SGLang attend both ways too
+    assert doc["sliding_window_non_causal"] is True and doc["sample_from_anchor"] is False
+    layer = doc["transformer_layer_config"]
+    assert layer["layer_types"] == ["full_attention"] * 2 and layer["use_sliding_window"] is False
+    assert "is_causal" not in layer and "is_causal" not in doc
+
+
+def test_tapped_layers_round_trip_to_the_same_hidden_states_through_both_layouts(target, tmp_path: Path) -> None:
+    """Reference id i (what vLLM/SGLang capture after layer i) and speculators' stored i + 1 both name the
+    ``output_hidden_states`` entry that is layer i's output, the one the drafter was trained on."""
+    drafter = _drafter(target, layers=3)
+    reference = export_reference(drafter, tmp_path / "ref", target_model="t", target_config=target.config)
+    speculators = export_speculators(drafter, tmp_path / "spec", target_model="t", target_config=target.config)
+    trained_on = drafter.config.hidden_state_indices
+    assert hidden_state_indices_of(reference) == trained_on == hidden_state_indices_of(speculators)
+    # and that entry is the output of layer i, captured by a hook on the layer itself
+    outputs: dict[int, torch.Tensor] = {}
+    hooks = [target.model.layers[i].register_forward_hook(
+        lambda _m, _a, out, i=i: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        for i in drafter.config.target_layer_ids]
+    try:
+        ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(3))
+        hidden = target(ids, output_hidden_states=True).hidden_states
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for layer_id, index in zip(drafter.config.target_layer_ids, trained_on, strict=True):
+        torch.testing.assert_close(hidden[index], outputs[layer_id], rtol=0, atol=0)
