@@ -116,7 +116,7 @@ PROFILES: dict[str, ProfileSpec] = {
         gen_prompts=512,
         gen_new_tokens=128,
     ),
-    # What pytest builds once per session (and test_build_is_deterministic once more): ~2.5 min with bf16.
+    # What pytest builds once per session: ~2.5 min with bf16.
     "test": ProfileSpec(
         name="test",
         train_conversations=1500,
