@@ -461,6 +461,20 @@ def main(argv: list[str] | None = None) -> int:
     except DrafterError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Destroy torch's process group, if a multi-rank stage set one up, before the process exits.
+
+    Lightning leaves it alive after ``fit``/``predict``. A rank that exits with a live gloo group can abort in its
+    teardown ("terminate called without an active exception"): seen on a two-node job whose rank 1 finished first,
+    after rank 0 had published, and ``srun --kill-on-bad-exit`` then failed the whole job. Only where torch is
+    already imported (``--help`` and the config commands never import it)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
