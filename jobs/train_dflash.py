@@ -119,9 +119,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
         metrics.update({f"best.{k}": round(v, 6) for k, v in best["metrics"].items()})
     run.log(f"trained {result.steps} steps on {result.world_size} rank(s) ({result.strategy}); best simulated "
             f"tau {best.get('score', float('nan')):.3f} at step {best.get('step')}")
-    report = {"steps": result.steps, "resumed_from": result.start_step, "strategy": result.strategy,
-              "world_size": result.world_size, "deepspeed_config": result.deepspeed_config, "best": best,
-              "last_step_metrics": result.metrics, "mlflow_run_id": result.mlflow_run_id,
+    report = {**result.record(),
               "features": "online", "rows": {"train": len(data.train), "heldout": len(data.heldout),
                                              "dropped": data.dropped, "train_tokens": train_tokens},
               "target_layer_ids": list(config.target_layer_ids), "block_size": config.block_size,

@@ -32,7 +32,6 @@ from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.tracking import tracking_uri
 from pipeline.training.harness import fit
-from pipeline.training.ranks import took_part
 
 SUMMARY: tuple[str, ...] = ("train_steps", "best.simulated_tau", "train_seconds")
 """Metrics ``drafter run`` prints for this stage: steps, the kept checkpoint's held-out simulated τ, training
@@ -145,9 +144,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
         metrics.update({f"best.{k}": round(v, 6) for k, v in best["metrics"].items()})
     run.log(f"trained {result.steps} steps on {result.world_size} rank(s) ({result.strategy}); best simulated "
             f"tau {best.get('score', float('nan')):.3f} at step {best.get('step')}")
-    report = {"steps": result.steps, "resumed_from": result.start_step, "strategy": result.strategy,
-              "world_size": result.world_size, "deepspeed_config": result.deepspeed_config, "best": best,
-              "last_step_metrics": result.metrics, "mlflow_run_id": result.mlflow_run_id, **took_part(result.ranks),
+    report = {**result.record(),
               "features": td.features, "rows": {"train": len(data.train), "heldout": len(data.heldout),
                                                 "dropped": data.dropped, "train_tokens": train_tokens},
               "aux_layer_ids": list(config.aux_layer_ids), "draft_vocab_size": config.draft_vocab_size,

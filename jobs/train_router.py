@@ -28,7 +28,6 @@ from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.tracking import tracking_uri
 from pipeline.training.harness import fit
-from pipeline.training.ranks import took_part
 from pipeline.vocab.tokens import eos_ids
 
 SUMMARY: tuple[str, ...] = ("train_steps", "train_seconds")
@@ -97,9 +96,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     meta = {"clustering_sha256": clustering.content_sha256(), "clusters": clusters.id,
             "drafter": cfg.cluster.drafter, "drafter_head_sha256": head_sha256(head), "top_l": tr.top_l,
             "keep_ids": keep, "calibration": calibration.id, "counts": counts.id}
-    report = {"steps": result.steps, "resumed_from": result.start_step, "strategy": result.strategy,
-              "world_size": result.world_size, "deepspeed_config": result.deepspeed_config, "best": best,
-              "last_step_metrics": result.metrics, "mlflow_run_id": result.mlflow_run_id, **took_part(result.ranks),
+    report = {**result.record(),
               "rows": {"train": len(data.train), "heldout": len(data.heldout), "dropped": data.dropped}}
 
     def write(out: Path) -> None:

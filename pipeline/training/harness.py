@@ -31,7 +31,7 @@ from pipeline.config.training import TrainConfig
 from pipeline.errors import DrafterError
 from pipeline.training import checkpoints as ckpt
 from pipeline.training.plan import RunPlan, trainable_parameters
-from pipeline.training.ranks import collectives, participants
+from pipeline.training.ranks import collectives, participants, took_part
 from pipeline.training.strategy import (
     ddp_strategy,
     deepspeed_config,
@@ -129,6 +129,14 @@ class TrainResult:
     @property
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
+
+    def record(self) -> dict[str, Any]:
+        """What every trainer's ``training.json`` says of the run: steps, resume point, strategy and DeepSpeed
+        config, the kept evaluation, the last step's metrics, the MLflow run, and the nodes and ranks that took
+        part; each stage adds its own rows and inputs."""
+        return {"steps": self.steps, "resumed_from": self.start_step, "strategy": self.strategy,
+                "world_size": self.world_size, "deepspeed_config": self.deepspeed_config, "best": self.best or {},
+                "last_step_metrics": self.metrics, "mlflow_run_id": self.mlflow_run_id, **took_part(self.ranks)}
 
 
 def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tracking_uri: str | None = None,
