@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import Artifact
+from pipeline.artifacts import Artifact, load_artifact
 from pipeline.config.sections import PipelineConfig
-from pipeline.engine.methods import GATE_SETS
+from pipeline.engine.methods import DECODE_BENCH, GATE_SETS, METHODS
 from pipeline.errors import DrafterError
-from pipeline.orchestration.dag import plan
+from pipeline.orchestration.dag import plan, spec
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 
@@ -53,6 +53,7 @@ def _build(cfg: PipelineConfig, run: StageRun, artifacts: dict[str, Artifact]) -
 
     started = time.perf_counter()
     results = evaluate_matrix(cfg, artifacts, run.fingerprint, run.log)
+    results.other_devices = other_devices(cfg, results.device) or None
     metrics = {"eval_seconds": round(time.perf_counter() - started, 2), "lossless_passed": int(results.lossless)}
     for gate in GATE_SETS.values():
         gates = getattr(results, gate.results_field)
@@ -68,6 +69,33 @@ def _build(cfg: PipelineConfig, run: StageRun, artifacts: dict[str, Artifact]) -
         write_report(results, out)
 
     return BuildResult(write, metrics)
+
+
+def other_devices(cfg: PipelineConfig, device: str) -> list[dict]:
+    """The wall-clock rows of this config's evaluations on other devices that the store holds (``evaluate.device``
+    set to each other value, same decode path or ``auto``), for the report's device table; a device is listed once."""
+    from dataclasses import replace
+
+    found: dict[str, dict] = {}
+    kind = device.split(" ")[0] if device.startswith("cpu") else "cuda"
+    for setting in ("auto", "cpu", "cuda"):
+        for path in dict.fromkeys((cfg.evaluate.decode_path, "auto")):
+            if setting == cfg.evaluate.device and path == cfg.evaluate.decode_path:
+                continue
+            try:
+                other = replace(cfg, evaluate=replace(cfg.evaluate, device=setting, decode_path=path))
+                step = plan(other, ["evaluate"])["evaluate"]
+            except DrafterError:  # e.g. graphs with cpu: no such evaluation
+                continue
+            if not step.cached:
+                continue
+            data = json.loads(load_artifact(step.path, kind=spec("evaluate").kind).file("report.json").read_text())
+            theirs = str(data.get("device", ""))
+            if (theirs.split(" ")[0] if theirs.startswith("cpu") else "cuda") == kind or theirs in found:
+                continue
+            found[theirs] = {"device": theirs, "decode_path": data.get("decode_path"), "evaluation": step.id,
+                             "rows": data.get("rows", [])}
+    return list(found.values())
 
 
 def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
@@ -91,3 +119,69 @@ def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
         results = EvaluationResults.from_dict(json.loads(artifact.file("report.json").read_text()))
         register_bundle(cfg, results, artifact, artifacts)
     return artifact
+
+
+def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20) -> str:
+    """``drafter bench decode``: :mod:`pipeline.evaluation.decode_bench` on this config's kit (``tiny``), and with
+    ``llama3-8b`` also at Llama-3.1-8B's shape with random weights, projected with the kit's acceptance.
+
+    The kit pass decodes evaluate's own prompts (``evaluate.prompts_per_task`` per task, ``evaluate.max_new_tokens``,
+    ``evaluate.gammas``) with the registry's :data:`~pipeline.engine.methods.DECODE_BENCH` methods whose artifacts
+    this config's plan finds built,
+    through evaluate's own configurations; the decode path is ``evaluate.decode_path`` on this device.
+
+    Raises:
+        DrafterError: When the count artifact is not built (evaluate's configurations read it).
+    """
+    import sys
+    from dataclasses import replace
+
+    import torch
+
+    from pipeline.engine.static import DecodeOptions, resolve_path  # deferred: pulls in torch
+    from pipeline.evaluation.configurations import Configurations  # deferred: pulls in torch
+    from pipeline.evaluation.decode_bench import (  # deferred: pulls in torch
+        decode_table,
+        llama3_8b_models,
+        measure,
+    )
+    from pipeline.evaluation.matrix import eval_prompts, resolve_device  # deferred: pulls in torch
+    from pipeline.models.target import Target  # deferred: pulls in transformers
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    step = plan(cfg, ["evaluate"])["evaluate"]
+    built = {stage for stage, (_, path) in step.inputs.items() if (path / "manifest.json").is_file()}
+    if "count" not in built:
+        raise DrafterError("`drafter bench decode` decodes with evaluate's configurations, which read the count "
+                           "artifact.", expected="the count artifact of this config built", found="not built",
+                           fix="Run `drafter count --config <this config>` first (seconds on the kit).")
+    methods = [m for m in DECODE_BENCH if set(METHODS[m].stages) <= built]
+    skipped = [m for m in DECODE_BENCH if m not in methods]
+    ev = replace(cfg.evaluate, methods=methods)
+    device = resolve_device(ev)
+    target_ = Target(cfg.target)
+    tokenizer, target = target_.tokenizer(), target_.model(device)
+    prompts = [p for task in eval_prompts(cfg, tokenizer).values() for p in task]
+    artifacts = {stage: step.input(stage) for stage in step.inputs if stage in built}
+    configs = Configurations(replace(cfg, evaluate=ev), target, tokenizer, {"bench": prompts}, artifacts, device, log)
+    proposers = {c.method: c.proposer for c in configs}
+    options = DecodeOptions(resolve_path(ev.decode_path, device))
+    with torch.no_grad():
+        rows = measure("tiny", target, proposers, prompts, ev.gammas, ev.max_new_tokens, options, steps, log=log,
+                       eos=tokenizer.eos_token_id)
+    notes = [f"Not built for this config, so not timed: {', '.join(skipped)} (run `drafter run --config ...` first)."
+             ] if skipped else []
+    if shape == "llama3-8b":
+        if device != "cuda":
+            notes.append("llama3-8b: needs a CUDA device (8B parameters in bf16); not run on this CPU.")
+        else:
+            kit_alpha = {(r.method, r.gamma): r.alpha for r in rows if r.alpha is not None}
+            big, big_proposers = llama3_8b_models(torch.device(device))
+            big_prompts = [torch.randint(3, 128_000, (128,), generator=torch.Generator().manual_seed(i)).tolist()
+                           for i in range(2)]
+            with torch.no_grad():
+                rows += measure("llama3-8b", big, big_proposers, big_prompts, ev.gammas, ev.max_new_tokens, options,
+                                steps, kit_alpha=kit_alpha, log=log)
+    return "\n".join([decode_table(rows), *("" if not notes else ["", *notes])])

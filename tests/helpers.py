@@ -8,6 +8,7 @@ EAGLE-3 head and the DynaSpec router.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.evaluation.results import EvalRow, EvaluationResults, LosslessCheck, decide_gates
@@ -122,3 +123,8 @@ def typed_results(data: dict | None = None, *, lossless: bool = True) -> Evaluat
     gates = decide_gates(rows, checks, speed_metric="mbsu", tau_min=1.5, speed_min=1.0)
     return EvaluationResults(rows=rows, checks=checks, gates=gates, device="cpu (2 threads)",
                              target=data["target"], inputs={"counts": "count-0123"})
+
+
+def drafted(proposal: Any) -> tuple[list[int], Any]:
+    """A proposal's drafts as host ids and its q (proposers that draft on the device return a tensor of ids)."""
+    return proposal.token_list(), proposal.q

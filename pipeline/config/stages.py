@@ -434,6 +434,11 @@ class EvaluateConfig:
     device: str = "auto"
     """Where to decode: auto (CUDA when present), cpu or cuda. Unlike generate's devices this is part of
     the evaluate id: timings, and with gate_speed_metric=auto the gate itself, depend on the device."""
+    decode_path: str = "auto"
+    """How decoding runs: eager (a growing KV cache, shapes as fed), static (preallocated KV caches, fixed-shape
+    forwards, at most one device-to-host read per round), graphs (static, each forward a CUDA graph; CUDA only), or
+    auto (graphs on CUDA, eager on a CPU). Greedy outputs are the same on every path; it is part of the evaluate
+    id because timings, and on CUDA the speed gate, depend on it."""
     seed: int = 0
     """Seed for sampled decoding and the sampling check."""
     gate_tau_min: float = 1.3
@@ -469,6 +474,10 @@ class EvaluateConfig:
                     "a finite number >= 0", self.temperature)
         check_value(0 < self.top_p <= 1, "evaluate.top_p", "a number in (0, 1]", self.top_p)
         check_value(self.device in ("auto", "cpu", "cuda"), "evaluate.device", "auto, cpu or cuda", self.device)
+        check_value(self.decode_path in ("auto", "eager", "static", "graphs"), "evaluate.decode_path",
+                    "auto, eager, static or graphs", self.decode_path)
+        check_value(not (self.decode_path == "graphs" and self.device == "cpu"), "evaluate.decode_path",
+                    "graphs only with a CUDA device (evaluate.device auto or cuda)", "graphs with evaluate.device=cpu")
         check_value(self.gate_speed_metric in ("auto", "speedup", "mbsu"), "evaluate.gate_speed_metric",
                "auto, speedup or mbsu", self.gate_speed_metric)
         check_value(self.primary_metric in ("auto", "tau", "speedup", "mbsu"), "evaluate.primary_metric",

@@ -209,6 +209,49 @@ class ContextCache:
         return key, value
 
 
+class StaticContextCache:
+    """:class:`ContextCache` preallocated to ``capacity`` positions per layer, for static shapes and CUDA graphs.
+
+    New context rows are written from the device position :attr:`position` on (a feed may be padded: its extra slots
+    lie past :attr:`end`); a block sees exactly the slots before :attr:`end`, the context's length. The host keeps the
+    length (:attr:`length`) and sets both device scalars from it before a forward (:meth:`at`), so nothing inside
+    the forward reads a host value.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.capacity = capacity
+        self.keys = [torch.zeros(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        self.end = torch.zeros((), dtype=torch.long, device=device)
+        self.slots = torch.arange(capacity, device=device)
+        self.length = 0
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def at(self, new_rows: int) -> None:
+        """Before a forward that appends ``new_rows`` context rows at the host length."""
+        self.position.fill_(self.length)
+        self.end.fill_(self.length + new_rows)
+
+    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a layer's new context keys/values at the position; the layer's whole buffers (masked by
+        :meth:`mask`)."""
+        slots = self.position + torch.arange(key.shape[2], device=key.device)
+        self.keys[layer].index_copy_(2, slots, key)
+        self.values[layer].index_copy_(2, slots, value)
+        return self.keys[layer], self.values[layer]
+
+    def mask(self, block_rows: int) -> torch.Tensor:
+        """``(1, 1, 1, capacity + block_rows)``: the context slots before :attr:`end`, then every block row."""
+        context = self.slots < self.end
+        block = torch.ones(block_rows, dtype=torch.bool, device=context.device)
+        return torch.cat([context, block]).view(1, 1, 1, -1)
+
+
 # --- one draft layer -------------------------------------------------------------------------------
 
 
@@ -234,7 +277,7 @@ class Attention(nn.Module):
         return rotate(k, cos, sin), v
 
     def forward(self, block: torch.Tensor, context: torch.Tensor, rope_block: tuple, rope_context: tuple,
-                mask: torch.Tensor | None, cache: ContextCache | None, layer: int) -> torch.Tensor:
+                mask: torch.Tensor | None, cache: ContextCache | StaticContextCache | None, layer: int) -> torch.Tensor:
         batch, length, _ = block.shape
         q = self.q_norm(self.q_proj(block).view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
         q = rotate(q, *rope_block)
@@ -259,7 +302,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, block: torch.Tensor, context: torch.Tensor, rope_block: tuple, rope_context: tuple,
-                mask: torch.Tensor | None, cache: ContextCache | None, layer: int) -> torch.Tensor:
+                mask: torch.Tensor | None, cache: ContextCache | StaticContextCache | None, layer: int) -> torch.Tensor:
         block = block + self.self_attn(self.input_layernorm(block), context, rope_block, rope_context, mask, cache,
                                        layer)
         return block + self.mlp(self.post_attention_layernorm(block))
@@ -327,7 +370,7 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, block_ids: torch.Tensor, target_hidden: torch.Tensor, block_positions: torch.Tensor,
                 context_positions: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: ContextCache | None = None) -> torch.Tensor:
+                cache: ContextCache | StaticContextCache | None = None) -> torch.Tensor:
         """The final-normed hidden state of every block row, ``(B, L, H)``; :meth:`logits` turns it into logits.
 
         Args:
@@ -337,9 +380,13 @@ class DFlashDrafter(nn.Module):
             context_positions: ``(B, C)`` RoPE positions of the context rows.
             mask: None (every row sees every key: one block at inference) or a boolean ``(B, 1, L, K)`` over
                 keys ``[context (cache + new); block]`` (training: each block sees its own prefix and itself).
-            cache: a :class:`ContextCache` (inference); the new context rows are appended to it.
+            cache: a :class:`ContextCache` (inference); the new context rows are appended to it. Or a
+                :class:`StaticContextCache` (static shapes): the new rows are written at its position and the block
+                sees the slots before its end (``mask`` must then be None).
         """
         context = self.project_context(target_hidden)
+        if isinstance(cache, StaticContextCache):
+            mask = cache.mask(block_ids.shape[1])
         with torch.no_grad():
             block = self.embed_tokens(block_ids).to(context.dtype)
         rope_block = self.rotary_emb(block, block_positions)

@@ -21,8 +21,8 @@ SGLang ``python/sglang/srt/models/llama_eagle3.py`` (sgl-project/sglang @03d5a77
 as ``arange + d2t``, ``t2d`` skipped, ``embed_tokens`` optional — the target's is shared). Both feed
 back the pre-norm residual (the second output of their fused add-norm), as :meth:`Eagle3Drafter.step`.
 
-Attention has two caches. :class:`KVCache` is the ordinary one (inference: prefill, then draft tokens
-one at a time). :class:`TTTCache` serves the unrolled training-time test (EAGLE-3 §3.2, Fig. 6): at
+Attention has three caches. :class:`KVCache` is the ordinary one (inference: prefill, then draft tokens
+one at a time); :class:`StaticKVCache` is the same preallocated, for static shapes and CUDA graphs. :class:`TTTCache` serves the unrolled training-time test (EAGLE-3 §3.2, Fig. 6): at
 step ``s`` the query of row ``t`` stands for sequence position ``t+s`` and sees the step-0 keys of rows
 ``≤ t`` (the verified prefix) plus entry ``t`` of steps ``1..s`` (its own drafts), which are exactly the
 keys a chain drafter sees at inference (a test checks it against :class:`KVCache`). The EAGLE-3 and
@@ -210,6 +210,38 @@ class KVCache:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
 
 
+class StaticKVCache:
+    """:class:`KVCache` preallocated to ``capacity`` positions, for static shapes and CUDA graphs.
+
+    Keys are written at the device position :attr:`position` onwards and every query sees the slots at or before
+    its own position, so stale slots after a rollback (or after a padded feed) are never read. The host keeps the
+    length (:attr:`length`): a caller sets ``position`` from it before a step (:meth:`at_length`) and advances it
+    after, outside any captured graph, so nothing inside a step reads a host value.
+    """
+
+    def __init__(self, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.capacity = capacity
+        self.key = torch.zeros(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.value = torch.zeros_like(self.key)
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        self.slots = torch.arange(capacity, device=device)
+        self.length = 0
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def at_length(self) -> None:
+        """Point the device position at the host length (before a step)."""
+        self.position.fill_(self.length)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        slots = self.position + torch.arange(q.shape[2], device=q.device)
+        self.key.index_copy_(2, slots, k)
+        self.value.index_copy_(2, slots, v)
+        visible = self.slots.unsqueeze(0) <= slots.unsqueeze(1)
+        return F.scaled_dot_product_attention(q, self.key, self.value, attn_mask=visible, enable_gqa=True)
+
+
 @dataclass
 class TTTCache:
     """Keys and values of each unrolled training-time-test step so far (step 0 first), all
@@ -280,7 +312,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | TTTCache | None) -> torch.Tensor:
+                cache: KVCache | StaticKVCache | TTTCache | None) -> torch.Tensor:
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -315,7 +347,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | TTTCache | None) -> torch.Tensor:
+                cache: KVCache | StaticKVCache | TTTCache | None) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         hidden = hidden + self.self_attn(x, cos, sin, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -436,7 +468,7 @@ class Eagle3Drafter(nn.Module):
                            found=f"last dimension {width}")
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-             cache: KVCache | TTTCache | None = None) -> torch.Tensor:
+             cache: KVCache | StaticKVCache | TTTCache | None = None) -> torch.Tensor:
         """One draft step; returns the pre-norm hidden state ``(B, T, H)`` to feed back as the next ``hidden``.
 
         Args:
@@ -444,10 +476,13 @@ class Eagle3Drafter(nn.Module):
             hidden: ``(B, T, 3H)`` target features, or ``(B, T, H)`` fused or fed back.
             position_ids: ``(B, T)``; by default continues the cache (``KVCache``: after its length;
                 ``TTTCache``: ``arange(T)`` plus the step index).
-            cache: None (plain causal), a :class:`KVCache` or a :class:`TTTCache`; updated in place.
+            cache: None (plain causal), a :class:`KVCache`, a :class:`StaticKVCache` (positions from its device
+                position) or a :class:`TTTCache`; updated in place.
         """
         hidden = self.fuse(hidden)
         batch, length = input_ids.shape
+        if position_ids is None and isinstance(cache, StaticKVCache):
+            position_ids = (cache.position + torch.arange(length, device=input_ids.device)).expand(batch, length)
         if position_ids is None:
             start = cache.length if isinstance(cache, KVCache) else cache.steps if cache is not None else 0
             position_ids = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)

@@ -25,10 +25,11 @@ from __future__ import annotations
 import torch
 from torch import Generator, Tensor
 
-from pipeline.drafters.dflash import ContextCache, DFlashDrafter
+from pipeline.drafters.dflash import ContextCache, DFlashDrafter, StaticContextCache
 from pipeline.engine.proposers import Proposal, require_context
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState, common_prefix_length
+from pipeline.engine.static import DecodeOptions, bucket, compiled, rounded_capacity
 from pipeline.errors import DrafterError
 
 
@@ -58,11 +59,32 @@ class DFlashProposer:
                                fix="Leave target_vocab_size unset (the drafter's head is the target's).")
         self._depth = config.num_target_layers + 1
         self.drafter_calls = 0
+        self._options = DecodeOptions()
+        self._static: StaticContextCache | None = None
+        self._forward = drafter.forward
         self.reset()
+
+    def prepare(self, options: DecodeOptions) -> None:
+        """Follow the generation's decode path: on the static paths a :class:`StaticContextCache` (kept across
+        generations, so CUDA graphs are captured once) and bucketed context rows, compiled on path ``graphs``."""
+        self._options = options
+        if not options.static:
+            return
+        config, weight = self.drafter.config, self.drafter.fc.weight
+        capacity = rounded_capacity(options.capacity)
+        if self._static is None or self._static.capacity < capacity:
+            self._static = StaticContextCache(config.num_hidden_layers, capacity, config.num_key_value_heads,
+                                              config.head_dim, weight.dtype, weight.device)
+            self._forward = compiled(self.drafter.forward) if options.graphs else \
+                self.drafter.forward
 
     def reset(self) -> None:
         """Forget the cached context; see :class:`~pipeline.engine.proposers.Proposer`."""
-        self.cache = ContextCache(self.drafter.config.num_hidden_layers)
+        if self._options.static and self._static is not None:
+            self._static.crop(0)
+            self.cache: ContextCache | StaticContextCache = self._static
+        else:
+            self.cache = ContextCache(self.drafter.config.num_hidden_layers)
         self._ids: list[int] = []  # the ids whose features the cached context rows were computed from
 
     def _features(self, state: TargetState, context: list[int]) -> list[Tensor]:
@@ -101,21 +123,40 @@ class DFlashProposer:
             )
         return hidden
 
-    def block_distributions(self, context: list[int], hidden: list[Tensor], params: SamplingParams) -> Tensor:
+    def block_distributions(self, context: list[int], hidden: list[Tensor], params: SamplingParams,
+                            state: TargetState | None = None) -> Tensor:
         """One drafter forward: the standardised distributions of block rows ``1 .. B − 1``, ``(B − 1, V)`` float64.
 
         The context cache is brought to every position of ``context`` but the newest (whose token opens the block).
+        On the static paths the new context rows are padded to their bucket and every position is a device value,
+        so the forward has one shape per bucket (a CUDA graph on path ``graphs``).
         """
+        state = state or TargetState()
         rows = len(context) - 1
         valid = min(self.cache.length, common_prefix_length(self._ids, context[:rows]))
         self.cache.crop(valid)
         weight = self.drafter.fc.weight
-        features = torch.cat([h[valid:rows] for h in hidden], dim=-1).to(weight.device, weight.dtype)
-        context_positions = torch.arange(valid, rows, device=weight.device).unsqueeze(0)
-        block_positions = torch.arange(rows, rows + self.block_size, device=weight.device).unsqueeze(0)
-        first = torch.tensor([context[-1]], dtype=torch.long, device=weight.device)
-        out = self.drafter(self.drafter.block_ids(first), features.unsqueeze(0), block_positions, context_positions,
-                           cache=self.cache)
+        features = torch.cat([h[valid:rows] for h in hidden], dim=-1).to(weight.device, weight.dtype).unsqueeze(0)
+        first = state.ids(rows, rows + 1, context).to(weight.device)
+        block = self.drafter.block_ids(first)
+        steps = torch.arange(self.block_size, device=weight.device)
+        if isinstance(self.cache, StaticContextCache):
+            n = rows - valid
+            size = bucket(n) or n
+            features = torch.nn.functional.pad(features, (0, 0, 0, size - n))
+            self.cache.at(n)
+            context_positions = (self.cache.position + torch.arange(size, device=weight.device)).unsqueeze(0)
+            block_positions = (self.cache.end + steps).unsqueeze(0)
+            if self._options.graphs and bucket(n) is not None:
+                torch.compiler.cudagraph_mark_step_begin()
+                out = self._forward(block, features, block_positions, context_positions, cache=self.cache).clone()
+            else:
+                out = self.drafter(block, features, block_positions, context_positions, cache=self.cache)
+            self.cache.length = rows
+        else:
+            context_positions = torch.arange(valid, rows, device=weight.device).unsqueeze(0)
+            block_positions = (rows + steps).unsqueeze(0)
+            out = self.drafter(block, features, block_positions, context_positions, cache=self.cache)
         self._ids = list(context[:rows])
         self.drafter_calls += 1
         return standardise(self.drafter.logits(out[0, 1:]), params)
@@ -134,10 +175,11 @@ class DFlashProposer:
         device = self.drafter.fc.weight.device
         drafts = min(gamma, self.block_size - 1)
         if drafts <= 0 or len(context) < 2:
-            return Proposal([], torch.zeros(0, self.target_vocab_size, dtype=torch.float64, device=device))
-        probs = self.block_distributions(context, hidden, params)[:drafts]
+            return Proposal(torch.zeros(0, dtype=torch.long, device=device),
+                            torch.zeros(0, self.target_vocab_size, dtype=torch.float64, device=device))
+        probs = self.block_distributions(context, hidden, params, state)[:drafts]
         tokens = sample(probs, generator)  # each row on its own: draft k's law is row k whatever came before
         q = probs
         if q.shape[-1] < self.target_vocab_size:
             q = torch.nn.functional.pad(q, (0, self.target_vocab_size - q.shape[-1]))
-        return Proposal([int(t) for t in tokens.tolist()], q)
+        return Proposal(tokens, q)  # left on the device: the loop reads the round once

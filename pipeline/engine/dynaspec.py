@@ -28,7 +28,14 @@ import torch
 from torch import Generator, Tensor
 
 from pipeline.dynaspec.budget import ClusterBudget, pa_fr
-from pipeline.engine.proposers import HeadStats, LinearHead, Proposal, require_context, timed_call
+from pipeline.engine.proposers import (
+    HeadStats,
+    LinearHead,
+    Proposal,
+    SessionProposer,
+    require_context,
+    timed_call,
+)
 from pipeline.engine.routed_head import RoutedHead, keep_tensor
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import ModelSession, TargetState
@@ -59,24 +66,29 @@ def _require_keep(keep_ids: Sequence[int], what: str) -> None:
 
 
 def _draw(ids: Tensor, logits: Tensor, params: SamplingParams, generator: Generator, width: int
-          ) -> tuple[int, Tensor]:
-    """Sample a token from a shortlist's logits: the token id, and the law (over the shortlist, after the
-    sampling transforms) scattered into a ``width``-wide target-id row (ids beyond it carry no target mass)."""
+          ) -> tuple[Tensor, Tensor]:
+    """Sample a token from a shortlist's logits: the token id ``(1,)`` on the device (no host read), and the law
+    (over the shortlist, after the sampling transforms) scattered into a ``width``-wide target-id row (ids beyond
+    it carry no target mass)."""
     probs = standardise(logits, params)
-    token = int(ids[int(sample(probs, generator))])
-    row = torch.zeros(width, dtype=torch.float64, device=logits.device)
+    token = ids.index_select(0, sample(probs, generator).reshape(1))
     inside = (ids >= 0) & (ids < width)  # -1: a padding slot of a fixed-capacity shortlist (probability 0)
-    row[ids[inside]] = probs[inside]
+    # scattered without a boolean index (whose size the host would read): outside slots add 0 to row 0
+    row = torch.zeros(width, dtype=torch.float64, device=logits.device)
+    row.index_add_(0, torch.where(inside, ids, 0), torch.where(inside, probs, 0.0))
     return token, row
 
 
-def _proposal(tokens: list[int], rows: list[Tensor], width: int) -> Proposal:
+def _proposal(tokens: list[Tensor], rows: list[Tensor], width: int, device: torch.device) -> Proposal:
     """Drafted tokens (``-1`` for one with no target id: always rejected) and their q rows."""
-    q = torch.stack(rows) if rows else torch.zeros(0, width, dtype=torch.float64)
-    return Proposal([t if t < width else -1 for t in tokens], q)
+    if not rows:
+        return Proposal(torch.zeros(0, dtype=torch.long, device=device),
+                        torch.zeros(0, width, dtype=torch.float64, device=device))
+    drafted = torch.cat(tokens)
+    return Proposal(torch.where(drafted < width, drafted, -1), torch.stack(rows))
 
 
-class RoutedShortlistProposer:
+class RoutedShortlistProposer(SessionProposer):
     """DynaSpec: a same-tokenizer drafter whose head is evaluated on router-chosen clusters.
 
     Args:
@@ -100,6 +112,7 @@ class RoutedShortlistProposer:
             raise DrafterError("The router scores another number of clusters than the clustering has.",
                                expected=f"{clustering.num_clusters} clusters", found=f"{router.num_clusters}",
                                fix="Train the router for this clustering (`drafter train_router`).")
+        self._model = model
         self.session = ModelSession(model, body_only=True)
         self.routed = RoutedHead(model, clustering, keep_ids)
         self.embed = model.get_input_embeddings()
@@ -111,18 +124,17 @@ class RoutedShortlistProposer:
         self.head_stats = HeadStats()
         self._side = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
 
-    def reset(self) -> None:
-        """Forget the cached sequence; see :class:`~pipeline.engine.proposers.Proposer`."""
-        self.session.reset()
-
     @torch.no_grad()
-    def _route(self, token: int, previous: Tensor, k: int) -> Tensor:
-        """Top-``k`` clusters for ``[E(x_t), h_{t-1}]``."""
-        x = self.embed(torch.tensor([token], device=previous.device))[0]
+    def _route(self, token: int | Tensor, previous: Tensor, k: int) -> Tensor:
+        """Top-``k`` clusters for ``[E(x_t), h_{t-1}]`` (``x_t`` a host id — a view of its embedding row, nothing
+        copied to the device — or a ``(1,)`` device tensor)."""
+        weight = self.embed.weight
+        x = weight[token] if isinstance(token, int) else weight.index_select(0, token)[0]
         scores = self.router(torch.cat([x, previous]).unsqueeze(0))[0]
         return torch.topk(scores, k).indices
 
-    def _route_and_step(self, token: int, previous: Tensor, k: int, advance: bool) -> tuple[Tensor, Tensor | None]:
+    def _route_and_step(self, token: int | Tensor, previous: Tensor, k: int, advance: bool
+                        ) -> tuple[Tensor, Tensor | None]:
         """Route for position ``t`` and, when ``advance``, feed ``token`` to the body (its ``h_t``) at the same
         time: on a CUDA side stream the router overlaps the body (DynaSpec Fig. 1)."""
         import time
@@ -131,12 +143,12 @@ class RoutedShortlistProposer:
             start = time.perf_counter()
             clusters = self._route(token, previous, k)
             self.head_stats.router_seconds += time.perf_counter() - start
-            return clusters, (self.session.feed([token])[-1] if advance else None)
+            return clusters, (self.session.feed(token)[-1] if advance else None)
         main = torch.cuda.current_stream(previous.device)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
             clusters = self._route(token, previous, k)
-        hidden = self.session.feed([token])[-1] if advance else None
+        hidden = self.session.feed(token)[-1] if advance else None
         main.wait_stream(self._side)
         clusters.record_stream(main)
         return clusters, hidden
@@ -148,11 +160,11 @@ class RoutedShortlistProposer:
         """Draft ``gamma`` tokens from routed shortlists; see :class:`~pipeline.engine.proposers.Proposer`."""
         require_context(context)
         budget = _per_gamma(self.budget, gamma, "DynaSpec cluster budget")
-        rows = self.session.move_to(context, keep=min(2, len(context)))
+        rows = self.session.move_to(context, keep=min(2, len(context)), device_ids=state.token_ids)
         hidden = rows[-1]
         previous = rows[-2] if rows.shape[0] == 2 else torch.zeros_like(hidden)  # h_{t-1}; none before t = 0
-        token = context[-1]
-        tokens: list[int] = []
+        token: int | Tensor = context[-1]
+        tokens: list[Tensor] = []
         dists: list[Tensor] = []
         for t in range(gamma):
             if t > 0:  # route for x_t while the body computes h_t
@@ -160,16 +172,16 @@ class RoutedShortlistProposer:
                 previous, hidden = hidden, hidden_next
             else:
                 clusters, _ = self._route_and_step(token, previous, budget.at(t), advance=False)
-            routed, seconds = timed_call(hidden.device, self.routed.shortlist, hidden, clusters)
-            self.head_stats.add(t, int(routed.count), seconds)
+            routed = timed_call(self.head_stats, hidden.device, self.routed.shortlist, hidden, clusters)
+            self.head_stats.add(t, routed.count)
             token, row = _draw(routed.ids, routed.logits, params, generator, self.target_vocab_size)
             tokens.append(token)
             dists.append(row)
         # the last drafted token was never fed: the session holds context + tokens[:-1]
-        return _proposal(tokens, dists, self.target_vocab_size)
+        return _proposal(tokens, dists, self.target_vocab_size, hidden.device)
 
 
-class PositionAwareFrequencyProposer:
+class PositionAwareFrequencyProposer(SessionProposer):
     """PA-FR (DynaSpec App. A.3): the ``K_fr(t)`` most frequent tokens at draft position ``t``.
 
     Args:
@@ -199,6 +211,7 @@ class PositionAwareFrequencyProposer:
                 raise DrafterError("The PA-FR budget does not fit the ranking.",
                                    expected=f"kmax in [1, {ranking.numel()}]", found=str(k),
                                    fix="Lower kmax (evaluate.dynaspec_match picks it).")
+        self._model = model
         self.session = ModelSession(model, body_only=True)
         device = self.session.device
         self.ranking = ranking.to(device)
@@ -213,9 +226,6 @@ class PositionAwareFrequencyProposer:
         self.name, self.target_layers = name, ()
         self.target_vocab_size = target_vocab_size or vocab
         self.head_stats = HeadStats()
-
-    def reset(self) -> None:
-        self.session.reset()
 
     def _logits(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """(logits, token ids) of the first ``k`` ranked rows (a slice: no copy) plus missing kept tokens."""
@@ -240,17 +250,16 @@ class PositionAwareFrequencyProposer:
         """Draft ``gamma`` tokens, position ``t`` from the ``K_fr(t)`` most frequent tokens."""
         require_context(context)
         kmax = _per_gamma(self.kmax, gamma, "PA-FR budget")
-        hidden = self.session.move_to(context)[-1]
-        tokens: list[int] = []
+        hidden = self.session.move_to(context, device_ids=state.token_ids)[-1]
+        tokens: list[Tensor] = []
         dists: list[Tensor] = []
-        token = context[-1]
         for t in range(gamma):
             if t > 0:
-                hidden = self.session.feed([token])[-1]
+                hidden = self.session.feed(tokens[-1])[-1]
             k = pa_fr(kmax, t, self.k_min)
-            (logits, ids), seconds = timed_call(hidden.device, self._logits, hidden, k)
-            self.head_stats.add(t, int(ids.numel()), seconds)
+            logits, ids = timed_call(self.head_stats, hidden.device, self._logits, hidden, k)
+            self.head_stats.add(t, int(ids.numel()))
             token, row = _draw(ids, logits, params, generator, self.target_vocab_size)
             tokens.append(token)
             dists.append(row)
-        return _proposal(tokens, dists, self.target_vocab_size)
+        return _proposal(tokens, dists, self.target_vocab_size, hidden.device)

@@ -34,10 +34,11 @@ from __future__ import annotations
 import torch
 from torch import Generator, Tensor
 
-from pipeline.drafters.eagle3 import Eagle3Drafter, KVCache
+from pipeline.drafters.eagle3 import Eagle3Drafter, KVCache, StaticKVCache
 from pipeline.engine.proposers import Proposal, require_context
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState, common_prefix_length
+from pipeline.engine.static import DecodeOptions, bucket, compiled, rounded_capacity
 from pipeline.errors import DrafterError
 
 
@@ -65,6 +66,9 @@ class Eagle3Proposer:
         self.target_vocab_size = int(target_vocab_size or config.target_vocab_size)
         self._depth = config.target_num_layers + 1  # entries of the target's output_hidden_states
         self._draft_ids = drafter.draft_to_target.detach().clone()
+        self._options = DecodeOptions()
+        self._static: StaticKVCache | None = None
+        self._step = drafter.step
         top = int(self._draft_ids.max())
         if top >= self.target_vocab_size:
             raise DrafterError(
@@ -75,9 +79,29 @@ class Eagle3Proposer:
             )
         self.reset()
 
+    def prepare(self, options: DecodeOptions) -> None:
+        """Follow the generation's decode path: on the static paths a :class:`StaticKVCache` (kept across
+        generations, so CUDA graphs are captured once) and fixed-shape steps, compiled on path ``graphs``."""
+        self._options = options
+        if not options.static:
+            self._step = self.drafter.step
+            return
+        config, weight = self.drafter.config, self.drafter.fc.weight
+        capacity = rounded_capacity(options.capacity)
+        if self._static is None or self._static.capacity < capacity:
+            self._static = StaticKVCache(capacity, config.num_key_value_heads, config.head_dim, weight.dtype,
+                                         weight.device)
+            self._step = self.drafter.step
+            if options.graphs:
+                self._step = compiled(self.drafter.step)
+
     def reset(self) -> None:
         """Forget the cached rows; see :class:`~pipeline.engine.proposers.Proposer`."""
-        self.cache = KVCache()
+        if self._options.static and self._static is not None:
+            self._static.crop(0)
+            self.cache: KVCache | StaticKVCache = self._static
+        else:
+            self.cache = KVCache()
         # Context ids the cached rows were computed for: rows 0..len-2 pair ids[t+1] with feature t.
         self._ids: list[int] = []
         # The drafter's output at the last cached row (the first draft's hidden state), (1, 1, H).
@@ -119,7 +143,7 @@ class Eagle3Proposer:
             )
         return hidden
 
-    def _sync(self, context: list[int], hidden: list[Tensor]) -> Tensor:
+    def _sync(self, context: list[int], hidden: list[Tensor], state: TargetState) -> Tensor:
         """Bring the cache to one row per target position of ``context``; the last row's output ``(1, 1, H)``."""
         rows = len(context) - 1
         valid = max(0, min(self.cache.length, common_prefix_length(self._ids, context) - 1))
@@ -129,11 +153,33 @@ class Eagle3Proposer:
         self.cache.crop(start)
         weight = self.drafter.fc.weight
         features = torch.cat([h[start:rows] for h in hidden], dim=-1).to(weight.device, weight.dtype)
-        ids = torch.tensor([context[start + 1 : rows + 1]], dtype=torch.long, device=weight.device)
-        out = self.drafter.step(ids, features.unsqueeze(0), cache=self.cache)
+        ids = state.ids(start + 1, rows + 1, context).to(weight.device).unsqueeze(0)
+        out = self._run(ids, features.unsqueeze(0))
         self._ids = list(context)
         self._last = out[:, -1:]
         return self._last
+
+    def _run(self, ids: Tensor, hidden: Tensor) -> Tensor:
+        """One drafter step over ``(1, n)`` ids: as fed on the eager path; on the static paths padded to the bucket
+        of ``n`` (the padding's slots lie after the real ones, so no real row sees them) and the position advanced
+        by ``n`` on the host. Returns the ``(1, n, H)`` outputs of the real rows."""
+        if not isinstance(self.cache, StaticKVCache):
+            return self.drafter.step(ids, hidden, cache=self.cache)
+        n = ids.shape[1]
+        size = bucket(n)
+        self.cache.at_length()
+        if size is None:  # a long first sync: its own shape, eagerly
+            out = self.drafter.step(ids, hidden, cache=self.cache)
+        else:
+            # fresh buffers of the bucket's shape (and standard strides: a graph is specialised to them too)
+            ids = torch.nn.functional.pad(ids, (0, size - n))
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, size - n)) if size > n else \
+                hidden.clone(memory_format=torch.contiguous_format)
+            if self._options.graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            out = self._step(ids, hidden, cache=self.cache)[:, :n].clone()
+        self.cache.length += n
+        return out
 
     @torch.no_grad()
     def propose(
@@ -152,10 +198,11 @@ class Eagle3Proposer:
         hidden = self._features(state, context)
         device = self.drafter.fc.weight.device
         if gamma <= 0 or len(context) < 2:
-            return Proposal([], torch.zeros(0, self.target_vocab_size, dtype=torch.float64, device=device))
+            return Proposal(torch.zeros(0, dtype=torch.long, device=device),
+                            torch.zeros(0, self.target_vocab_size, dtype=torch.float64, device=device))
         if self._draft_ids.device != device:
             self._draft_ids = self._draft_ids.to(device)
-        out = self._sync(context, hidden)
+        out = self._sync(context, hidden, state)
         rows = self.cache.length
         tokens: list[Tensor] = []
         dists: list[Tensor] = []
@@ -166,9 +213,9 @@ class Eagle3Proposer:
             dists.append(probs)
             if step + 1 < gamma:
                 # The drafted token with the drafter's own output in place of a target feature.
-                out = self.drafter.step(token.view(1, 1), out, cache=self.cache)
+                out = self._run(token.view(1, 1), out)
         self.cache.crop(rows)  # draft rows' keys came from drafter features: never reuse them
         q = torch.zeros(len(dists), self.target_vocab_size, dtype=torch.float64, device=device)
         q.index_copy_(1, self._draft_ids, torch.stack(dists))
-        return Proposal([int(t) for t in torch.cat(tokens).tolist()], q)
+        return Proposal(torch.cat(tokens), q)  # left on the device: the loop reads the round once
 

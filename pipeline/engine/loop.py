@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from pipeline.engine.proposers import Proposal, Proposer
+from pipeline.engine.proposers import Proposer
+from pipeline.engine.rounds import Round, RoundChecks, RoundClocks, speculative_round
 from pipeline.engine.sampling import SamplingParams, sample, standardise
-from pipeline.engine.session import ModelSession, TargetState
-from pipeline.engine.verify import verify_exact, verify_speculative
+from pipeline.engine.static import DecodeOptions, EventClock, decode_capacity, session_for
 from pipeline.errors import DrafterError
 
 
@@ -43,7 +43,8 @@ class GenerationResult:
         position_attempts: ``[i]`` = rounds in which draft position ``i`` was verified.
         position_accepts: ``[i]`` = rounds in which draft position ``i`` was accepted.
         drafter_seconds: Time spent in the proposer.
-        target_seconds: Time spent in target forwards (and standardising their logits).
+        target_seconds: Time spent in target forwards (prefill included) and verifying their rows.
+        prefill_seconds: Of that, the prompt's prefill forward (0 where the first round runs the prompt itself).
         wall_seconds: End-to-end time of the call.
         ttft_seconds: Time from the call to the first new token.
         stop_reason: ``"eos"`` or ``"length"``.
@@ -60,6 +61,7 @@ class GenerationResult:
     position_accepts: list[int] = field(default_factory=list)
     drafter_seconds: float = 0.0
     target_seconds: float = 0.0
+    prefill_seconds: float = 0.0
     wall_seconds: float = 0.0
     ttft_seconds: float = 0.0
     stop_reason: str = "length"
@@ -100,6 +102,35 @@ def _finish(new: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[in
     return new[:max_new_tokens], False
 
 
+def _sized(options: DecodeOptions | None, prompt: int, new_tokens: int, gamma: int) -> DecodeOptions:
+    """``options`` (default: eager) with the capacity this generation's sessions need."""
+    options = options or DecodeOptions()
+    return replace(options, capacity=max(options.capacity, decode_capacity(prompt, new_tokens, gamma)))
+
+
+def _context_ids(prompt: list[int], options: DecodeOptions, device: torch.device) -> Tensor:
+    """The sequence's ids on the device, a buffer of the generation's capacity (the prompt copied once): rounds,
+    proposers and the verify forward read ids from it instead of copying them from the host each round."""
+    ids = torch.zeros(options.capacity, dtype=torch.long, device=device)
+    ids[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    return ids
+
+
+def _extend(context_ids: Tensor, length: int, step: Round) -> None:
+    """Append a round's emitted tokens to the device ids (from the device after a device round)."""
+    emitted = step.emitted_device
+    if emitted is None:
+        emitted = torch.tensor(step.emitted, dtype=torch.long)
+    context_ids[length : length + emitted.shape[0]] = emitted
+
+
+def _prepare(proposer: Proposer, options: DecodeOptions) -> None:
+    """Let a proposer that runs sessions of its own set them up for ``options`` (see :class:`Proposer`)."""
+    prepare = getattr(proposer, "prepare", None)
+    if prepare is not None:
+        prepare(options)
+
+
 def generate_autoregressive(
     target: torch.nn.Module,
     input_ids: list[int],
@@ -107,6 +138,7 @@ def generate_autoregressive(
     params: SamplingParams,
     generator: torch.Generator,
     eos_token_id: int | Sequence[int] | None = None,
+    options: DecodeOptions | None = None,
 ) -> GenerationResult:
     """Decode one token per target forward: the baseline speculative decoding must reproduce.
 
@@ -117,6 +149,8 @@ def generate_autoregressive(
         params: Sampling parameters.
         generator: Random source (unused when greedy).
         eos_token_id: Token id(s) that end the sequence.
+        options: The decode path (:mod:`pipeline.engine.static`); default eager. On the static paths the prompt
+            but its last token is prefilled first, so every later forward is one token (one CUDA graph).
 
     Returns:
         The :class:`GenerationResult`.
@@ -124,60 +158,35 @@ def generate_autoregressive(
     _check_request(input_ids, max_new_tokens)
     start = time.perf_counter()
     eos = _eos_set(eos_token_id)
-    model = ModelSession(target)
+    options = _sized(options, len(input_ids), max_new_tokens, 0)
+    model = session_for(target, options)
+    clock, prefill = EventClock(model.device), EventClock(model.device)
+    forwards = model.forwards
     sequence = list(input_ids)
+    if options.static and len(sequence) > 1:
+        prefill.start()
+        model.feed(sequence[:-1])
+        prefill.stop()
     result = GenerationResult(tokens=[], prompt_length=len(input_ids), method="autoregressive")
+    last: Tensor | None = None  # the newest token on the device, fed from there
     stopped = False
     while len(result.tokens) < max_new_tokens and not stopped:
-        with model.timed():
-            probs = standardise(model.feed(sequence[len(model.ids) :]), params)
-        token = int(probs[0].argmax()) if params.greedy else int(sample(probs[0], generator))
+        clock.start()
+        pending = sequence[len(model.ids) :]
+        probs = standardise(model.feed(last if last is not None and len(pending) == 1 else pending), params)
+        last = probs[0].argmax().reshape(1) if params.greedy else sample(probs[0], generator).reshape(1)
+        token = int(last[0])  # the one device → host read of a step
+        clock.stop()
         if not result.tokens:
             result.ttft_seconds = time.perf_counter() - start
         result.tokens.append(token)
         sequence.append(token)
         stopped = token in eos
     result.stop_reason = "eos" if stopped else "length"
-    result.target_forwards, result.target_seconds = model.forwards, model.seconds
+    result.target_forwards, result.prefill_seconds = model.forwards - forwards, prefill.seconds()
+    result.target_seconds = clock.seconds() + result.prefill_seconds
     result.wall_seconds = time.perf_counter() - start
     return result
-
-
-def _check_proposal(proposal: Proposal, gamma: int, vocab: int) -> tuple[list[int], Tensor | None]:
-    tokens = [int(t) for t in proposal.tokens[:gamma]]
-    bad = [t for t in tokens if t < -1 or t >= vocab]
-    if bad:
-        raise DrafterError(
-            "the drafter proposed ids outside the target vocabulary",
-            expected=f"ids in [0, {vocab}) or -1 (no target id)",
-            found=f"{bad[:5]}",
-            fix="map drafter ids to target ids (pipeline.vocab.maps) or pass "
-            "target_vocab_size to the proposer",
-        )
-    q = proposal.q
-    if q is None:
-        return tokens, None
-    if not tokens and q.dim() != 2 and q.numel() == 0:
-        # Nothing drafted: the round samples from p alone, whatever the shape of the empty q.
-        q = q.reshape(0, vocab)
-    if q.dim() != 2 or q.shape[0] < len(tokens):
-        raise DrafterError(
-            "the draft distributions do not match the drafts",
-            expected=f"q of shape (gamma', V) with a row for each of the {len(tokens)} drafts",
-            found=f"q of shape {tuple(q.shape)}",
-            fix="return one row of q per drafted token (an empty (0, V) tensor when drafting nothing)",
-        )
-    q = q[: len(tokens)].to(torch.float64)
-    if q.shape[-1] < vocab:
-        q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))  # ids the drafter lacks get q = 0
-    elif q.shape[-1] > vocab:
-        raise DrafterError(
-            "the draft distribution is wider than the target vocabulary",
-            expected=f"q with at most {vocab} columns (target ids)",
-            found=f"{q.shape[-1]} columns",
-            fix="construct the proposer with target_vocab_size set to the target's",
-        )
-    return tokens, q
 
 
 def generate_speculative(
@@ -189,6 +198,7 @@ def generate_speculative(
     params: SamplingParams,
     generator: torch.Generator,
     eos_token_id: int | Sequence[int] | None = None,
+    options: DecodeOptions | None = None,
 ) -> GenerationResult:
     """Draft-then-verify decoding with one target forward per round.
 
@@ -203,9 +213,12 @@ def generate_speculative(
         params: Sampling parameters, applied alike to target and drafter.
         generator: Random source shared by drafter and verifier.
         eos_token_id: Token id(s) that end the sequence.
+        options: The decode path (:mod:`pipeline.engine.static`); default eager. On the static paths the prompt
+            but its last token is always prefilled, so every round's verify forward is ``γ' + 1`` tokens.
 
     Returns:
-        The :class:`GenerationResult`.
+        The :class:`GenerationResult`. Phases are timed without synchronising (CUDA events); a round whose
+        drafts stay on the device reads the host once (:mod:`pipeline.engine.rounds`).
 
     Raises:
         DrafterError: If ``gamma < 1``, the proposer asks for hidden states at layers the target
@@ -222,13 +235,21 @@ def generate_speculative(
     start = time.perf_counter()
     eos = _eos_set(eos_token_id)
     layers = tuple(proposer.target_layers)
-    model = ModelSession(target, layers=layers)
+    options = _sized(options, len(input_ids), max_new_tokens, gamma)
+    model = session_for(target, options, layers=layers)
+    forwards = model.forwards
+    _prepare(proposer, options)
     proposer.reset()
+    clocks, prefill = RoundClocks.on(model.device), EventClock(model.device)
+    vocab = _vocab_size(target)
+    checks = RoundChecks(vocab=vocab)
     sequence = list(input_ids)
-    if layers and len(sequence) > 1:
+    context_ids = _context_ids(sequence, options, model.device)
+    if (layers or options.static) and len(sequence) > 1:
         # Prefill all prompt tokens but the newest, so the first round's state covers the prompt.
-        with model.timed():
-            model.feed(sequence[:-1])
+        prefill.start()
+        model.feed(sequence[:-1], device_ids=context_ids[: len(sequence) - 1])
+        prefill.stop()
     last_p: Tensor | None = None
     new: list[int] = []
     result = GenerationResult(
@@ -239,14 +260,14 @@ def generate_speculative(
         position_attempts=[0] * gamma,
         position_accepts=[0] * gamma,
     )
-    vocab = _vocab_size(target)
     stopped = False
     while len(new) < max_new_tokens and not stopped:
         # Drafts beyond the length budget would be thrown away, so do not pay for them.
         round_gamma = min(gamma, max_new_tokens - len(new) - 1)
-        step = speculative_round(model, proposer, sequence, round_gamma, params, generator, last_p, vocab)
-        result.drafter_seconds += step.drafter_seconds
+        step = speculative_round(model, proposer, sequence, round_gamma, params, generator, last_p, vocab,
+                                 clocks=clocks, checks=checks, context_ids=context_ids)
         last_p = step.p_next
+        _extend(context_ids, len(sequence), step)
         sequence.extend(step.emitted)
         new.extend(step.emitted)
         if not result.drafted_per_round:
@@ -257,70 +278,15 @@ def generate_speculative(
             result.position_attempts[i] += 1
             result.position_accepts[i] += int(i < step.accepted)
         new, stopped = _finish(new, eos, max_new_tokens)
+    checks.raise_if_any()
     result.tokens = new
     result.stop_reason = "eos" if stopped else "length"
-    result.target_forwards, result.target_seconds = model.forwards, model.seconds
+    result.target_forwards = model.forwards - forwards
+    result.prefill_seconds = prefill.seconds()
+    result.drafter_seconds = clocks.draft.seconds()
+    result.target_seconds = clocks.verify.seconds() + result.prefill_seconds
     result.wall_seconds = time.perf_counter() - start
     return result
-
-
-@dataclass
-class Round:
-    """One draft-then-verify round.
-
-    Attributes:
-        drafted: Drafts the proposer returned.
-        verified: Draft positions the target scored (drafts up to and including the first without a target id).
-        accepted: Leading drafts accepted.
-        emitted: The accepted drafts and the token the target emitted after them.
-        p_next: The target's standardised distribution the last emitted token was drawn from (``(V,)``).
-        drafter_seconds: Time spent in the proposer.
-    """
-
-    drafted: int
-    verified: int
-    accepted: int
-    emitted: list[int]
-    p_next: Tensor
-    drafter_seconds: float
-
-
-def speculative_round(model: ModelSession, proposer: Proposer, sequence: list[int], gamma: int,
-                      params: SamplingParams, generator: torch.Generator, last_p: Tensor | None, vocab: int) -> Round:
-    """Draft ``gamma`` tokens after ``sequence``, score them in one target forward, verify, and crop the target
-    session back to the accepted prefix (``sequence`` itself is not changed).
-
-    ``model`` holds every position of ``sequence`` but the newest (the invariant both decode loops keep).
-    """
-    tokens: list[int] = []
-    q: Tensor | None = None
-    drafter_seconds = 0.0
-    if gamma > 0:
-        drafter_start = time.perf_counter()
-        state = TargetState(model.layers, model.hidden(), last_p, len(model.ids))
-        proposal = proposer.propose(list(sequence), gamma, params, generator, state)
-        model.sync()
-        drafter_seconds = time.perf_counter() - drafter_start
-        tokens, q = _check_proposal(proposal, gamma, vocab)
-    # A draft with no target id cannot be fed to the target and is always rejected, so stop
-    # feeding there; its own p-row (from the token before it) is still scored.
-    drafted = len(tokens)
-    fed = tokens.index(-1) if -1 in tokens else len(tokens)
-    tokens = tokens[: fed + 1]
-    # The session holds every position but the newest token's; feed it and the drafts.
-    with model.timed():
-        p = standardise(model.feed(sequence[len(model.ids) :] + tokens[:fed], fed + 1), params)
-    if len(tokens) > fed:
-        # Placeholder bonus row: never read, because the -1 draft is rejected with certainty.
-        p = torch.cat([p, p[-1:]], dim=0)
-    if q is None or params.greedy:
-        # Greedy p is one-hot, where speculative sampling reduces to argmax exact match anyway.
-        n_accepted, next_token = verify_exact(p, tokens, generator, params)
-    else:
-        n_accepted, next_token = verify_speculative(p, q[: len(tokens)], tokens, generator)
-    model.crop(len(sequence) + n_accepted)  # cache and captured hidden states alike
-    return Round(drafted, len(tokens), n_accepted, tokens[:n_accepted] + [next_token], p[n_accepted],
-                 drafter_seconds)
 
 
 def first_rounds(
@@ -332,6 +298,7 @@ def first_rounds(
     generator: torch.Generator,
     draws: int,
     on_draw: Callable[[Round], None] | None = None,
+    options: DecodeOptions | None = None,
 ) -> list[Round]:
     """``draws`` independent first rounds of speculative decoding after ``context``, for one prefill.
 
@@ -348,15 +315,18 @@ def first_rounds(
     if gamma < 1:
         raise DrafterError("a first round needs at least one draft", expected="gamma >= 1", found=f"gamma={gamma}")
     _check_request(context, 1)
-    model = ModelSession(target, layers=tuple(proposer.target_layers))
+    options = _sized(options, len(context), 1, gamma)
+    model = session_for(target, options, layers=tuple(proposer.target_layers))
+    _prepare(proposer, options)
     proposer.reset()
+    context_ids = _context_ids(context, options, model.device)
     if len(context) > 1:
-        with model.timed():
-            model.feed(context[:-1])
+        model.feed(context[:-1], device_ids=context_ids[: len(context) - 1])
     base, vocab = len(model.ids), _vocab_size(target)
     rounds = []
     for _ in range(draws):
-        step = speculative_round(model, proposer, context, gamma, params, generator, None, vocab)
+        step = speculative_round(model, proposer, context, gamma, params, generator, None, vocab,
+                                 context_ids=context_ids)
         model.crop(base)
         rounds.append(step)
         if on_draw is not None:

@@ -393,6 +393,9 @@ if tuple(METHODS) != METHOD_NAMES:  # the leaf list the config layer validates e
 if tuple(name for name, spec in METHODS.items() if spec.opt_in) != OPT_IN_METHOD_NAMES:
     raise RuntimeError(f"the registry's opt-in methods differ from pipeline.config.method_names.OPT_IN_METHOD_NAMES "
                        f"{list(OPT_IN_METHOD_NAMES)}: keep the two in step")
+DECODE_BENCH: tuple[str, ...] = ("full", "dynaspec", "eagle3", "dflash")
+"""What ``drafter bench decode`` times: one method per drafter family whose drafts stay on the device (a small
+same-tokenizer drafter, a routed head, EAGLE-3, DFlash)."""
 REPORT_ORDER: tuple[str, ...] = (BASELINE, *sorted(METHODS, key=lambda name: METHODS[name].order))
 """Row order of every report table: the baseline, then the methods by :attr:`MethodSpec.order`."""
 

@@ -22,6 +22,7 @@ from torch import Generator, Tensor
 
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import ModelSession, TargetState
+from pipeline.engine.static import DecodeOptions, EventClock, session_for
 from pipeline.errors import DrafterError
 
 
@@ -30,14 +31,20 @@ class Proposal(NamedTuple):
 
     Attributes:
         tokens: ``gamma' <= gamma`` drafted tokens as target ids; ``-1`` marks a drafted token with no
-            target id (its target probability is 0, so it is always rejected).
+            target id (its target probability is 0, so it is always rejected). A list when the proposer had to
+            read them (string-level methods), else a 1-D int64 tensor on the drafter's device: the loop then
+            verifies them without a host read (:mod:`pipeline.engine.rounds`).
         q: ``(gamma', V_target)`` float64, row ``i`` the exact distribution ``tokens[i]`` was drawn from
             in target-id space (sub-stochastic when mass lies outside the target vocabulary); ``None``
             asks the verifier for exact-match verification (SLEM).
     """
 
-    tokens: list[int]
+    tokens: list[int] | Tensor
     q: Tensor | None
+
+    def token_list(self) -> list[int]:
+        """The drafts as host ids (reads a device tensor: for tests and host-side callers, not the decode loop)."""
+        return self.tokens.tolist() if isinstance(self.tokens, Tensor) else list(self.tokens)
 
 
 @runtime_checkable
@@ -49,6 +56,10 @@ class Proposer(Protocol):
         target_layers: Indices into the target's ``output_hidden_states`` (``0`` = embedding output,
             ``-1`` = last layer) whose hidden states the proposer reads from :class:`TargetState`; empty
             (the default of every proposer here) means none are captured, at no extra cost.
+
+    A proposer that runs model sessions of its own may also define ``prepare(options: DecodeOptions)``: the loop
+    calls it before each generation so the sessions follow the generation's decode path (static caches, CUDA
+    graphs; :mod:`pipeline.engine.static`).
     """
 
     name: str
@@ -89,35 +100,45 @@ def require_context(context: Sequence[int]) -> None:
 class HeadStats:
     """What a proposer's LM head did: mean shortlist size per draft position and head seconds per step.
 
-    ``sizes[t]`` / ``counts[t]`` is the mean number of logits computed at draft position ``t``; ``seconds``
-    covers the head alone (shortlist selection, gather and matmul; on CUDA synchronised), ``router_seconds``
-    the DynaSpec router. The evaluate stage resets it before a decode and reads it after.
+    ``sizes[t]`` / ``counts[t]`` is the mean number of logits computed at draft position ``t`` (a size may be a
+    device tensor: it is read when the stats are); ``clock`` times the head alone (shortlist selection, gather and
+    matmul; CUDA events, so timing adds no synchronisation), ``router_seconds`` the DynaSpec router. The evaluate
+    stage resets it before a decode and reads it after.
     """
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.sizes: list[float] = []
+        self.sizes: list[Any] = []
         self.counts: list[int] = []
-        self.seconds = 0.0
+        self.clock: EventClock | None = None
         self.router_seconds = 0.0
         self.steps = 0
 
-    def add(self, position: int, size: int, seconds: float) -> None:
+    def timer(self, device: torch.device) -> EventClock:
+        """The head's clock on ``device`` (kept until :meth:`reset`)."""
+        if self.clock is None:
+            self.clock = EventClock(device)
+        return self.clock
+
+    def add(self, position: int, size: int | Tensor) -> None:
         while len(self.sizes) <= position:
             self.sizes.append(0.0)
             self.counts.append(0)
-        self.sizes[position] += size
+        self.sizes[position] = self.sizes[position] + size
         self.counts[position] += 1
-        self.seconds += seconds
         self.steps += 1
 
+    @property
+    def seconds(self) -> float:
+        return self.clock.seconds() if self.clock is not None else 0.0
+
     def per_position(self) -> list[float]:
-        return [s / c for s, c in zip(self.sizes, self.counts) if c]
+        return [float(s) / c for s, c in zip(self.sizes, self.counts) if c]
 
     def mean_size(self) -> float | None:
-        return sum(self.sizes) / self.steps if self.steps else None
+        return sum(float(s) for s in self.sizes) / self.steps if self.steps else None
 
     def ms_per_step(self) -> float | None:
         return 1e3 * self.seconds / self.steps if self.steps else None
@@ -158,55 +179,72 @@ class LinearHead:
         return self.finish(torch.nn.functional.linear(hidden, weight, bias))
 
 
-def timed_call(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    """``fn(*args)`` and its wall time (CUDA synchronised before and after, so the time is its own)."""
-    import time
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
+def timed_call(stats: HeadStats, device: torch.device, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its time added to ``stats``' clock (no synchronisation: CUDA events on a GPU)."""
+    clock = stats.timer(device)
+    clock.start()
     out = fn(*args)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - start
+    clock.stop()
+    return out
 
 
 def _draft(
-    session: ModelSession,
+    session: Any,
     context: list[int],
     gamma: int,
     params: SamplingParams,
     generator: torch.Generator,
     logits_of: Callable[[Tensor], Tensor],
-    token_of: Callable[[int], int],
+    token_ids: Tensor | None,
     stats: HeadStats | None = None,
-) -> tuple[list[int], list[Tensor]]:
-    """Sample ``gamma`` tokens autoregressively from ``session``; token ids and their distributions.
+    device_ids: Tensor | None = None,
+) -> tuple[Tensor, list[Tensor]]:
+    """Sample ``gamma`` tokens autoregressively from ``session``; the token ids ``(gamma,)`` and their distributions.
 
-    ``logits_of`` turns the session's output row into logits; ``token_of`` maps an index of the
-    distribution to the token id fed back to the drafter; ``stats`` (optional) records the head's time
-    and width per draft position.
+    Nothing is read on the host: each draft is fed back to the drafter from the device (its session lists it as
+    ``-1``, so the next round's common prefix stops there and re-feeds the drafts that were accepted, in the same
+    forward as the target's own token). ``logits_of`` turns the session's output row into logits; ``token_ids``
+    maps an index of the distribution to the token id (None: the index is the id); ``stats`` (optional) records
+    the head's time and width per draft position; ``device_ids`` holds ``context`` on the device
+    (:attr:`TargetState.token_ids`).
     """
     require_context(context)
-    row = session.move_to(context)[-1]
-    tokens: list[int] = []
+    row = session.move_to(context, device_ids=device_ids)[-1]
+    tokens: list[Tensor] = []
     dists: list[Tensor] = []
     for step in range(gamma):
         if stats is None:
             logits = logits_of(row)
         else:
-            logits, seconds = timed_call(session.device, logits_of, row)
-            stats.add(step, int(logits.shape[-1]), seconds)
+            logits = timed_call(stats, session.device, logits_of, row)
+            stats.add(step, int(logits.shape[-1]))
         probs = standardise(logits, params)
-        token = token_of(int(sample(probs, generator)))
+        index = sample(probs, generator).reshape(1)
+        token = index if token_ids is None else token_ids.index_select(0, index)
         tokens.append(token)
         dists.append(probs)
         if step + 1 < gamma:
-            row = session.feed([token])[-1]
-    return tokens, dists
+            row = session.feed(token)[-1]
+    empty = torch.zeros(0, dtype=torch.long, device=session.device)
+    return (torch.cat(tokens) if tokens else empty), dists
 
 
-class FullHeadProposer:
+class SessionProposer:
+    """A proposer drafting with a Hugging Face model of its own, kept in a session that follows the decode path."""
+
+    session: Any
+    _model: torch.nn.Module
+
+    def prepare(self, options: DecodeOptions) -> None:
+        """Run the drafter's body in the session the generation's decode path asks for (static, CUDA graphs)."""
+        self.session = session_for(self._model, options, body_only=True)
+
+    def reset(self) -> None:
+        """Forget the cached sequence; see :class:`Proposer`."""
+        self.session.reset()
+
+
+class FullHeadProposer(SessionProposer):
     """A same-tokenizer drafter sampling from its full LM head.
 
     Args:
@@ -220,6 +258,7 @@ class FullHeadProposer:
         self, model: torch.nn.Module, *, target_vocab_size: int | None = None, name: str = "full_head"
     ) -> None:
         # The body runs in the session and the head here, so the head's own time can be measured.
+        self._model = model
         self.session = ModelSession(model, body_only=True)
         self.name = name
         self.target_layers: tuple[int, ...] = ()
@@ -228,18 +267,16 @@ class FullHeadProposer:
         self._head_rows = self.head.weight.shape[0]
         self.head_stats = HeadStats()
 
-    def reset(self) -> None:
-        """Forget the cached sequence; see :class:`Proposer`."""
-        self.session.reset()
-
     def propose(
         self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
     ) -> Proposal:
         """Draft ``gamma`` tokens from the full head; see :class:`Proposer`."""
-        tokens, dists = _draft(self.session, context, gamma, params, generator, self.head, int, self.head_stats)
+        tokens, dists = _draft(self.session, context, gamma, params, generator, self.head, None, self.head_stats,
+                               state.token_ids)
         width = self.target_vocab_size
-        if not tokens:
-            return Proposal([], torch.zeros(0, width or self._head_rows, dtype=torch.float64))
+        if not dists:
+            return Proposal(tokens, torch.zeros(0, width or self._head_rows, dtype=torch.float64,
+                                                device=self.session.device))
         q = torch.stack(dists)
         if width is not None and width != q.shape[-1]:
             if width > q.shape[-1]:
@@ -247,11 +284,11 @@ class FullHeadProposer:
             else:
                 # Mass on ids the target does not have stays out of q (sub-stochastic rows).
                 q = q[:, :width]
-            tokens = [t if t < width else -1 for t in tokens]
+            tokens = torch.where(tokens < width, tokens, -1)
         return Proposal(tokens, q)
 
 
-class ShortlistProposer:
+class ShortlistProposer(SessionProposer):
     """A same-tokenizer drafter whose LM head is cut to a static shortlist (FR-Spec / VocabTrim).
 
     The drafter body runs as usual; the head is a genuinely smaller ``(k, d)`` matmul against the
@@ -273,6 +310,7 @@ class ShortlistProposer:
         target_vocab_size: int | None = None,
         name: str = "shortlist",
     ) -> None:
+        self._model = model
         self.session = ModelSession(model, body_only=True)
         self.name = name
         self.target_layers: tuple[int, ...] = ()
@@ -303,7 +341,6 @@ class ShortlistProposer:
                 fix="deduplicate the shortlist (e.g. torch.unique) before loading it",
             )
         self.shortlist = shortlist.to(self.session.device)
-        self._shortlist_ids = shortlist.tolist()
         self.head = LinearHead(model, self.shortlist)  # the (k, d) rows, sliced once
         self.head_stats = HeadStats()
 
@@ -340,20 +377,13 @@ class ShortlistProposer:
                     fix="rebuild the shortlist from calibration data tokenised by this target",
                 )
 
-    def reset(self) -> None:
-        """Forget the cached sequence; see :class:`Proposer`."""
-        self.session.reset()
-
-    def _token_id(self, index: int) -> int:
-        return int(self._shortlist_ids[index])
-
     def propose(
         self, context: list[int], gamma: int, params: SamplingParams, generator: Generator, state: TargetState
     ) -> Proposal:
         """Draft ``gamma`` tokens from the shortlisted head; see :class:`Proposer`."""
-        tokens, dists = _draft(self.session, context, gamma, params, generator, self.head, self._token_id,
-                              self.head_stats)
-        q = torch.zeros(len(tokens), self.target_vocab_size, dtype=torch.float64, device=self.session.device)
-        if tokens:
+        tokens, dists = _draft(self.session, context, gamma, params, generator, self.head, self.shortlist,
+                               self.head_stats, state.token_ids)
+        q = torch.zeros(len(dists), self.target_vocab_size, dtype=torch.float64, device=self.session.device)
+        if dists:
             q[:, self.shortlist] = torch.stack(dists)
         return Proposal(tokens, q)

@@ -21,7 +21,14 @@ import torch
 from torch import Generator, Tensor
 
 from pipeline.engine.bridge import CrossVocabDrafter, empty_proposal
-from pipeline.engine.proposers import HeadStats, LinearHead, Proposal, require_context, timed_call
+from pipeline.engine.proposers import (
+    HeadStats,
+    LinearHead,
+    Proposal,
+    SessionProposer,
+    require_context,
+    timed_call,
+)
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import ModelSession, TargetState
 from pipeline.errors import DrafterError
@@ -38,8 +45,9 @@ class Redistribution(Protocol):
     def to(self, device: torch.device | str) -> Redistribution: ...
 
 
-def draw(p: Tensor, params: SamplingParams, generator: Generator) -> tuple[int, Tensor]:
-    """One draft token from the redistributed row ``p`` and the exact law it was drawn from.
+def draw_on_device(p: Tensor, params: SamplingParams, generator: Generator) -> tuple[Tensor, Tensor]:
+    """One draft token ``(1,)`` from the redistributed row ``p``, left on the device, and the exact law it was drawn
+    from.
 
     Round-off can leave ``-1e-17``-sized entries in a redistributed row; they are zeroed and the row
     renormalised *before* sampling, so the returned law is the sampled one.
@@ -47,9 +55,15 @@ def draw(p: Tensor, params: SamplingParams, generator: Generator) -> tuple[int, 
     q = p.clamp_min(0.0)
     q = q / q.sum()
     if params.greedy:
-        token = int(q.argmax())
-        return token, torch.zeros_like(q).index_fill_(0, torch.tensor([token], device=q.device), 1.0)
-    return int(sample(q, generator)), q
+        token = q.argmax().reshape(1)
+        return token, torch.zeros_like(q).index_fill_(0, token, 1.0)
+    return sample(q, generator).reshape(1), q
+
+
+def draw(p: Tensor, params: SamplingParams, generator: Generator) -> tuple[int, Tensor]:
+    """:func:`draw_on_device` with the token read on the host (for drafters that must read it)."""
+    token, q = draw_on_device(p, params, generator)
+    return int(token[0]), q
 
 
 def _check_kept(transform: Redistribution, kept: Tensor, what: str) -> None:
@@ -61,7 +75,7 @@ def _check_kept(transform: Redistribution, kept: Tensor, what: str) -> None:
                            fix="Build it from the estimate_rdk artifact for this drafter and pruning level.")
 
 
-class RedistributedShortlistProposer:
+class RedistributedShortlistProposer(SessionProposer):
     """A same-tokenizer drafter pruned to ``I`` (FR-Spec / VocabTrim head rows) whose drafts RDK redistributes.
 
     Args:
@@ -73,6 +87,7 @@ class RedistributedShortlistProposer:
 
     def __init__(self, model: torch.nn.Module, transform: Redistribution, *, target_vocab_size: int | None = None,
                  name: str = "rdk") -> None:
+        self._model = model
         self.session = ModelSession(model, body_only=True)
         self.name = name
         self.target_layers: tuple[int, ...] = ()
@@ -82,10 +97,6 @@ class RedistributedShortlistProposer:
         self.transform = transform.to(self.session.device)
         self.head = LinearHead(model, self.transform.kept)
         self.head_stats = HeadStats()
-
-    def reset(self) -> None:
-        """Forget the cached sequence; see :class:`~pipeline.engine.proposers.Proposer`."""
-        self.session.reset()
 
     def _law(self, row: Tensor, params: SamplingParams) -> Tensor:
         return self.transform.redistribute(standardise(self.head(row), params))
@@ -97,19 +108,20 @@ class RedistributedShortlistProposer:
         width = self.target_vocab_size
         if gamma <= 0:
             return empty_proposal(width, self.session.device)
-        row = self.session.move_to(context)[-1]
-        tokens: list[int] = []
+        row = self.session.move_to(context, device_ids=state.token_ids)[-1]
+        tokens: list[Tensor] = []
         rows: list[Tensor] = []
         for step in range(gamma):
-            p, seconds = timed_call(self.session.device, self._law, row, params)
-            self.head_stats.add(step, int(self.transform.kept.numel()), seconds)
-            token, q = draw(_fit(p, width), params, generator)
+            p = timed_call(self.head_stats, self.session.device, self._law, row, params)
+            self.head_stats.add(step, int(self.transform.kept.numel()))
+            token, q = draw_on_device(_fit(p, width), params, generator)
             tokens.append(token)
             rows.append(q)
-            if step + 1 == gamma or token >= self._feedable:
-                break
-            row = self.session.feed([token])[-1]
-        return Proposal(tokens, torch.stack(rows))
+            if step + 1 < gamma:
+                # A target id the drafter cannot embed is fed as its last row: the drafts after it are still
+                # drawn from the laws reported for them, so verification stays exact (they are rarely accepted).
+                row = self.session.feed(token.clamp(max=self._feedable - 1))[-1]
+        return Proposal(torch.cat(tokens), torch.stack(rows))
 
 
 def _fit(p: Tensor, width: int) -> Tensor:

@@ -78,12 +78,24 @@ class TargetState:
             which the newest token was drawn (or, after a rejection, from which the residual was built);
             ``None`` before the target has emitted a token.
         length: Number of positions covered.
+        token_ids: The context's token ids on the target's device (at least ``length + 1`` of them; entries after
+            the context are scratch), so a proposer can feed them without copying from the host; None outside the
+            decode loop.
     """
 
     layers: tuple[int, ...] = ()
     hidden: tuple[Tensor, ...] = ()
     last_p: Tensor | None = None
     length: int = 0
+    token_ids: Tensor | None = None
+
+    def ids(self, start: int, stop: int, host: Sequence[int]) -> Tensor:
+        """Context ids ``[start, stop)`` as a 1-D device tensor: a view of :attr:`token_ids` when the loop gave them,
+        else built from ``host`` (the same ids) on the device of the hidden states."""
+        if self.token_ids is not None:
+            return self.token_ids[start:stop]
+        device = self.hidden[0].device if self.hidden else None
+        return torch.tensor(list(host[start:stop]), dtype=torch.long, device=device)
 
 
 class _Rows:
@@ -111,11 +123,47 @@ class _Rows:
         return self._data[: self.length]
 
 
-class ModelSession:
+def device_tokens(new_ids: Sequence[int] | Tensor, device_ids: Tensor | None, device: torch.device
+                  ) -> tuple[Tensor, list[int]]:
+    """What a session feeds: the ids as a 1-D tensor on ``device`` and what the host knows of them (``-1`` for a
+    device tensor's entries, which the host has not read)."""
+    if isinstance(new_ids, Tensor):
+        ids = new_ids.reshape(-1).to(device)
+        return ids, [-1] * ids.shape[0]
+    known = [int(t) for t in new_ids]
+    if device_ids is not None:
+        return device_ids.reshape(-1).to(device), known
+    return torch.tensor(known, dtype=torch.long, device=device), known
+
+
+class SessionClock:
+    """Forward counts and seconds of a session, and the synchronisation that charges queued kernels to them."""
+
+    device: torch.device
+    seconds: float
+
+    def sync(self) -> None:
+        """Wait for queued CUDA kernels, so a timer charges them to the step that launched them."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Add the wall time of the ``with`` block (synchronised) to :attr:`seconds`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.seconds += time.perf_counter() - start
+
+
+class ModelSession(SessionClock):
     """A causal LM, its KV cache, and the token ids whose keys/values the cache holds.
 
     Invariant: the cache holds keys/values for exactly :attr:`ids`, and each captured layer holds one
-    hidden-state row per id.
+    hidden-state row per id. A position fed from a device tensor (a draft whose value the host has not read)
+    is listed as ``-1`` until :meth:`commit` names it, so no common prefix runs past it.
 
     Args:
         model: A Hugging Face causal LM (eval mode is the caller's business).
@@ -136,15 +184,7 @@ class ModelSession:
         self.layers = tuple(int(layer) for layer in layers)
         embeddings = model.get_input_embeddings().weight
         self.device = embeddings.device
-        depth = int(model.config.num_hidden_layers) + 1 if self.layers else 0
-        bad = [layer for layer in self.layers if not -depth <= layer < depth]
-        if bad:
-            raise DrafterError(
-                "a proposer asked for target hidden states at layers the target does not have",
-                expected=f"indices into its {depth} hidden states (0 = embeddings, -1 = last layer)",
-                found=f"layers {bad}",
-                fix="set the proposer's target layers for this target's depth",
-            )
+        self.check_layers(model, self.layers)
         self._module = model.base_model if body_only else model
         self._keep_arg = not body_only and "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_arg = cache_argument(self._module)
@@ -152,6 +192,19 @@ class ModelSession:
         self.forwards = 0
         self.seconds = 0.0
         self.reset()
+
+    @staticmethod
+    def check_layers(model: torch.nn.Module, layers: Sequence[int]) -> None:
+        """Raise :class:`DrafterError` unless every index is one of ``model``'s ``output_hidden_states``."""
+        depth = int(model.config.num_hidden_layers) + 1 if layers else 0
+        bad = [layer for layer in layers if not -depth <= layer < depth]
+        if bad:
+            raise DrafterError(
+                "a proposer asked for target hidden states at layers the target does not have",
+                expected=f"indices into its {depth} hidden states (0 = embeddings, -1 = last layer)",
+                found=f"layers {bad}",
+                fix="set the proposer's target layers for this target's depth",
+            )
 
     def reset(self) -> None:
         """Forget the sequence (cache, ids, captured states); forward counts and seconds are kept."""
@@ -161,52 +214,40 @@ class ModelSession:
         self.ids: list[int] = []
         self._rows = [_Rows(*self._row_spec) for _ in self.layers]
 
-    def sync(self) -> None:
-        """Wait for queued CUDA kernels, so a timer charges them to the step that launched them."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextmanager
-    def timed(self) -> Iterator[None]:
-        """Add the wall time of the ``with`` block (synchronised) to :attr:`seconds`."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.sync()
-            self.seconds += time.perf_counter() - start
-
     @torch.no_grad()
-    def feed(self, new_ids: Sequence[int], keep: int = 1) -> Tensor:
+    def feed(self, new_ids: Sequence[int] | Tensor, keep: int = 1, *, device_ids: Tensor | None = None) -> Tensor:
         """Append ``new_ids`` to the cached sequence in one forward.
 
         Args:
-            new_ids: Token ids to run (at least ``keep``).
+            new_ids: Token ids to run (at least ``keep``): host ids, or a 1-D tensor on the model's device (drafts
+                the host has not read; listed as ``-1`` in :attr:`ids` until :meth:`commit`).
             keep: How many output rows to return, counted from the last fed position.
+            device_ids: The same host ids already on the device (fed from there, nothing copied).
 
         Returns:
             ``(keep, V)`` logits, or ``(keep, H)`` final hidden states when ``body_only``; row ``-1``
             predicts the token after ``new_ids``.
         """
-        input_ids = torch.tensor([list(new_ids)], dtype=torch.long, device=self.device)
+        input_ids, known = device_tokens(new_ids, device_ids, self.device)
+        input_ids = input_ids.unsqueeze(0)
         kwargs: dict[str, Any] = {"logits_to_keep": keep} if self._keep_arg else {}
         if self.layers:
             kwargs["output_hidden_states"] = True
         kwargs[self._cache_arg] = self.cache
         out = self._module(input_ids=input_ids, use_cache=True, **kwargs)
         self.cache = returned_cache(out)
-        self.ids.extend(int(t) for t in new_ids)
+        self.ids.extend(known)
         self.forwards += 1
         for rows, layer in zip(self._rows, self.layers, strict=True):
             rows.append(out.hidden_states[layer][0])
         rows_out = out.last_hidden_state if self.body_only else out.logits
         return rows_out[0, -keep:]
 
-    def move_to(self, ids: Sequence[int], keep: int = 1) -> Tensor:
+    def move_to(self, ids: Sequence[int], keep: int = 1, device_ids: Tensor | None = None) -> Tensor:
         """Make the session hold ``ids``: crop to the common prefix with :attr:`ids`, run the rest.
 
         At least the last ``keep`` ids are re-run even when cached, since their forward is what yields
-        the rows asked for.
+        the rows asked for. ``device_ids``: the same ids on the device (fed from there).
 
         Returns:
             As :meth:`feed`, for the last ``keep`` positions of ``ids``.
@@ -224,7 +265,8 @@ class ModelSession:
             )
         start = min(common_prefix_length(self.ids, ids), len(ids) - keep)
         self.crop(start)
-        return self.feed(ids[start:], keep)
+        on_device = None if device_ids is None else device_ids[start : len(ids)]
+        return self.feed(list(ids[start:]), keep, device_ids=on_device)
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` positions (cache, ids and captured states together)."""
@@ -232,6 +274,15 @@ class ModelSession:
         del self.ids[length:]
         for rows in self._rows:
             rows.crop(length)
+
+    def commit(self, ids: Sequence[int]) -> None:
+        """Declare that the first ``len(ids)`` positions hold ``ids`` (drafts fed from the device and since
+        verified) and drop every position after them."""
+        if len(ids) > len(self.ids):
+            raise DrafterError("cannot commit more positions than were fed", expected=f"<= {len(self.ids)} ids",
+                               found=f"{len(ids)} ids")
+        self.crop(len(ids))
+        self.ids[:] = [int(t) for t in ids]
 
     def hidden(self) -> tuple[Tensor, ...]:
         """Captured hidden states, one ``(len(ids), H)`` view per layer (valid until the next feed)."""

@@ -43,14 +43,14 @@ def _leading_accepts(accept: Tensor) -> Tensor:
 
 @overload
 def verify_speculative(
-    p: Tensor, q: Tensor, tokens: list[int], generator: torch.Generator
+    p: Tensor, q: Tensor, tokens: list[int], generator: torch.Generator, *, strict: bool = True
 ) -> tuple[int, int]: ...
 @overload
 def verify_speculative(
-    p: Tensor, q: Tensor, tokens: Tensor, generator: torch.Generator
+    p: Tensor, q: Tensor, tokens: Tensor, generator: torch.Generator, *, strict: bool = True
 ) -> tuple[Tensor, Tensor]: ...
 def verify_speculative(
-    p: Tensor, q: Tensor, tokens: list[int] | Tensor, generator: torch.Generator
+    p: Tensor, q: Tensor, tokens: list[int] | Tensor, generator: torch.Generator, *, strict: bool = True
 ) -> tuple[int, int] | tuple[Tensor, Tensor]:
     """Speculative-sampling verification of one (or a batch of) draft blocks.
 
@@ -62,6 +62,8 @@ def verify_speculative(
         tokens: The drafts as target ids, ``-1`` for a draft with no target id; a list, or a
             ``(B, gamma')`` tensor for a batch.
         generator: Random source for the accept tests and the residual/bonus sample.
+        strict: Check that ``q`` gives every drafted token a positive probability (a host read); the device
+            round folds that check into a flag it reads once per generation instead (``strict=False``).
 
     Returns:
         ``(n_accepted, next_token)``: how many leading drafts are accepted and the token emitted after
@@ -85,7 +87,7 @@ def verify_speculative(
     safe = tokens.clamp(min=0).unsqueeze(-1)
     p_x = p[:, :gamma].gather(-1, safe).squeeze(-1)
     q_x = q.gather(-1, safe).squeeze(-1)
-    if bool(((q_x <= 0) & valid).any()):
+    if strict and bool(((q_x <= 0) & valid).any()):
         raise ValueError(
             "a proposal gave zero draft probability to a token it drafted; q must be the "
             "distribution each draft was sampled from"

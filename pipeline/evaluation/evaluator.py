@@ -24,6 +24,7 @@ from pipeline.engine.loop import first_rounds, generate_autoregressive, generate
 from pipeline.engine.methods import BASELINE
 from pipeline.engine.metrics import summarize
 from pipeline.engine.sampling import SamplingParams, standardise
+from pipeline.engine.static import DecodeOptions, resolve_path
 from pipeline.evaluation.configurations import Configuration, Configurations
 from pipeline.evaluation.results import EvalRow, LosslessCheck
 from pipeline.progress import Progress
@@ -64,6 +65,7 @@ class Evaluator:
         self.configurations = Configurations(cfg, target, tokenizer, prompts, artifacts, device, log)
         self.eos = tokenizer.eos_token_id
         self.params = SamplingParams(temperature=self.ev.temperature, top_p=self.ev.top_p)
+        self.options = DecodeOptions(resolve_path(self.ev.decode_path, device))
 
     def _generator(self, offset: int = 0) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.ev.seed + offset)
@@ -82,9 +84,10 @@ class Evaluator:
                     seed: int) -> list[Any]:
         gen = self._generator(seed)
         if proposer is None:
-            return [generate_autoregressive(self.target, p, self.ev.max_new_tokens, params, gen, self.eos) for p in items]
-        return [generate_speculative(self.target, proposer, p, self.ev.max_new_tokens, gamma, params, gen, self.eos)
-                for p in items]
+            return [generate_autoregressive(self.target, p, self.ev.max_new_tokens, params, gen, self.eos, self.options)
+                    for p in items]
+        return [generate_speculative(self.target, proposer, p, self.ev.max_new_tokens, gamma, params, gen, self.eos,
+                                     self.options) for p in items]
 
     def run(self) -> tuple[list[EvalRow], list[LosslessCheck]]:
         """Decode everything: the matrix rows and the losslessness checks."""
@@ -94,7 +97,7 @@ class Evaluator:
         sampled = not self.params.greedy
         # Warm up kernels and allocators so the first timed configuration is not penalised.
         first = next(iter(self.prompts.values()))[0]
-        generate_autoregressive(self.target, first, 8, GREEDY, self._generator(), self.eos)
+        generate_autoregressive(self.target, first, 8, GREEDY, self._generator(), self.eos, self.options)
         cells = Progress("evaluate: decoding", len(self.prompts) * (1 + len(configs) * len(self.ev.gammas)), "cell")
         for task, items in self.prompts.items():
             ar_greedy = self._decode_all(items, None, 0, GREEDY, 0)
@@ -189,7 +192,7 @@ class Evaluator:
                 progress.update(1, method=method)
 
         # n independent first rounds after one prefill: the same round code the decode loop runs
-        rounds = first_rounds(self.target, proposer, context, gamma, params, self._generator(7), n, draw)
+        rounds = first_rounds(self.target, proposer, context, gamma, params, self._generator(7), n, draw, self.options)
         drafted = sum(step.drafted for step in rounds)
         first_accepted = sum(step.accepted > 0 for step in rounds)
         impossible = int(counts[p == 0].sum())

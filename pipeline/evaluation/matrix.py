@@ -95,7 +95,8 @@ def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return EvaluationResults(rows=rows, checks=checks, device=device_name, target=target_fingerprint, inputs=inputs,
                              eagle3_training=eagle3_training, dynaspec_policy=evaluator.policy_record,
-                             rdk_analysis=rdk_analysis, dflash_training=dflash_training, **verdicts)
+                             rdk_analysis=rdk_analysis, dflash_training=dflash_training,
+                             decode_path=evaluator.options.path, **verdicts)
 
 
 def rdk_record(rdk: Artifact) -> dict:

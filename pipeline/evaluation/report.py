@@ -34,6 +34,8 @@ from pipeline.evaluation.results import EvaluationResults
 from pipeline.evaluation.sections import (
     BLOCK_HEADERS,
     BLOCK_NOTE,
+    DEVICE_HEADERS,
+    DEVICE_NOTE,
     EAGLE3_HEADERS,
     RDK_ANALYSIS_HEADERS,
     RDK_DECODE_HEADERS,
@@ -42,6 +44,8 @@ from pipeline.evaluation.sections import (
     SLRS_NOTE,
     block_markdown,
     block_rows,
+    device_markdown,
+    device_rows,
     dynaspec_markdown,
     eagle3_markdown,
     eagle3_rows,
@@ -210,6 +214,10 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
     if slrs_table := slrs_rows(results):
         parts += ["<h2>String-level rejection sampling (SLRS)</h2>", f"<p class='note'>{esc(SLRS_NOTE)}</p>",
                   _html_table(SLRS_HEADERS, slrs_table, {1, 3, 4, 5, 6, 7})]
+    if device_table := device_rows(results):
+        parts += ["<h2>Wall-clock on each device</h2>", f"<p class='note'>{esc(DEVICE_NOTE)} This device: "
+                  f"{esc(_text(results.get('device')))} ({esc(_text(results.get('decode_path')))}).</p>",
+                  _html_table(DEVICE_HEADERS, device_table, {2, 4, 5, 7, 8})]
     parts.append("<h2>Results</h2>")
     table = [[fn(r) for _, fn in COLUMNS] for r in rows]
     numeric = {3, *range(5, len(COLUMNS) - 1)}  # γ and τ … MBSU are right-aligned
@@ -257,7 +265,7 @@ def write_report(evaluation: EvaluationResults, out_dir: Path, *, provenance: di
     md_path = out_dir / "report.md"
     md = f"# Drafter evaluation: {model}\n\nDevice: {device} · gates: **{verdict}**\n\n{markdown_table(results)}\n"
     for extra in (eagle3_markdown(results), dynaspec_markdown(results), rdk_markdown(results),
-                  block_markdown(results), slrs_markdown(results)):
+                  block_markdown(results), slrs_markdown(results), device_markdown(results)):
         if extra:
             md += "\n" + extra
     md_path.write_text(md, encoding="utf-8")

@@ -151,6 +151,11 @@ class EvaluationResults:
     """The DFlash bundle's verdict (its best γ), when method ``dflash`` was evaluated."""
     dflash_training: dict | None = None
     """What train_dflash predicted for the evaluated DFlash drafter (its kept checkpoint's held-out simulated τ)."""
+    decode_path: str | None = None
+    """The decode path the rows were measured on (eager, static, graphs)."""
+    other_devices: list[dict] | None = None
+    """The same config's evaluations on other devices found in the store: ``{"device", "decode_path", "evaluation",
+    "rows"}`` with their result rows (the report's device table)."""
 
     @property
     def lossless(self) -> bool:
@@ -171,7 +176,9 @@ class EvaluationResults:
                 # only when DFlash was evaluated (an opt-in method): other reports keep their keys
                 **({"dflash_gates": dataclasses.asdict(self.dflash_gates) if self.dflash_gates else None,
                     "dflash_training": self.dflash_training}
-                   if self.dflash_gates or self.dflash_training else {})}
+                   if self.dflash_gates or self.dflash_training else {}),
+                **({"decode_path": self.decode_path} if self.decode_path else {}),
+                **({"other_devices": self.other_devices} if self.other_devices else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> EvaluationResults:
@@ -191,7 +198,8 @@ class EvaluationResults:
             eagle3_training=data.get("eagle3_training"), dynaspec_gates=gates(data.get("dynaspec_gates")),
             dynaspec_policy=data.get("dynaspec_policy"), rdk_gates=gates(data.get("rdk_gates")),
             rdk_analysis=data.get("rdk_analysis"), dflash_gates=gates(data.get("dflash_gates")),
-            dflash_training=data.get("dflash_training"))
+            dflash_training=data.get("dflash_training"), decode_path=data.get("decode_path"),
+            other_devices=data.get("other_devices"))
 
 
 def _mean(rows: list[EvalRow], key: str) -> float:

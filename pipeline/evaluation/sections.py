@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pipeline.engine.inputs import SameTokenizerInputs, ShortlistInputs
 from pipeline.engine.methods import in_section, methods_with
-from pipeline.evaluation.cells import MISSING, _fmt, _num, _rows, _text, _verdict
+from pipeline.evaluation.cells import MISSING, _fmt, _num, _rows, _shortlist_label, _text, _verdict
 
 
 def simulated_tau_at(training: dict, gamma: int) -> float | None:
@@ -233,3 +233,36 @@ def block_markdown(results: dict) -> str:
                       f"DFlash drafter {_text(training.get('artifact'))}: checkpoint kept at step "
                       f"{_text(training.get('step'))}, held-out simulated τ {_fmt(training.get('simulated_tau'))}.",
                       "", *_md_table(BLOCK_HEADERS, table)]) + "\n"
+
+
+DEVICE_HEADERS = ["task", "method", "γ", "shortlist (size)", "this device: tokens/s", "speedup", "other device", "tokens/s",
+                  "speedup"]
+DEVICE_NOTE = ("Wall-clock of this evaluation beside the same evaluation on another device (the artifact of the same "
+               "config with evaluate.device changed, when the store holds it); speedup is against autoregressive "
+               "decoding on the same device.")
+
+
+def device_rows(results: dict) -> list[list[str]]:
+    """This evaluation's wall-clock rows beside each other device's of the same config (empty when none was found)."""
+    out = []
+    for other in results.get("other_devices") or []:
+        theirs = {(r.get("task"), r.get("method"), r.get("gamma"), r.get("shortlist")): r for r in other.get("rows", [])}
+        for r in _rows(results):
+            match = theirs.get((r.get("task"), r.get("method"), r.get("gamma"), r.get("shortlist")))
+            if match is None:
+                continue
+            out.append([_text(r.get("task")), _text(r.get("method")), _fmt(r.get("gamma"), ".0f"),
+                        _shortlist_label(r), _fmt(r.get("tokens_per_s"), ".1f"), _fmt(r.get("speedup"), ".2f", "×"),
+                        f"{_text(other.get('device'))} ({_text(other.get('decode_path'))})",
+                        _fmt(match.get("tokens_per_s"), ".1f"), _fmt(match.get("speedup"), ".2f", "×")])
+    return out
+
+
+def device_markdown(results: dict) -> str:
+    """The device-comparison section of report.md ('' when no other device's evaluation was found)."""
+    table = device_rows(results)
+    if not table:
+        return ""
+    return "\n".join(["## Wall-clock on each device", "", DEVICE_NOTE,
+                      f"This device: {_text(results.get('device'))} ({_text(results.get('decode_path'))}).", "",
+                      *_md_table(DEVICE_HEADERS, table)]) + "\n"

@@ -17,6 +17,7 @@ from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState
 from pipeline.training.eagle3_objective import target_features, ttt_loss
 from pipeline.vocab.counting import eagle3_offset_maps
+from tests.helpers import drafted
 
 GREEDY = SamplingParams()
 DRAFT_VOCAB = 150
@@ -130,7 +131,7 @@ class Recording:
         self.inner, self.name, self.target_layers = inner, inner.name, inner.target_layers
         self.shadow = shadow
         self.generator = torch.Generator().manual_seed(99)
-        self.rounds: list[tuple[list[int], SamplingParams, Proposal]] = []
+        self.rounds: list[tuple[list[int], SamplingParams, tuple[list[int], torch.Tensor]]] = []
 
     def reset(self) -> None:
         self.inner.reset()
@@ -140,9 +141,9 @@ class Recording:
     ) -> Proposal:
         if self.shadow is not None:
             shadow = self.inner.propose(context, gamma, self.shadow, self.generator, state)
-            self.rounds.append((list(context), self.shadow, shadow))
+            self.rounds.append((list(context), self.shadow, drafted(shadow)))
         proposal = self.inner.propose(context, gamma, params, generator, state)
-        self.rounds.append((list(context), params, proposal))
+        self.rounds.append((list(context), params, drafted(proposal)))  # host ids for the checks
         return proposal
 
 

@@ -112,3 +112,49 @@ def test_eagle3_trained_head_on_cuda(target, prompts) -> None:
     from tests.engine.eagle3_support import check_on_device
 
     check_on_device(copy.deepcopy(target).to("cuda"), prompts)
+
+
+GRAPH_METHODS = ("full", "shortlist", "dynaspec", "pa_fr", "rdk", "eagle3", "dflash")
+"""The methods whose drafts stay on the device: on CUDA they run on path graphs by default."""
+
+
+@pytest.mark.parametrize("method", GRAPH_METHODS)
+def test_graph_path_is_greedy_equal_and_never_synchronises_inside_a_round(cuda_kit, method: str, monkeypatch) -> None:
+    """Path graphs on CUDA (CUDA graphs captured for real): greedy output equal to eager autoregressive decoding, and
+    after a warm-up generation no round synchronises the host but for its one read of the accepted tokens
+    (``torch.cuda.set_sync_debug_mode("error")`` inside every round raises on any other synchronising call)."""
+    import pipeline.engine.rounds as rounds_module
+    from pipeline.engine.loop import generate_autoregressive, generate_speculative
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.engine.static import DecodeOptions
+
+    target, tok = cuda_kit["target"]
+    greedy, graphs = SamplingParams(), DecodeOptions("graphs")
+    proposer = _proposer(cuda_kit, method)
+    prompt = _prompts(tok)[0]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    want = generate_autoregressive(target, prompt, 32, greedy, gen, tok.eos_token_id).tokens
+    assert generate_speculative(target, proposer, prompt, 32, 4, greedy, gen, tok.eos_token_id, graphs).tokens == want
+    round_fn = rounds_module.speculative_round
+    reads: list[int] = []
+
+    def strict(*args, **kwargs):
+        # the round's one host read is its .tolist(); everything before it must queue without a sync
+        torch.cuda.set_sync_debug_mode("error")
+        original = torch.Tensor.tolist
+
+        def counted(self):
+            reads.append(1)
+            torch.cuda.set_sync_debug_mode("default")
+            return original(self)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counted)
+        try:
+            return round_fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            monkeypatch.setattr(torch.Tensor, "tolist", original)
+
+    monkeypatch.setattr("pipeline.engine.loop.speculative_round", strict)
+    result = generate_speculative(target, proposer, prompt, 32, 4, greedy, gen, tok.eos_token_id, graphs)
+    assert result.tokens == want and len(reads) == len(result.accepted_per_round)

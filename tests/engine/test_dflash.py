@@ -103,7 +103,7 @@ def test_drafts_are_independent_draws_from_their_rows(target, prompts) -> None:
     counts = torch.zeros(vocab * vocab, dtype=torch.float64)
     n = 3000
     for _ in range(n):
-        tokens = proposer.propose(context, 2, params, generator, state).tokens
+        tokens = proposer.propose(context, 2, params, generator, state).token_list()
         counts[tokens[0] * vocab + tokens[1]] += 1
     assert_counts_match(counts, torch.outer(q1, q2).flatten(), n, "joint law of drafts 1 and 2")
 
@@ -120,7 +120,7 @@ def test_the_cached_context_equals_a_fresh_one_after_a_rejection(target, prompts
         params = SamplingParams(temperature=1.0)
         got = cached.propose(context, 4, params, torch.Generator().manual_seed(3), state)
         want = fresh.propose(context, 4, params, torch.Generator().manual_seed(3), state)
-        assert got.tokens == want.tokens
+        assert got.token_list() == want.token_list()
         torch.testing.assert_close(got.q, want.q, rtol=0, atol=1e-10)
 
 

@@ -28,6 +28,7 @@ from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import TargetState
 from pipeline.errors import DrafterError
 from tests.engine.conftest import assert_acceptance_law, assert_counts_match, method_inputs, verify_blocks
+from tests.helpers import drafted
 
 GREEDY = SamplingParams()
 CLUSTERS = 24
@@ -90,7 +91,7 @@ class Recording:
     def __init__(self, inner: Any, shadow: SamplingParams | None = None) -> None:
         self.inner, self.name, self.target_layers, self.shadow = inner, inner.name, inner.target_layers, shadow
         self.generator = torch.Generator().manual_seed(7)
-        self.rounds: list[tuple[list[int], SamplingParams, Proposal]] = []
+        self.rounds: list[tuple[list[int], SamplingParams, tuple[list[int], torch.Tensor]]] = []
 
     def reset(self) -> None:
         self.inner.reset()
@@ -99,9 +100,9 @@ class Recording:
                 state: TargetState) -> Proposal:
         if self.shadow is not None:
             self.rounds.append((list(context), self.shadow,
-                                self.inner.propose(context, gamma, self.shadow, self.generator, state)))
+                                drafted(self.inner.propose(context, gamma, self.shadow, self.generator, state))))
         proposal = self.inner.propose(context, gamma, params, generator, state)
-        self.rounds.append((list(context), params, proposal))
+        self.rounds.append((list(context), params, drafted(proposal)))  # host ids for the checks
         return proposal
 
 
@@ -221,7 +222,7 @@ def _real_case(kit: dict[str, Any], proposer: Any, params: SamplingParams) -> tu
     for k in range(0, 30, 2):
         context = prompt + continuation[:k]
         proposer.reset()
-        drafts, q = proposer.propose(context, 3, params, torch.Generator().manual_seed(k), TargetState())
+        drafts, q = drafted(proposer.propose(context, 3, params, torch.Generator().manual_seed(k), TargetState()))
         with torch.no_grad():
             p = standardise(target(torch.tensor([context + drafts])).logits[0, len(context) - 1 :], params)
         a = torch.minimum(p[:3], q).sum(-1)
@@ -260,7 +261,7 @@ def test_drafted_tokens_follow_q(kit, method: str) -> None:
     counts = torch.zeros(kit["target"].config.vocab_size)
     q0 = None
     for _ in range(3000):
-        tokens, q = proposer.propose(context, 1, params, gen, TargetState())
+        tokens, q = drafted(proposer.propose(context, 1, params, gen, TargetState()))
         q0 = q[0] if q0 is None else q0
         torch.testing.assert_close(q[0], q0, rtol=0, atol=1e-12)  # same context, same law
         counts[tokens[0]] += 1

@@ -39,6 +39,7 @@ from tests.engine.eagle3_support import (
     law_from_scratch,
     train_drafter,
 )
+from tests.helpers import drafted
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -75,7 +76,7 @@ def test_q_is_the_drafters_law_from_scratch(target, eagle3, prompts) -> None:
     inner = greedy.inner
     last = greedy.rounds[-1][0]
     for context in (last[: len(last) - 7], last[:5] + prompts[0][1:], last):
-        tokens, q = inner.propose(context, 3, params, gen, fresh_state(target, context, inner.target_layers))
+        tokens, q = drafted(inner.propose(context, 3, params, gen, fresh_state(target, context, inner.target_layers)))
         assert inner.cache.length == len(context) - 1  # target rows only: the draft rows were cropped
         torch.testing.assert_close(q, law_from_scratch(target, eagle3, context, tokens, params), rtol=0, atol=1e-9)
 
@@ -134,7 +135,7 @@ def _statistics_case(
         context = prompts[0] + continuation[:k]
         proposer = Eagle3Proposer(eagle3)
         gen = torch.Generator().manual_seed(k)
-        drafts, q = proposer.propose(context, 3, params, gen, fresh_state(target, context, proposer.target_layers))
+        drafts, q = drafted(proposer.propose(context, 3, params, gen, fresh_state(target, context, proposer.target_layers)))
         with torch.no_grad():
             logits = target(torch.tensor([context + drafts])).logits[0, len(context) - 1 :]
         p = standardise(logits, params)  # row i: given context + drafts[:i]
@@ -182,7 +183,7 @@ def test_drafted_tokens_follow_q(target, eagle3, prompts) -> None:
     n = 2000
     firsts, seconds, q0, q1 = [], {}, None, {}
     for _ in range(n):
-        (d0, d1), q = proposer.propose(context, 2, params, gen, state)
+        (d0, d1), q = drafted(proposer.propose(context, 2, params, gen, state))
         q0 = q[0] if q0 is None else q0
         assert torch.equal(q[0], q0)
         q1.setdefault(d0, q[1])
@@ -218,8 +219,8 @@ def test_state_that_does_not_cover_the_context_is_refused(target, eagle3, prompt
         proposer.propose(context, 2, GREEDY, gen, narrow)
     # The same layers named from the end (and a superset of them) are accepted.
     renamed = TargetState((0, 1, 2, -2), (state.hidden[0],) + state.hidden, None, state.length)
-    tokens, q = proposer.propose(context, 2, GREEDY, gen, renamed)
-    assert tokens == proposer.propose(context, 2, GREEDY, gen, state).tokens
+    tokens, q = drafted(proposer.propose(context, 2, GREEDY, gen, renamed))
+    assert tokens == proposer.propose(context, 2, GREEDY, gen, state).token_list()
 
 
 def test_registry_builds_it(eagle3) -> None:

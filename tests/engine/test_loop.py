@@ -16,6 +16,7 @@ from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import ModelSession, TargetState
 from pipeline.errors import DrafterError
 from tests.engine.conftest import assert_counts_match, method_inputs
+from tests.helpers import drafted
 
 GREEDY = SamplingParams()
 NEW_TOKENS = 32
@@ -37,7 +38,7 @@ class _Untranslatable:
         self.inner.reset()
 
     def propose(self, *args: Any) -> Proposal:  # context, gamma, params, generator, state
-        tokens, q = self.inner.propose(*args)
+        tokens, q = drafted(self.inner.propose(*args))
         q = q.clone()
         q[:, ::7] = 0.0
         return Proposal([-1 if t % 7 == 0 else t for t in tokens], q)
@@ -307,7 +308,7 @@ def test_proposer_cache_matches_recompute(kind: str, drafter, tied_drafter, shor
     generator = torch.Generator().manual_seed(3)
     contexts = [prompts[1], prompts[1] + [4, 5, 6], prompts[1][:6] + [11, 12], prompts[1][:6] + [11, 12, 13]]
     for context in contexts:
-        tokens, q = proposer.propose(context, 3, params, generator, TargetState())
+        tokens, q = drafted(proposer.propose(context, 3, params, generator, TargetState()))
         for i, token in enumerate(tokens):
             with torch.no_grad():
                 logits = drafter(torch.tensor([context + tokens[:i]])).logits[0, -1]
@@ -340,7 +341,7 @@ def test_full_head_maps_ids_beyond_target_vocabulary(drafter, prompts) -> None:
     """A drafter wider than the target: ids >= target width become -1 and q is cut to the target width."""
     proposer = FullHeadProposer(drafter, target_vocab_size=150)
     generator = torch.Generator().manual_seed(0)
-    tokens, q = proposer.propose(prompts[0], 5, SamplingParams(temperature=1.0), generator, TargetState())
+    tokens, q = drafted(proposer.propose(prompts[0], 5, SamplingParams(temperature=1.0), generator, TargetState()))
     assert q.shape == (5, 150)
     assert all(t == -1 or 0 <= t < 150 for t in tokens)
     assert bool((q.sum(-1) < 1).all())

@@ -46,6 +46,7 @@ from pipeline.rdk.prior import (
 )
 from pipeline.vocab.maps import VocabMap
 from tests.engine.conftest import assert_acceptance_law, assert_counts_match, method_inputs, verify_blocks
+from tests.helpers import drafted
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0)
@@ -232,7 +233,7 @@ def test_q_is_the_redistributed_law(kit, method: str, kind: str) -> None:
     for prompt in kit["prompts"][:2]:
         context = list(prompt)
         for _ in range(3):
-            tokens, q = proposer.propose(context, 3, SAMPLED, gen, TargetState())
+            tokens, q = drafted(proposer.propose(context, 3, SAMPLED, gen, TargetState()))
             torch.testing.assert_close(q, _law_from_scratch(kit, kind, context, tokens, SAMPLED), rtol=0, atol=1e-9)
             assert all(q[i, t] > 0 for i, t in enumerate(tokens))
             context = context + tokens[:1]
@@ -269,7 +270,7 @@ def _real_case(kit: dict[str, Any], method: str, oov: float) -> tuple[torch.Tens
     for k in range(0, 30, 2):
         context = prompt + continuation[:k]
         proposer.reset()
-        drafts, q = proposer.propose(context, 3, SAMPLED, torch.Generator().manual_seed(k), TargetState())
+        drafts, q = drafted(proposer.propose(context, 3, SAMPLED, torch.Generator().manual_seed(k), TargetState()))
         if len(drafts) < 3:
             continue
         with torch.no_grad():
@@ -309,7 +310,7 @@ def test_drafted_tokens_follow_q(kit) -> None:
     counts = torch.zeros(kit["target"].config.vocab_size)
     q0 = None
     for _ in range(3000):
-        tokens, q = proposer.propose(context, 1, SAMPLED, gen, TargetState())
+        tokens, q = drafted(proposer.propose(context, 1, SAMPLED, gen, TargetState()))
         q0 = q[0] if q0 is None else q0
         counts[tokens[0]] += 1
     assert_counts_match(counts, q0, 3000, "rdk drafts")

@@ -1,0 +1,397 @@
+"""``drafter bench decode``: where a speculative round's time goes, against the bare forwards it runs and against
+autoregressive decoding, measured in one run on one device.
+
+For each method and γ the decode loop runs on the bench's prompts (greedy, on the decode path the device would
+use, after a warm-up generation), and the round is split into **draft** (the proposer), **verify** (the target's
+forward of γ + 1 tokens, standardising, verification and the round's one host read) and **the rest** (the loop's
+bookkeeping). Then the **bare forwards** a round runs are timed alone, each a median over repeats: the target's
+forward of γ + 1 tokens, and the drafter's forwards and heads of one round (a chain drafter: a catch-up of the
+accepted tokens and γ − 1 one-token steps, γ heads; DFlash: one block forward and its B − 1 head rows). From them:
+
+* **engine overhead** = round time ÷ (bare draft + bare verify): 1.0 would be an engine that adds nothing;
+* **measured speedup** = tokens/s ÷ autoregressive tokens/s on the same prompts;
+* **Leviathan's prediction** from the measured cost and acceptance: ``E[tokens per round](α, γ) × t_AR ÷ (bare draft
+  + bare verify)`` (Leviathan et al. 2023, Thm. 3.8, with ``c`` and the verify cost measured instead of assumed),
+  with ``α`` the per-draft acceptance of the run and ``t_AR`` the bare one-token forward.
+
+Two shapes: ``tiny`` (the kit's trained target, drafter and, when built, EAGLE-3 and DFlash drafters: real
+acceptance) and ``llama3-8b`` (random weights in bf16 at the shapes of Llama-3.1-8B, Llama-3.2-1B, the EAGLE-3 and
+DFlash heads of ``configs/llama3-8b.yaml`` and a DynaSpec head over the 1B drafter's rows: acceptance is
+meaningless, so those rows report time per round and the speedup **projected** for the acceptance this bench
+measured on the kit for the same method and γ).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter
+from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from pipeline.dynaspec.budget import ClusterBudget, ShortlistPolicy
+from pipeline.dynaspec.clusters import Clustering, head_sha256
+from pipeline.dynaspec.router import Router
+from pipeline.engine.bench import unbalanced_assignment
+from pipeline.engine.dflash import DFlashProposer
+from pipeline.engine.eagle3 import Eagle3Proposer
+from pipeline.engine.inputs import BlockFeatureInputs, FeatureInputs, RoutedInputs, SameTokenizerInputs
+from pipeline.engine.loop import GenerationResult, generate_autoregressive, generate_speculative
+from pipeline.engine.methods import DECODE_BENCH, METHODS, build_proposer
+from pipeline.engine.metrics import expected_tokens_per_round, summarize
+from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.session import TargetState
+from pipeline.engine.static import DecodeOptions, decode_capacity, session_for
+from pipeline.timing import median_seconds
+from pipeline.vocab.counting import eagle3_offset_maps
+
+GREEDY = SamplingParams()
+
+
+@dataclass
+class DecodeRow:
+    """One method × γ on one shape and device (milliseconds; ratios plain)."""
+
+    shape: str
+    device: str
+    path: str
+    method: str
+    gamma: int
+    rounds: int
+    tau: float
+    alpha: float | None
+    round_ms: float
+    draft_ms: float
+    verify_ms: float
+    rest_ms: float
+    bare_draft_ms: float | None
+    bare_verify_ms: float
+    bare_ar_ms: float
+    tokens_per_s: float
+    ar_tokens_per_s: float
+    projected_from: str | None = None
+    alpha_used: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bare_round_ms(self) -> float | None:
+        return None if self.bare_draft_ms is None else self.bare_draft_ms + self.bare_verify_ms
+
+    @property
+    def overhead(self) -> float | None:
+        """Round time over the bare forwards it runs (1.0: no engine cost)."""
+        bare = self.bare_round_ms
+        return None if bare is None else self.round_ms / bare
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_s / self.ar_tokens_per_s
+
+    @property
+    def predicted(self) -> float | None:
+        """Leviathan's expected speedup from the measured acceptance and bare costs."""
+        alpha = self.alpha_used if self.alpha_used is not None else self.alpha
+        bare = self.bare_round_ms
+        if alpha is None or bare is None:
+            return None
+        return expected_tokens_per_round(alpha, self.gamma) * self.bare_ar_ms / bare
+
+    @property
+    def projected(self) -> float | None:
+        """At random weights: the kit's acceptance over the measured round time, against the bare AR forward."""
+        if self.alpha_used is None:
+            return None
+        return expected_tokens_per_round(self.alpha_used, self.gamma) * self.bare_ar_ms / self.round_ms
+
+
+# --- the bare forwards of a round ---------------------------------------------------------------------------
+
+
+def _ids(n: int, vocab: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=gen).to(device)
+
+
+def bare_target(target: torch.nn.Module, options: DecodeOptions, layers: Sequence[int], length: int, n: int
+                ) -> Callable[[], Any]:
+    """The target's forward of ``n`` device-fed tokens after ``length`` cached ones, rolled back after each call."""
+    session = session_for(target, options, layers=layers)
+    vocab = int(target.config.vocab_size)
+    session.feed(_ids(length, vocab, session.device).tolist())
+    fed = _ids(n, vocab, session.device, 1)
+
+    def run() -> Any:
+        out = session.feed(fed, n)
+        session.crop(length)
+        return out
+
+    return run
+
+
+def bare_drafter(proposer: Any, target: torch.nn.Module, options: DecodeOptions, length: int, gamma: int,
+                 catch_up: int) -> Callable[[], Any] | None:
+    """A round's drafter forwards and heads alone, for the proposer families the engine runs on the device: an HF
+    drafter's body (``catch_up`` tokens, then ``gamma − 1`` single tokens) with its head per step; EAGLE-3's steps
+    and draft-vocabulary heads; DFlash's block forward and its head rows. None for other proposers."""
+
+    vocab = int(target.config.vocab_size)
+    prepare = getattr(proposer, "prepare", None)
+    if prepare is not None:
+        prepare(options)
+    if isinstance(proposer, Eagle3Proposer):
+        return _bare_eagle3(proposer, length, gamma, catch_up, vocab)
+    if isinstance(proposer, DFlashProposer):
+        return _bare_dflash(proposer, length)
+    head = getattr(proposer, "head", None) or getattr(proposer, "routed", None)
+    session = getattr(proposer, "session", None)
+    if head is None or session is None:
+        return None
+    proposer.reset()
+    session.feed(_ids(length, vocab, session.device).tolist())
+    first, steps = _ids(catch_up, vocab, session.device, 1), _ids(gamma, vocab, session.device, 2)
+    routed = getattr(proposer, "routed", None)
+    clusters = None
+    if routed is not None:  # DynaSpec: the router and the routed head per step
+        k = proposer.budget.at(0) if not isinstance(proposer.budget, dict) else next(iter(proposer.budget.values())).at(0)
+        width = proposer.embed.weight.shape[1]
+        clusters = torch.arange(k, device=session.device)
+
+    def run() -> Any:
+        row = session.feed(first, catch_up)[-1]
+        for step in range(gamma):
+            if routed is not None:
+                proposer._route(steps[step : step + 1], row[:width], k)
+                out = routed.shortlist(row, clusters).logits
+            else:
+                out = head(row)
+            if step + 1 < gamma:
+                row = session.feed(steps[step : step + 1])[-1]
+        session.crop(length)
+        return out
+
+    return run
+
+
+def _bare_eagle3(proposer: Any, length: int, gamma: int, catch_up: int, vocab: int) -> Callable[[], Any]:
+    drafter = proposer.drafter
+    weight = drafter.fc.weight
+    proposer.reset()
+    width = drafter.config.hidden_size
+    features = torch.randn(1, length, 3 * width, generator=torch.Generator().manual_seed(0)).to(weight)
+    ids = _ids(length, vocab, weight.device).unsqueeze(0)
+    proposer._run(ids, features)
+    new = torch.randn(1, catch_up, 3 * width, generator=torch.Generator().manual_seed(1)).to(weight)
+    new_ids = _ids(catch_up, vocab, weight.device, 1).unsqueeze(0)
+    token = _ids(1, vocab, weight.device, 2).view(1, 1)
+
+    def run() -> Any:
+        out = proposer._run(new_ids, new)[:, -1:]
+        for step in range(gamma):
+            logits = drafter.logits(out[0, -1])
+            if step + 1 < gamma:
+                out = proposer._run(token, out)
+        proposer.cache.crop(length)
+        return logits
+
+    return run
+
+
+def _bare_dflash(proposer: Any, length: int) -> Callable[[], Any]:
+
+    drafter = proposer.drafter
+    weight = drafter.fc.weight
+    taps = len(drafter.config.target_layer_ids)
+    hidden = [torch.randn(length + 1, drafter.config.hidden_size, generator=torch.Generator().manual_seed(i)).to(weight)
+              for i in range(taps)]
+    ids = _ids(length + 2, int(drafter.config.vocab_size), weight.device)
+    context, state = ids.tolist(), TargetState(token_ids=ids)
+    proposer.reset()
+    proposer.block_distributions(context[: length + 1], [h[:length] for h in hidden], GREEDY, state)
+
+    def run() -> Any:
+        # one block forward (and its head rows) over a context one row longer than the cached one, then back
+        out = proposer.block_distributions(context, hidden, GREEDY, state)
+        proposer.cache.crop(length)
+        proposer._ids = context[:length]
+        return out
+
+    return run
+
+
+# --- one method × γ --------------------------------------------------------------------------------------------
+
+
+def _rounds_time(results: list[GenerationResult]) -> tuple[int, float, float, float]:
+    """(rounds, round seconds, draft seconds, verify seconds) of the rounds, prefills left out."""
+    rounds = sum(len(r.accepted_per_round) for r in results)
+    wall = sum(r.wall_seconds - r.prefill_seconds for r in results)
+    draft = sum(r.drafter_seconds for r in results)
+    verify = sum(r.target_seconds - r.prefill_seconds for r in results)
+    return rounds, wall, draft, verify
+
+
+def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prompts: list[list[int]],
+            gammas: Sequence[int], new_tokens: int, options: DecodeOptions, repeats: int = 20,
+            kit_alpha: dict[tuple[str, int], float] | None = None, log: Callable[[str], None] = print,
+            eos: int | None = None) -> list[DecodeRow]:
+    """Every method × γ of ``proposers`` against autoregressive decoding on ``prompts`` (see the module docstring).
+
+    Args:
+        kit_alpha: ``(method, γ)`` → the acceptance measured on the kit: rows then carry the projected speedup.
+    """
+    device = target.get_input_embeddings().weight.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    length = max(len(p) for p in prompts) + new_tokens // 2
+    sized = DecodeOptions(options.path, decode_capacity(max(len(p) for p in prompts), new_tokens, max(gammas), 64))
+
+    def decode(proposer: Any, gamma: int) -> list[GenerationResult]:
+        if proposer is None:
+            return [generate_autoregressive(target, p, new_tokens, GREEDY, torch.Generator(device=device), eos, sized)
+                    for p in prompts]
+        return [generate_speculative(target, proposer, p, new_tokens, gamma, GREEDY, torch.Generator(device=device),
+                                     eos, sized) for p in prompts]
+
+    decode(None, 0)  # warm-up (graphs captured, allocator grown)
+    ar = decode(None, 0)
+    ar_tokens = sum(len(r.tokens) for r in ar)
+    ar_rate = ar_tokens / sum(r.wall_seconds for r in ar)
+    bare_ar = 1e3 * median_seconds(bare_target(target, sized, (), length, 1), device, repeats)
+    log(f"bench decode {shape}: autoregressive {ar_rate:.1f} tokens/s, bare one-token forward {bare_ar:.3f} ms")
+    rows = []
+    for method, proposer in proposers.items():
+        layers = tuple(proposer.target_layers)
+        for gamma in gammas:
+            decode(proposer, gamma)  # warm-up
+            results = decode(proposer, gamma)
+            metrics = summarize(results, ar)
+            rounds, wall, draft, verify = _rounds_time(results)
+            catch_up = max(1, round(metrics.mean_accepted_length or 1))
+            bare_verify = 1e3 * median_seconds(bare_target(target, sized, layers, length, gamma + 1), device, repeats)
+            bare = bare_drafter(proposer, target, sized, length, gamma, catch_up)
+            bare_draft = None if bare is None else 1e3 * median_seconds(bare, device, repeats)
+            row = DecodeRow(shape, name, sized.path, method, gamma, rounds, metrics.mean_accepted_length or 1.0,
+                            metrics.verified_acceptance_rate, 1e3 * wall / rounds, 1e3 * draft / rounds,
+                            1e3 * verify / rounds, 1e3 * (wall - draft - verify) / rounds, bare_draft, bare_verify,
+                            bare_ar, metrics.tokens_per_second or 0.0, ar_rate)
+            if kit_alpha is not None:
+                row.alpha_used = kit_alpha.get((method, gamma))
+                row.projected_from = "the kit" if row.alpha_used is not None else None
+            rows.append(row)
+            log(f"bench decode {shape}: {method} γ={gamma} round {row.round_ms:.3f} ms (draft {row.draft_ms:.3f}, "
+                f"verify {row.verify_ms:.3f}, rest {row.rest_ms:.3f}), overhead "
+                f"{_x(row.overhead)}, speedup {row.speedup:.2f}×")
+    return rows
+
+
+def _x(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}×"
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def decode_table(rows: list[DecodeRow]) -> str:
+    """The bench's Markdown table: measured rows (real acceptance), then projected ones (random weights)."""
+    lines = ["| shape | device | path | method | γ | τ | α | round ms | draft / verify / rest ms | bare draft + verify ms | "
+             "engine overhead | tokens/s (AR) | speedup | Leviathan predicted | measured ÷ predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.alpha_used is not None or r.projected_from is not None or r.shape != "tiny":
+            continue
+        ratio = None if r.predicted is None else r.speedup / r.predicted
+        lines.append(f"| {r.shape} | {r.device} | {r.path} | {r.method} | {r.gamma} | {r.tau:.2f} | "
+                     f"{'—' if r.alpha is None else f'{r.alpha:.2f}'} | {r.round_ms:.3f} | {r.draft_ms:.3f} / "
+                     f"{r.verify_ms:.3f} / {r.rest_ms:.3f} | {_ms(r.bare_draft_ms)} + {r.bare_verify_ms:.3f} | "
+                     f"{_x(r.overhead)} | {r.tokens_per_s:.1f} ({r.ar_tokens_per_s:.1f}) | {r.speedup:.2f}× | "
+                     f"{_x(r.predicted)} | {_x(ratio)} |")
+    projected = [r for r in rows if r.shape != "tiny"]
+    if projected:
+        lines += ["", "Random weights (acceptance meaningless): time per round, and the speedup **projected** for the "
+                  "acceptance measured on the kit (same method and γ) over this shape's measured round and bare "
+                  "one-token forward.", "",
+                  "| shape | device | path | method | γ | round ms | draft / verify / rest ms | bare draft + verify ms | "
+                  "engine overhead | bare AR forward ms | α (kit) | projected speedup |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in projected:
+            lines.append(f"| {r.shape} | {r.device} | {r.path} | {r.method} | {r.gamma} | {r.round_ms:.3f} | "
+                         f"{r.draft_ms:.3f} / {r.verify_ms:.3f} / {r.rest_ms:.3f} | {_ms(r.bare_draft_ms)} + "
+                         f"{r.bare_verify_ms:.3f} | {_x(r.overhead)} | {r.bare_ar_ms:.3f} | "
+                         f"{'—' if r.alpha_used is None else f'{r.alpha_used:.2f}'} | "
+                         f"{'— (no kit row)' if r.projected is None else f'{r.projected:.2f}× (projected)'} |")
+    return "\n".join(lines)
+
+
+
+# --- the llama3-8b shape -------------------------------------------------------------------------------------
+
+LLAMA_3_1_8B = {"vocab_size": 128_256, "hidden_size": 4096, "intermediate_size": 14_336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                "rope_parameters": {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192}}
+"""Llama-3.1-8B's shape (its config.json; the weights here are random)."""
+LLAMA_3_2_1B = {**LLAMA_3_1_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                "head_dim": 64, "tie_word_embeddings": True}
+"""Llama-3.2-1B's shape: the same-tokenizer drafter."""
+
+
+def _scaled(shape: dict, scale: int) -> dict:
+    """``shape`` with widths and vocabulary divided by ``scale`` (heads kept), for a smoke run on a CPU."""
+    if scale == 1:
+        return dict(shape)
+    out = dict(shape)
+    for key in ("vocab_size", "hidden_size", "intermediate_size"):
+        out[key] = max(8, shape[key] // scale)
+    out["head_dim"] = max(2, out["hidden_size"] // shape["num_attention_heads"])
+    return out
+
+
+def llama3_8b_models(device: torch.device, dtype: torch.dtype = torch.bfloat16, scale: int = 1, *,
+                     draft_vocab_size: int = 32_768, dflash_layers: int = 5, block_size: int = 16,
+                     clusters: int = 1024, routed_share: float = 0.22) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The target and the proposers of :data:`~pipeline.engine.methods.DECODE_BENCH` (built through the registry) at
+    the shapes of ``configs/llama3-8b.yaml``, random weights, built on ``device``: a same-tokenizer drafter
+    (Llama-3.2-1B), its head routed over 1,024 log-normal clusters with a router and a fixed budget of the clusters
+    holding ~22 % of the rows (DynaSpec's ~28k of 128k), an EAGLE-3 head over the 32k draft vocabulary, and a
+    DFlash drafter (5 layers, B = 16). ``scale`` > 1 divides every width (a smoke
+    run of the same code on a CPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # deferred: pulls in transformers
+
+    def build(shape: dict) -> torch.nn.Module:
+        with torch.device(device):
+            model = LlamaForCausalLM._from_config(LlamaConfig(**_scaled(shape, scale)), dtype=dtype)
+        return model.eval()
+
+    torch.manual_seed(0)
+    target, drafter = build(LLAMA_3_1_8B), build(LLAMA_3_2_1B)
+    vocab = int(target.config.vocab_size)
+    draft_vocab = max(2, draft_vocab_size // scale)
+    embedding = target.get_input_embeddings()
+    config = Eagle3Config.from_target(target.config, draft_vocab_size=draft_vocab)
+    eagle3 = Eagle3Drafter(config, embedding).to(device=device, dtype=dtype).eval()
+    ids = np.sort(np.random.default_rng(0).choice(vocab, draft_vocab, replace=False))
+    eagle3.set_vocab_maps(*eagle3_offset_maps(ids, vocab))
+    dflash_config = DFlashConfig.from_target(target.config, num_hidden_layers=dflash_layers, block_size=block_size,
+                                             mask_token_id=vocab - 1)
+    dflash = DFlashDrafter(dflash_config, embedding, target.get_output_embeddings()).to(device=device, dtype=dtype)
+    head = drafter.get_output_embeddings().weight
+    m = max(2, min(clusters, vocab // 4))
+    clustering = Clustering(unbalanced_assignment(vocab, m), np.zeros((m, head.shape[1]), np.float32),
+                            head_sha256(head))
+    router = Router(2 * head.shape[1], max(8, 512 // scale), m).to(device=device, dtype=dtype).eval()
+    k = max(1, round(routed_share * m))
+    inputs = {
+        SameTokenizerInputs: SameTokenizerInputs(drafter, target_vocab_size=vocab),
+        RoutedInputs: RoutedInputs(drafter, clustering, router, ShortlistPolicy(keep_ids=(0,),
+                                                                                fixed=ClusterBudget("fixed", k)),
+                                   target_vocab_size=vocab),
+        FeatureInputs: FeatureInputs(eagle3, target_vocab_size=vocab),
+        BlockFeatureInputs: BlockFeatureInputs(dflash.eval(), target_vocab_size=vocab),
+    }
+    proposers = {method: build_proposer(method, inputs[METHODS[method].inputs]) for method in DECODE_BENCH}
+    return target, proposers

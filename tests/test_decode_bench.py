@@ -1,0 +1,45 @@
+"""``drafter bench decode`` (issue 23, part 3): its rows at the kit's shape and at a scaled Llama-3-8B shape on the
+CPU, and the formulas its columns apply. No test asserts a time: the bench prints ratios for a person to read."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.engine.metrics import expected_tokens_per_round
+from pipeline.engine.static import DecodeOptions
+from pipeline.evaluation.decode_bench import DecodeRow, decode_table, llama3_8b_models, measure
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def test_columns_follow_their_definitions() -> None:
+    row = DecodeRow("tiny", "cpu", "eager", "eagle3", 4, rounds=10, tau=3.0, alpha=0.7, round_ms=2.0, draft_ms=1.2,
+                    verify_ms=0.7, rest_ms=0.1, bare_draft_ms=1.0, bare_verify_ms=0.6, bare_ar_ms=0.5,
+                    tokens_per_s=900.0, ar_tokens_per_s=600.0)
+    assert math.isclose(row.overhead, 2.0 / 1.6)
+    assert math.isclose(row.speedup, 1.5)
+    assert math.isclose(row.predicted, expected_tokens_per_round(0.7, 4) * 0.5 / 1.6)
+    assert row.projected is None  # measured acceptance: nothing projected
+    row.alpha_used = 0.6
+    assert math.isclose(row.projected, expected_tokens_per_round(0.6, 4) * 0.5 / 2.0)
+
+
+@pytest.mark.slow
+def test_scaled_llama3_shape_rows_are_projected_from_the_kit() -> None:
+    """The llama3-8b builder at 1/64 of every width (the same code the GPU runs), through the registry and the
+    static path: a row per method with its bare forwards timed, and a projected speedup where the kit gave α."""
+    target, proposers = llama3_8b_models(torch.device("cpu"), torch.float32, scale=64, dflash_layers=2, block_size=6)
+    assert set(proposers) == {"full", "dynaspec", "eagle3", "dflash"}
+    prompts = [torch.randint(3, 1000, (24,), generator=torch.Generator().manual_seed(0)).tolist()]
+    kit_alpha = {("eagle3", 3): 0.8, ("dflash", 3): 0.6}
+    rows = measure("llama3-8b", target, proposers, prompts, [3], 8, DecodeOptions("static"), repeats=2,
+                   kit_alpha=kit_alpha, log=lambda _line: None)
+    assert [r.method for r in rows] == list(proposers)
+    for row in rows:
+        assert row.path == "static" and row.rounds > 0 and row.bare_draft_ms is not None and row.bare_verify_ms > 0
+        assert (row.projected is not None) == ((row.method, 3) in kit_alpha)
+    table = decode_table(rows)
+    assert "(projected)" in table and "| llama3-8b |" in table and "— (no kit row)" in table

@@ -1,0 +1,59 @@
+"""The report's wall-clock table across devices (issue 23, part 3): an evaluation finds the same config's
+evaluation on another device in the store and shows both devices' tokens/s and speedups side by side."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from jobs.evaluate import other_devices
+from pipeline.artifacts import ArtifactWriter
+from pipeline.evaluation.report import write_report
+from pipeline.orchestration.dag import plan, spec
+from tests.helpers import small_cfg, synthetic_results, typed_results
+
+
+def _store_evaluation(cfg, device_name: str, speedup: float) -> str:
+    """An evaluation artifact of ``cfg`` in its store whose report says it ran on ``device_name``."""
+    step = plan(cfg, ["evaluate"])["evaluate"]
+    data = synthetic_results()
+    data["device"], data["decode_path"] = device_name, "graphs"
+    for row in data["rows"]:
+        row["speedup"] = speedup
+    writer = ArtifactWriter(step.path.parent, step.id, kind=spec("evaluate").kind, stage="evaluate",
+                            config=step.config, inputs=[aid for aid, _ in step.inputs.values()],
+                            fingerprint=step.fingerprint)
+    (writer.tmp / "report.json").write_text(json.dumps(data))
+    writer.commit()
+    return step.id
+
+
+def test_an_evaluation_lists_the_same_config_on_another_device(tmp_path: Path, tiny_kit) -> None:
+    cfg = small_cfg(tmp_path, "evaluate.device=cpu")
+    assert other_devices(cfg, "cpu (2 threads)") == []  # nothing else in the store
+    gpu = replace(cfg, evaluate=replace(cfg.evaluate, device="cuda"))
+    evaluation = _store_evaluation(gpu, "NVIDIA H100 80GB HBM3", 2.5)
+    _store_evaluation(replace(cfg, evaluate=replace(cfg.evaluate, device="auto")), "cpu (1 threads)", 0.9)
+    found = other_devices(cfg, "cpu (2 threads)")
+    # the CPU evaluation under device=auto is the same kind of device: only the GPU's is listed
+    assert [(f["device"], f["evaluation"], f["decode_path"]) for f in found] == [
+        ("NVIDIA H100 80GB HBM3", evaluation, "graphs")]
+    assert {row["speedup"] for row in found[0]["rows"]} == {2.5}
+
+    results = typed_results()
+    results.decode_path, results.other_devices = "eager", found
+    _, html_path, md_path = write_report(results, tmp_path / "report")
+    markdown, page = md_path.read_text(), html_path.read_text()
+    assert "## Wall-clock on each device" in markdown and "<h2>Wall-clock on each device</h2>" in page
+    device_table = markdown.split("## Wall-clock on each device")[1]
+    line = next(x for x in device_table.splitlines() if x.startswith("| chat | full |"))
+    assert "| NVIDIA H100 80GB HBM3 (graphs) |" in line and line.rstrip(" |").endswith("2.50×")
+    assert line.startswith("| chat | full | 3 | — | 76.8 | 1.92× |")  # this device's own figures beside
+    reread = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert reread["other_devices"][0]["evaluation"] == evaluation and reread["decode_path"] == "eager"
+
+
+def test_a_report_without_another_device_has_no_device_table(tmp_path: Path) -> None:
+    _, html_path, md_path = write_report(typed_results(), tmp_path)
+    assert "Wall-clock on each device" not in md_path.read_text() + html_path.read_text()
