@@ -22,6 +22,8 @@ rows are never cached.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Generator, Tensor
 
@@ -61,6 +63,7 @@ class DFlashProposer:
         self.drafter_calls = 0
         self._options = DecodeOptions()
         self._static: StaticContextCache | None = None
+        self._compiled: Any = None
         self._forward = drafter.forward
         self.reset()
 
@@ -68,6 +71,9 @@ class DFlashProposer:
         """Follow the generation's decode path: on the static paths a :class:`StaticContextCache` (kept across
         generations, so CUDA graphs are captured once) and bucketed context rows, compiled on path ``graphs``."""
         self._options = options
+        if options.graphs and self._compiled is None:
+            self._compiled = compiled(self.drafter.forward)
+        self._forward = self._compiled if options.graphs else self.drafter.forward
         if not options.static:
             return
         config, weight = self.drafter.config, self.drafter.fc.weight
@@ -75,8 +81,6 @@ class DFlashProposer:
         if self._static is None or self._static.capacity < capacity:
             self._static = StaticContextCache(config.num_hidden_layers, capacity, config.num_key_value_heads,
                                               config.head_dim, weight.dtype, weight.device)
-            self._forward = compiled(self.drafter.forward) if options.graphs else \
-                self.drafter.forward
 
     def reset(self) -> None:
         """Forget the cached context; see :class:`~pipeline.engine.proposers.Proposer`."""
@@ -88,40 +92,9 @@ class DFlashProposer:
         self._ids: list[int] = []  # the ids whose features the cached context rows were computed from
 
     def _features(self, state: TargetState, context: list[int]) -> list[Tensor]:
-        """The state's hidden states at the tapped layers, in ``target_layer_ids`` order.
-
-        Raises:
-            DrafterError: If the state does not cover every context position but the newest, or lacks a layer.
-        """
-        if state.length != len(context) - 1:
-            raise DrafterError(
-                "the target state does not cover the context the DFlash drafter is asked to continue",
-                expected=f"target hidden states for every position but the newest: length {len(context) - 1}",
-                found=f"state length {state.length}",
-                fix="call the proposer from the speculative loop (generate_speculative), which captures "
-                "the target's states at proposer.target_layers",
-            )
-        available = {int(layer) % self._depth: index for index, layer in enumerate(state.layers)}
-        missing = [layer for layer in self.target_layers if layer not in available]
-        if missing:
-            raise DrafterError(
-                "the target state lacks layers the DFlash drafter reads",
-                expected=f"hidden states at output_hidden_states indices {list(self.target_layers)} "
-                         f"(target_layer_ids + 1)",
-                found=f"layers {list(state.layers)}",
-                fix="capture the target at proposer.target_layers",
-            )
-        hidden = [state.hidden[available[layer]] for layer in self.target_layers]
-        width = self.drafter.config.hidden_size
-        bad = [tuple(h.shape) for h in hidden if h.dim() != 2 or h.shape[0] != state.length or h.shape[1] != width]
-        if bad:
-            raise DrafterError(
-                "the target state's hidden states do not fit the DFlash drafter",
-                expected=f"({state.length}, {width}) per layer",
-                found=f"shapes {bad}",
-                fix="build the drafter with DFlashConfig.from_target(target.config, ...) for this target",
-            )
-        return hidden
+        """The state's hidden states at :attr:`target_layers`, checked (:meth:`TargetState.tapped`)."""
+        return state.tapped(self.target_layers, self._depth, self.drafter.config.hidden_size, len(context),
+                            "DFlash", "target_layer_ids + 1", "DFlashConfig.from_target(target.config, ...)")
 
     def block_distributions(self, context: list[int], hidden: list[Tensor], params: SamplingParams,
                             state: TargetState | None = None) -> Tensor:

@@ -31,6 +31,8 @@ embedding by reference); the draft loop does not synchronise with the host until
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Generator, Tensor
 
@@ -68,6 +70,7 @@ class Eagle3Proposer:
         self._draft_ids = drafter.draft_to_target.detach().clone()
         self._options = DecodeOptions()
         self._static: StaticKVCache | None = None
+        self._compiled: Any = None
         self._step = drafter.step
         top = int(self._draft_ids.max())
         if top >= self.target_vocab_size:
@@ -83,17 +86,16 @@ class Eagle3Proposer:
         """Follow the generation's decode path: on the static paths a :class:`StaticKVCache` (kept across
         generations, so CUDA graphs are captured once) and fixed-shape steps, compiled on path ``graphs``."""
         self._options = options
+        if options.graphs and self._compiled is None:
+            self._compiled = compiled(self.drafter.step)
+        self._step = self._compiled if options.graphs else self.drafter.step
         if not options.static:
-            self._step = self.drafter.step
             return
         config, weight = self.drafter.config, self.drafter.fc.weight
         capacity = rounded_capacity(options.capacity)
         if self._static is None or self._static.capacity < capacity:
             self._static = StaticKVCache(capacity, config.num_key_value_heads, config.head_dim, weight.dtype,
                                          weight.device)
-            self._step = self.drafter.step
-            if options.graphs:
-                self._step = compiled(self.drafter.step)
 
     def reset(self) -> None:
         """Forget the cached rows; see :class:`~pipeline.engine.proposers.Proposer`."""
@@ -108,40 +110,9 @@ class Eagle3Proposer:
         self._last: Tensor | None = None
 
     def _features(self, state: TargetState, context: list[int]) -> list[Tensor]:
-        """The state's hidden states at the drafter's three layers, in ``aux_layer_ids`` order.
-
-        Raises:
-            DrafterError: If the state does not cover every context position but the newest, or lacks
-                one of the layers (negative indices in ``state.layers`` count from the last one).
-        """
-        if state.length != len(context) - 1:
-            raise DrafterError(
-                "the target state does not cover the context the EAGLE-3 drafter is asked to continue",
-                expected=f"target hidden states for every position but the newest: length {len(context) - 1}",
-                found=f"state length {state.length}",
-                fix="call the proposer from the speculative loop (generate_speculative), which captures "
-                "the target's states at proposer.target_layers",
-            )
-        available = {int(layer) % self._depth: index for index, layer in enumerate(state.layers)}
-        missing = [layer for layer in self.target_layers if layer not in available]
-        if missing:
-            raise DrafterError(
-                "the target state lacks layers the EAGLE-3 drafter reads",
-                expected=f"hidden states at layers {list(self.target_layers)} (its aux_layer_ids)",
-                found=f"layers {list(state.layers)}",
-                fix="capture the target at proposer.target_layers",
-            )
-        hidden = [state.hidden[available[layer]] for layer in self.target_layers]
-        width = self.drafter.config.hidden_size
-        bad = [tuple(h.shape) for h in hidden if h.dim() != 2 or h.shape[0] != state.length or h.shape[1] != width]
-        if bad:
-            raise DrafterError(
-                "the target state's hidden states do not fit the EAGLE-3 drafter",
-                expected=f"({state.length}, {width}) per layer",
-                found=f"shapes {bad}",
-                fix="build the drafter with Eagle3Config.from_target(target.config, ...) for this target",
-            )
-        return hidden
+        """The state's hidden states at :attr:`target_layers`, checked (:meth:`TargetState.tapped`)."""
+        return state.tapped(self.target_layers, self._depth, self.drafter.config.hidden_size, len(context),
+                            "EAGLE-3", "its aux_layer_ids", "Eagle3Config.from_target(target.config, ...)")
 
     def _sync(self, context: list[int], hidden: list[Tensor], state: TargetState) -> Tensor:
         """Bring the cache to one row per target position of ``context``; the last row's output ``(1, 1, H)``."""

@@ -1,14 +1,16 @@
 """The decode loops: plain autoregressive decoding and draft-then-verify speculative decoding.
 
-Both loops run the target through a :class:`~pipeline.engine.session.ModelSession` (KV cache), run
-batch size 1, stop at EOS or after ``max_new_tokens``, and record what the metrics need
-(:class:`GenerationResult`). A speculative round hands the proposer the target's state (hidden states
-at the layers it declared, for every accepted position, and the last distribution:
-:class:`~pipeline.engine.session.TargetState`), asks it for ``gamma'`` drafts, scores all of them plus
-the bonus position in *one* target forward, verifies (:mod:`pipeline.engine.verify`) and crops the
-target cache and captured hidden states back to the accepted prefix. With greedy parameters the
-speculative loop emits exactly the autoregressive loop's tokens; with sampling it emits them with
-exactly the same law.
+Both loops run the target through a session (:class:`~pipeline.engine.session.ModelSession`, a growing KV cache;
+or on the static paths :class:`~pipeline.engine.static.StaticSession`, a preallocated one with fixed-shape
+forwards and optionally CUDA graphs — :class:`~pipeline.engine.static.DecodeOptions`), run batch size 1, stop at
+EOS or after ``max_new_tokens``, and record what the metrics need (:class:`GenerationResult`). Each speculative
+round (:func:`~pipeline.engine.rounds.speculative_round`) hands the proposer the target's state (hidden states at
+the layers it declared, for every accepted position, the last distribution and the sequence's ids on the device:
+:class:`~pipeline.engine.session.TargetState`), asks it for ``gamma'`` drafts, scores all of them plus the bonus
+position in *one* target forward, verifies (:mod:`pipeline.engine.verify`) and rolls the target's cache and
+captured hidden states back to the accepted prefix; drafts that stay on the device cost one host read per round.
+With greedy parameters the speculative loop emits exactly the autoregressive loop's tokens; with sampling it emits
+them with exactly the same law.
 """
 
 from __future__ import annotations

@@ -89,6 +89,51 @@ class TargetState:
     length: int = 0
     token_ids: Tensor | None = None
 
+    def tapped(self, layers: Sequence[int], depth: int, width: int, context_length: int, drafter: str,
+               named: str, build: str) -> list[Tensor]:
+        """The hidden states at ``layers`` (in that order) for a feature drafter continuing a context of
+        ``context_length`` tokens, checked.
+
+        Args:
+            layers: ``output_hidden_states`` indices the drafter reads (negative ones count from the last).
+            depth: Entries of the target's ``output_hidden_states`` (its layers + 1).
+            width: The drafter's hidden size.
+            drafter: Its name in messages (``EAGLE-3``, ``DFlash``).
+            named: What its config calls the layers (for the message).
+            build: How to build a drafter that fits this target (for the message).
+
+        Raises:
+            DrafterError: If the state does not cover every context position but the newest, lacks one of the
+                layers, or holds states of another width.
+        """
+        if self.length != context_length - 1:
+            raise DrafterError(
+                f"the target state does not cover the context the {drafter} drafter is asked to continue",
+                expected=f"target hidden states for every position but the newest: length {context_length - 1}",
+                found=f"state length {self.length}",
+                fix="call the proposer from the speculative loop (generate_speculative), which captures "
+                "the target's states at proposer.target_layers",
+            )
+        available = {int(layer) % depth: index for index, layer in enumerate(self.layers)}
+        missing = [layer for layer in layers if layer not in available]
+        if missing:
+            raise DrafterError(
+                f"the target state lacks layers the {drafter} drafter reads",
+                expected=f"hidden states at layers {list(layers)} ({named})",
+                found=f"layers {list(self.layers)}",
+                fix="capture the target at proposer.target_layers",
+            )
+        hidden = [self.hidden[available[layer]] for layer in layers]
+        bad = [tuple(h.shape) for h in hidden if h.dim() != 2 or h.shape[0] != self.length or h.shape[1] != width]
+        if bad:
+            raise DrafterError(
+                f"the target state's hidden states do not fit the {drafter} drafter",
+                expected=f"({self.length}, {width}) per layer",
+                found=f"shapes {bad}",
+                fix=f"build the drafter with {build} for this target",
+            )
+        return hidden
+
     def ids(self, start: int, stop: int, host: Sequence[int]) -> Tensor:
         """Context ids ``[start, stop)`` as a 1-D device tensor: a view of :attr:`token_ids` when the loop gave them,
         else built from ``host`` (the same ids) on the device of the hidden states."""
