@@ -31,7 +31,7 @@ from pipeline.drafters.dflash import ContextCache, DFlashDrafter, StaticContextC
 from pipeline.engine.proposers import Proposal, require_context
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState, common_prefix_length
-from pipeline.engine.static import DecodeOptions, bucket, compiled, rounded_capacity
+from pipeline.engine.static import DecodeOptions, bucket, compiled, rounded_capacity, static_addresses
 from pipeline.errors import DrafterError
 
 
@@ -81,6 +81,8 @@ class DFlashProposer:
         if self._static is None or self._static.capacity < capacity:
             self._static = StaticContextCache(config.num_hidden_layers, capacity, config.num_key_value_heads,
                                               config.head_dim, weight.dtype, weight.device)
+            cache = self._static
+            static_addresses(*cache.keys, *cache.values, cache.position, cache.end, cache.slots)
 
     def reset(self) -> None:
         """Forget the cached context; see :class:`~pipeline.engine.proposers.Proposer`."""

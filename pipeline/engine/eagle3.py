@@ -40,7 +40,7 @@ from pipeline.drafters.eagle3 import Eagle3Drafter, KVCache, StaticKVCache
 from pipeline.engine.proposers import Proposal, require_context
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState, common_prefix_length
-from pipeline.engine.static import DecodeOptions, bucket, compiled, rounded_capacity
+from pipeline.engine.static import DecodeOptions, bucket, compiled, rounded_capacity, static_addresses
 from pipeline.errors import DrafterError
 
 
@@ -96,6 +96,7 @@ class Eagle3Proposer:
         if self._static is None or self._static.capacity < capacity:
             self._static = StaticKVCache(capacity, config.num_key_value_heads, config.head_dim, weight.dtype,
                                          weight.device)
+            static_addresses(self._static.key, self._static.value, self._static.position, self._static.slots)
 
     def reset(self) -> None:
         """Forget the cached rows; see :class:`~pipeline.engine.proposers.Proposer`."""

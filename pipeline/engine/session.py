@@ -181,11 +181,31 @@ def device_tokens(new_ids: Sequence[int] | Tensor, device_ids: Tensor | None, de
     return torch.tensor(known, dtype=torch.long, device=device), known
 
 
-class SessionClock:
-    """Forward counts and seconds of a session, and the synchronisation that charges queued kernels to them."""
+class SessionBase:
+    """What both sessions share (:class:`ModelSession` here, :class:`~pipeline.engine.static.StaticSession`):
+    the model they run, forward counts and seconds, the synchronisation that charges queued kernels to a timer,
+    and moving to a new sequence by common prefix. A subclass provides ``feed`` and ``crop``."""
 
     device: torch.device
     seconds: float
+    ids: list[int]
+
+    def _bind(self, model: torch.nn.Module, body_only: bool, layers: Sequence[int]) -> None:
+        self.model = model
+        self.body_only = body_only
+        self.layers = tuple(int(layer) for layer in layers)
+        self.device = model.get_input_embeddings().weight.device
+        ModelSession.check_layers(model, self.layers)
+        self._module = model.base_model if body_only else model
+        self._cache_arg = cache_argument(self._module)
+        self.forwards = 0
+        self.seconds = 0.0
+
+    def feed(self, new_ids: Sequence[int] | Tensor, keep: int = 1, *, device_ids: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def crop(self, length: int) -> None:
+        raise NotImplementedError
 
     def sync(self) -> None:
         """Wait for queued CUDA kernels, so a timer charges them to the step that launched them."""
@@ -202,8 +222,42 @@ class SessionClock:
             self.sync()
             self.seconds += time.perf_counter() - start
 
+    def move_to(self, ids: Sequence[int], keep: int = 1, device_ids: Tensor | None = None) -> Tensor:
+        """Make the session hold ``ids``: crop to the common prefix with :attr:`ids`, run the rest.
 
-class ModelSession(SessionClock):
+        At least the last ``keep`` ids are re-run even when cached, since their forward is what yields
+        the rows asked for. ``device_ids``: the same ids on the device (fed from there).
+
+        Returns:
+            As :meth:`feed`, for the last ``keep`` positions of ``ids``.
+
+        Raises:
+            DrafterError: If ``ids`` has fewer than ``keep`` (or no) tokens.
+        """
+        keep = max(1, keep)
+        if len(ids) < keep:
+            raise DrafterError(
+                "cannot run a model on a context shorter than the rows asked for",
+                expected=f"at least {keep} token(s)",
+                found=f"{len(ids)} tokens",
+                fix="pass a non-empty prompt",
+            )
+        start = min(common_prefix_length(self.ids, ids), len(ids) - keep)
+        self.crop(start)
+        on_device = None if device_ids is None else device_ids[start : len(ids)]
+        return self.feed(list(ids[start:]), keep, device_ids=on_device)
+
+    def commit(self, ids: Sequence[int]) -> None:
+        """Declare that the first ``len(ids)`` positions hold ``ids`` (drafts fed from the device and since
+        verified) and drop every position after them."""
+        if len(ids) > len(self.ids):
+            raise DrafterError("cannot commit more positions than were fed", expected=f"<= {len(self.ids)} ids",
+                               found=f"{len(ids)} ids")
+        self.crop(len(ids))
+        self.ids[:] = [int(t) for t in ids]
+
+
+class ModelSession(SessionBase):
     """A causal LM, its KV cache, and the token ids whose keys/values the cache holds.
 
     Invariant: the cache holds keys/values for exactly :attr:`ids`, and each captured layer holds one
@@ -224,18 +278,10 @@ class ModelSession(SessionClock):
     def __init__(
         self, model: torch.nn.Module, *, body_only: bool = False, layers: Sequence[int] = ()
     ) -> None:
-        self.model = model
-        self.body_only = body_only
-        self.layers = tuple(int(layer) for layer in layers)
-        embeddings = model.get_input_embeddings().weight
-        self.device = embeddings.device
-        self.check_layers(model, self.layers)
-        self._module = model.base_model if body_only else model
+        self._bind(model, body_only, layers)
         self._keep_arg = not body_only and "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._cache_arg = cache_argument(self._module)
+        embeddings = model.get_input_embeddings().weight
         self._row_spec = (embeddings.shape[1], embeddings.dtype, embeddings.device)
-        self.forwards = 0
-        self.seconds = 0.0
         self.reset()
 
     @staticmethod
@@ -288,46 +334,12 @@ class ModelSession(SessionClock):
         rows_out = out.last_hidden_state if self.body_only else out.logits
         return rows_out[0, -keep:]
 
-    def move_to(self, ids: Sequence[int], keep: int = 1, device_ids: Tensor | None = None) -> Tensor:
-        """Make the session hold ``ids``: crop to the common prefix with :attr:`ids`, run the rest.
-
-        At least the last ``keep`` ids are re-run even when cached, since their forward is what yields
-        the rows asked for. ``device_ids``: the same ids on the device (fed from there).
-
-        Returns:
-            As :meth:`feed`, for the last ``keep`` positions of ``ids``.
-
-        Raises:
-            DrafterError: If ``ids`` has fewer than ``keep`` (or no) tokens.
-        """
-        keep = max(1, keep)
-        if len(ids) < keep:
-            raise DrafterError(
-                "cannot run a model on a context shorter than the rows asked for",
-                expected=f"at least {keep} token(s)",
-                found=f"{len(ids)} tokens",
-                fix="pass a non-empty prompt",
-            )
-        start = min(common_prefix_length(self.ids, ids), len(ids) - keep)
-        self.crop(start)
-        on_device = None if device_ids is None else device_ids[start : len(ids)]
-        return self.feed(list(ids[start:]), keep, device_ids=on_device)
-
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` positions (cache, ids and captured states together)."""
         crop_cache(self.cache, length)
         del self.ids[length:]
         for rows in self._rows:
             rows.crop(length)
-
-    def commit(self, ids: Sequence[int]) -> None:
-        """Declare that the first ``len(ids)`` positions hold ``ids`` (drafts fed from the device and since
-        verified) and drop every position after them."""
-        if len(ids) > len(self.ids):
-            raise DrafterError("cannot commit more positions than were fed", expected=f"<= {len(self.ids)} ids",
-                               found=f"{len(ids)} ids")
-        self.crop(len(ids))
-        self.ids[:] = [int(t) for t in ids]
 
     def hidden(self) -> tuple[Tensor, ...]:
         """Captured hidden states, one ``(len(ids), H)`` view per layer (valid until the next feed)."""

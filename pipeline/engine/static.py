@@ -38,9 +38,7 @@ from torch import Tensor
 
 from pipeline.engine.session import (
     ModelSession,
-    SessionClock,
-    cache_argument,
-    common_prefix_length,
+    SessionBase,
     device_tokens,
 )
 from pipeline.errors import DrafterError
@@ -166,7 +164,7 @@ class _Buffer:
         self.data = torch.zeros(capacity, width, dtype=dtype, device=device)
 
 
-class StaticSession(SessionClock):
+class StaticSession(SessionBase):
     """A causal LM over a static KV cache: the same interface as :class:`~pipeline.engine.session.ModelSession`
     (``feed``, ``move_to``, ``crop``, ``commit``, ``hidden``, ``ids``), with fixed-shape feeds and optional CUDA graphs.
 
@@ -185,14 +183,8 @@ class StaticSession(SessionClock):
                  graphs: bool = False) -> None:
         from transformers import StaticCache  # deferred: pulls in transformers
 
-        self.model = model
-        self.body_only = body_only
-        self.layers = tuple(int(layer) for layer in layers)
+        self._bind(model, body_only, layers)
         embeddings = model.get_input_embeddings().weight
-        self.device = embeddings.device
-        ModelSession.check_layers(model, self.layers)
-        self._module = model.base_model if body_only else model
-        self._cache_arg = cache_argument(self._module)
         # Rounded up, and never cut to the model's context: a padded feed's slots may lie past it (never attended).
         self.capacity = rounded_capacity(capacity)
         self.cache = StaticCache(config=model.config, max_cache_len=self.capacity)
@@ -200,11 +192,8 @@ class StaticSession(SessionClock):
         self._keys = torch.arange(self.capacity, device=self.device)
         self._rows = [_Buffer(self.capacity, embeddings.shape[1], embeddings.dtype, self.device) for _ in self.layers]
         if graphs:
-            torch._dynamo.mark_static_address(self._position)  # read by every graph: one address, updated in place
-            torch._dynamo.mark_static_address(self._keys)
+            static_addresses(self._position, self._keys)  # read by every graph: one address, updated in place
         self.graphs = graphs
-        self.forwards = 0
-        self.seconds = 0.0
         self.ids: list[int] = []
         # One eager forward first: transformers allocates the cache tensors (marking their addresses static) and
         # installs its hidden-state hooks on a model's first call, neither of which may happen inside a graph.
@@ -230,28 +219,6 @@ class StaticSession(SessionClock):
             if self.cache.is_initialized:
                 self.cache.crop(-excess)
             del self.ids[length:]
-
-    def commit(self, ids: Sequence[int]) -> None:
-        """Declare that the cache's first ``len(ids)`` positions hold ``ids`` (drafts fed from the device and since
-        verified) and drop every position after them."""
-        if len(ids) > len(self.ids):
-            raise DrafterError("cannot commit more positions than were fed", expected=f"<= {len(self.ids)} ids",
-                               found=f"{len(ids)} ids")
-        self.crop(len(ids))
-        self.ids[:] = [int(t) for t in ids]
-
-    def move_to(self, ids: Sequence[int], keep: int = 1, device_ids: Tensor | None = None) -> Tensor:
-        """As :meth:`ModelSession.move_to`: crop to the common prefix (re-running at least ``keep``), feed the rest
-        (from ``device_ids``, the same ids on the device, when given)."""
-        keep = max(1, keep)
-        if len(ids) < keep:
-            raise DrafterError("cannot run a model on a context shorter than the rows asked for",
-                               expected=f"at least {keep} token(s)", found=f"{len(ids)} tokens",
-                               fix="pass a non-empty prompt")
-        start = min(common_prefix_length(self.ids, ids), len(ids) - keep)
-        self.crop(start)
-        on_device = None if device_ids is None else device_ids[start : len(ids)]
-        return self.feed(list(ids[start:]), keep, device_ids=on_device)
 
     @torch.no_grad()
     def feed(self, new_ids: Sequence[int] | Tensor, keep: int = 1, *, device_ids: Tensor | None = None) -> Tensor:
@@ -312,6 +279,15 @@ class StaticSession(SessionClock):
 GRAPHS_PER_FUNCTION = 64
 """Graphs one compiled function may hold: one per bucket for each session or drafter that runs it (dynamo's
 default of 8 would fall back to eager code after the eighth)."""
+
+
+def static_addresses(*tensors: Tensor) -> None:
+    """Tell the compiler these buffers keep their address (they are updated in place), so a CUDA graph reads them
+    where they are instead of copying them in, or skipping the graph for a mutated input."""
+    import torch._dynamo
+
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor)
 
 
 def compiled(fn: Any) -> Any:

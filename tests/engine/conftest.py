@@ -129,6 +129,19 @@ def shortlist(tokenizer: Any) -> torch.Tensor:
     return torch.unique(torch.cat([top, torch.tensor([tokenizer.eos_token_id])]))
 
 
+@pytest.fixture(scope="module")
+def kit(tiny_kit) -> dict[str, tuple[torch.nn.Module, Any]]:
+    """The trained tiny kit's target and drafters in float64 on the CPU, each with its tokenizer (``{role: (model,
+    tokenizer)}``); a module that needs other parts defines its own ``kit``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(role: str) -> tuple[torch.nn.Module, Any]:
+        path = tiny_kit.path(role)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval(), AutoTokenizer.from_pretrained(path)
+
+    return {role: load(role) for role in ("target", "drafter", "drafter_other", "drafter_bytes")}
+
+
 def assert_counts_match(counts: torch.Tensor, probs: torch.Tensor, n: int, what: str) -> None:
     """Assert multinomial counts agree with ``n * probs`` outcome by outcome.
 

@@ -42,19 +42,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
-def kit(tiny_kit) -> dict[str, Any]:
-    """Target, drafters and tokenizers of the tiny kit, models in float64 on the CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    def load(role: str) -> tuple[torch.nn.Module, Any]:
-        path = tiny_kit.path(role)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-        return model, AutoTokenizer.from_pretrained(path)
-
-    return {role: load(role) for role in ("target", "drafter", "drafter_other", "drafter_bytes")}
-
-
-@pytest.fixture(scope="module")
 def proposers(kit) -> dict[str, Any]:
     inputs = kit_proposer_inputs(kit)
     return {method: build_proposer(method, inputs[method]) for method in METHOD_NAMES}

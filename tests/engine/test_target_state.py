@@ -36,21 +36,6 @@ PARAMS = SamplingParams(temperature=1.0)
 TEXTS = ["def add(a, b):\n    return", "The weather today is"]
 
 
-@pytest.fixture(scope="module")
-def kit(tiny_kit) -> dict[str, Any]:
-    """Target, drafters and tokenizers of the tiny kit, models in float64 on the CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(1)  # the CI machine has 2 cores shared with other jobs
-
-    def load(role: str) -> tuple[torch.nn.Module, Any]:
-        path = tiny_kit.path(role)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-        return model, AutoTokenizer.from_pretrained(path)
-
-    return {role: load(role) for role in ("target", "drafter", "drafter_other", "drafter_bytes")}
-
-
 class _Recording:
     """Wraps a proposer, asks for :data:`LAYERS` (then any other layers the proposer reads itself, as
     EAGLE-3 does), and keeps a copy of each (context, state) it gets."""

@@ -29,18 +29,6 @@ NEW_TOKENS, GAMMA = 24, 4
 
 
 @pytest.fixture(scope="module")
-def kit(tiny_kit) -> dict[str, Any]:
-    """Target, drafters and tokenizers of the tiny kit, models in float64 on the CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    def load(role: str) -> tuple[torch.nn.Module, Any]:
-        path = tiny_kit.path(role)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval(), AutoTokenizer.from_pretrained(path)
-
-    return {role: load(role) for role in ("target", "drafter", "drafter_other", "drafter_bytes")}
-
-
-@pytest.fixture(scope="module")
 def inputs(kit) -> Any:
     return kit_proposer_inputs(kit)
 
