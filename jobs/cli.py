@@ -67,9 +67,7 @@ BENCHES: dict[str, Bench] = {
                   "              per-block views), at 128k x 4096 and the tiny kit's size",
                   "pipeline.engine.bench:bench_heads", ("steps",)),
     "cluster": Bench("FAISS spherical k-means vs scikit-learn KMeans", "pipeline.engine.bench:bench_cluster"),
-    "decode": Bench("a speculative round's draft / verify / rest vs the bare forwards it runs, and vs autoregressive\n"
-                    "              decoding and Leviathan's prediction, on the kit (--shape llama3-8b: also at\n"
-                    "              Llama-3.1-8B's shape, random weights, projected; CUDA)",
+    "decode": Bench("a round's draft/verify/rest vs its bare forwards, AR decoding and Leviathan",
                     "jobs.evaluate:bench_decode", ("cfg", "shape", "steps")),
     "rdk": Bench("moment estimation throughput and memory vs a dense |T|^2 matrix, and one draft step\n"
                  "              of TLI vs RDK-Taylor vs the prior mix vs exact sparse RDK at 128k",
@@ -240,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=KEYS_EPILOG)
     p.add_argument("what", choices=list(BENCHES), help="which benchmark (listed above)")
     p.add_argument("--steps", type=int, default=10, help="train, head, decode: timed repetitions of each")
-    p.add_argument("--shape", default="tiny", choices=("tiny", "llama3-8b"), help="decode: the kit, or also Llama-3-8B's")
+    p.add_argument("--shape", default="tiny", choices=("tiny", "llama3-8b"), metavar="SHAPE",
+                   help="decode: tiny (the kit) or llama3-8b (also Llama-3-8B's shape; CUDA)")
     p.add_argument("--tokens", type=int, default=2_000_000, help="count: synthetic calibration tokens")
     p.add_argument("--calibration", default=None, help="count: a calibration artifact to count instead")
     p.add_argument("--counts", default=None, help="eval: the count artifact whose shortlists to evaluate")
