@@ -29,7 +29,7 @@ from torch import Generator, Tensor
 
 from pipeline.drafters.dflash import ContextCache, DFlashDrafter, StaticContextCache
 from pipeline.engine.proposers import Proposal, require_context
-from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.sampling import SamplingParams, draw, standardise
 from pipeline.engine.session import TargetState, common_prefix_length
 from pipeline.engine.static import DecodeOptions, bucket, compiled, rounded_capacity, static_addresses
 from pipeline.errors import DrafterError
@@ -153,7 +153,7 @@ class DFlashProposer:
             return Proposal(torch.zeros(0, dtype=torch.long, device=device),
                             torch.zeros(0, self.target_vocab_size, dtype=torch.float64, device=device))
         probs = self.block_distributions(context, hidden, params, state)[:drafts]
-        tokens = sample(probs, generator)  # each row on its own: draft k's law is row k whatever came before
+        tokens = draw(probs, params, generator)  # each row on its own: draft k's law is row k whatever came before
         q = probs
         if q.shape[-1] < self.target_vocab_size:
             q = torch.nn.functional.pad(q, (0, self.target_vocab_size - q.shape[-1]))

@@ -37,7 +37,7 @@ from pipeline.engine.proposers import (
     timed_call,
 )
 from pipeline.engine.routed_head import RoutedHead, keep_tensor
-from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.sampling import SamplingParams, draw, standardise
 from pipeline.engine.session import ModelSession, TargetState
 from pipeline.errors import DrafterError
 
@@ -71,7 +71,7 @@ def _draw(ids: Tensor, logits: Tensor, params: SamplingParams, generator: Genera
     (over the shortlist, after the sampling transforms) scattered into a ``width``-wide target-id row (ids beyond
     it carry no target mass)."""
     probs = standardise(logits, params)
-    token = ids.index_select(0, sample(probs, generator).reshape(1))
+    token = ids.index_select(0, draw(probs, params, generator).reshape(1))
     inside = (ids >= 0) & (ids < width)  # -1: a padding slot of a fixed-capacity shortlist (probability 0)
     # scattered without a boolean index (whose size the host would read): outside slots add 0 to row 0
     row = torch.zeros(width, dtype=torch.float64, device=logits.device)

@@ -38,7 +38,7 @@ from torch import Generator, Tensor
 
 from pipeline.drafters.eagle3 import Eagle3Drafter, KVCache, StaticKVCache
 from pipeline.engine.proposers import Proposal, require_context
-from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.sampling import SamplingParams, draw, standardise
 from pipeline.engine.session import TargetState, common_prefix_length
 from pipeline.engine.static import DecodeOptions, bucket, compiled, rounded_capacity, static_addresses
 from pipeline.errors import DrafterError
@@ -180,7 +180,7 @@ class Eagle3Proposer:
         dists: list[Tensor] = []
         for step in range(gamma):
             probs = standardise(self.drafter.logits(out[0, -1]), params)  # (V_draft,) float64
-            token = self._draft_ids.index_select(0, sample(probs, generator).view(1))  # no host sync
+            token = self._draft_ids.index_select(0, draw(probs, params, generator).view(1))  # no host sync
             tokens.append(token)
             dists.append(probs)
             if step + 1 < gamma:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Generator, Tensor
 
-from pipeline.engine.sampling import SamplingParams, sample, standardise
+from pipeline.engine.sampling import SamplingParams, draw, standardise
 from pipeline.engine.session import ModelSession, TargetState
 from pipeline.engine.static import DecodeOptions, EventClock, session_for
 from pipeline.errors import DrafterError
@@ -219,7 +219,7 @@ def _draft(
             logits = timed_call(stats, session.device, logits_of, row)
             stats.add(step, int(logits.shape[-1]))
         probs = standardise(logits, params)
-        index = sample(probs, generator).reshape(1)
+        index = draw(probs, params, generator).reshape(1)
         token = index if token_ids is None else token_ids.index_select(0, index)
         tokens.append(token)
         dists.append(probs)

@@ -127,3 +127,10 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     last_positive = torch.where(probs > 0, positions, -1).amax(dim=-1, keepdim=True)
     index = torch.minimum(index, last_positive)
     return index.squeeze(-1)
+
+
+def draw(probs: Tensor, params: SamplingParams, generator: torch.Generator) -> Tensor:
+    """One token per row of standardised ``probs``: the argmax when greedy (each row is one-hot there, so this is
+    the token :func:`sample` would return, without its cumulative sums and without consuming ``generator``), else
+    :func:`sample`."""
+    return probs.argmax(dim=-1) if params.greedy else sample(probs, generator)
