@@ -4,6 +4,7 @@ CPU, and the formulas its columns apply. No test asserts a time: the bench print
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -43,3 +44,25 @@ def test_scaled_llama3_shape_rows_are_projected_from_the_kit() -> None:
         assert (row.projected is not None) == ((row.method, 3) in kit_alpha)
     table = decode_table(rows)
     assert "(projected)" in table and "| llama3-8b |" in table and "— (no kit row)" in table
+
+
+@pytest.mark.slow
+def test_drafter_bench_decode_on_the_test_kit(tmp_path, tiny_kit, mlflow_server, capsys) -> None:
+    """`drafter bench decode` through the CLI on a config whose count artifact is built: evaluate's own
+    configurations on evaluate's prompts, a row for the full head, a line naming the methods whose artifacts are not
+    built, and on a CPU a line saying the llama3-8b shape needs CUDA. Without the count artifact it says what to run."""
+    from jobs import count, generate
+    from jobs.cli import main
+    from tests.helpers import SMALL, small_cfg
+
+    overrides = [f"workdir={tmp_path}", f"mlflow.tracking_uri={mlflow_server.uri}", "evaluate.prompts_per_task=1",
+                 "evaluate.max_new_tokens=8", "evaluate.gammas=[3]"]
+    cfg = small_cfg(tmp_path, *overrides[1:])
+    assert main(["bench", "decode", "--steps", "2", *SMALL, *overrides]) == 2
+    assert re.search(r"(?s)read the count artifact.*drafter count", capsys.readouterr().err)
+    generate.main(cfg)
+    count.main(cfg)
+    assert main(["bench", "decode", "--steps", "2", "--shape", "llama3-8b", *SMALL, *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "| tiny | cpu" in out and "| full | 3 |" in out
+    assert "not timed: dynaspec, eagle3, dflash" in out and "llama3-8b: needs a CUDA device" in out
