@@ -19,9 +19,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def test_columns_follow_their_definitions() -> None:
     row = DecodeRow("tiny", "cpu", "eager", "eagle3", 4, rounds=10, tau=3.0, alpha=0.7, round_ms=2.0, draft_ms=1.2,
                     verify_ms=0.7, rest_ms=0.1, bare_draft_ms=1.0, bare_verify_ms=0.6, bare_ar_ms=0.5,
-                    tokens_per_s=900.0, ar_tokens_per_s=600.0)
+                    tokens_per_s=900.0, ar_tokens_per_s=600.0, ar_token_ms=1.5)
     assert math.isclose(row.overhead, 2.0 / 1.6)
-    assert math.isclose(row.speedup, 1.5)
+    assert math.isclose(row.speedup, 1.5) and math.isclose(row.steady_speedup, 3.0 * 1.5 / 2.0)
     assert math.isclose(row.predicted, expected_tokens_per_round(0.7, 4) * 0.5 / 1.6)
     assert row.projected is None  # measured acceptance: nothing projected
     row.alpha_used = 0.6

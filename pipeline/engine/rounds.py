@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from pipeline.engine.proposers import Proposal, Proposer
 from pipeline.engine.sampling import SamplingParams, standardise
-from pipeline.engine.session import TargetState
+from pipeline.engine.session import SessionBase, TargetState
 from pipeline.engine.static import EventClock
 from pipeline.engine.verify import verify_exact, verify_speculative
 from pipeline.errors import DrafterError
@@ -73,7 +73,6 @@ class RoundChecks:
     bad_ids: Tensor | None = None
     zero_q: Tensor | None = None
     vocab: int = 0
-    messages: list[str] = field(default_factory=list)
 
     def add(self, name: str, flag: Tensor) -> None:
         current = getattr(self, name)
@@ -83,27 +82,25 @@ class RoundChecks:
         """Raise :class:`DrafterError` if any device round saw an id outside the vocabulary or a zero-probability
         draft (the one host read of these checks)."""
         if self.bad_ids is not None and bool(self.bad_ids):
-            raise DrafterError("the drafter proposed ids outside the target vocabulary",
-                               expected=f"ids in [0, {self.vocab}) or -1 (no target id)", found="an id out of range",
-                               fix="map drafter ids to target ids (pipeline.vocab.maps) or pass target_vocab_size "
-                                   "to the proposer")
+            raise _outside_vocabulary(self.vocab, "an id out of range")
         if self.zero_q is not None and bool(self.zero_q):
             raise DrafterError("a proposal gave zero draft probability to a token it drafted",
                                expected="q = the distribution each draft was sampled from", found="q(x) = 0",
                                fix="return the exact law the drafts were drawn from (Proposal.q)")
 
 
+def _outside_vocabulary(vocab: int, found: str) -> DrafterError:
+    return DrafterError("the drafter proposed ids outside the target vocabulary",
+                        expected=f"ids in [0, {vocab}) or -1 (no target id)", found=found,
+                        fix="map drafter ids to target ids (pipeline.vocab.maps) or pass target_vocab_size to the "
+                            "proposer")
+
+
 def _check_proposal(proposal: Proposal, gamma: int, vocab: int) -> tuple[list[int], Tensor | None]:
     tokens = [int(t) for t in proposal.tokens[:gamma]]
     bad = [t for t in tokens if t < -1 or t >= vocab]
     if bad:
-        raise DrafterError(
-            "the drafter proposed ids outside the target vocabulary",
-            expected=f"ids in [0, {vocab}) or -1 (no target id)",
-            found=f"{bad[:5]}",
-            fix="map drafter ids to target ids (pipeline.vocab.maps) or pass "
-            "target_vocab_size to the proposer",
-        )
+        raise _outside_vocabulary(vocab, f"{bad[:5]}")
     return tokens, _check_q(proposal.q, len(tokens), vocab)
 
 
@@ -134,7 +131,7 @@ def _check_q(q: Tensor | None, drafted: int, vocab: int) -> Tensor | None:
     return q
 
 
-def speculative_round(model: object, proposer: Proposer, sequence: list[int], gamma: int, params: SamplingParams,
+def speculative_round(model: SessionBase, proposer: Proposer, sequence: list[int], gamma: int, params: SamplingParams,
                       generator: torch.Generator, last_p: Tensor | None, vocab: int, *,
                       clocks: RoundClocks | None = None, checks: RoundChecks | None = None,
                       context_ids: Tensor | None = None) -> Round:
@@ -175,7 +172,7 @@ def speculative_round(model: object, proposer: Proposer, sequence: list[int], ga
     return step
 
 
-def _host_round(model: object, tokens: list[int], q: Tensor | None, sequence: list[int], params: SamplingParams,
+def _host_round(model: SessionBase, tokens: list[int], q: Tensor | None, sequence: list[int], params: SamplingParams,
                 generator: torch.Generator, clocks: RoundClocks | None) -> Round:
     """Verify host-side drafts: fed up to the first one without a target id, verified, cropped."""
     # A draft with no target id cannot be fed to the target and is always rejected, so stop
@@ -202,7 +199,7 @@ def _host_round(model: object, tokens: list[int], q: Tensor | None, sequence: li
     return Round(drafted, len(tokens), n_accepted, tokens[:n_accepted] + [next_token], p[n_accepted], 0.0)
 
 
-def _device_round(model: object, proposal: Proposal, sequence: list[int], gamma: int, params: SamplingParams,
+def _device_round(model: SessionBase, proposal: Proposal, sequence: list[int], gamma: int, params: SamplingParams,
                   generator: torch.Generator, vocab: int, clocks: RoundClocks | None, checks: RoundChecks,
                   context_ids: Tensor | None) -> Round:
     """Verify drafts that are on the device, with one device → host transfer (see the module docstring)."""
@@ -219,15 +216,24 @@ def _device_round(model: object, proposal: Proposal, sequence: list[int], gamma:
         head = torch.tensor(sequence[len(model.ids) :], dtype=torch.long, device=device)
     with _timed(model, clocks):
         logits = model.feed(torch.cat([head, tokens.clamp(min=0)]), drafted + 1)
-    p = standardise(logits, params)
     valid = tokens >= 0
-    if q is not None and not params.greedy:
-        q_x = q.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        checks.add("zero_q", ((q_x <= 0) & valid).any())
-        n_accepted, next_token = verify_speculative(p.unsqueeze(0), q.unsqueeze(0), tokens.unsqueeze(0), generator,
-                                                    strict=False)
+    if params.greedy:
+        # p is one-hot at each row's argmax (ties to the lowest id, as standardise): exact match against it, without
+        # building the (γ' + 1) × V rows; only the row the emitted token came from is built, for the next state
+        choice = logits.argmax(dim=-1)
+        n_accepted = torch.cumprod((choice[:drafted] == tokens).long(), dim=0).sum().reshape(1)
+        next_token = choice.index_select(0, n_accepted)
+        p_next = torch.zeros(logits.shape[-1], dtype=torch.float64, device=device).index_fill_(0, next_token, 1.0)
     else:
-        n_accepted, next_token = verify_exact(p.unsqueeze(0), tokens.unsqueeze(0), generator, params)
+        p = standardise(logits, params)
+        if q is not None:
+            q_x = q.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            checks.add("zero_q", ((q_x <= 0) & valid).any())
+            n_accepted, next_token = verify_speculative(p.unsqueeze(0), q.unsqueeze(0), tokens.unsqueeze(0),
+                                                        generator, strict=False)
+        else:
+            n_accepted, next_token = verify_exact(p.unsqueeze(0), tokens.unsqueeze(0), generator, params)
+        p_next = p.index_select(0, n_accepted)[0]
     # Drafts verified: up to and including the first without a target id (it is rejected with certainty).
     positions = torch.arange(drafted + 1, device=device)
     first_missing = torch.where(torch.cat([~valid, valid.new_ones(1)]), positions, drafted + 1).min()
@@ -239,10 +245,9 @@ def _device_round(model: object, proposal: Proposal, sequence: list[int], gamma:
     model.commit(list(sequence) + kept[:accepted])  # cache and captured hidden states roll back together
     if clocks is not None:
         clocks.verify.stop()
-    p_next = p.index_select(0, n_accepted)[0]
     return Round(drafted, verified_count, accepted, kept, p_next, 0.0, emitted)
 
 
-def _timed(model: object, clocks: RoundClocks | None) -> object:
+def _timed(model: SessionBase, clocks: RoundClocks | None) -> object:
     """The session's synchronised timer where no clocks keep the time, else nothing (the clocks need no sync)."""
     return model.timed() if clocks is None else nullcontext()

@@ -207,6 +207,9 @@ class SessionBase:
     def crop(self, length: int) -> None:
         raise NotImplementedError
 
+    def hidden(self) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
     def sync(self) -> None:
         """Wait for queued CUDA kernels, so a timer charges them to the step that launched them."""
         if self.device.type == "cuda":
