@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import Generator, Tensor
 
-from pipeline.drafters.eagle3 import Eagle3Drafter, KVCache, StaticKVCache
+from pipeline.drafters.caches import KVCache, StaticKVCache
+from pipeline.drafters.eagle3 import Eagle3Drafter
 from pipeline.engine.proposers import Proposal, require_context
 from pipeline.engine.sampling import SamplingParams, draw, standardise
 from pipeline.engine.session import TargetState, common_prefix_length

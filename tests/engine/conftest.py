@@ -142,6 +142,15 @@ def kit(tiny_kit) -> dict[str, tuple[torch.nn.Module, Any]]:
     return {role: load(role) for role in ("target", "drafter", "drafter_other", "drafter_bytes")}
 
 
+@pytest.fixture(scope="module")
+def proposers(kit) -> dict[str, Any]:
+    """Every registered method's proposer, built through the registry from :func:`kit_proposer_inputs`."""
+    from pipeline.engine.methods import METHOD_NAMES, build_proposer
+
+    inputs = kit_proposer_inputs(kit)
+    return {method: build_proposer(method, inputs[method]) for method in METHOD_NAMES}
+
+
 def assert_counts_match(counts: torch.Tensor, probs: torch.Tensor, n: int, what: str) -> None:
     """Assert multinomial counts agree with ``n * probs`` outcome by outcome.
 

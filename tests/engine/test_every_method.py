@@ -14,15 +14,12 @@ drafts nothing there only when it keeps no specials (the kit's byte drafter shar
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
-from pipeline.engine.methods import METHOD_NAMES, build_proposer
+from pipeline.engine.methods import METHOD_NAMES
 from pipeline.engine.sampling import SamplingParams
-from tests.engine.conftest import kit_proposer_inputs
 
 SETTINGS = {
     "greedy": SamplingParams(),
@@ -39,12 +36,6 @@ LONG_TEXT = (
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-@pytest.fixture(scope="module")
-def proposers(kit) -> dict[str, Any]:
-    inputs = kit_proposer_inputs(kit)
-    return {method: build_proposer(method, inputs[method]) for method in METHOD_NAMES}
 
 
 @pytest.fixture(scope="module")

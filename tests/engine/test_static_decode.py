@@ -31,11 +31,10 @@ from torch.overrides import TorchFunctionMode
 
 import pipeline.engine.rounds as rounds_module
 from pipeline.engine.loop import first_rounds, generate_autoregressive, generate_speculative
-from pipeline.engine.methods import METHOD_NAMES, build_proposer
+from pipeline.engine.methods import METHOD_NAMES
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.static import GRAPH_COMPILE, DecodeOptions, StaticSession, resolve_path
 from pipeline.errors import DrafterError
-from tests.engine.conftest import kit_proposer_inputs
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
@@ -49,12 +48,6 @@ GRAPH_METHODS = ("full", "dynaspec", "eagle3", "dflash")
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-@pytest.fixture(scope="module")
-def proposers(kit) -> dict[str, Any]:
-    inputs = kit_proposer_inputs(kit)
-    return {method: build_proposer(method, inputs[method]) for method in METHOD_NAMES}
 
 
 @pytest.fixture(scope="module")
