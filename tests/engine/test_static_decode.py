@@ -226,6 +226,16 @@ def test_static_session_rolls_back_and_pads_like_a_dynamic_cache(kit) -> None:
         static.feed(ids[:64])
 
 
+def test_graphs_without_a_gpu_are_refused_when_the_config_loads() -> None:
+    from pipeline.config.sections import load_config
+
+    with pytest.raises(DrafterError, match=r"evaluate.decode_path(.|\n)*graphs only with a CUDA device"):
+        load_config(None, ["evaluate.device=cpu", "evaluate.decode_path=graphs"])
+    with pytest.raises(DrafterError, match=r"evaluate.decode_path(.|\n)*auto, eager, static or graphs(.|\n)*fast"):
+        load_config(None, ["evaluate.decode_path=fast"])
+    assert load_config(None, ["evaluate.decode_path=static"]).evaluate.decode_path == "static"
+
+
 def test_the_decode_path_setting() -> None:
     assert resolve_path("auto", "cpu") == "eager"
     assert resolve_path("auto", "cuda") == "graphs"
