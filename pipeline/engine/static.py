@@ -157,13 +157,6 @@ class EventClock:
         return self._host
 
 
-class _Buffer:
-    """``(capacity, H)`` rows of one captured hidden-state layer, written in place."""
-
-    def __init__(self, capacity: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.data = torch.zeros(capacity, width, dtype=dtype, device=device)
-
-
 class StaticSession(SessionBase):
     """A causal LM over a static KV cache: the same interface as :class:`~pipeline.engine.session.ModelSession`
     (``feed``, ``move_to``, ``crop``, ``commit``, ``hidden``, ``ids``), with fixed-shape feeds and optional CUDA graphs.
@@ -190,7 +183,9 @@ class StaticSession(SessionBase):
         self.cache = StaticCache(config=model.config, max_cache_len=self.capacity)
         self._position = torch.zeros((), dtype=torch.long, device=self.device)
         self._keys = torch.arange(self.capacity, device=self.device)
-        self._rows = [_Buffer(self.capacity, embeddings.shape[1], embeddings.dtype, self.device) for _ in self.layers]
+        # one (capacity, H) buffer per captured layer, written in place
+        self._rows = [torch.zeros(self.capacity, embeddings.shape[1], dtype=embeddings.dtype, device=self.device)
+                      for _ in self.layers]
         if graphs:
             static_addresses(self._position, self._keys)  # read by every graph: one address, updated in place
         self.graphs = graphs
@@ -210,7 +205,7 @@ class StaticSession(SessionBase):
 
     def hidden(self) -> tuple[Tensor, ...]:
         """Captured hidden states, one ``(len(ids), H)`` view per layer."""
-        return tuple(rows.data[: len(self.ids)] for rows in self._rows)
+        return tuple(rows[: len(self.ids)] for rows in self._rows)
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` positions: the position rolls back, nothing is freed or copied."""
@@ -250,7 +245,7 @@ class StaticSession(SessionBase):
                 self.cache.crop(-(size - n))  # the padding's keys: rolled back over, never attended to
         self.forwards += 1
         for buffer, states in zip(self._rows, hidden, strict=True):
-            buffer.data[start : start + n] = states[0, :n]
+            buffer[start : start + n] = states[0, :n]
         self.ids.extend(known)
         return rows[0, n - keep : n].clone()
 

@@ -75,7 +75,6 @@ class DecodeRow:
     tokens_per_s: float
     ar_tokens_per_s: float
     ar_token_ms: float
-    projected_from: str | None = None
     alpha_used: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -290,7 +289,6 @@ def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prom
                             bare_ar, metrics.tokens_per_second or 0.0, ar_rate, ar_token_ms)
             if kit_alpha is not None:
                 row.alpha_used = kit_alpha.get((method, gamma))
-                row.projected_from = "the kit" if row.alpha_used is not None else None
             rows.append(row)
             log(f"bench decode {shape}: {method} γ={gamma} round {row.round_ms:.3f} ms (draft {row.draft_ms:.3f}, "
                 f"verify {row.verify_ms:.3f}, rest {row.rest_ms:.3f}), overhead "
@@ -312,7 +310,7 @@ def decode_table(rows: list[DecodeRow]) -> str:
              "engine overhead | tokens/s (AR) | speedup end to end | per round | Leviathan predicted | "
              "per round ÷ predicted |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r.alpha_used is not None or r.projected_from is not None or r.shape != "tiny":
+        if r.shape != "tiny":  # random weights: in the projected table below
             continue
         ratio = None if r.predicted is None else r.steady_speedup / r.predicted
         lines.append(f"| {r.shape} | {r.device} | {r.path} | {r.method} | {r.gamma} | {r.tau:.2f} | "
