@@ -71,7 +71,8 @@ def prepare(cfg: PipelineConfig, calibration: Artifact) -> Prepared:
     config = DFlashConfig.from_target(
         target.config, num_hidden_layers=tc.num_layers, block_size=tc.block_size,
         mask_token_id=mask_token_id(tc.mask_token_id, tokenizer, vocab),
-        target_layer_ids=tuple(tc.target_layer_ids) if tc.target_layer_ids else None)
+        target_layer_ids=tuple(tc.target_layer_ids) if tc.target_layer_ids else None,
+        num_key_value_heads=tc.num_key_value_heads)
     torch.manual_seed(tc.init_seed)
     drafter = DFlashDrafter(config, target.get_input_embeddings(), target.get_output_embeddings())
     final_norm = getattr(getattr(target, "model", None), "norm", None)
@@ -101,7 +102,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
             f"{list(config.hidden_state_indices)}), {config.num_hidden_layers} layer(s), block {config.block_size}, "
             f"mask token {config.mask_token_id}")
     task = DFlashTask(drafter, target, data.heldout, anchors_per_row=tc.anchors_per_row, decay=tc.loss_decay,
-                      pad_id=ready.pad_id)
+                      loss=tc.loss, pad_id=ready.pad_id)
     result = fit(task, data.train, tc.train, run.staging / "train",
                  tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path), experiment=cfg.mlflow.experiment,
                  run_name=f"{run.artifact_id}/training", label="train_dflash",

@@ -199,12 +199,20 @@ class TrainDFlashConfig:
     mask_token_id: int | None = None
     """The token whose frozen target embedding fills the masked rows; null: the tokenizer's pad token, else its
     unknown token, else the last id of the vocabulary."""
+    num_key_value_heads: int | None = None
+    """Key/value heads of each draft layer; null: the target's. A block row reads the context only through them, so
+    more (up to the target's query heads: plain multi-head attention) widen what one layer can read, at a little
+    more compute; vLLM and SGLang read the drafter's own attention shape from its config."""
     anchors_per_row: int = 16
     """Blocks trained per calibration row: anchor positions drawn (seeded by the row and step) among the positions
     whose next token is an assistant token (SpecForge draws up to 512 per sequence)."""
     loss_decay: float = 7.0
     """gamma of the position weight exp(-(k - 1) / gamma) for block position k (SpecForge: 7 at B = 16; speculators:
     4 at B = 8)."""
+    loss: str = "kl"
+    """kl: soft cross-entropy to the target's distribution at each masked row (speculators' KL, the same gradient);
+    ce: cross-entropy to the row's own next token (SpecForge; the rows are the target's answers, so on a greedy
+    calibration set that token is the target's argmax)."""
     max_length: int = 256
     """Tokens kept per calibration row; at most the target's context (checked at plan time)."""
     eval_fraction: float = 0.05
@@ -221,6 +229,9 @@ class TrainDFlashConfig:
         check_value(self.block_size >= 2, "train_dflash.block_size", "an integer >= 2", self.block_size)
         check_value(self.anchors_per_row >= 1, "train_dflash.anchors_per_row", "an integer >= 1", self.anchors_per_row)
         check_value(self.loss_decay > 0, "train_dflash.loss_decay", "a positive number", self.loss_decay)
+        check_value(self.loss in ("kl", "ce"), "train_dflash.loss", "kl or ce", self.loss)
+        check_value(self.num_key_value_heads is None or self.num_key_value_heads >= 1,
+                    "train_dflash.num_key_value_heads", "an integer >= 1 or null", self.num_key_value_heads)
         check_value(self.max_length >= self.block_size + 1, "train_dflash.max_length",
                     f"at least block_size + 1 = {self.block_size + 1}", self.max_length)
         check_value(0 < self.eval_fraction < 1, "train_dflash.eval_fraction", "a number in (0, 1)", self.eval_fraction)

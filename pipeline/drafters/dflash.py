@@ -131,7 +131,8 @@ class DFlashConfig:
 
     @classmethod
     def from_target(cls, target_config: Any, *, num_hidden_layers: int, block_size: int, mask_token_id: int,
-                    target_layer_ids: tuple[int, ...] | None = None) -> DFlashConfig:
+                    target_layer_ids: tuple[int, ...] | None = None,
+                    num_key_value_heads: int | None = None) -> DFlashConfig:
         """The drafter for a Llama/Qwen3-style target config (heads, head dim, MLP width, RoPE and eps copied).
 
         Args:
@@ -140,6 +141,8 @@ class DFlashConfig:
             block_size: ``B``.
             mask_token_id: the mask token (a row of the target's embedding).
             target_layer_ids: tapped layers (reference numbering); None picks :func:`default_target_layer_ids`.
+            num_key_value_heads: the draft layers' key/value heads; None copies the target's. Every block row reads
+                the context only through them, so more heads (up to one per query head) widen what a row can read.
         """
         depth = int(target_config.num_hidden_layers)
         if target_layer_ids is None:
@@ -153,7 +156,8 @@ class DFlashConfig:
             intermediate_size=int(target_config.intermediate_size),
             num_hidden_layers=int(num_hidden_layers),
             num_attention_heads=heads,
-            num_key_value_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
+            num_key_value_heads=int(num_key_value_heads or getattr(target_config, "num_key_value_heads", None)
+                                    or heads),
             head_dim=int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads),
             rms_norm_eps=float(target_config.rms_norm_eps),
             rope_theta=theta,
@@ -184,29 +188,41 @@ class ContextCache:
     """Per draft layer, the keys and values of the context positions seen so far, ``(B, kv_heads, P, d)``.
 
     Only context rows are kept (they depend on the target's features of an accepted prefix, which never
-    change); block rows are recomputed every forward. :meth:`crop` drops positions after a rejection.
+    change); block rows are recomputed every forward. :meth:`crop` drops positions after a rejection. The rows
+    live in buffers that double when full, so a round writes only its new rows (no copy of the whole context per
+    round) and hands the layer a view of the first :attr:`length` rows.
     """
 
     def __init__(self, num_layers: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+        self._lengths = [0] * num_layers
 
     @property
     def length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+        return self._lengths[0]
 
     def crop(self, length: int) -> None:
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            if k is not None:
-                self.keys[i], self.values[i] = k[:, :, :length], v[:, :, :length]
+        self._lengths = [min(n, length) for n in self._lengths]
 
     def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append a layer's new context keys/values; all of that layer's context keys/values."""
-        if self.keys[layer] is not None:
-            key = torch.cat([self.keys[layer], key], dim=2)
-            value = torch.cat([self.values[layer], value], dim=2)
-        self.keys[layer], self.values[layer] = key, value
-        return key, value
+        start, new = self._lengths[layer], key.shape[2]
+        end = start + new
+        buffer = self._keys[layer]
+        if buffer is None or buffer.shape[2] < end:
+            capacity = max(64, 2 * end)
+            keys = key.new_empty(*key.shape[:2], capacity, key.shape[3])
+            values = value.new_empty(*value.shape[:2], capacity, value.shape[3])
+            if buffer is not None and start:
+                keys[:, :, :start] = buffer[:, :, :start]
+                values[:, :, :start] = self._values[layer][:, :, :start]
+            self._keys[layer], self._values[layer] = keys, values
+        keys, values = self._keys[layer], self._values[layer]
+        keys[:, :, start:end] = key
+        values[:, :, start:end] = value
+        self._lengths[layer] = end
+        return keys[:, :, :end], values[:, :, :end]
 
 
 class StaticContextCache:
@@ -270,22 +286,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def _keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, length, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rotate(k, cos, sin), v
-
-    def forward(self, block: torch.Tensor, context: torch.Tensor, rope_block: tuple, rope_context: tuple,
-                mask: torch.Tensor | None, cache: ContextCache | StaticContextCache | None, layer: int) -> torch.Tensor:
+    def forward(self, block: torch.Tensor, context: torch.Tensor, rope: tuple, mask: torch.Tensor | None,
+                cache: ContextCache | StaticContextCache | None, layer: int) -> torch.Tensor:
+        """``rope``: cos/sin ``(B, C + L, d)`` of the context's positions, then the block's."""
         batch, length, _ = block.shape
+        rows = context.shape[1]
+        cos, sin = rope
         q = self.q_norm(self.q_proj(block).view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
-        q = rotate(q, *rope_block)
-        k_block, v_block = self._keys_values(block, *rope_block)
-        k_ctx, v_ctx = self._keys_values(context, *rope_context)
+        q = rotate(q, cos[:, rows:], sin[:, rows:])
+        # The context's keys/values and the block's in one projection each (one matmul, one norm, one rotation).
+        both = torch.cat([context, block], dim=1)
+        k = self.k_norm(self.k_proj(both).view(batch, rows + length, self.kv_heads, self.head_dim)).transpose(1, 2)
+        k = rotate(k, cos, sin)
+        v = self.v_proj(both).view(batch, rows + length, self.kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
-            k_ctx, v_ctx = cache.extend(layer, k_ctx, v_ctx)
-        k, v = torch.cat([k_ctx, k_block], dim=2), torch.cat([v_ctx, v_block], dim=2)
+            k_ctx, v_ctx = cache.extend(layer, k[:, :, :rows], v[:, :, :rows])
+            k, v = torch.cat([k_ctx, k[:, :, rows:]], dim=2), torch.cat([v_ctx, v[:, :, rows:]], dim=2)
         # No causal mask: a block row sees every context key and every row of its block (both directions).
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
@@ -301,10 +317,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, block: torch.Tensor, context: torch.Tensor, rope_block: tuple, rope_context: tuple,
-                mask: torch.Tensor | None, cache: ContextCache | StaticContextCache | None, layer: int) -> torch.Tensor:
-        block = block + self.self_attn(self.input_layernorm(block), context, rope_block, rope_context, mask, cache,
-                                       layer)
+    def forward(self, block: torch.Tensor, context: torch.Tensor, rope: tuple, mask: torch.Tensor | None,
+                cache: ContextCache | StaticContextCache | None, layer: int) -> torch.Tensor:
+        block = block + self.self_attn(self.input_layernorm(block), context, rope, mask, cache, layer)
         return block + self.mlp(self.post_attention_layernorm(block))
 
 
@@ -389,10 +404,9 @@ class DFlashDrafter(nn.Module):
             mask = cache.mask(block_ids.shape[1])
         with torch.no_grad():
             block = self.embed_tokens(block_ids).to(context.dtype)
-        rope_block = self.rotary_emb(block, block_positions)
-        rope_context = self.rotary_emb(context, context_positions)
+        rope = self.rotary_emb(block, torch.cat([context_positions, block_positions], dim=1))
         for index, layer in enumerate(self.layers):
-            block = layer(block, context, rope_block, rope_context, mask, cache, index)
+            block = layer(block, context, rope, mask, cache, index)
         return self.norm(block)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

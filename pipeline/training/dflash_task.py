@@ -111,17 +111,30 @@ class BlockResult:
     """Valid blocks."""
 
 
-def _head_loss(drafter: DFlashDrafter, hidden: torch.Tensor, target_p: torch.Tensor,
+LOSSES: tuple[str, ...] = ("kl", "ce")
+"""``train_dflash.loss``: ``kl`` is the soft cross-entropy to the target's distribution at each row (``speculators``'
+KL, the same gradient); ``ce`` the cross-entropy to the row's own next token (SpecForge's block-wise CE; the rows are
+the target's own answers, so on a greedy calibration set that token is the target's argmax)."""
+
+
+def _head_loss(drafter: DFlashDrafter, hidden: torch.Tensor, target_p: torch.Tensor | None, labels: torch.Tensor,
                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-example weighted sums ``(B,)`` of the rows' soft cross-entropies, and the drafter's argmax."""
+    """Per-example weighted sums ``(B,)`` of the rows' cross-entropies (soft to ``target_p``, or to ``labels`` when
+    it is None), and the drafter's argmax."""
     logits = drafter.logits(hidden).float()
-    cross_entropy = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1)
+    log_q = torch.log_softmax(logits, dim=-1)
+    if target_p is None:
+        cross_entropy = -log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    else:
+        cross_entropy = -(target_p * log_q).sum(-1)
     return (cross_entropy * weight).flatten(1).sum(-1), logits.argmax(-1)
 
 
 def block_loss(drafter: DFlashDrafter, input_ids: torch.Tensor, target_hidden: torch.Tensor,
-               target_logits: torch.Tensor, blocks: Blocks, decay: float) -> BlockResult:
-    """The decayed block loss of one batch (see the module docstring)."""
+               target_logits: torch.Tensor, blocks: Blocks, decay: float, loss: str = "kl") -> BlockResult:
+    """The decayed block loss of one batch (see the module docstring); ``loss`` one of :data:`LOSSES`."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
     batch, length = input_ids.shape
     size = drafter.config.block_size
     count = blocks.anchors.shape[1]
@@ -142,8 +155,10 @@ def block_loss(drafter: DFlashDrafter, input_ids: torch.Tensor, target_hidden: t
         target_top = target_p.argmax(-1)
         position_weight = torch.exp(-torch.arange(size - 1, device=device, dtype=torch.float32) / decay)
         weight = blocks.targets.float() * position_weight
+        labels = input_ids.gather(1, (source + 1).clamp(max=length - 1).view(batch, -1)).view(batch, count, size - 1)
 
-    sums, draft_top = checkpoint(_head_loss, drafter, hidden, target_p, weight, use_reentrant=False)
+    soft = target_p if loss == "kl" else None
+    sums, draft_top = checkpoint(_head_loss, drafter, hidden, soft, labels, weight, use_reentrant=False)
     loss = (sums / weight.flatten(1).sum(-1).clamp(min=1e-9)).mean()
     with torch.no_grad():
         right = (draft_top == target_top) & blocks.targets
@@ -161,6 +176,7 @@ class DFlashTask(nn.Module):
         heldout: rows scored by :meth:`evaluate`.
         anchors_per_row: blocks per row.
         decay: γ of the position weight ``exp(−(k − 1)/γ)``.
+        loss: one of :data:`LOSSES`.
         pad_id: token id used to pad batches.
         eval_batch_size: rows per forward in :meth:`evaluate`.
     """
@@ -168,10 +184,10 @@ class DFlashTask(nn.Module):
     selection_metric = "simulated_tau"
 
     def __init__(self, drafter: DFlashDrafter, target: nn.Module, heldout: Sequence[Row], *, anchors_per_row: int,
-                 decay: float, pad_id: int = 0, eval_batch_size: int = 8) -> None:
+                 decay: float, loss: str = "kl", pad_id: int = 0, eval_batch_size: int = 8) -> None:
         super().__init__()
         self.drafter, self.target = drafter, target.eval().requires_grad_(False)
-        self.heldout_rows, self.anchors_per_row, self.decay = list(heldout), anchors_per_row, decay
+        self.heldout_rows, self.anchors_per_row, self.decay, self.loss = list(heldout), anchors_per_row, decay, loss
         self.pad_id, self.eval_batch_size = pad_id, eval_batch_size
 
     def train(self, mode: bool = True) -> DFlashTask:
@@ -191,7 +207,7 @@ class DFlashTask(nn.Module):
         blocks = draw_blocks(batch["loss_mask"], batch["attention_mask"].sum(-1), self.drafter.config.block_size,
                              self.anchors_per_row, generator)
         hidden = hidden.to(self.drafter.fc.weight.dtype)
-        return block_loss(self.drafter, batch["input_ids"], hidden, logits, blocks, self.decay)
+        return block_loss(self.drafter, batch["input_ids"], hidden, logits, blocks, self.decay, self.loss)
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         result = self._blocks(batch, None)  # the harness seeded the global generator for this micro-batch

@@ -23,7 +23,7 @@ from pipeline.drafters.dflash_export import (
     save_dflash,
 )
 from pipeline.errors import DrafterError
-from pipeline.training.dflash_task import block_attention, tapped_features
+from pipeline.training.dflash_task import Blocks, block_attention, block_loss, tapped_features
 
 
 def _target(layers: int = 6, hidden: int = 32, vocab: int = 97) -> torch.nn.Module:
@@ -193,3 +193,27 @@ def test_tapped_layers_round_trip_to_the_same_hidden_states_through_both_layouts
             hook.remove()
     for layer_id, index in zip(drafter.config.target_layer_ids, trained_on, strict=True):
         torch.testing.assert_close(hidden[index], outputs[layer_id], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("loss", ["kl", "ce"])
+def test_block_loss_is_the_decayed_cross_entropy_of_each_row(target, loss: str) -> None:
+    """One block at anchor 6, rows 1-3 learnable: ``kl`` is the soft cross-entropy to the target's distribution at
+    each row, ``ce`` the cross-entropy to the row's own next token, both weighted ``exp(-(k - 1)/decay)``."""
+    drafter = _drafter(target, layers=1, block=4)
+    ids = torch.randint(0, 96, (1, 14), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden, logits = tapped_features(target, ids, None, drafter.config.hidden_state_indices)
+    anchor, decay = 6, 2.0
+    blocks = Blocks(anchors=torch.tensor([[anchor]]), valid=torch.tensor([[True]]),
+                    targets=torch.tensor([[[True, True, False]]]))
+    result = block_loss(drafter, ids, hidden, logits, blocks, decay, loss)
+    log_q = torch.log_softmax(drafter.logits(_one_block(drafter, hidden, ids, anchor)[1:]), dim=-1)
+    terms = []
+    for k in (1, 2):  # row 3 is not learnable
+        if loss == "ce":
+            terms.append(-log_q[k - 1, ids[0, anchor + k]])
+        else:
+            terms.append(-(torch.softmax(logits[0, anchor + k - 1], -1) * log_q[k - 1]).sum())
+    weights = torch.exp(-torch.tensor([0.0, 1.0], dtype=torch.float64) / decay)
+    expected = (torch.stack(terms) * weights).sum() / weights.sum()
+    torch.testing.assert_close(result.loss.double(), expected, rtol=1e-6, atol=1e-8)
