@@ -203,6 +203,9 @@ class TrainDFlashConfig:
     """Key/value heads of each draft layer; null: the target's. A block row reads the context only through them, so
     more (up to the target's query heads: plain multi-head attention) widen what one layer can read, at a little
     more compute; vLLM and SGLang read the drafter's own attention shape from its config."""
+    intermediate_size: int | None = None
+    """MLP width of each draft layer; null: the target's. Like num_key_value_heads, read by the servers from the
+    drafter's config; a wider layer adds arithmetic, not kernel launches, to the one forward a round."""
     anchors_per_row: int = 16
     """Blocks trained per calibration row: anchor positions drawn (seeded by the row and step) among the positions
     whose next token is an assistant token (SpecForge draws up to 512 per sequence)."""
@@ -230,6 +233,8 @@ class TrainDFlashConfig:
         check_value(self.anchors_per_row >= 1, "train_dflash.anchors_per_row", "an integer >= 1", self.anchors_per_row)
         check_value(self.loss_decay > 0, "train_dflash.loss_decay", "a positive number", self.loss_decay)
         check_value(self.loss in ("kl", "ce"), "train_dflash.loss", "kl or ce", self.loss)
+        check_value(self.intermediate_size is None or self.intermediate_size >= 1, "train_dflash.intermediate_size",
+                    "an integer >= 1 or null", self.intermediate_size)
         check_value(self.num_key_value_heads is None or self.num_key_value_heads >= 1,
                     "train_dflash.num_key_value_heads", "an integer >= 1 or null", self.num_key_value_heads)
         check_value(self.max_length >= self.block_size + 1, "train_dflash.max_length",

@@ -131,8 +131,8 @@ class DFlashConfig:
 
     @classmethod
     def from_target(cls, target_config: Any, *, num_hidden_layers: int, block_size: int, mask_token_id: int,
-                    target_layer_ids: tuple[int, ...] | None = None,
-                    num_key_value_heads: int | None = None) -> DFlashConfig:
+                    target_layer_ids: tuple[int, ...] | None = None, num_key_value_heads: int | None = None,
+                    intermediate_size: int | None = None) -> DFlashConfig:
         """The drafter for a Llama/Qwen3-style target config (heads, head dim, MLP width, RoPE and eps copied).
 
         Args:
@@ -143,6 +143,7 @@ class DFlashConfig:
             target_layer_ids: tapped layers (reference numbering); None picks :func:`default_target_layer_ids`.
             num_key_value_heads: the draft layers' key/value heads; None copies the target's. Every block row reads
                 the context only through them, so more heads (up to one per query head) widen what a row can read.
+            intermediate_size: the draft layers' MLP width; None copies the target's.
         """
         depth = int(target_config.num_hidden_layers)
         if target_layer_ids is None:
@@ -153,7 +154,7 @@ class DFlashConfig:
         heads = int(target_config.num_attention_heads)
         return cls(
             hidden_size=int(target_config.hidden_size),
-            intermediate_size=int(target_config.intermediate_size),
+            intermediate_size=int(intermediate_size or target_config.intermediate_size),
             num_hidden_layers=int(num_hidden_layers),
             num_attention_heads=heads,
             num_key_value_heads=int(num_key_value_heads or getattr(target_config, "num_key_value_heads", None)

@@ -299,7 +299,9 @@ DFLASH_T, DFLASH_BLOCK, DFLASH_ANCHORS = 64, 4, (3, 20, 33, 50)
 @pytest.fixture
 def dflash_setup(tmp_path: Path):
     """A random 4-layer Llama target saved for speculators, a random 2-layer DFlash drafter on its embedding and
-    head (norms not ones), features of its tapped layers and the anchors of four blocks."""
+    head (norms not ones; its own attention and MLP widths, 4 key/value heads and 56, where the target has 2 and 88,
+    so the consumer must read the drafter's shape from its config), features of its tapped layers and the anchors
+    of four blocks."""
     from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter
 
     torch.manual_seed(0)
@@ -309,7 +311,8 @@ def dflash_setup(tmp_path: Path):
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     target = LlamaForCausalLM(target_config).float()
     target.save_pretrained(tmp_path / "target")
-    config = DFlashConfig.from_target(target_config, num_hidden_layers=2, block_size=DFLASH_BLOCK, mask_token_id=V - 1)
+    config = DFlashConfig.from_target(target_config, num_hidden_layers=2, block_size=DFLASH_BLOCK, mask_token_id=V - 1,
+                                      num_key_value_heads=4, intermediate_size=56)
     drafter = DFlashDrafter(config, target.model.embed_tokens, target.lm_head)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
