@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.drafters.eagle3 import MLP, RMSNorm, rotate
+from pipeline.drafters.layers import MLP, RMSNorm, RopeDrafter, check_shape, rotate, target_shape
 from pipeline.errors import DrafterError
 
 # --- config ----------------------------------------------------------------------------------------
@@ -104,17 +104,9 @@ class DFlashConfig:
     """The target's non-default RoPE parameters, else None."""
 
     def __post_init__(self) -> None:
-        sizes = {name: getattr(self, name) for name in (
-            "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "max_position_embeddings", "vocab_size", "num_target_layers")}
-        bad = {name: value for name, value in sizes.items() if not isinstance(value, int) or value <= 0}
-        if bad:
-            raise DrafterError("DFlashConfig has sizes that are not positive integers.",
-                               expected="positive integers", found=repr(bad))
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise DrafterError("DFlashConfig: attention heads are not a multiple of key/value heads.",
-                               expected="num_attention_heads % num_key_value_heads == 0",
-                               found=f"{self.num_attention_heads} heads, {self.num_key_value_heads} kv heads")
+        check_shape(self, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                           "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size",
+                           "num_target_layers"))
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise DrafterError("DFlashConfig: a block must hold the verified token and at least one mask.",
                                expected="block_size >= 2", found=f"block_size={self.block_size!r}")
@@ -148,27 +140,17 @@ class DFlashConfig:
         depth = int(target_config.num_hidden_layers)
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(depth, num_hidden_layers)
-        rope = dict(getattr(target_config, "rope_parameters", None) or getattr(target_config, "rope_scaling", None)
-                    or {})
-        theta = float(rope.pop("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
-        heads = int(target_config.num_attention_heads)
+        shape = target_shape(target_config)
+        shape["num_key_value_heads"] = int(num_key_value_heads or shape["num_key_value_heads"])
+        shape["intermediate_size"] = int(intermediate_size or shape["intermediate_size"])
         return cls(
-            hidden_size=int(target_config.hidden_size),
-            intermediate_size=int(intermediate_size or target_config.intermediate_size),
+            **shape,
             num_hidden_layers=int(num_hidden_layers),
-            num_attention_heads=heads,
-            num_key_value_heads=int(num_key_value_heads or getattr(target_config, "num_key_value_heads", None)
-                                    or heads),
-            head_dim=int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads),
-            rms_norm_eps=float(target_config.rms_norm_eps),
-            rope_theta=theta,
-            max_position_embeddings=int(target_config.max_position_embeddings),
             vocab_size=int(target_config.vocab_size),
             block_size=int(block_size),
             target_layer_ids=tuple(int(i) for i in target_layer_ids),
             num_target_layers=depth,
             mask_token_id=int(mask_token_id),
-            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
         )
 
 
@@ -327,7 +309,7 @@ class DecoderLayer(nn.Module):
 # --- the drafter -----------------------------------------------------------------------------------
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(RopeDrafter):
     """DFlash over a frozen target embedding and LM head.
 
     Args:
@@ -354,17 +336,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = _rotary_embedding(config)
-        object.__setattr__(self, "_rope_inv_freq", self.rotary_emb.inv_freq.clone())
-
-    def _apply(self, fn: Any, recurse: bool = True) -> DFlashDrafter:
-        # RoPE frequencies stay float32 whatever dtype the weights take (see Eagle3Drafter._apply).
-        super()._apply(fn, recurse)
-        rotary = self._modules.get("rotary_emb")
-        if rotary is not None:
-            exact = self._rope_inv_freq.to(rotary.inv_freq.device)
-            rotary.inv_freq, rotary.original_inv_freq = exact, exact.clone()
-        return self
+        self.init_rotary(config)
 
     # -- the network --------------------------------------------------------------------------------
 
@@ -418,14 +390,3 @@ class DFlashDrafter(nn.Module):
         """The reference layout's tensors (:func:`reference_keys`): what every export saves."""
         return {name: tensor.detach() for name, tensor in self.state_dict().items()}
 
-
-def _rotary_embedding(config: DFlashConfig) -> nn.Module:
-    """transformers' Llama RoPE for the target's parameters (Qwen3's is the same rotation)."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
-    llama = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                        head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
-                        rope_parameters=rope)
-    return LlamaRotaryEmbedding(llama)

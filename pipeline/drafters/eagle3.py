@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline.drafters.caches import KVCache, StaticKVCache, TTTCache
+from pipeline.drafters.layers import MLP, RMSNorm, RopeDrafter, check_shape, rotate, target_shape
 from pipeline.errors import DrafterError
 
 # What SGLang's and vLLM's EAGLE-3 Llama loaders read (see the module docstring); the export contract.
@@ -130,17 +130,8 @@ class Eagle3Config:
     """The target's non-default RoPE parameters (e.g. Llama-3.1's ``llama3`` scaling), else None."""
 
     def __post_init__(self) -> None:
-        sizes = {name: getattr(self, name) for name in (
-            "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "max_position_embeddings", "target_vocab_size", "draft_vocab_size", "target_num_layers")}
-        bad = {name: value for name, value in sizes.items() if not isinstance(value, int) or value <= 0}
-        if bad:
-            raise DrafterError("Eagle3Config has sizes that are not positive integers.",
-                               expected="positive integers", found=repr(bad))
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise DrafterError("Eagle3Config: attention heads are not a multiple of key/value heads.",
-                               expected="num_attention_heads % num_key_value_heads == 0",
-                               found=f"{self.num_attention_heads} heads, {self.num_key_value_heads} kv heads")
+        check_shape(self, ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                           "max_position_embeddings", "target_vocab_size", "draft_vocab_size", "target_num_layers"))
         if self.draft_vocab_size > self.target_vocab_size:
             raise DrafterError("Eagle3Config: the draft vocabulary is larger than the target's.",
                                expected=f"draft_vocab_size <= {self.target_vocab_size}",
@@ -161,49 +152,16 @@ class Eagle3Config:
         num_layers = int(target_config.num_hidden_layers)
         if aux_layer_ids is None:
             aux_layer_ids = default_aux_layer_ids(num_layers)
-        rope = dict(getattr(target_config, "rope_parameters", None) or getattr(target_config, "rope_scaling", None)
-                    or {})
-        theta = float(rope.pop("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
-        heads = int(target_config.num_attention_heads)
         return cls(
-            hidden_size=int(target_config.hidden_size),
-            intermediate_size=int(target_config.intermediate_size),
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads),
-            rms_norm_eps=float(target_config.rms_norm_eps),
-            rope_theta=theta,
-            max_position_embeddings=int(target_config.max_position_embeddings),
+            **target_shape(target_config),
             target_vocab_size=int(target_config.vocab_size),
             draft_vocab_size=int(draft_vocab_size),
             aux_layer_ids=tuple(aux_layer_ids),
             target_num_layers=num_layers,
-            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
         )
 
 
 # --- the decoder layer -----------------------------------------------------------------------------
-
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm (statistics in float32)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE (Llama's half-split layout) to ``(B, heads, T, d)`` with ``cos``/``sin`` ``(B, T, d)``."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
-
 
 class Attention(nn.Module):
     """Causal self-attention whose queries, keys and values are projected from the 2H-wide input."""
@@ -229,19 +187,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    """Llama's gated SiLU MLP."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     """EAGLE-3's one layer: attention over ``[norm(embedding); norm(feature)]``, residual = feature."""
 
@@ -262,7 +207,7 @@ class DecoderLayer(nn.Module):
 
 # --- the drafter -----------------------------------------------------------------------------------
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(RopeDrafter):
     """EAGLE-3 draft head over a frozen target embedding.
 
     Args:
@@ -288,23 +233,12 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        self.rotary_emb = _rotary_embedding(config)
-        object.__setattr__(self, "_rope_inv_freq", self.rotary_emb.inv_freq.clone())  # float32, see _apply
+        self.init_rotary(config)
         # Until set_vocab_maps: the draft vocabulary is the first draft_vocab_size target ids.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Eagle3Drafter:
-        # RoPE frequencies stay float32 whatever dtype the weights are cast to: rounded to bf16 they
-        # would turn positions a few thousand tokens in by whole radians.
-        super()._apply(fn, recurse)
-        rotary = self._modules.get("rotary_emb")
-        if rotary is not None:
-            exact = self._rope_inv_freq.to(rotary.inv_freq.device)
-            rotary.inv_freq, rotary.original_inv_freq = exact, exact.clone()
-        return self
 
     # -- vocabulary ---------------------------------------------------------------------------------
 
@@ -413,14 +347,3 @@ class Eagle3Drafter(nn.Module):
         read them (``SERVING_KEYS``); the target embedding and RoPE tables are not in it."""
         return {name: tensor.detach() for name, tensor in self.state_dict().items()}
 
-
-def _rotary_embedding(config: Eagle3Config) -> nn.Module:
-    """transformers' Llama RoPE for the target's parameters (so scaled variants match the target)."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
-    llama = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                        head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
-                        rope_parameters=rope)
-    return LlamaRotaryEmbedding(llama)  # its tables are non-persistent buffers: not in the state dict

@@ -9,10 +9,11 @@ positions ``< a`` (exactly what the proposer's block sees after ``x_a`` was veri
 own rows; all of a row's blocks run side by side in one forward with that attention mask (SpecForge trains the
 same way: many anchors per sequence, one forward).
 
-Loss: block row ``k`` (``1 ≤ k < B``) predicts position ``a + k``; its soft cross-entropy to the target's
-distribution there (``speculators`` uses the KL to the target's logits, the same gradient) is weighted by
-``exp(−(k − 1)/γ)`` (``train_dflash.loss_decay``; SpecForge γ = 7 at B = 16, ``speculators`` γ = 4 at B = 8),
-only where position ``a + k`` is an assistant token of the row. Weighted mean per example, then the mean over
+Loss: block row ``k`` (``1 ≤ k < B``) predicts position ``a + k``. Its cross-entropy (``train_dflash.loss``: ``ce``,
+SpecForge's, to the row's own token there, which the target wrote; or ``kl``, the soft cross-entropy to the target's
+distribution there, the gradient of ``speculators``' KL) is weighted by ``exp(−(k − 1)/γ)``
+(``train_dflash.loss_decay``; SpecForge γ = 7 at B = 16, ``speculators`` γ = 4 at B = 8), only where position
+``a + k`` is an assistant token of the row. Weighted mean per example, then the mean over
 examples (the harness's contract: a global batch may be split over ranks and micro-batches freely).
 
 Checkpoint choice (``evaluate()``): on held-out rows with a fixed anchor draw, the **simulated τ** of a block =
@@ -131,7 +132,7 @@ def _head_loss(drafter: DFlashDrafter, hidden: torch.Tensor, target_p: torch.Ten
 
 
 def block_loss(drafter: DFlashDrafter, input_ids: torch.Tensor, target_hidden: torch.Tensor,
-               target_logits: torch.Tensor, blocks: Blocks, decay: float, loss: str = "kl") -> BlockResult:
+               target_logits: torch.Tensor, blocks: Blocks, decay: float, loss: str = "ce") -> BlockResult:
     """The decayed block loss of one batch (see the module docstring); ``loss`` one of :data:`LOSSES`."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
@@ -184,7 +185,7 @@ class DFlashTask(nn.Module):
     selection_metric = "simulated_tau"
 
     def __init__(self, drafter: DFlashDrafter, target: nn.Module, heldout: Sequence[Row], *, anchors_per_row: int,
-                 decay: float, loss: str = "kl", pad_id: int = 0, eval_batch_size: int = 8) -> None:
+                 decay: float, loss: str = "ce", pad_id: int = 0, eval_batch_size: int = 8) -> None:
         super().__init__()
         self.drafter, self.target = drafter, target.eval().requires_grad_(False)
         self.heldout_rows, self.anchors_per_row, self.decay, self.loss = list(heldout), anchors_per_row, decay, loss

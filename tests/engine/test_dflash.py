@@ -56,7 +56,7 @@ def train_dflash(target: torch.nn.Module, prompts: list[list[int]], *, steps: in
     losses = []
     for _ in range(steps):
         blocks = draw_blocks(mask, lengths, 5, 12, generator)
-        result = block_loss(drafter, ids, hidden.float(), logits.float(), blocks, decay=4.0)
+        result = block_loss(drafter, ids, hidden.float(), logits.float(), blocks, decay=4.0, loss="kl")
         optimiser.zero_grad()
         result.loss.backward()
         optimiser.step()
