@@ -96,9 +96,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
     tc = cfg.train_dflash
     ready = prepare(cfg, calibration)
     target, config, drafter, data = ready.target, ready.config, ready.drafter, ready.data
-    train_tokens = sum(len(r.input_ids) for r in data.train)
-    run.log(f"{len(data.train)} training rows ({train_tokens} tokens), {len(data.heldout)} held-out rows; "
-            f"dropped {data.dropped}; tapped layers {config.target_layer_ids} (hidden_states "
+    run.log(f"{data.describe()}; tapped layers {config.target_layer_ids} (hidden_states "
             f"{list(config.hidden_state_indices)}), {config.num_hidden_layers} layer(s), block {config.block_size}, "
             f"mask token {config.mask_token_id}")
     task = DFlashTask(drafter, target, data.heldout, anchors_per_row=tc.anchors_per_row, decay=tc.loss_decay,
@@ -110,19 +108,10 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
                            "inputs": [calibration.id]})
     if not result.is_global_zero:
         return None
-    best = result.best or {}
-    metrics = {"train_steps": result.steps, "train_rows": len(data.train), "train_tokens": train_tokens,
-               "heldout_rows": len(data.heldout), "train_seconds": round(result.seconds, 2),
-               "world_size": result.world_size}
-    metrics.update({f"final.{k}": round(v, 6) for k, v in result.metrics.items() if not k.startswith("eval.")})
-    if best:
-        metrics["best_step"] = best["step"]
-        metrics.update({f"best.{k}": round(v, 6) for k, v in best["metrics"].items()})
-    run.log(f"trained {result.steps} steps on {result.world_size} rank(s) ({result.strategy}); best simulated "
-            f"tau {best.get('score', float('nan')):.3f} at step {best.get('step')}")
+    metrics = result.stage_metrics(data)
+    run.log(result.describe())
     report = {**result.record(),
-              "features": "online", "rows": {"train": len(data.train), "heldout": len(data.heldout),
-                                             "dropped": data.dropped, "train_tokens": train_tokens},
+              "features": "online", "rows": data.record(),
               "target_layer_ids": list(config.target_layer_ids), "block_size": config.block_size,
               "calibration": calibration.id}
 

@@ -115,9 +115,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     td = cfg.train_drafter
     ready = prepare(cfg, calibration, counts)
     target, config, drafter, data = ready.target, ready.config, ready.drafter, ready.data
-    train_tokens = sum(len(r.input_ids) for r in data.train)
-    run.log(f"{len(data.train)} training rows ({train_tokens} tokens), {len(data.heldout)} held-out rows; "
-            f"dropped {data.dropped}; aux layers {config.aux_layer_ids}, draft vocab {config.draft_vocab_size}")
+    run.log(f"{data.describe()}; aux layers {config.aux_layer_ids}, draft vocab {config.draft_vocab_size}")
     cache = None
     if td.features == "cached":
         _check_disk(data.train, cfg, run, config.hidden_size, target.dtype)
@@ -134,19 +132,10 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
                            "inputs": [calibration.id, counts.id]})
     if not result.is_global_zero:
         return None
-    best = result.best or {}
-    metrics = {"train_steps": result.steps, "train_rows": len(data.train), "train_tokens": train_tokens,
-               "heldout_rows": len(data.heldout), "train_seconds": round(result.seconds, 2),
-               "world_size": result.world_size}
-    metrics.update({f"final.{k}": round(v, 6) for k, v in result.metrics.items() if not k.startswith("eval.")})
-    if best:
-        metrics["best_step"] = best["step"]
-        metrics.update({f"best.{k}": round(v, 6) for k, v in best["metrics"].items()})
-    run.log(f"trained {result.steps} steps on {result.world_size} rank(s) ({result.strategy}); best simulated "
-            f"tau {best.get('score', float('nan')):.3f} at step {best.get('step')}")
+    metrics = result.stage_metrics(data)
+    run.log(result.describe())
     report = {**result.record(),
-              "features": td.features, "rows": {"train": len(data.train), "heldout": len(data.heldout),
-                                                "dropped": data.dropped, "train_tokens": train_tokens},
+              "features": td.features, "rows": data.record(),
               "aux_layer_ids": list(config.aux_layer_ids), "draft_vocab_size": config.draft_vocab_size,
               "counts": counts.id, "calibration": calibration.id}
 

@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -86,6 +87,20 @@ class CalibrationRows:
                 f"No held-out calibration rows to choose the checkpoint of {what} on.",
                 expected=f"some of the {len(self.train)} rows' conversations under eval_fraction",
                 found="none", fix="Raise the stage's eval_fraction (train_drafter, train_router) or generate more calibration data.")
+
+    @property
+    def train_tokens(self) -> int:
+        return sum(len(r.input_ids) for r in self.train)
+
+    def describe(self) -> str:
+        """One log line: rows and tokens kept, held-out rows, rows dropped."""
+        return (f"{len(self.train)} training rows ({self.train_tokens} tokens), {len(self.heldout)} held-out rows; "
+                f"dropped {self.dropped}")
+
+    def record(self) -> dict[str, Any]:
+        """The ``rows`` entry of a trainer's ``training.json``."""
+        return {"train": len(self.train), "heldout": len(self.heldout), "dropped": self.dropped,
+                "train_tokens": self.train_tokens}
 
 
 def pad_batch(rows: Sequence[Row], pad_id: int = 0) -> dict[str, torch.Tensor]:

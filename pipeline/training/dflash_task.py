@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.data.rows import Row, pad_batch
 from pipeline.drafters.dflash import DFlashDrafter
+from pipeline.training.task import DrafterTask
 
 
 @torch.no_grad()
@@ -168,7 +169,7 @@ def block_loss(drafter: DFlashDrafter, input_ids: torch.Tensor, target_hidden: t
                        accepted=run[blocks.valid].sum(), blocks=int(blocks.valid.sum()))
 
 
-class DFlashTask(nn.Module):
+class DFlashTask(DrafterTask):
     """The harness module: a trainable DFlash drafter on a frozen target.
 
     Args:
@@ -182,25 +183,10 @@ class DFlashTask(nn.Module):
         eval_batch_size: rows per forward in :meth:`evaluate`.
     """
 
-    selection_metric = "simulated_tau"
-
     def __init__(self, drafter: DFlashDrafter, target: nn.Module, heldout: Sequence[Row], *, anchors_per_row: int,
                  decay: float, loss: str = "ce", pad_id: int = 0, eval_batch_size: int = 8) -> None:
-        super().__init__()
-        self.drafter, self.target = drafter, target.eval().requires_grad_(False)
-        self.heldout_rows, self.anchors_per_row, self.decay, self.loss = list(heldout), anchors_per_row, decay, loss
-        self.pad_id, self.eval_batch_size = pad_id, eval_batch_size
-
-    def train(self, mode: bool = True) -> DFlashTask:
-        super().train(mode)
-        self.target.eval()  # frozen: never dropout, whatever Lightning toggles
-        return self
-
-    def collate(self, rows: Sequence[Row]) -> dict[str, torch.Tensor]:
-        return pad_batch(rows, self.pad_id)
-
-    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return int(batch["attention_mask"].sum())
+        super().__init__(drafter, target, heldout, pad_id=pad_id, eval_batch_size=eval_batch_size)
+        self.anchors_per_row, self.decay, self.loss = anchors_per_row, decay, loss
 
     def _blocks(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> BlockResult:
         hidden, logits = tapped_features(self.target, batch["input_ids"], batch["attention_mask"],

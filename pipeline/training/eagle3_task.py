@@ -24,6 +24,7 @@ from torch import nn
 from pipeline.data.rows import Row, pad_batch
 from pipeline.drafters.eagle3 import Eagle3Drafter
 from pipeline.training.eagle3_objective import simulated_tau, target_features, ttt_loss
+from pipeline.training.task import DrafterTask
 
 
 def feature_bytes(rows: Sequence[Row], hidden_size: int, dtype: torch.dtype) -> int:
@@ -86,7 +87,7 @@ class FeatureCache:
         return aux.to(device), last.to(device)
 
 
-class Eagle3Task(nn.Module):
+class Eagle3Task(DrafterTask):
     """The harness module: a trainable EAGLE-3 drafter on a frozen target.
 
     Args:
@@ -100,26 +101,11 @@ class Eagle3Task(nn.Module):
         cache: a built :class:`FeatureCache` (offline mode) or None (online: the target runs every step).
     """
 
-    selection_metric = "simulated_tau"
-
     def __init__(self, drafter: Eagle3Drafter, target: nn.Module, heldout: Sequence[Row], *, ttt_steps: int,
                  decay: float, pad_id: int = 0, eval_batch_size: int = 8, cache: FeatureCache | None = None) -> None:
-        super().__init__()
-        self.drafter, self.target = drafter, target.eval().requires_grad_(False)
-        self.heldout_rows, self.ttt_steps, self.decay = list(heldout), ttt_steps, decay
-        self.pad_id, self.eval_batch_size, self.cache = pad_id, eval_batch_size, cache
+        super().__init__(drafter, target, heldout, pad_id=pad_id, eval_batch_size=eval_batch_size)
+        self.ttt_steps, self.decay, self.cache = ttt_steps, decay, cache
         self.aux_layer_ids = drafter.config.aux_layer_ids
-
-    def train(self, mode: bool = True) -> Eagle3Task:
-        super().train(mode)
-        self.target.eval()  # frozen: never dropout, whatever Lightning toggles
-        return self
-
-    def collate(self, rows: Sequence[Row]) -> dict[str, torch.Tensor]:
-        return pad_batch(rows, self.pad_id)
-
-    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return int(batch["attention_mask"].sum())
 
     def _features(self, batch: dict[str, torch.Tensor], cached: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if not cached:

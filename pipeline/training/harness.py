@@ -139,6 +139,26 @@ class TrainResult:
                 "last_step_metrics": self.metrics, "mlflow_run_id": self.mlflow_run_id, **took_part(self.ranks)}
 
 
+    def stage_metrics(self, rows: Any) -> dict[str, Any]:
+        """What a trainer stage publishes: steps, the rows (a :class:`~pipeline.data.rows.CalibrationRows`) and
+        time, the last step's metrics (``final.*``) and the kept evaluation's (``best.*``, ``best_step``)."""
+        metrics: dict[str, Any] = {"train_steps": self.steps, "train_rows": len(rows.train),
+                                   "train_tokens": rows.train_tokens, "heldout_rows": len(rows.heldout),
+                                   "train_seconds": round(self.seconds, 2), "world_size": self.world_size}
+        metrics.update({f"final.{k}": round(v, 6) for k, v in self.metrics.items() if not k.startswith("eval.")})
+        if self.best:
+            metrics["best_step"] = self.best["step"]
+            metrics.update({f"best.{k}": round(v, 6) for k, v in self.best["metrics"].items()})
+        return metrics
+
+    def describe(self) -> str:
+        """One log line: steps, ranks, strategy, the kept checkpoint's score."""
+        best = self.best or {}
+        return (f"trained {self.steps} steps on {self.world_size} rank(s) ({self.strategy}); best "
+                f"{best.get('metric', 'score').replace('_', ' ')} {best.get('score', float('nan')):.3f} at step "
+                f"{best.get('step')}")
+
+
 def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tracking_uri: str | None = None,
         experiment: str = "drafter-pipeline", run_name: str | None = None,
         identity: dict | None = None, label: str = "training") -> TrainResult:
