@@ -72,7 +72,8 @@ def prepare(cfg: PipelineConfig, calibration: Artifact) -> Prepared:
         target.config, num_hidden_layers=tc.num_layers, block_size=tc.block_size,
         mask_token_id=mask_token_id(tc.mask_token_id, tokenizer, vocab),
         target_layer_ids=tuple(tc.target_layer_ids) if tc.target_layer_ids else None,
-        num_key_value_heads=tc.num_key_value_heads, intermediate_size=tc.intermediate_size)
+        num_key_value_heads=tc.num_key_value_heads, intermediate_size=tc.intermediate_size,
+        num_attention_heads=tc.num_attention_heads)
     torch.manual_seed(tc.init_seed)
     drafter = DFlashDrafter(config, target.get_input_embeddings(), target.get_output_embeddings())
     final_norm = getattr(getattr(target, "model", None), "norm", None)

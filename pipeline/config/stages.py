@@ -203,6 +203,9 @@ class TrainDFlashConfig:
     """Key/value heads of each draft layer; null: the target's. A block row reads the context only through them, so
     more (up to the target's query heads: plain multi-head attention) widen what one layer can read, at a little
     more compute; vLLM and SGLang read the drafter's own attention shape from its config."""
+    num_attention_heads: int | None = None
+    """Query heads of each draft layer (each the target's head_dim wide); null: the target's. A multiple of
+    num_key_value_heads."""
     intermediate_size: int | None = None
     """MLP width of each draft layer; null: the target's. Like num_key_value_heads, read by the servers from the
     drafter's config; a wider layer adds arithmetic, not kernel launches, to the one forward a round."""
@@ -234,6 +237,8 @@ class TrainDFlashConfig:
         check_value(self.anchors_per_row >= 1, "train_dflash.anchors_per_row", "an integer >= 1", self.anchors_per_row)
         check_value(self.loss_decay > 0, "train_dflash.loss_decay", "a positive number", self.loss_decay)
         check_value(self.loss in ("kl", "ce"), "train_dflash.loss", "kl or ce", self.loss)
+        check_value(self.num_attention_heads is None or self.num_attention_heads >= 1,
+                    "train_dflash.num_attention_heads", "an integer >= 1 or null", self.num_attention_heads)
         check_value(self.intermediate_size is None or self.intermediate_size >= 1, "train_dflash.intermediate_size",
                     "an integer >= 1 or null", self.intermediate_size)
         check_value(self.num_key_value_heads is None or self.num_key_value_heads >= 1,

@@ -124,7 +124,7 @@ class DFlashConfig:
     @classmethod
     def from_target(cls, target_config: Any, *, num_hidden_layers: int, block_size: int, mask_token_id: int,
                     target_layer_ids: tuple[int, ...] | None = None, num_key_value_heads: int | None = None,
-                    intermediate_size: int | None = None) -> DFlashConfig:
+                    intermediate_size: int | None = None, num_attention_heads: int | None = None) -> DFlashConfig:
         """The drafter for a Llama/Qwen3-style target config (heads, head dim, MLP width, RoPE and eps copied).
 
         Args:
@@ -136,11 +136,13 @@ class DFlashConfig:
             num_key_value_heads: the draft layers' key/value heads; None copies the target's. Every block row reads
                 the context only through them, so more heads (up to one per query head) widen what a row can read.
             intermediate_size: the draft layers' MLP width; None copies the target's.
+            num_attention_heads: the draft layers' query heads (each ``head_dim`` wide); None copies the target's.
         """
         depth = int(target_config.num_hidden_layers)
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(depth, num_hidden_layers)
         shape = target_shape(target_config)
+        shape["num_attention_heads"] = int(num_attention_heads or shape["num_attention_heads"])
         shape["num_key_value_heads"] = int(num_key_value_heads or shape["num_key_value_heads"])
         shape["intermediate_size"] = int(intermediate_size or shape["intermediate_size"])
         return cls(

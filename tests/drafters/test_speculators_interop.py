@@ -299,8 +299,8 @@ DFLASH_T, DFLASH_BLOCK, DFLASH_ANCHORS = 64, 4, (3, 20, 33, 50)
 @pytest.fixture
 def dflash_setup(tmp_path: Path):
     """A random 4-layer Llama target saved for speculators, a random 2-layer DFlash drafter on its embedding and
-    head (norms not ones; its own attention and MLP widths, 4 key/value heads and 56, where the target has 2 and 88,
-    so the consumer must read the drafter's shape from its config), features of its tapped layers and the anchors
+    head (norms not ones; its own attention and MLP widths, 8 query heads, 4 key/value heads and 56, where the target
+    has 4, 2 and 88, so the consumer must read the drafter's shape from its config), features of its tapped layers and the anchors
     of four blocks."""
     from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter
 
@@ -312,7 +312,7 @@ def dflash_setup(tmp_path: Path):
     target = LlamaForCausalLM(target_config).float()
     target.save_pretrained(tmp_path / "target")
     config = DFlashConfig.from_target(target_config, num_hidden_layers=2, block_size=DFLASH_BLOCK, mask_token_id=V - 1,
-                                      num_key_value_heads=4, intermediate_size=56)
+                                      num_attention_heads=8, num_key_value_heads=4, intermediate_size=56)
     drafter = DFlashDrafter(config, target.model.embed_tokens, target.lm_head)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
