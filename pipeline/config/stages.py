@@ -182,6 +182,10 @@ def _dflash_training() -> TrainConfig:
                        checkpoint_every=100)
 
 
+DFLASH_LOSSES: tuple[str, ...] = ("ce", "kl")
+"""The values of ``train_dflash.loss`` (what each means: :class:`TrainDFlashConfig`)."""
+
+
 @dataclass
 class TrainDFlashConfig:
     calibration: str | None = input_override()
@@ -236,7 +240,7 @@ class TrainDFlashConfig:
         check_value(self.block_size >= 2, "train_dflash.block_size", "an integer >= 2", self.block_size)
         check_value(self.anchors_per_row >= 1, "train_dflash.anchors_per_row", "an integer >= 1", self.anchors_per_row)
         check_value(self.loss_decay > 0, "train_dflash.loss_decay", "a positive number", self.loss_decay)
-        check_value(self.loss in ("kl", "ce"), "train_dflash.loss", "kl or ce", self.loss)
+        check_value(self.loss in DFLASH_LOSSES, "train_dflash.loss", " or ".join(DFLASH_LOSSES), self.loss)
         check_value(self.num_attention_heads is None or self.num_attention_heads >= 1,
                     "train_dflash.num_attention_heads", "an integer >= 1 or null", self.num_attention_heads)
         check_value(self.intermediate_size is None or self.intermediate_size >= 1, "train_dflash.intermediate_size",

@@ -174,8 +174,8 @@ class ContextCache:
 
     Only context rows are kept (they depend on the target's features of an accepted prefix, which never
     change); block rows are recomputed every forward. :meth:`crop` drops positions after a rejection. The rows
-    live in buffers that double when full, so a round writes only its new rows (no copy of the whole context per
-    round) and hands the layer a view of the first :attr:`length` rows.
+    live in buffers that double when full, with the block's rows written after the context's, so a round writes
+    only its new rows and its block (no copy of the whole context per round) and hands the layer a view.
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -190,13 +190,16 @@ class ContextCache:
     def crop(self, length: int) -> None:
         self._lengths = [min(n, length) for n in self._lengths]
 
-    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append a layer's new context keys/values; all of that layer's context keys/values."""
-        start, new = self._lengths[layer], key.shape[2]
-        end = start + new
+    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor, block_key: torch.Tensor,
+               block_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append a layer's new context keys/values and place the block's after them (not kept: the next forward
+        overwrites them); the layer's keys/values to attend over, context then block, as views of its buffers."""
+        start = self._lengths[layer]
+        end = start + key.shape[2]
+        total = end + block_key.shape[2]
         buffer = self._keys[layer]
-        if buffer is None or buffer.shape[2] < end:
-            capacity = max(64, 2 * end)
+        if buffer is None or buffer.shape[2] < total:
+            capacity = max(64, 2 * total)
             keys = key.new_empty(*key.shape[:2], capacity, key.shape[3])
             values = value.new_empty(*value.shape[:2], capacity, value.shape[3])
             if buffer is not None and start:
@@ -204,10 +207,10 @@ class ContextCache:
                 values[:, :, :start] = self._values[layer][:, :, :start]
             self._keys[layer], self._values[layer] = keys, values
         keys, values = self._keys[layer], self._values[layer]
-        keys[:, :, start:end] = key
-        values[:, :, start:end] = value
+        keys[:, :, start:end], keys[:, :, end:total] = key, block_key
+        values[:, :, start:end], values[:, :, end:total] = value, block_value
         self._lengths[layer] = end
-        return keys[:, :, :end], values[:, :, :end]
+        return keys[:, :, :total], values[:, :, :total]
 
 
 class StaticContextCache:
@@ -238,13 +241,15 @@ class StaticContextCache:
         self.position.fill_(self.length)
         self.end.fill_(self.length + new_rows)
 
-    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor, block_key: torch.Tensor,
+               block_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a layer's new context keys/values at the position; the layer's whole buffers (masked by
-        :meth:`mask`)."""
+        :meth:`mask`) followed by the block's."""
         slots = self.position + torch.arange(key.shape[2], device=key.device)
         self.keys[layer].index_copy_(2, slots, key)
         self.values[layer].index_copy_(2, slots, value)
-        return self.keys[layer], self.values[layer]
+        return (torch.cat([self.keys[layer], block_key], dim=2),
+                torch.cat([self.values[layer], block_value], dim=2))
 
     def mask(self, block_rows: int) -> torch.Tensor:
         """``(1, 1, 1, capacity + block_rows)``: the context slots before :attr:`end`, then every block row."""
@@ -285,8 +290,7 @@ class Attention(nn.Module):
         k = rotate(k, cos, sin)
         v = self.v_proj(both).view(batch, rows + length, self.kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
-            k_ctx, v_ctx = cache.extend(layer, k[:, :, :rows], v[:, :, :rows])
-            k, v = torch.cat([k_ctx, k[:, :, rows:]], dim=2), torch.cat([v_ctx, v[:, :, rows:]], dim=2)
+            k, v = cache.extend(layer, k[:, :, :rows], v[:, :, :rows], k[:, :, rows:], v[:, :, rows:])
         # No causal mask: a block row sees every context key and every row of its block (both directions).
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeline.config.stages import DFLASH_LOSSES
 from pipeline.data.rows import Row, pad_batch
 from pipeline.drafters.dflash import DFlashDrafter
 from pipeline.training.task import DrafterTask
@@ -113,12 +114,6 @@ class BlockResult:
     """Valid blocks."""
 
 
-LOSSES: tuple[str, ...] = ("kl", "ce")
-"""``train_dflash.loss``: ``kl`` is the soft cross-entropy to the target's distribution at each row (``speculators``'
-KL, the same gradient); ``ce`` the cross-entropy to the row's own next token (SpecForge's block-wise CE; the rows are
-the target's own answers, so on a greedy calibration set that token is the target's argmax)."""
-
-
 def _head_loss(drafter: DFlashDrafter, hidden: torch.Tensor, target_p: torch.Tensor | None, labels: torch.Tensor,
                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-example weighted sums ``(B,)`` of the rows' cross-entropies (soft to ``target_p``, or to ``labels`` when
@@ -134,9 +129,9 @@ def _head_loss(drafter: DFlashDrafter, hidden: torch.Tensor, target_p: torch.Ten
 
 def block_loss(drafter: DFlashDrafter, input_ids: torch.Tensor, target_hidden: torch.Tensor,
                target_logits: torch.Tensor, blocks: Blocks, decay: float, loss: str = "ce") -> BlockResult:
-    """The decayed block loss of one batch (see the module docstring); ``loss`` one of :data:`LOSSES`."""
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
+    """The decayed block loss of one batch (see the module docstring); ``loss`` one of ``DFLASH_LOSSES``."""
+    if loss not in DFLASH_LOSSES:
+        raise ValueError(f"loss must be one of {DFLASH_LOSSES}, not {loss!r}")
     batch, length = input_ids.shape
     size = drafter.config.block_size
     count = blocks.anchors.shape[1]
@@ -153,13 +148,13 @@ def block_loss(drafter: DFlashDrafter, input_ids: torch.Tensor, target_hidden: t
         # Row k of the block at a predicts position a + k: the target's distribution there is its logits at a + k - 1.
         source = (blocks.anchors.unsqueeze(-1) + torch.arange(size - 1, device=device)).clamp(max=length - 1)
         teacher = target_logits.gather(1, source.view(batch, -1, 1).expand(-1, -1, target_logits.shape[-1]))
-        target_p = torch.softmax(teacher.float(), dim=-1).view(batch, count, size - 1, -1)
-        target_top = target_p.argmax(-1)
+        teacher = teacher.float().view(batch, count, size - 1, -1)
+        target_top = teacher.argmax(-1)
+        soft = torch.softmax(teacher, dim=-1) if loss == "kl" else None  # ce needs only the row's own token
         position_weight = torch.exp(-torch.arange(size - 1, device=device, dtype=torch.float32) / decay)
         weight = blocks.targets.float() * position_weight
         labels = input_ids.gather(1, (source + 1).clamp(max=length - 1).view(batch, -1)).view(batch, count, size - 1)
 
-    soft = target_p if loss == "kl" else None
     sums, draft_top = checkpoint(_head_loss, drafter, hidden, soft, labels, weight, use_reentrant=False)
     loss = (sums / weight.flatten(1).sum(-1).clamp(min=1e-9)).mean()
     with torch.no_grad():
@@ -178,7 +173,7 @@ class DFlashTask(DrafterTask):
         heldout: rows scored by :meth:`evaluate`.
         anchors_per_row: blocks per row.
         decay: γ of the position weight ``exp(−(k − 1)/γ)``.
-        loss: one of :data:`LOSSES`.
+        loss: one of ``DFLASH_LOSSES`` (``train_dflash.loss``).
         pad_id: token id used to pad batches.
         eval_batch_size: rows per forward in :meth:`evaluate`.
     """

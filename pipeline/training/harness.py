@@ -138,7 +138,6 @@ class TrainResult:
                 "world_size": self.world_size, "deepspeed_config": self.deepspeed_config, "best": self.best or {},
                 "last_step_metrics": self.metrics, "mlflow_run_id": self.mlflow_run_id, **took_part(self.ranks)}
 
-
     def stage_metrics(self, rows: Any) -> dict[str, Any]:
         """What a trainer stage publishes: steps, the rows (a :class:`~pipeline.data.rows.CalibrationRows`) and
         time, the last step's metrics (``final.*``) and the kept evaluation's (``best.*``, ``best_step``)."""
