@@ -169,11 +169,11 @@ def test_deepspeed_on_two_nodes_goes_through_srun_and_slurm_environment(tmp_path
 
     def recorder(**kwargs):  # noqa: ANN003, ANN202
         seen.update(kwargs)
-        raise _Built
+        raise _Built("the Trainer was built")
 
     monkeypatch.setattr(L, "Trainer", recorder)
     module = torch.nn.Linear(2, 1)
-    with pytest.raises(_Built):
+    with pytest.raises(_Built, match="the Trainer was built"):
         fit(module, [torch.zeros(2)] * 64, train, tmp_path / "staging")
     (environment,) = seen["plugins"]
     assert isinstance(environment, SLURMEnvironment) and not environment.auto_requeue

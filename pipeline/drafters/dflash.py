@@ -214,23 +214,27 @@ class ContextCache:
 
 
 class StaticContextCache:
-    """:class:`ContextCache` preallocated to ``capacity`` positions per layer, for static shapes and CUDA graphs.
+    """:class:`ContextCache` preallocated to ``capacity`` context positions per layer, then ``block_rows`` slots for
+    the block, for static shapes and CUDA graphs.
 
     New context rows are written from the device position :attr:`position` on (a feed may be padded: its extra slots
-    lie past :attr:`end`); a block sees exactly the slots before :attr:`end`, the context's length. The host keeps the
-    length (:attr:`length`) and sets both device scalars from it before a forward (:meth:`at`), so nothing inside
-    the forward reads a host value.
+    lie past :attr:`end`); a block sees exactly the slots before :attr:`end`, the context's length, and its own rows,
+    written into the block slots. Every forward hands each layer the same whole buffers (no copy of the context).
+    The host keeps the length (:attr:`length`) and sets both device scalars from it before a forward (:meth:`at`),
+    so nothing inside the forward reads a host value.
     """
 
-    def __init__(self, num_layers: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.capacity = capacity
-        self.keys = [torch.zeros(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+    def __init__(self, num_layers: int, capacity: int, block_rows: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.capacity, self.block_rows = capacity, block_rows
+        self.keys = [torch.zeros(1, kv_heads, capacity + block_rows, head_dim, dtype=dtype, device=device)
                      for _ in range(num_layers)]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.position = torch.zeros((), dtype=torch.long, device=device)
         self.end = torch.zeros((), dtype=torch.long, device=device)
-        self.slots = torch.arange(capacity, device=device)
+        # A context slot's index, and -1 for a block slot: `slots < end` is the mask of what a block row sees.
+        self.slots = torch.cat([torch.arange(capacity, device=device),
+                                torch.full((block_rows,), -1, dtype=torch.long, device=device)])
         self.length = 0
 
     def crop(self, length: int) -> None:
@@ -243,19 +247,23 @@ class StaticContextCache:
 
     def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor, block_key: torch.Tensor,
                block_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a layer's new context keys/values at the position; the layer's whole buffers (masked by
-        :meth:`mask`) followed by the block's."""
+        """Write a layer's new context keys/values at the position and the block's into the block slots; the
+        layer's whole buffers (masked by :meth:`mask`)."""
+        keys, values = self.keys[layer], self.values[layer]
         slots = self.position + torch.arange(key.shape[2], device=key.device)
-        self.keys[layer].index_copy_(2, slots, key)
-        self.values[layer].index_copy_(2, slots, value)
-        return (torch.cat([self.keys[layer], block_key], dim=2),
-                torch.cat([self.values[layer], block_value], dim=2))
+        keys.index_copy_(2, slots, key)
+        values.index_copy_(2, slots, value)
+        keys[:, :, self.capacity:].copy_(block_key)
+        values[:, :, self.capacity:].copy_(block_value)
+        return keys, values
 
     def mask(self, block_rows: int) -> torch.Tensor:
         """``(1, 1, 1, capacity + block_rows)``: the context slots before :attr:`end`, then every block row."""
-        context = self.slots < self.end
-        block = torch.ones(block_rows, dtype=torch.bool, device=context.device)
-        return torch.cat([context, block]).view(1, 1, 1, -1)
+        if block_rows != self.block_rows:
+            raise DrafterError("A block of the wrong length for this static context cache.",
+                               expected=f"{self.block_rows} rows (the drafter's block_size)",
+                               found=f"{block_rows} rows", fix="Draft whole blocks on the static paths.")
+        return (self.slots < self.end).view(1, 1, 1, -1)
 
 
 # --- one draft layer -------------------------------------------------------------------------------

@@ -79,8 +79,9 @@ class DFlashProposer:
         config, weight = self.drafter.config, self.drafter.fc.weight
         capacity = rounded_capacity(options.capacity)
         if self._static is None or self._static.capacity < capacity:
-            self._static = StaticContextCache(config.num_hidden_layers, capacity, config.num_key_value_heads,
-                                              config.head_dim, weight.dtype, weight.device)
+            self._static = StaticContextCache(config.num_hidden_layers, capacity, config.block_size,
+                                              config.num_key_value_heads, config.head_dim, weight.dtype,
+                                              weight.device)
             cache = self._static
             static_addresses(*cache.keys, *cache.values, cache.position, cache.end, cache.slots)
 

@@ -13,7 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids, reference_keys
+from pipeline.drafters.dflash import (
+    ContextCache,
+    DFlashConfig,
+    DFlashDrafter,
+    StaticContextCache,
+    default_target_layer_ids,
+    reference_keys,
+)
 from pipeline.drafters.dflash_export import (
     export_reference,
     export_speculators,
@@ -100,6 +107,40 @@ def test_the_block_is_bidirectional_and_sees_only_the_context_before_it(target) 
     moved = features.clone()
     moved[:, 0] += 1.0
     assert (_one_block(drafter, moved, ids, anchor)[1] - out[1]).abs().max() > 1e-6
+
+
+def test_both_context_caches_equal_a_fresh_forward_across_rounds_and_a_rollback(target) -> None:
+    """Round after round (one a rollback to fewer positions than the cache holds), a block drafted over the eager
+    cache and over the static cache (its feed padded to 8 rows, the padding past the context's end) equals the block
+    drafted over the whole context without a cache; the static cache hands every layer its own whole buffers."""
+    drafter = _drafter(target, block=4)
+    config = drafter.config
+    ids = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(2))
+    features = _features(target, drafter, ids)
+    eager = ContextCache(config.num_hidden_layers)
+    static = StaticContextCache(config.num_hidden_layers, 32, 4, config.num_key_value_heads, config.head_dim,
+                                torch.float64, torch.device("cpu"))
+    buffers = [(k.data_ptr(), v.data_ptr()) for k, v in zip(static.keys, static.values, strict=True)]
+    for valid, rows in ((0, 6), (6, 9), (7, 13), (13, 20)):  # (7, 13): two of the nine cached rows rolled back
+        want = _one_block(drafter, features, ids, rows)
+        block = drafter.block_ids(ids[0, rows:rows + 1])
+        eager.crop(valid)
+        got = drafter(block, features[:, valid:rows], torch.arange(rows, rows + 4).unsqueeze(0),
+                      torch.arange(valid, rows).unsqueeze(0), cache=eager)[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+        static.crop(valid)
+        n = rows - valid
+        padded = torch.cat([features[:, valid:rows], torch.full((1, 8 - n, features.shape[-1]), 7.0,
+                                                                 dtype=features.dtype)], dim=1)
+        static.at(n)
+        got = drafter(block, padded, (static.end + torch.arange(4)).unsqueeze(0),
+                      (static.position + torch.arange(8)).unsqueeze(0), cache=static)[0]
+        static.length = rows
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    assert [(k.data_ptr(), v.data_ptr()) for k, v in zip(static.keys, static.values, strict=True)] == buffers
+    assert static.keys[0].shape[2] == 32 + 4
+    with pytest.raises(DrafterError, match="block_size"):
+        static.mask(5)
 
 
 def test_many_anchors_in_one_masked_forward_equal_one_forward_per_block(target) -> None:
