@@ -7,11 +7,13 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from jobs.evaluate import other_devices
 from pipeline.artifacts import ArtifactWriter
 from pipeline.evaluation.report import write_report
 from pipeline.orchestration.dag import plan, spec
-from tests.helpers import small_cfg, synthetic_results, typed_results
+from tests.helpers import SMALL, small_cfg, synthetic_results, typed_results
 
 
 def _store_evaluation(cfg, device_name: str, speedup: float) -> str:
@@ -57,3 +59,42 @@ def test_an_evaluation_lists_the_same_config_on_another_device(tmp_path: Path, t
 def test_a_report_without_another_device_has_no_device_table(tmp_path: Path) -> None:
     _, html_path, md_path = write_report(typed_results(), tmp_path)
     assert "Wall-clock on each device" not in md_path.read_text() + html_path.read_text()
+
+
+@pytest.mark.parametrize("path", ["static", "eager"])
+def test_the_static_paths_warm_up_every_configuration_before_anything_is_timed(path: str, tiny_kit, monkeypatch,
+                                                                               tmp_path: Path) -> None:
+    """On the static paths (``graphs`` compiles a CUDA graph per shape on first use) the evaluator decodes each task's
+    first prompt once per configuration, untimed, before the first timed cell; the eager path does not."""
+    import pipeline.evaluation.evaluator as evaluator_module
+    from jobs import run
+    from pipeline.config.sections import load_config
+    from pipeline.evaluation.evaluator import Evaluator
+    from pipeline.models.target import Target
+
+    cfg = load_config(None, [f"workdir={tmp_path}", *SMALL, "evaluate.methods=[full]", "evaluate.gammas=[2,3]",
+                             f"evaluate.decode_path={path}", "evaluate.max_new_tokens=6",
+                             "evaluate.sampling_check_samples=0"])
+    counts = run(cfg, ["count"])["count"]  # full drafts over the kit's drafter; the count artifact is read regardless
+    target = Target(cfg.target)
+    prompts = {"chat": [[5, 6, 7], [8, 9, 10, 11]], "code": [[12, 13], [14, 15, 16]]}
+    calls: list[tuple] = []
+    real_ar, real_spec = evaluator_module.generate_autoregressive, evaluator_module.generate_speculative
+
+    def ar(model, prompt, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(("ar", prompt, 0))
+        return real_ar(model, prompt, *args, **kwargs)
+
+    def spec_(model, proposer, prompt, new, gamma, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(("spec", prompt, gamma))
+        return real_spec(model, proposer, prompt, new, gamma, *args, **kwargs)
+
+    monkeypatch.setattr(evaluator_module, "generate_autoregressive", ar)
+    monkeypatch.setattr(evaluator_module, "generate_speculative", spec_)
+    Evaluator(cfg, target.model("cpu"), target.tokenizer(), prompts, {"count": counts}, "cpu",
+              lambda _line: None).run()
+    timed = [(kind, p, g) for task in prompts.values() for kind, g in (("ar", 0), ("spec", 2), ("spec", 3))
+             for p in task]
+    warm_up = [(kind, task[0], g) for task in prompts.values() for kind, g in (("ar", 0), ("spec", 2), ("spec", 3))]
+    assert calls[0] == ("ar", [5, 6, 7], 0)  # the short warm-up every path runs
+    assert calls[1:] == (warm_up + timed if path == "static" else timed)

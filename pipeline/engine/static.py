@@ -194,7 +194,7 @@ class StaticSession(SessionBase):
         # installs its hidden-state hooks on a model's first call, neither of which may happen inside a graph.
         with torch.no_grad():
             self._forward(torch.zeros(1, 1, dtype=torch.long, device=self.device), 1)
-        self.cache.crop(-1)
+        roll_back(self.cache, 1)
         self._compiled = compiled(self._bucket_forward) if graphs else None
 
     # -- the interface ModelSession shares --------------------------------------------------------------------
@@ -212,7 +212,7 @@ class StaticSession(SessionBase):
         excess = len(self.ids) - length
         if excess > 0:
             if self.cache.is_initialized:
-                self.cache.crop(-excess)
+                roll_back(self.cache, excess)
             del self.ids[length:]
 
     @torch.no_grad()
@@ -242,7 +242,7 @@ class StaticSession(SessionBase):
             else:
                 rows, hidden = self._bucket_forward(padded.unsqueeze(0))
             if size > n:
-                self.cache.crop(-(size - n))  # the padding's keys: rolled back over, never attended to
+                roll_back(self.cache, size - n)  # the padding's keys: rolled back over, never attended to
         self.forwards += 1
         for buffer, states in zip(self._rows, hidden, strict=True):
             buffer[start : start + n] = states[0, :n]
@@ -269,6 +269,24 @@ class StaticSession(SessionBase):
         rows = out.last_hidden_state if self.body_only else out.logits
         hidden = tuple(out.hidden_states[layer] for layer in self.layers) if self.layers else ()
         return rows, hidden
+
+
+def roll_back(cache: Any, positions: int) -> None:
+    """Move a ``transformers.StaticCache``'s write position back by ``positions`` (the next forward overwrites them).
+
+    Each static layer keeps that position as a device scalar, ``cumulative_length``, which transformers 5.2x's
+    ``StaticLayer.crop`` decrements in place; earlier 5.x releases have the same scalar but no ``crop`` on static
+    layers, so it is decremented here directly (in place either way: a CUDA graph reads it at its address).
+    """
+    for layer in cache.layers:
+        if hasattr(layer, "crop"):
+            layer.crop(-positions)
+        elif getattr(layer, "is_sliding", False):  # its window's bookkeeping is not ours to roll back
+            raise DrafterError("This transformers release cannot roll back a sliding-window static cache.",
+                               expected="transformers with StaticLayer.crop (5.2x)", found=type(layer).__name__,
+                               fix="Upgrade transformers, or use evaluate.decode_path=eager.")
+        else:
+            layer.cumulative_length.sub_(positions)
 
 
 GRAPHS_PER_FUNCTION = 64
