@@ -101,7 +101,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
             f"{list(config.hidden_state_indices)}), {config.num_hidden_layers} layer(s), block {config.block_size}, "
             f"mask token {config.mask_token_id}")
     task = DFlashTask(drafter, target, data.heldout, anchors_per_row=tc.anchors_per_row, decay=tc.loss_decay,
-                      loss=tc.loss, pad_id=ready.pad_id)
+                      loss=tc.loss, next_round_anchors=tc.next_round_anchors, pad_id=ready.pad_id)
     result = fit(task, data.train, tc.train, run.staging / "train",
                  tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path), experiment=cfg.mlflow.experiment,
                  run_name=f"{run.artifact_id}/training", label="train_dflash",

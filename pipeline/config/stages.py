@@ -216,6 +216,10 @@ class TrainDFlashConfig:
     anchors_per_row: int = 16
     """Blocks trained per calibration row: anchor positions drawn (seeded by the row and step) among the positions
     whose next token is an assistant token (SpecForge draws up to 512 per sequence)."""
+    next_round_anchors: bool = False
+    """Also train, for each drawn anchor, the block where the next greedy round would start (after the block's
+    leading agreeing rows and the target's token at its first miss; found by a forward without gradient): the
+    positions rounds start from at inference, where a drafter's first row agrees least."""
     loss_decay: float = 7.0
     """gamma of the position weight exp(-(k - 1) / gamma) for block position k (SpecForge: 7 at B = 16; speculators:
     4 at B = 8)."""

@@ -81,11 +81,38 @@ def draw_blocks(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int,
         chosen = candidates[order].sort().values
         anchors[b, : chosen.numel()] = chosen
         valid[b, : chosen.numel()] = True
-    rows = anchors.unsqueeze(-1) + torch.arange(1, block_size)  # (B, N, K) predicted positions
-    inside = rows < lengths.cpu().view(batch, 1, 1)
-    learn = mask.gather(1, rows.clamp(max=length - 1).view(batch, -1)).view_as(rows) & inside & valid.unsqueeze(-1)
     device = loss_mask.device
-    return Blocks(anchors.to(device), valid.to(device), learn.to(device))
+    return blocks_at(anchors.to(device), valid.to(device), loss_mask, lengths, block_size)
+
+
+def blocks_at(anchors: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+               block_size: int) -> Blocks:
+    """The blocks at ``anchors`` ``(B, N)`` (where ``valid``): each row learnable where it lies inside the row and its
+    position is an assistant token."""
+    batch, length = loss_mask.shape
+    rows = anchors.unsqueeze(-1) + torch.arange(1, block_size, device=anchors.device)  # (B, N, K) predicted positions
+    inside = rows < lengths.to(anchors.device).view(batch, 1, 1)
+    learn = loss_mask.bool().gather(1, rows.clamp(max=length - 1).view(batch, -1)).view_as(rows)
+    return Blocks(anchors, valid, learn & inside & valid.unsqueeze(-1))
+
+
+def next_round_blocks(blocks: Blocks, runs: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+                      block_size: int) -> Blocks:
+    """Where the next greedy round starts after each valid block: its ``runs`` leading rows were accepted, the
+    target's token at the first miss was emitted, and that token opens the next block, at ``a + runs + 1``. Valid
+    where that anchor is ``≤ length − 2`` and its next token is an assistant token (as :func:`draw_blocks` asks)."""
+    length = loss_mask.shape[1]
+    anchors = blocks.anchors + runs + 1
+    valid = blocks.valid & (anchors <= lengths.to(anchors.device).view(-1, 1) - 2)
+    valid &= loss_mask.bool().gather(1, (anchors + 1).clamp(max=length - 1))
+    return blocks_at(torch.where(valid, anchors, torch.zeros_like(anchors)), valid, loss_mask, lengths, block_size)
+
+
+def join_blocks(first: Blocks, second: Blocks) -> Blocks:
+    """Both sets of blocks side by side, ``(B, N₁ + N₂)``."""
+    return Blocks(*(torch.cat([a, b], dim=1) for a, b in ((first.anchors, second.anchors),
+                                                           (first.valid, second.valid),
+                                                           (first.targets, second.targets))))
 
 
 def block_attention(anchors: torch.Tensor, valid: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
@@ -112,6 +139,8 @@ class BlockResult:
     """Sum over valid blocks of the leading run of agreeing rows (stops at the first miss or unlearnable row)."""
     blocks: int
     """Valid blocks."""
+    runs: torch.Tensor
+    """``(B, N)`` each block's leading run of agreeing rows (0 for an invalid block)."""
 
 
 def _head_loss(drafter: DFlashDrafter, hidden: torch.Tensor, target_p: torch.Tensor | None, labels: torch.Tensor,
@@ -161,7 +190,8 @@ def block_loss(drafter: DFlashDrafter, input_ids: torch.Tensor, target_hidden: t
         right = (draft_top == target_top) & blocks.targets
         run = torch.cumprod(right.long(), dim=-1).sum(-1)  # leading agreeing, learnable rows
     return BlockResult(loss=loss, per_position_correct=right.sum((0, 1)), per_position_tokens=blocks.targets.sum((0, 1)),
-                       accepted=run[blocks.valid].sum(), blocks=int(blocks.valid.sum()))
+                       accepted=run[blocks.valid].sum(), blocks=int(blocks.valid.sum()),
+                       runs=run * blocks.valid)
 
 
 class DFlashTask(DrafterTask):
@@ -174,25 +204,36 @@ class DFlashTask(DrafterTask):
         anchors_per_row: blocks per row.
         decay: γ of the position weight ``exp(−(k − 1)/γ)``.
         loss: one of ``DFLASH_LOSSES`` (``train_dflash.loss``).
+        next_round_anchors: in training, also the block where the next greedy round would start after each drawn
+            one (:func:`next_round_blocks`, found by a forward without gradient): the positions rounds start from at
+            inference, right after a miss (``train_dflash.next_round_anchors``).
         pad_id: token id used to pad batches.
         eval_batch_size: rows per forward in :meth:`evaluate`.
     """
 
     def __init__(self, drafter: DFlashDrafter, target: nn.Module, heldout: Sequence[Row], *, anchors_per_row: int,
-                 decay: float, loss: str = "ce", pad_id: int = 0, eval_batch_size: int = 8) -> None:
+                 decay: float, loss: str = "ce", next_round_anchors: bool = False, pad_id: int = 0,
+                 eval_batch_size: int = 8) -> None:
         super().__init__(drafter, target, heldout, pad_id=pad_id, eval_batch_size=eval_batch_size)
         self.anchors_per_row, self.decay, self.loss = anchors_per_row, decay, loss
+        self.next_round_anchors = next_round_anchors
 
-    def _blocks(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> BlockResult:
+    def _blocks(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None,
+                next_round: bool = False) -> BlockResult:
         hidden, logits = tapped_features(self.target, batch["input_ids"], batch["attention_mask"],
                                          self.drafter.config.hidden_state_indices)
-        blocks = draw_blocks(batch["loss_mask"], batch["attention_mask"].sum(-1), self.drafter.config.block_size,
-                             self.anchors_per_row, generator)
+        lengths, size = batch["attention_mask"].sum(-1), self.drafter.config.block_size
+        blocks = draw_blocks(batch["loss_mask"], lengths, size, self.anchors_per_row, generator)
         hidden = hidden.to(self.drafter.fc.weight.dtype)
+        if next_round:
+            with torch.no_grad():
+                probe = block_loss(self.drafter, batch["input_ids"], hidden, logits, blocks, self.decay, self.loss)
+            blocks = join_blocks(blocks, next_round_blocks(blocks, probe.runs, batch["loss_mask"], lengths, size))
         return block_loss(self.drafter, batch["input_ids"], hidden, logits, blocks, self.decay, self.loss)
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        result = self._blocks(batch, None)  # the harness seeded the global generator for this micro-batch
+        # the harness seeded the global generator for this micro-batch
+        result = self._blocks(batch, None, self.next_round_anchors)
         acc = result.per_position_correct.float() / result.per_position_tokens.clamp(min=1).float()
         metrics = {f"acc_{k + 1}": acc[k] for k in range(acc.numel())}
         metrics["train_simulated_tau"] = 1 + float(result.accepted) / max(1, result.blocks)

@@ -30,7 +30,16 @@ from pipeline.drafters.dflash_export import (
     save_dflash,
 )
 from pipeline.errors import DrafterError
-from pipeline.training.dflash_task import Blocks, block_attention, block_loss, tapped_features
+from pipeline.training.dflash_task import (
+    Blocks,
+    DFlashTask,
+    block_attention,
+    block_loss,
+    blocks_at,
+    join_blocks,
+    next_round_blocks,
+    tapped_features,
+)
 
 
 def _target(layers: int = 6, hidden: int = 32, vocab: int = 97) -> torch.nn.Module:
@@ -258,3 +267,38 @@ def test_block_loss_is_the_decayed_cross_entropy_of_each_row(target, loss: str) 
     weights = torch.exp(-torch.tensor([0.0, 1.0], dtype=torch.float64) / decay)
     expected = (torch.stack(terms) * weights).sum() / weights.sum()
     torch.testing.assert_close(result.loss.double(), expected, rtol=1e-6, atol=1e-8)
+
+
+def test_next_round_blocks_start_after_the_accepted_rows_and_the_missed_token() -> None:
+    """A block at a whose first L rows agreed makes the next round open at a + L + 1 (the target's token at the miss
+    opens it); that anchor is invalid past length − 2, where its next token is not an assistant token, and after an
+    invalid block."""
+    loss_mask = torch.ones(2, 20, dtype=torch.long)
+    loss_mask[0, :3] = 0  # the prompt
+    loss_mask[1, 12] = 0  # a non-assistant token inside row 1
+    lengths = torch.tensor([20, 16])
+    drawn = blocks_at(torch.tensor([[3, 8, 14], [2, 5, 0]]), torch.tensor([[True, True, True], [True, True, False]]),
+                       loss_mask, lengths, 4)
+    follow = next_round_blocks(drawn, torch.tensor([[0, 3, 3], [2, 5, 0]]), loss_mask, lengths, 4)
+    assert follow.anchors.tolist() == [[4, 12, 18], [5, 0, 0]]  # row 1: 5 + 5 + 1 = 11 opens on position 12
+    assert follow.valid.tolist() == [[True, True, True], [True, False, False]]
+    assert follow.targets[0, 0].tolist() == [True, True, True]
+    assert follow.targets[0, 2].tolist() == [True, False, False]  # rows 19, 20, 21 of a 20-token row
+    assert not follow.targets[1, 1:].any()
+    far = next_round_blocks(drawn, torch.tensor([[0, 3, 4], [2, 5, 0]]), loss_mask, lengths, 4)
+    assert not far.valid[0, 2]  # 14 + 4 + 1 = 19 > 20 - 2: no next token to draft
+    both = join_blocks(drawn, follow)
+    assert both.anchors.shape == (2, 6) and both.valid[:, 3:].tolist() == follow.valid.tolist()
+
+
+def test_training_with_next_round_anchors_adds_the_next_rounds_blocks(target) -> None:
+    """train_dflash.next_round_anchors: a training step trains the drawn blocks and, after a probe forward, the block
+    each one's next round would open; evaluation keeps the drawn blocks alone (the held-out metric is unchanged)."""
+    drafter = _drafter(target, block=4)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    task = DFlashTask(drafter, target, [], anchors_per_row=5, decay=4.0, next_round_anchors=True)
+    drawn = task._blocks(batch, torch.Generator().manual_seed(0))
+    both = task._blocks(batch, torch.Generator().manual_seed(0), next_round=True)
+    assert drawn.blocks == 10 and 10 < both.blocks <= 20
+    assert both.loss.requires_grad and torch.isfinite(both.loss)
