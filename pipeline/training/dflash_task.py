@@ -7,7 +7,9 @@ sets per micro-batch makes the draw a function of seed and step, so a resumed ru
 anchor opens a block ``[x_a, MASK × (B − 1)]`` at positions ``a .. a + B − 1`` that sees the context features of
 positions ``< a`` (exactly what the proposer's block sees after ``x_a`` was verified) and, bidirectionally, its
 own rows; all of a row's blocks run side by side in one forward with that attention mask (SpecForge trains the
-same way: many anchors per sequence, one forward).
+same way: many anchors per sequence, one forward). With ``train_dflash.next_round_anchors`` a forward without
+gradient first scores the drawn blocks, and the block each one's next greedy round would open (:func:`next_round_blocks`)
+joins them: inference rounds start right after a miss, where a first row agrees least.
 
 Loss: block row ``k`` (``1 ≤ k < B``) predicts position ``a + k``. Its cross-entropy (``train_dflash.loss``: ``ce``,
 SpecForge's, to the row's own token there, which the target wrote; or ``kl``, the soft cross-entropy to the target's
