@@ -70,7 +70,7 @@ def draw_blocks(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int,
     ``a ≥ 1`` because a block at ``a`` sees the features of positions ``< a`` (the proposer drafts nothing
     without one).
     """
-    batch, length = loss_mask.shape
+    batch = loss_mask.shape[0]
     anchors = torch.zeros(batch, per_row, dtype=torch.long)
     valid = torch.zeros(batch, per_row, dtype=torch.bool)
     mask = loss_mask.cpu().bool()
@@ -88,7 +88,7 @@ def draw_blocks(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int,
 
 
 def blocks_at(anchors: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
-               block_size: int) -> Blocks:
+              block_size: int) -> Blocks:
     """The blocks at ``anchors`` ``(B, N)`` (where ``valid``): each row learnable where it lies inside the row and its
     position is an assistant token."""
     batch, length = loss_mask.shape
