@@ -23,6 +23,7 @@ from typing import Any
 from pipeline.artifacts import Artifact
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
+from pipeline.errors import DrafterError
 from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
@@ -55,27 +56,38 @@ class Prepared:
     pad_id: int
 
 
-def prepare(cfg: PipelineConfig, calibration: Artifact) -> Prepared:
-    """The frozen target, a freshly initialised DFlash drafter on its embedding and head, and the calibration rows
-    split into training and held-out."""
+def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact | None = None) -> Prepared:
+    """The frozen target, a freshly initialised DFlash drafter on its embedding and head (or, with ``head: draft``,
+    its own head over the draft vocabulary of ``counts``), and the calibration rows split into training and
+    held-out."""
     import torch
 
     from pipeline.data.rows import CalibrationRows  # deferred: pulls in torch
     from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter  # deferred: pulls in torch
+    from pipeline.vocab.counting import draft_vocab_maps  # deferred: pulls in pyarrow
 
     tc = cfg.train_dflash
     target_ = Target(cfg.target)
     tokenizer = target_.tokenizer()
     target = target_.model(dtype="float32")  # the strategy casts (DeepSpeed bf16) or keeps fp32 (CPU)
     vocab = int(target.config.vocab_size)
+    maps = None
+    if tc.head == "draft":
+        if counts is None:
+            raise DrafterError("train_dflash.head is draft but no count artifact was given.",
+                               expected="the count artifact the plan names", found="none",
+                               fix="Run `drafter train_dflash` (it builds count first) or set train_dflash.counts.")
+        maps = draft_vocab_maps(counts, vocab)
     config = DFlashConfig.from_target(
         target.config, num_hidden_layers=tc.num_layers, block_size=tc.block_size,
         mask_token_id=mask_token_id(tc.mask_token_id, tokenizer, vocab),
         target_layer_ids=tuple(tc.target_layer_ids) if tc.target_layer_ids else None,
         num_key_value_heads=tc.num_key_value_heads, intermediate_size=tc.intermediate_size,
-        num_attention_heads=tc.num_attention_heads)
+        num_attention_heads=tc.num_attention_heads, draft_vocab_size=None if maps is None else int(maps[0].size))
     torch.manual_seed(tc.init_seed)
     drafter = DFlashDrafter(config, target.get_input_embeddings(), target.get_output_embeddings())
+    if maps is not None:
+        drafter.set_vocab_maps(*maps)
     final_norm = getattr(getattr(target, "model", None), "norm", None)
     if getattr(final_norm, "weight", None) is not None:
         with torch.no_grad():  # the frozen LM head reads the drafter's norm: start it at the target's own scale
@@ -86,7 +98,7 @@ def prepare(cfg: PipelineConfig, calibration: Artifact) -> Prepared:
     return Prepared(target, tokenizer, config, drafter, data, pad)
 
 
-def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildResult | None:
+def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact | None) -> BuildResult | None:
     from pipeline.drafters.dflash_export import (  # deferred: pulls in torch
         export_reference,
         export_speculators,
@@ -95,18 +107,19 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
     from pipeline.training.dflash_task import DFlashTask  # deferred: pulls in torch
 
     tc = cfg.train_dflash
-    ready = prepare(cfg, calibration)
+    ready = prepare(cfg, calibration, counts)
     target, config, drafter, data = ready.target, ready.config, ready.drafter, ready.data
     run.log(f"{data.describe()}; tapped layers {config.target_layer_ids} (hidden_states "
             f"{list(config.hidden_state_indices)}), {config.num_hidden_layers} layer(s), block {config.block_size}, "
-            f"mask token {config.mask_token_id}")
+            f"mask token {config.mask_token_id}, head {tc.head}"
+            + ("" if config.draft_vocab_size is None else f" ({config.draft_vocab_size} ids of count {counts.id})"))
     task = DFlashTask(drafter, target, data.heldout, anchors_per_row=tc.anchors_per_row, decay=tc.loss_decay,
                       loss=tc.loss, next_round_anchors=tc.next_round_anchors, pad_id=ready.pad_id)
     result = fit(task, data.train, tc.train, run.staging / "train",
                  tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path), experiment=cfg.mlflow.experiment,
                  run_name=f"{run.artifact_id}/training", label="train_dflash",
                  identity={"drafter": dataclasses.asdict(config), "train_dflash": identity(tc),
-                           "inputs": [calibration.id]})
+                           "inputs": [calibration.id] + ([] if counts is None else [counts.id])})
     if not result.is_global_zero:
         return None
     metrics = result.stage_metrics(data)
@@ -114,7 +127,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
     report = {**result.record(),
               "features": "online", "rows": data.record(),
               "target_layer_ids": list(config.target_layer_ids), "block_size": config.block_size,
-              "calibration": calibration.id}
+              "calibration": calibration.id, "head": tc.head, "draft_vocab_size": config.draft_vocab_size,
+              "counts": None if counts is None else counts.id}
 
     def write(out: Path) -> None:
         save_dflash(drafter, out)
@@ -131,4 +145,6 @@ def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     """Train (or reuse) the DFlash drafter this config plans for."""
     step = plan(cfg, ["train_dflash"])["train_dflash"]
     calibration = step.input("generate")
-    return run_stage(cfg, step, [calibration], build=lambda run: _build(cfg, run, calibration), launch=launch)
+    counts = step.input("count") if cfg.train_dflash.head == "draft" else None
+    inputs = [calibration] if counts is None else [calibration, counts]
+    return run_stage(cfg, step, inputs, build=lambda run: _build(cfg, run, calibration, counts), launch=launch)

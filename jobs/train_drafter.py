@@ -38,21 +38,6 @@ SUMMARY: tuple[str, ...] = ("train_steps", "best.simulated_tau", "train_seconds"
 time."""
 
 
-def _vocab_maps(counts: Artifact, target_vocab_size: int) -> tuple:
-    """The count artifact's EAGLE-3 ``d2t``/``t2d``, ``t2d`` padded to the target's embedding rows."""
-    import numpy as np
-    from safetensors.numpy import load_file
-
-    maps = load_file(str(counts.file("eagle3_maps.safetensors")))
-    d2t, t2d = maps["d2t"], maps["t2d"].astype(bool)
-    if t2d.size > target_vocab_size:
-        raise DrafterError(f"The draft vocabulary of count artifact {counts.id} is for a larger vocabulary.",
-                           expected=f"t2d over at most the target's {target_vocab_size} embedding rows",
-                           found=f"t2d of length {t2d.size}",
-                           fix="Use the count artifact made with this target's tokenizer.")
-    return d2t, np.pad(t2d, (0, target_vocab_size - t2d.size))
-
-
 def _check_disk(rows: list, cfg: PipelineConfig, run: StageRun, hidden: int, dtype: object) -> None:
     from pipeline.training.eagle3_task import feature_bytes  # deferred: pulls in torch
 
@@ -89,12 +74,13 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact) -> Pre
 
     from pipeline.data.rows import CalibrationRows  # deferred: pulls in torch
     from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter  # deferred: pulls in torch
+    from pipeline.vocab.counting import draft_vocab_maps  # deferred: pulls in pyarrow
 
     td = cfg.train_drafter
     target_ = Target(cfg.target)
     tokenizer = target_.tokenizer()
     target = target_.model(dtype="float32")  # the strategy casts (DeepSpeed bf16) or keeps fp32 (CPU)
-    d2t, t2d = _vocab_maps(counts, int(target.config.vocab_size))
+    d2t, t2d = draft_vocab_maps(counts, int(target.config.vocab_size))
     config = Eagle3Config.from_target(target.config, draft_vocab_size=int(d2t.size),
                                       aux_layer_ids=tuple(td.aux_layer_ids) if td.aux_layer_ids else None)
     torch.manual_seed(td.init_seed)

@@ -21,6 +21,7 @@ from jobs.cli import main as cli_main
 from pipeline.config.sections import load_config
 from pipeline.data.calibration import iter_rows
 from pipeline.engine.methods import METHOD_NAMES, METHODS
+from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import STAGE_NAMES, STAGES, default_stages, plan
 from tests.helpers import SMALL, small_cfg
 
@@ -60,6 +61,20 @@ def test_run_settings_stay_out_of_every_id(tmp_path: Path, tiny_kit) -> None:
     a, b = plan(here), plan(there)
     assert [s.id for s in a.stages.values()] == [s.id for s in b.stages.values()]
     assert list(a.stages) == list(default_stages(here)) == [s for s in STAGE_NAMES if s != "train_dflash"]
+
+
+def test_train_dflash_reads_count_only_with_its_own_draft_vocabulary_head(tmp_path: Path, tiny_kit) -> None:
+    """head target: train_dflash reads generate alone; head draft: count too (its draft vocabulary), under another id;
+    train_dflash.counts names the count artifact instead. A head that is neither is refused with the key."""
+    target_head = plan(small_cfg(tmp_path), ["train_dflash"])
+    draft_head = plan(small_cfg(tmp_path, "train_dflash.head=draft"), ["train_dflash"])
+    assert list(target_head["train_dflash"].inputs) == ["generate"]
+    assert list(draft_head["train_dflash"].inputs) == ["generate", "count"]
+    assert draft_head["train_dflash"].inputs["count"][0] == draft_head["count"].id
+    assert draft_head.needed(["train_dflash"]) == ["generate", "count", "train_dflash"]
+    assert target_head["train_dflash"].id != draft_head["train_dflash"].id
+    with pytest.raises(DrafterError, match="train_dflash.head"):
+        small_cfg(tmp_path, "train_dflash.head=tied")
 
 
 @pytest.mark.slow

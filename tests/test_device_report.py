@@ -64,8 +64,9 @@ def test_a_report_without_another_device_has_no_device_table(tmp_path: Path) -> 
 @pytest.mark.parametrize("path", ["static", "eager"])
 def test_the_static_paths_warm_up_every_configuration_before_anything_is_timed(path: str, tiny_kit, monkeypatch,
                                                                                tmp_path: Path) -> None:
-    """On the static paths (``graphs`` compiles a CUDA graph per shape on first use) the evaluator decodes each task's
-    first prompt once per configuration, untimed, before the first timed cell; the eager path does not."""
+    """On the static paths (``graphs`` compiles a CUDA graph per shape on first use) the evaluator decodes, untimed and
+    before the first timed cell, one prompt of each prefill bucket per task and configuration (chat's third prompt
+    has its first prompt's buckets, so it is not among them); the eager path does not."""
     import pipeline.evaluation.evaluator as evaluator_module
     from jobs import run
     from pipeline.config.sections import load_config
@@ -77,7 +78,8 @@ def test_the_static_paths_warm_up_every_configuration_before_anything_is_timed(p
                              "evaluate.sampling_check_samples=0"])
     counts = run(cfg, ["count"])["count"]  # full drafts over the kit's drafter; the count artifact is read regardless
     target = Target(cfg.target)
-    prompts = {"chat": [[5, 6, 7], [8, 9, 10, 11]], "code": [[12, 13], [14, 15, 16]]}
+    prompts = {"chat": [[5, 6, 7], [8, 9, 10, 11], [17, 18, 19]], "code": [[12, 13], [14, 15, 16]]}
+    samples = {"chat": [[5, 6, 7], [8, 9, 10, 11]], "code": [[12, 13], [14, 15, 16]]}  # buckets (2, 4), (4, 4); (1, 2)…
     calls: list[tuple] = []
     real_ar, real_spec = evaluator_module.generate_autoregressive, evaluator_module.generate_speculative
 
@@ -95,6 +97,7 @@ def test_the_static_paths_warm_up_every_configuration_before_anything_is_timed(p
               lambda _line: None).run()
     timed = [(kind, p, g) for task in prompts.values() for kind, g in (("ar", 0), ("spec", 2), ("spec", 3))
              for p in task]
-    warm_up = [(kind, task[0], g) for task in prompts.values() for kind, g in (("ar", 0), ("spec", 2), ("spec", 3))]
+    warm_up = [(kind, p, g) for task in samples.values() for kind, g in (("ar", 0), ("spec", 2), ("spec", 3))
+               for p in task]
     assert calls[0] == ("ar", [5, 6, 7], 0)  # the short warm-up every path runs
     assert calls[1:] == (warm_up + timed if path == "static" else timed)

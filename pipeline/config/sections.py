@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config.dflash import TrainDFlashConfig
 from pipeline.config.schema import (
     apply_overrides,
     check_value,
@@ -26,7 +27,6 @@ from pipeline.config.stages import (
     EstimateRdkConfig,
     EvaluateConfig,
     GenerateConfig,
-    TrainDFlashConfig,
     TrainDrafterConfig,
     TrainRouterConfig,
 )

@@ -14,6 +14,10 @@ denoises a block ``[x_n, MASK × (B − 1)]`` in a single pass:
   every block row sees the whole context. The final ``norm`` and then the target's own (frozen) LM head give
   a distribution at each block row; row ``k ≥ 1`` drafts the token at position ``n + k``, so one forward
   gives ``B − 1`` drafts, each from its own distribution (none depends on the others' samples).
+* **Draft vocabulary (optional).** With ``draft_vocab_size`` set, the head is the drafter's own ``lm_head`` over
+  that many target ids (started from the target's rows, trained), with EAGLE-3's ``d2t``/``t2d`` maps: the
+  reduced-vocabulary DFlash that ``speculators`` saves (``draft_vocab_size``, ``lm_head``, ``d2t``, ``t2d``) and
+  vLLM's DFlash loader reads (``lm_head`` + ``d2t``). It drafts only those ids; verification stays lossless.
 * **Layer numbering.** ``target_layer_ids`` use the *reference* numbering (the DFlash code and SGLang): id
   ``i`` is the output of target layer ``i``, i.e. HF ``output_hidden_states[i + 1]``. ``speculators`` stores
   ``i + 1`` (``aux_hidden_state_layer_ids``) and vLLM converts back; :mod:`pipeline.drafters.dflash_export`
@@ -22,7 +26,8 @@ denoises a block ``[x_n, MASK × (B − 1)]`` in a single pass:
 The state dict of :class:`DFlashDrafter` *is* the reference layout: ``layers.N.self_attn.{q,k,v,o}_proj``,
 ``layers.N.self_attn.{q,k}_norm``, ``layers.N.mlp.{gate,up,down}_proj``, ``layers.N.{input,post_attention}
 _layernorm``, ``fc``, ``hidden_norm``, ``norm`` (:data:`reference_keys`) — and nothing else: the embedding
-and LM head are the target's, held by reference, and RoPE tables are non-persistent.
+and LM head are the target's, held by reference, and RoPE tables are non-persistent. A drafter with its own
+draft-vocabulary head adds ``lm_head.weight``, ``d2t`` and ``t2d``.
 """
 
 from __future__ import annotations
@@ -34,7 +39,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.drafters.layers import MLP, RMSNorm, RopeDrafter, check_shape, rotate, target_shape
+from pipeline.drafters.layers import (
+    MLP,
+    RMSNorm,
+    RopeDrafter,
+    check_shape,
+    check_vocab_maps,
+    rotate,
+    target_shape,
+)
 from pipeline.errors import DrafterError
 
 # --- config ----------------------------------------------------------------------------------------
@@ -102,6 +115,9 @@ class DFlashConfig:
     """The token whose (frozen, target) embedding fills the block's masked rows."""
     rope_scaling: dict | None = None
     """The target's non-default RoPE parameters, else None."""
+    draft_vocab_size: int | None = None
+    """None: the target's frozen LM head over the whole vocabulary. Else the rows of the drafter's own head (fewer than
+    ``vocab_size``), one per target id of its draft vocabulary (``d2t``/``t2d``)."""
 
     def __post_init__(self) -> None:
         check_shape(self, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -114,6 +130,11 @@ class DFlashConfig:
             raise DrafterError("DFlashConfig: the mask token is not a row of the target's embedding.",
                                expected=f"mask_token_id in [0, {self.vocab_size})", found=f"{self.mask_token_id!r}")
         check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
+                                                  or not 0 < self.draft_vocab_size < self.vocab_size):
+            raise DrafterError("DFlashConfig: a draft vocabulary must be smaller than the target's.",
+                               expected=f"draft_vocab_size null or in [1, {self.vocab_size})",
+                               found=f"draft_vocab_size={self.draft_vocab_size!r}")
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))  # lists from JSON
 
     @property
@@ -124,7 +145,8 @@ class DFlashConfig:
     @classmethod
     def from_target(cls, target_config: Any, *, num_hidden_layers: int, block_size: int, mask_token_id: int,
                     target_layer_ids: tuple[int, ...] | None = None, num_key_value_heads: int | None = None,
-                    intermediate_size: int | None = None, num_attention_heads: int | None = None) -> DFlashConfig:
+                    intermediate_size: int | None = None, num_attention_heads: int | None = None,
+                    draft_vocab_size: int | None = None) -> DFlashConfig:
         """The drafter for a Llama/Qwen3-style target config (heads, head dim, MLP width, RoPE and eps copied).
 
         Args:
@@ -137,6 +159,7 @@ class DFlashConfig:
                 the context only through them, so more heads (up to one per query head) widen what a row can read.
             intermediate_size: the draft layers' MLP width; None copies the target's.
             num_attention_heads: the draft layers' query heads (each ``head_dim`` wide); None copies the target's.
+            draft_vocab_size: rows of the drafter's own head; None uses the target's head (full vocabulary).
         """
         depth = int(target_config.num_hidden_layers)
         if target_layer_ids is None:
@@ -153,6 +176,7 @@ class DFlashConfig:
             target_layer_ids=tuple(int(i) for i in target_layer_ids),
             num_target_layers=depth,
             mask_token_id=int(mask_token_id),
+            draft_vocab_size=None if draft_vocab_size is None else int(draft_vocab_size),
         )
 
 
@@ -163,7 +187,8 @@ def reference_keys(config: DFlashConfig) -> tuple[str, ...]:
                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                  "input_layernorm.weight", "post_attention_layernorm.weight")
     layers = tuple(f"layers.{n}.{key}" for n in range(config.num_hidden_layers) for key in per_layer)
-    return (*layers, "fc.weight", "hidden_norm.weight", "norm.weight")
+    head = () if config.draft_vocab_size is None else ("lm_head.weight", "d2t", "t2d")
+    return (*layers, "fc.weight", "hidden_norm.weight", "norm.weight", *head)
 
 
 # --- the context cache -----------------------------------------------------------------------------
@@ -324,13 +349,14 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashDrafter(RopeDrafter):
-    """DFlash over a frozen target embedding and LM head.
+    """DFlash over a frozen target embedding and, unless the config names a draft vocabulary, LM head.
 
     Args:
         config: the drafter's shape (:meth:`DFlashConfig.from_target`).
         target_embedding: the target's token embedding (block rows), frozen and held by reference.
         target_head: the target's LM head, frozen and held by reference (neither is in the state dict nor
-            moves with ``.to()``: keep the drafter on the target's device).
+            moves with ``.to()``: keep the drafter on the target's device). With ``config.draft_vocab_size`` the
+            drafter has its own ``lm_head`` (a submodule, saved), started from these rows by :meth:`set_vocab_maps`.
     """
 
     def __init__(self, config: DFlashConfig, target_embedding: nn.Module, target_head: nn.Module) -> None:
@@ -344,13 +370,44 @@ class DFlashDrafter(RopeDrafter):
             module.weight.requires_grad_(False)
         self.config = config
         object.__setattr__(self, "embed_tokens", target_embedding)  # references, not submodules
-        object.__setattr__(self, "lm_head", target_head)
+        object.__setattr__(self, "target_head", target_head)
+        if config.draft_vocab_size is None:
+            object.__setattr__(self, "lm_head", target_head)
 
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.init_rotary(config)
+        if config.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+            # Until set_vocab_maps: the draft vocabulary is the first draft_vocab_size target ids.
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+            self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
+            self.set_vocab_maps(self.d2t, self.t2d)
+
+    # -- the draft vocabulary -------------------------------------------------------------------------
+
+    @property
+    def draft_to_target(self) -> torch.Tensor | None:
+        """Target id of each row of the head, ``(draft_vocab_size,)`` int64 (``arange + d2t``); None when the head is
+        the target's (row ``i`` is target id ``i``)."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def set_vocab_maps(self, d2t_offsets: Any, t2d_mask: Any) -> None:
+        """Install the draft vocabulary (EAGLE-3's ``d2t`` offsets and ``t2d`` mask, e.g. from
+        :func:`pipeline.vocab.counting.eagle3_offset_maps`) and start ``lm_head`` from the target's rows of it."""
+        if self.config.draft_vocab_size is None:
+            raise DrafterError("This DFlash drafter drafts over the target's whole vocabulary: it has no vocabulary maps.",
+                               expected="a config with draft_vocab_size", found="draft_vocab_size=None")
+        d2t, t2d = check_vocab_maps(d2t_offsets, t2d_mask, self.config.draft_vocab_size, self.config.vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        rows = self.target_head.weight
+        self.lm_head.weight.copy_(rows[self.draft_to_target.to(rows.device)].to(self.lm_head.weight))
 
     # -- the network --------------------------------------------------------------------------------
 
@@ -397,10 +454,12 @@ class DFlashDrafter(RopeDrafter):
         return self.norm(block)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's LM head on the drafter's normed output (full target vocabulary)."""
+        """The head on the drafter's normed output: the target's (full vocabulary) or, with a draft vocabulary, the
+        drafter's own (``draft_vocab_size`` wide; :attr:`draft_to_target` names the target id of each)."""
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """The reference layout's tensors (:func:`reference_keys`): what every export saves."""
+        """The reference layout's tensors (:func:`reference_keys`; with a draft vocabulary, its head and maps too):
+        what every export saves."""
         return {name: tensor.detach() for name, tensor in self.state_dict().items()}
 

@@ -9,14 +9,19 @@ takes them from the target, after checking its shape.
 (``srt/models/dflash.py``) load: ``config.json`` with ``architectures: ["DFlashDraftModel"]``,
 ``model_type: "qwen3"``, the layer shape, ``layer_types`` per draft layer, ``block_size``,
 ``num_target_layers`` and ``dflash_config.{target_layer_ids, mask_token_id}``; the weights exactly the
-reference keys — nothing else, because SGLang drops keys it does not know without a word.
+reference keys — nothing else, because SGLang drops keys it does not know without a word. A drafter with its own
+draft-vocabulary head adds ``draft_vocab_size`` to the config and ``lm_head.weight``, ``d2t`` (vLLM's
+``draft_id_to_target_id``, used as ``arange + d2t``) and ``t2d`` (skipped by vLLM) to the weights: vLLM serves it;
+SGLang 0.5.23's DFlash model has no LM head of its own, so serve such a drafter there only after retraining it with
+``train_dflash.head: target``.
 
 **speculators layout** (:func:`export_speculators`), what ``speculators.models.dflash`` (0.9.0:
 ``DFlashSpeculatorConfig``, ``DFlashDraftModel``) loads and vLLM auto-detects by ``speculators_model_type``:
 ``transformer_layer_config`` (the Qwen3 layer config), ``aux_hidden_state_layer_ids`` = reference ids + 1 (the
 ``hidden_states`` indices themselves), ``mask_token_id``, ``block_size``, a greedy proposal of
 ``speculative_tokens = B − 1`` and ``sliding_window_non_causal: true`` (vLLM derives ``causal = not
-sliding_window_non_causal`` for every layer: the block stays bidirectional).
+sliding_window_non_causal`` for every layer: the block stays bidirectional); ``draft_vocab_size`` and, for a
+draft-vocabulary head, ``lm_head.weight``, ``d2t``, ``t2d`` (what speculators saves when it trains one).
 
 Both exports are written into a temp sibling and renamed into place (``out_dir`` must not exist or be empty);
 nothing here unpickles.
@@ -41,6 +46,7 @@ from pipeline.drafters.export import (
     _read_weights,
     check_keys,
 )
+from pipeline.drafters.layers import check_vocab_maps
 from pipeline.errors import DrafterError
 
 ARTIFACT_CONFIG = "dflash_config.json"
@@ -56,8 +62,8 @@ SPECULATORS_MODEL_TYPE = "dflash"
 def _tensors(drafter: DFlashDrafter, dtype: torch.dtype | None, what: str) -> dict[str, torch.Tensor]:
     state = drafter.trainable_state_dict()
     check_keys(state, reference_keys(drafter.config), what)
-    return {name: (t.detach().cpu().to(dtype) if dtype is not None else t.detach().cpu()).contiguous().clone()
-            for name, t in state.items()}
+    return {name: (t.detach().cpu().to(dtype) if dtype is not None and t.is_floating_point() else t.detach().cpu())
+            .contiguous().clone() for name, t in state.items()}
 
 
 def save_dflash(drafter: DFlashDrafter, out: Path) -> None:
@@ -93,6 +99,8 @@ def drafter_from_weights(config: DFlashConfig, target: Any, weights: dict[str, t
                            expected=f"(hidden_size, vocab_size, num_hidden_layers) = {want}", found=f"{got}",
                            fix="Evaluate it with the target it was trained for.")
     check_keys(weights, reference_keys(config), where)
+    if config.draft_vocab_size is not None:  # a tampered map would draft ids the head was not trained for
+        check_vocab_maps(weights["d2t"], weights["t2d"], config.draft_vocab_size, config.vocab_size)
     drafter = DFlashDrafter(config, target.get_input_embeddings(), target.get_output_embeddings())
     drafter = drafter.to(weights["fc.weight"].dtype)
     try:
@@ -175,6 +183,7 @@ def reference_config_dict(config: DFlashConfig, *, target_model: str, target_con
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
         "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "mask_token_id": config.mask_token_id},
+        **({} if config.draft_vocab_size is None else {"draft_vocab_size": config.draft_vocab_size}),
         PROVENANCE: _provenance(config, target_model),
     }
 
@@ -199,7 +208,7 @@ def speculators_config_dict(config: DFlashConfig, *, target_model: str, target_c
         "aux_hidden_state_layer_ids": list(config.hidden_state_indices),
         "mask_token_id": config.mask_token_id,
         "block_size": config.block_size,
-        "draft_vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
         # vLLM 0.33.0 (transformers_utils/configs/speculators/algos.py, update_dflash) turns this into
         # dflash_config.causal = not sliding_window_non_causal, which qwen3_dflash.py applies to *every* layer before
         # looking at layer_types; speculators' own default (false) would serve the block causally. True keeps it
@@ -281,7 +290,8 @@ def load_reference_export(path: str | Path, target: Any) -> DFlashDrafter:
             block_size=int(doc["block_size"]),
             target_layer_ids=tuple(int(i) for i in doc["dflash_config"]["target_layer_ids"]),
             num_target_layers=int(doc["num_target_layers"]), mask_token_id=int(doc["dflash_config"]["mask_token_id"]),
-            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None)
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+            draft_vocab_size=int(doc["draft_vocab_size"]) if doc.get("draft_vocab_size") is not None else None)
     except KeyError as err:
         raise DrafterError(f"{path}/{CONFIG} lacks the field {err.args[0]!r}.",
                            fix="Re-export the drafter with export_reference.") from err

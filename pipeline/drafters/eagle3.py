@@ -40,7 +40,15 @@ import torch
 from torch import nn
 
 from pipeline.drafters.caches import KVCache, StaticKVCache, TTTCache
-from pipeline.drafters.layers import MLP, RMSNorm, RopeDrafter, check_shape, rotate, target_shape
+from pipeline.drafters.layers import (
+    MLP,
+    RMSNorm,
+    RopeDrafter,
+    check_shape,
+    check_vocab_maps,
+    rotate,
+    target_shape,
+)
 from pipeline.errors import DrafterError
 
 # What SGLang's and vLLM's EAGLE-3 Llama loaders read (see the module docstring); the export contract.
@@ -257,28 +265,9 @@ class Eagle3Drafter(RopeDrafter):
                 target ids strictly increasing (draft id ``i`` is the ``i``-th smallest).
             t2d_mask: ``(target_vocab_size,)`` bool, true exactly at those target ids.
         """
-        d2t, t2d = torch.as_tensor(d2t_offsets), torch.as_tensor(t2d_mask)
-        vd, v = self.config.draft_vocab_size, self.config.target_vocab_size
-        if tuple(d2t.shape) != (vd,) or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
-            raise DrafterError("d2t is not an integer offset vector over the draft vocabulary.",
-                               expected=f"integer shape ({vd},)", found=f"{d2t.dtype} shape {tuple(d2t.shape)}")
-        if tuple(t2d.shape) != (v,) or t2d.dtype != torch.bool:
-            raise DrafterError("t2d is not a bool mask over the target vocabulary.",
-                               expected=f"bool shape ({v},)", found=f"{t2d.dtype} shape {tuple(t2d.shape)}")
-        ids = torch.arange(vd) + d2t.long().cpu()
-        if ids.min() < 0 or ids.max() >= v or (vd > 1 and not bool((ids[1:] > ids[:-1]).all())):
-            raise DrafterError("d2t offsets do not map draft ids to distinct increasing target ids.",
-                               expected=f"arange({vd}) + d2t strictly increasing, within [0, {v})",
-                               found=f"target ids from {int(ids.min())} to {int(ids.max())}, "
-                                     f"{int(ids.unique().numel())} distinct",
-                               fix="Build the maps with pipeline.vocab.counting.eagle3_offset_maps.")
-        t2d_cpu = t2d.cpu()
-        if int(t2d_cpu.sum()) != vd or not bool(t2d_cpu[ids].all()):
-            raise DrafterError("t2d does not mark exactly the target ids d2t maps to.",
-                               expected=f"{vd} true entries, at arange + d2t",
-                               found=f"{int(t2d_cpu.sum())} true entries, "
-                                     f"{int((~t2d_cpu[ids]).sum())} d2t targets unmarked")
-        self.d2t.copy_(d2t.long())
+        d2t, t2d = check_vocab_maps(d2t_offsets, t2d_mask, self.config.draft_vocab_size,
+                                    self.config.target_vocab_size)
+        self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
     @torch.no_grad()

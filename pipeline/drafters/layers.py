@@ -47,6 +47,37 @@ def check_shape(config: Any, sizes: tuple[str, ...]) -> None:
                            found=f"{config.num_attention_heads} heads, {config.num_key_value_heads} kv heads")
 
 
+def check_vocab_maps(d2t_offsets: Any, t2d_mask: Any, draft_vocab_size: int,
+                     target_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3-convention vocabulary maps (numpy or torch, e.g. from
+    :func:`pipeline.vocab.counting.eagle3_offset_maps`) checked, as ``(int64 d2t, bool t2d)`` tensors on the CPU.
+
+    ``d2t`` holds offsets: draft id ``i`` is target id ``i + d2t[i]``, target ids strictly increasing; ``t2d`` is
+    true exactly at those target ids. Raises :class:`DrafterError` otherwise.
+    """
+    d2t, t2d = torch.as_tensor(d2t_offsets), torch.as_tensor(t2d_mask)
+    vd, v = draft_vocab_size, target_vocab_size
+    if tuple(d2t.shape) != (vd,) or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise DrafterError("d2t is not an integer offset vector over the draft vocabulary.",
+                           expected=f"integer shape ({vd},)", found=f"{d2t.dtype} shape {tuple(d2t.shape)}")
+    if tuple(t2d.shape) != (v,) or t2d.dtype != torch.bool:
+        raise DrafterError("t2d is not a bool mask over the target vocabulary.",
+                           expected=f"bool shape ({v},)", found=f"{t2d.dtype} shape {tuple(t2d.shape)}")
+    d2t, t2d = d2t.long().cpu(), t2d.cpu()
+    ids = torch.arange(vd) + d2t
+    if ids.min() < 0 or ids.max() >= v or (vd > 1 and not bool((ids[1:] > ids[:-1]).all())):
+        raise DrafterError("d2t offsets do not map draft ids to distinct increasing target ids.",
+                           expected=f"arange({vd}) + d2t strictly increasing, within [0, {v})",
+                           found=f"target ids from {int(ids.min())} to {int(ids.max())}, "
+                                 f"{int(ids.unique().numel())} distinct",
+                           fix="Build the maps with pipeline.vocab.counting.eagle3_offset_maps.")
+    if int(t2d.sum()) != vd or not bool(t2d[ids].all()):
+        raise DrafterError("t2d does not mark exactly the target ids d2t maps to.",
+                           expected=f"{vd} true entries, at arange + d2t",
+                           found=f"{int(t2d.sum())} true entries, {int((~t2d[ids]).sum())} d2t targets unmarked")
+    return d2t, t2d
+
+
 class RMSNorm(nn.Module):
     """Llama's RMSNorm (statistics in float32)."""
 

@@ -5,7 +5,9 @@ target's features of every verified position before ``x_n`` — exactly what
 :class:`~pipeline.engine.session.TargetState` holds (every position of the context but the newest). Block row
 ``k ≥ 1`` gives a distribution over the token at position ``n + k``; this proposer samples each of the first
 ``min(γ, B − 1)`` rows from its own standardised distribution (temperature, top-k, top-p; greedy: the argmax)
-and reports that distribution as ``q``.
+and reports that distribution as ``q``. A drafter with its own draft-vocabulary head draws a draft id, maps it to
+its target id (``d2t``) and reports ``q`` scattered into target-id space, zero off the draft vocabulary (as
+EAGLE-3 does).
 
 **Why that is lossless.** The rows are computed in one forward from the context alone, and each draft is
 drawn independently from its row, so the law of draft ``k`` given the drafts before it is exactly its row
@@ -39,7 +41,8 @@ class DFlashProposer:
     """A :class:`~pipeline.engine.proposers.Proposer` drafting a block per forward with a DFlash drafter.
 
     Args:
-        drafter: The DFlash drafter for this target (its embedding and LM head are the target's).
+        drafter: The DFlash drafter for this target (its embedding is the target's; its head the target's or its
+            own over a draft vocabulary, whose map is read here, once).
         target_vocab_size: Width of ``q``; defaults to the drafter's ``config.vocab_size`` (the target's head).
         name: Label used in metrics and reports.
 
@@ -60,6 +63,8 @@ class DFlashProposer:
                                found=f"target_vocab_size={self.target_vocab_size}",
                                fix="Leave target_vocab_size unset (the drafter's head is the target's).")
         self._depth = config.num_target_layers + 1
+        ids = drafter.draft_to_target
+        self._draft_ids: Tensor | None = None if ids is None else ids.detach().clone()
         self.drafter_calls = 0
         self._options = DecodeOptions()
         self._static: StaticContextCache | None = None
@@ -101,7 +106,8 @@ class DFlashProposer:
 
     def block_distributions(self, context: list[int], hidden: list[Tensor], params: SamplingParams,
                             state: TargetState | None = None) -> Tensor:
-        """One drafter forward: the standardised distributions of block rows ``1 .. B − 1``, ``(B − 1, V)`` float64.
+        """One drafter forward: the standardised distributions of block rows ``1 .. B − 1``, ``(B − 1, V)`` float64
+        over the head's rows (the target's vocabulary, or the draft vocabulary).
 
         The context cache is brought to every position of ``context`` but the newest (whose token opens the block).
         On the static paths the new context rows are padded to their bucket and every position is a device value,
@@ -155,6 +161,11 @@ class DFlashProposer:
                             torch.zeros(0, self.target_vocab_size, dtype=torch.float64, device=device))
         probs = self.block_distributions(context, hidden, params, state)[:drafts]
         tokens = draw(probs, params, generator)  # each row on its own: draft k's law is row k whatever came before
+        if self._draft_ids is not None:
+            if self._draft_ids.device != device:
+                self._draft_ids = self._draft_ids.to(device)
+            q = probs.new_zeros(probs.shape[0], self.target_vocab_size).index_copy_(1, self._draft_ids, probs)
+            return Proposal(self._draft_ids.index_select(0, tokens), q)  # target ids, no host sync
         q = probs
         if q.shape[-1] < self.target_vocab_size:
             q = torch.nn.functional.pad(q, (0, self.target_vocab_size - q.shape[-1]))

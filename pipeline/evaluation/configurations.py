@@ -219,9 +219,9 @@ class Configurations:
             self._drafters[stage] = (load_dflash(artifact.path, self.target), None)
         drafter = self._drafters[stage][0]
         proposer = build_proposer(spec.name, BlockFeatureInputs(drafter, target_vocab_size=self.vocab))
-        # c: its layers plus the target's LM head, which it applies to its B - 1 rows every forward (EAGLE-3's
-        # head is among its own parameters); charged once per measured forward, not γ times.
-        head = self.target.get_output_embeddings().weight.numel()
+        # c: its layers plus the target's LM head, which it applies to its B - 1 rows every forward (a draft-vocabulary
+        # head, like EAGLE-3's, is among its own parameters); charged once per measured forward, not γ times.
+        head = self.target.get_output_embeddings().weight.numel() if drafter.config.draft_vocab_size is None else 0
         total = sum(p.numel() for p in self.target.parameters())
         yield Configuration(spec.name, f"{spec.name}:{artifact.id}", None, None, proposer,
                             parameter_ratio(drafter, self.target) + head / total)

@@ -143,10 +143,12 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("train_drafter", "jobs.train_drafter", "eagle3_drafter", upstream=("generate", "count"),
               reads=(*TARGET_IDENTITY, "train_drafter"),
               overrides={"generate": "train_drafter.calibration", "count": "train_drafter.counts"}),
-    # DFlash learns from the calibration set alone (the full target vocabulary: its head is the target's). Outside
-    # the default run unless evaluate decodes it: its training would lengthen the embedded default's `make run`.
-    StageSpec("train_dflash", "jobs.train_dflash", "dflash_drafter", upstream=("generate",),
-              reads=(*TARGET_IDENTITY, "train_dflash"), overrides={"generate": "train_dflash.calibration"},
+    # DFlash learns from the calibration set (and, with its own draft-vocabulary head, count's draft vocabulary).
+    # Outside the default run unless evaluate decodes it: its training would lengthen the embedded default's `make run`.
+    StageSpec("train_dflash", "jobs.train_dflash", "dflash_drafter", upstream=("generate", "count"),
+              reads=(*TARGET_IDENTITY, "train_dflash"),
+              overrides={"generate": "train_dflash.calibration", "count": "train_dflash.counts"},
+              when={"count": lambda cfg: cfg.train_dflash.head == "draft"},
               opt_in=_read_by_methods("train_dflash")),
     # DynaSpec: the drafter's head is clustered (no upstream: it reads only a model), the router learns from
     # the calibration set with the clustering, and compares itself with count's frequency shortlists.

@@ -16,7 +16,10 @@ SpecForge's, to the row's own token there, which the target wrote; or ``kl``, th
 distribution there, the gradient of ``speculators``' KL) is weighted by ``exp(−(k − 1)/γ)``
 (``train_dflash.loss_decay``; SpecForge γ = 7 at B = 16, ``speculators`` γ = 4 at B = 8), only where position
 ``a + k`` is an assistant token of the row. Weighted mean per example, then the mean over
-examples (the harness's contract: a global batch may be split over ranks and micro-batches freely).
+examples (the harness's contract: a global batch may be split over ranks and micro-batches freely). A drafter with
+its own draft-vocabulary head learns a row only where the token it is taught (``ce``: the row's; ``kl``: the
+target's argmax) is in that vocabulary, against the teacher restricted to it (as EAGLE-3 does); its agreement
+counts every learnable row, so a token outside the vocabulary is a miss.
 
 Checkpoint choice (``evaluate()``): on held-out rows with a fixed anchor draw, the **simulated τ** of a block =
 1 + the number of leading rows whose argmax is the target's argmax (the target conditioned on the row's own
@@ -34,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.config.stages import DFLASH_LOSSES
+from pipeline.config.dflash import DFLASH_LOSSES
 from pipeline.data.rows import Row, pad_batch
 from pipeline.drafters.dflash import DFlashDrafter
 from pipeline.training.task import DrafterTask
@@ -181,14 +184,21 @@ def block_loss(drafter: DFlashDrafter, input_ids: torch.Tensor, target_hidden: t
         teacher = target_logits.gather(1, source.view(batch, -1, 1).expand(-1, -1, target_logits.shape[-1]))
         teacher = teacher.float().view(batch, count, size - 1, -1)
         target_top = teacher.argmax(-1)
-        soft = torch.softmax(teacher, dim=-1) if loss == "kl" else None  # ce needs only the row's own token
         position_weight = torch.exp(-torch.arange(size - 1, device=device, dtype=torch.float32) / decay)
         weight = blocks.targets.float() * position_weight
         labels = input_ids.gather(1, (source + 1).clamp(max=length - 1).view(batch, -1)).view(batch, count, size - 1)
+        vocab = drafter.draft_to_target  # None: the head's rows are the target's ids
+        if vocab is not None:
+            weight = weight * drafter.t2d[labels if loss == "ce" else target_top]
+            labels = (drafter.t2d.long().cumsum(0) - 1)[labels].clamp(min=0)  # draft ids (masked out where absent)
+            teacher = teacher.index_select(-1, vocab)
+        soft = torch.softmax(teacher, dim=-1) if loss == "kl" else None  # ce needs only the row's own token
 
     sums, draft_top = checkpoint(_head_loss, drafter, hidden, soft, labels, weight, use_reentrant=False)
     loss = (sums / weight.flatten(1).sum(-1).clamp(min=1e-9)).mean()
     with torch.no_grad():
+        if vocab is not None:
+            draft_top = vocab[draft_top]
         right = (draft_top == target_top) & blocks.targets
         run = torch.cumprod(right.long(), dim=-1).sum(-1)  # leading agreeing, learnable rows
     return BlockResult(loss=loss, per_position_correct=right.sum((0, 1)), per_position_tokens=blocks.targets.sum((0, 1)),

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -123,6 +124,21 @@ def eagle3_offset_maps(draft_ids: np.ndarray, vocab_size: int) -> tuple[np.ndarr
     t2d_mask = np.zeros(vocab_size, dtype=bool)
     t2d_mask[draft_ids] = True
     return d2t_offsets.astype(np.int64), t2d_mask
+
+
+def draft_vocab_maps(counts: Any, target_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A count artifact's draft vocabulary as EAGLE-3 ``d2t``/``t2d`` (its ``eagle3_maps.safetensors``), ``t2d``
+    padded to the target's embedding rows: what the EAGLE-3 drafter and a DFlash drafter with ``head: draft`` use."""
+    from safetensors.numpy import load_file
+
+    maps = load_file(str(counts.file("eagle3_maps.safetensors")))
+    d2t, t2d = maps["d2t"], maps["t2d"].astype(bool)
+    if t2d.size > target_vocab_size:
+        raise DrafterError(f"The draft vocabulary of count artifact {counts.id} is for a larger vocabulary.",
+                           expected=f"t2d over at most the target's {target_vocab_size} embedding rows",
+                           found=f"t2d of length {t2d.size}",
+                           fix="Use the count artifact made with this target's tokenizer.")
+    return d2t, np.pad(t2d, (0, target_vocab_size - t2d.size))
 
 
 def shortlists(counts: np.ndarray, rules: CountConfig, specials: list[int]) -> dict[str, np.ndarray]:

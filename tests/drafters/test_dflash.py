@@ -2,7 +2,9 @@
 state dict is exactly the reference layout, the block attends bidirectionally and only to the context before it,
 the many-anchor training forward equals one inference forward per block, the artifact and both serving layouts
 round-trip, and the tapped layers read the same ``hidden_states`` entries through either layout (the off-by-one
-between the reference numbering and ``speculators``)."""
+between the reference numbering and ``speculators``). With a draft-vocabulary head (``head: draft``) the head and its
+maps join the state dict and both layouts, tampered maps are refused, and the loss learns only rows whose token
+the head can draft."""
 
 from __future__ import annotations
 
@@ -57,10 +59,20 @@ def target() -> torch.nn.Module:
     return _target()
 
 
-def _drafter(target: torch.nn.Module, *, layers: int = 2, block: int = 4, seed: int = 1) -> DFlashDrafter:
-    config = DFlashConfig.from_target(target.config, num_hidden_layers=layers, block_size=block, mask_token_id=96)
+DRAFT_IDS = torch.tensor([0, 3, 4, 10, 11, 12, 30, 50, 51, 52, 60, 70, 80, 90, 95])
+"""A draft vocabulary of 15 of the fixture target's 97 ids."""
+
+
+def _drafter(target: torch.nn.Module, *, layers: int = 2, block: int = 4, seed: int = 1,
+             draft_ids: torch.Tensor | None = None) -> DFlashDrafter:
+    from pipeline.vocab.counting import eagle3_offset_maps
+
+    config = DFlashConfig.from_target(target.config, num_hidden_layers=layers, block_size=block, mask_token_id=96,
+                                      draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()))
     torch.manual_seed(seed)
     drafter = DFlashDrafter(config, target.get_input_embeddings(), target.get_output_embeddings())
+    if draft_ids is not None:
+        drafter.set_vocab_maps(*eagle3_offset_maps(draft_ids.numpy(), 97))
     with torch.no_grad():  # non-trivial norms, so a swapped or skipped norm shows
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight"):
@@ -302,3 +314,71 @@ def test_training_with_next_round_anchors_adds_the_next_rounds_blocks(target) ->
     both = task._blocks(batch, torch.Generator().manual_seed(0), next_round=True)
     assert drawn.blocks == 10 and 10 < both.blocks <= 20
     assert both.loss.requires_grad and torch.isfinite(both.loss)
+
+
+def test_a_draft_vocabulary_head_is_saved_exported_and_loaded_with_its_maps(target, tmp_path: Path) -> None:
+    """State dict = reference keys + ``lm_head.weight``, ``d2t``, ``t2d``; the artifact, the reference layout (with
+    ``draft_vocab_size``, what vLLM's DFlash loader reads with ``lm_head`` and ``d2t``) and the speculators layout
+    (``draft_vocab_size`` 15) carry them; both read back to the same drafts; a tampered ``d2t`` is refused."""
+    from safetensors.torch import save_file
+
+    drafter = _drafter(target, draft_ids=DRAFT_IDS)
+    with torch.no_grad():
+        drafter.lm_head.weight.add_(0.1)  # trained away from the target's rows
+    keys = set(reference_keys(drafter.config))
+    assert keys - set(reference_keys(_drafter(target).config)) == {"lm_head.weight", "d2t", "t2d"}
+    assert set(drafter.trainable_state_dict()) == keys
+    assert torch.equal(drafter.draft_to_target, DRAFT_IDS)
+    assert drafter.lm_head.weight.requires_grad and not target.get_output_embeddings().weight.requires_grad
+    save_dflash(drafter, tmp_path / "art")
+    loaded = load_dflash(tmp_path / "art", target)
+    assert loaded.config == drafter.config and torch.equal(loaded.draft_to_target, DRAFT_IDS)
+    for name, tensor in drafter.trainable_state_dict().items():
+        assert torch.equal(loaded.trainable_state_dict()[name], tensor), name
+    ref = export_reference(drafter, tmp_path / "ref", target_model="t", target_config=target.config)
+    doc = json.loads((ref / "config.json").read_text())
+    assert doc["draft_vocab_size"] == 15 and doc["vocab_size"] == 97
+    weights = load_file(str(ref / "model.safetensors"))
+    assert set(weights) == keys and weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(15) + weights["d2t"], DRAFT_IDS)
+    spec = export_speculators(drafter, tmp_path / "spec", target_model="t", target_config=target.config)
+    assert json.loads((spec / "config.json").read_text())["draft_vocab_size"] == 15
+    assert set(load_file(str(spec / "model.safetensors"))) == keys
+    back = load_reference_export(ref, target)
+    ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(2))
+    features = _features(target, drafter, ids)
+    want = drafter.logits(_one_block(drafter, features, ids, 9))
+    assert want.shape[-1] == 15
+    torch.testing.assert_close(back.logits(_one_block(back, features, ids, 9)), want, rtol=0, atol=0)
+    tampered = dict(weights)
+    tampered["d2t"] = weights["d2t"].flip(0)  # no longer increasing target ids
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text((ref / "config.json").read_text())
+    save_file(tampered, str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(DrafterError, match="d2t"):
+        load_reference_export(tmp_path / "bad", target)
+    with pytest.raises(DrafterError, match="draft vocabulary must be smaller"):
+        DFlashConfig.from_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=96,
+                                 draft_vocab_size=97)
+
+
+def test_block_loss_with_a_draft_vocabulary_head_learns_only_rows_it_can_draft(target) -> None:
+    """``ce`` with a draft-vocabulary head: the cross-entropy over the head's 15 ids to the row's token, at the rows
+    whose token is one of them (weights renormalised over those); agreement maps the head's argmax to its target id
+    and counts every learnable row (a token outside the vocabulary is a miss)."""
+    drafter = _drafter(target, layers=1, block=4, draft_ids=DRAFT_IDS)
+    ids = torch.tensor([[1, 2, 5, 6, 7, 8, 3, 10, 20, 11, 13, 14, 15, 16]])  # rows 1-3 at anchor 6: 10, 20, 11
+    with torch.no_grad():
+        hidden, logits = tapped_features(target, ids, None, drafter.config.hidden_state_indices)
+    anchor, decay = 6, 2.0
+    blocks = Blocks(anchors=torch.tensor([[anchor]]), valid=torch.tensor([[True]]),
+                    targets=torch.tensor([[[True, True, True]]]))
+    result = block_loss(drafter, ids, hidden, logits, blocks, decay, "ce")
+    log_q = torch.log_softmax(drafter.logits(_one_block(drafter, hidden, ids, anchor)[1:]), dim=-1)
+    draft_id = {int(t): i for i, t in enumerate(DRAFT_IDS)}
+    terms = torch.stack([-log_q[0, draft_id[10]], -log_q[2, draft_id[11]]])  # row 2's token 20 is not in the vocabulary
+    weights = torch.exp(-torch.tensor([0.0, 2.0], dtype=torch.float64) / decay)
+    torch.testing.assert_close(result.loss.double(), (terms * weights).sum() / weights.sum(), rtol=1e-6, atol=1e-8)
+    assert result.per_position_tokens.tolist() == [1, 1, 1]
+    agree = DRAFT_IDS[log_q.argmax(-1)] == logits[0, anchor : anchor + 3].argmax(-1)
+    assert result.per_position_correct.tolist() == agree.long().tolist()

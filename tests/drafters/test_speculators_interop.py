@@ -25,6 +25,7 @@ gives differences of order 1 (``norm_before_residual: true`` in the config: 0.5 
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -340,6 +341,20 @@ def dflash_ours(drafter, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
         return hidden, drafter.logits(hidden)
 
 
+def draft_head_variant(drafter, target):
+    """The same drafter with its own head over ``VD`` target ids (every 25th), its rows moved off the target's."""
+    from pipeline.drafters.dflash import DFlashDrafter
+    from pipeline.vocab.counting import eagle3_offset_maps
+
+    config = dataclasses.replace(drafter.config, draft_vocab_size=VD)
+    variant = DFlashDrafter(config, target.model.embed_tokens, target.lm_head)
+    variant.load_state_dict(drafter.state_dict(), strict=False)
+    variant.set_vocab_maps(*eagle3_offset_maps(np.arange(0, 25 * VD, 25), V))
+    with torch.no_grad():
+        variant.lm_head.weight.add_(0.05 * torch.randn_like(variant.lm_head.weight))
+    return variant
+
+
 def dflash_compare(drafter, target, inputs: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
     from pipeline.drafters.dflash import reference_keys
 
@@ -355,10 +370,13 @@ def dflash_compare(drafter, target, inputs: dict[str, torch.Tensor], theirs: dic
     for key in reference_keys(drafter.config):
         assert torch.equal(theirs["state." + key], state[key]), key
     assert torch.equal(theirs["state.embed_tokens.weight"], target.model.embed_tokens.weight)
-    assert torch.equal(theirs["state.lm_head.weight"], target.lm_head.weight)
     assert torch.equal(theirs["state.verifier_norm.weight"], target.model.norm.weight)
     extra = {k.removeprefix("state.") for k in theirs if k.startswith("state.")} - set(reference_keys(drafter.config))
-    assert extra == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    if drafter.config.draft_vocab_size is None:
+        assert torch.equal(theirs["state.lm_head.weight"], target.lm_head.weight)
+        assert extra == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    else:  # its own head and maps are among the reference keys compared above
+        assert extra == {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
 
 
 def run_dflash(python: Path, mode: str, model_dir: Path, verifier: Path, inputs: dict[str, torch.Tensor],
@@ -386,6 +404,20 @@ def test_speculators_loads_and_runs_our_dflash_export(speculators_python: Path, 
     assert info["aux_hidden_state_layer_ids"] == [i + 1 for i in drafter.config.target_layer_ids]
     assert info["block_size"] == DFLASH_BLOCK and info["speculative_tokens"] == DFLASH_BLOCK - 1
     assert info["mask_token_id"] == V - 1 and info["uses_sliding_window_attn"] is False
+    dflash_compare(drafter, target, inputs, theirs)
+
+
+def test_speculators_loads_and_runs_our_dflash_export_with_a_draft_vocabulary(speculators_python: Path, dflash_setup,
+                                                                               tmp_path: Path) -> None:
+    """A drafter with its own head over 40 of the 1,000 ids (``head: draft``): speculators reads it as a
+    reduced-vocabulary DFlash (use_draft_vocab), keeps our head, d2t and t2d, and gives our 40-wide logits."""
+    from pipeline.drafters.dflash_export import export_speculators
+
+    drafter, target, target_config, target_dir, inputs = dflash_setup
+    drafter = draft_head_variant(drafter, target)
+    out = export_speculators(drafter, tmp_path / "spec", target_model=str(target_dir), target_config=target_config)
+    theirs, info = run_dflash(speculators_python, "load", out, target_dir, inputs, tmp_path)
+    assert info["use_draft_vocab"] is True and theirs["logits"].shape[-1] == VD
     dflash_compare(drafter, target, inputs, theirs)
 
 

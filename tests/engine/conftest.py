@@ -12,6 +12,7 @@ the trained tiny kit here without touching the tests.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -144,11 +145,15 @@ def kit(tiny_kit) -> dict[str, tuple[torch.nn.Module, Any]]:
 
 @pytest.fixture(scope="module")
 def proposers(kit) -> dict[str, Any]:
-    """Every registered method's proposer, built through the registry from :func:`kit_proposer_inputs`."""
+    """Every registered method's proposer, built through the registry from :func:`kit_proposer_inputs`; and under
+    ``dflash_draft_head`` a DFlash proposer whose drafter has its own head over the kit shortlist (``head: draft``)."""
     from pipeline.engine.methods import METHOD_NAMES, build_proposer
 
     inputs = kit_proposer_inputs(kit)
-    return {method: build_proposer(method, inputs[method]) for method in METHOD_NAMES}
+    out = {method: build_proposer(method, inputs[method]) for method in METHOD_NAMES}
+    drafter = make_dflash(kit["target"][0], draft_ids=inputs["shortlist"].shortlist)
+    out["dflash_draft_head"] = build_proposer("dflash", dataclasses.replace(inputs["dflash"], dflash=drafter))
+    return out
 
 
 def assert_counts_match(counts: torch.Tensor, probs: torch.Tensor, n: int, what: str) -> None:
@@ -244,17 +249,23 @@ def kit_proposer_inputs(kit: dict[str, tuple[torch.nn.Module, Any]]) -> dict[str
     return {method: method_inputs(method, **parts) for method in METHOD_NAMES}
 
 
-def make_dflash(target: torch.nn.Module, *, block_size: int = 8, layers: int = 1, seed: int = 0) -> Any:
+def make_dflash(target: torch.nn.Module, *, block_size: int = 8, layers: int = 1, seed: int = 0,
+                draft_ids: torch.Tensor | None = None) -> Any:
     """A seeded (untrained) DFlash drafter for ``target``, on its device and in its dtype; the mask token is the
-    last id of the vocabulary."""
+    last id of the vocabulary. With ``draft_ids`` (target ids) its own head drafts over those ids only."""
     from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter
+    from pipeline.vocab.counting import eagle3_offset_maps
 
+    vocab = int(target.config.vocab_size)
     config = DFlashConfig.from_target(target.config, num_hidden_layers=layers, block_size=block_size,
-                                      mask_token_id=int(target.config.vocab_size) - 1)
+                                      mask_token_id=vocab - 1,
+                                      draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()))
     embedding = target.get_input_embeddings()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         drafter = DFlashDrafter(config, embedding, target.get_output_embeddings())
+    if draft_ids is not None:
+        drafter.set_vocab_maps(*eagle3_offset_maps(draft_ids.cpu().numpy(), vocab))
     return drafter.to(device=embedding.weight.device, dtype=embedding.weight.dtype).eval()
 
 

@@ -1,7 +1,9 @@
 """The DFlash proposer (pipeline/engine/dflash.py) on the engine fixtures' target: one drafter forward per round,
 ``q`` the exact law of what it samples (each block row on its own, so the drafts are independent given the context),
 the cached context equal to a fresh computation after any rejection, greedy speculative decoding equal to greedy
-autoregressive decoding with a trained drafter whose drafts are accepted, and a short training run that learns."""
+autoregressive decoding with a trained drafter whose drafts are accepted, and a short training run that learns.
+The same for a drafter with its own draft-vocabulary head (``head: draft``): its drafts are target ids of that
+vocabulary, ``q`` is zero off it, and verification still emits the target's law (the rest through the residual)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,12 @@ from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState
 from pipeline.training.dflash_task import block_loss, draw_blocks, tapped_features
-from tests.engine.conftest import assert_counts_match, make_dflash
+from tests.engine.conftest import (
+    assert_acceptance_law,
+    assert_counts_match,
+    make_dflash,
+    verify_blocks,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -44,11 +51,12 @@ def _continuations(target: torch.nn.Module, prompts: list[list[int]], sampled: i
     return torch.cat(rows)
 
 
-def train_dflash(target: torch.nn.Module, prompts: list[list[int]], *, steps: int = 60) -> tuple[DFlashDrafter, list]:
+def train_dflash(target: torch.nn.Module, prompts: list[list[int]], *, steps: int = 60,
+                 draft_ids: torch.Tensor | None = None) -> tuple[DFlashDrafter, list]:
     """A 1-layer, B = 5 DFlash drafter self-distilled from ``target`` on its continuations (float32, then float64);
-    its held-out-free training losses."""
+    its held-out-free training losses. With ``draft_ids``, its own head over those target ids."""
     ids = _continuations(target, prompts, sampled=3, seed=0)
-    drafter = make_dflash(target, block_size=5).float().train()
+    drafter = make_dflash(target, block_size=5, draft_ids=draft_ids).float().train()
     hidden, logits = tapped_features(target, ids, None, drafter.config.hidden_state_indices)
     mask, lengths = torch.ones_like(ids), torch.full((ids.shape[0],), ids.shape[1])
     optimiser = torch.optim.Adam(drafter.parameters(), lr=3e-3)
@@ -67,6 +75,12 @@ def train_dflash(target: torch.nn.Module, prompts: list[list[int]], *, steps: in
 @pytest.fixture(scope="module")
 def trained(target, prompts) -> tuple[DFlashDrafter, list]:
     return train_dflash(target, prompts)
+
+
+@pytest.fixture(scope="module")
+def trained_draft_head(target, prompts, shortlist) -> tuple[DFlashDrafter, list]:
+    """As ``trained``, with its own head over the engine fixtures' shortlist (121 of 300 ids)."""
+    return train_dflash(target, prompts, draft_ids=shortlist)
 
 
 def test_one_forward_per_round_and_q_is_the_law_of_each_row(target, prompts) -> None:
@@ -88,11 +102,13 @@ def test_one_forward_per_round_and_q_is_the_law_of_each_row(target, prompts) -> 
     assert proposer.drafter_calls == 2
 
 
-def test_drafts_are_independent_draws_from_their_rows(target, prompts) -> None:
+@pytest.mark.parametrize("head", ["target", "draft"])
+def test_drafts_are_independent_draws_from_their_rows(head: str, target, prompts, shortlist) -> None:
     """3,000 proposals from one context (top-k 3, so each row has 3 outcomes and a pair 9): the joint counts of
     (draft 1, draft 2) match n · q1 ⊗ q2 outcome by outcome within a 6σ Bernstein bound (no pair of zero
-    probability), i.e. each draft follows its own row whatever the other drew — the law verification assumes."""
-    proposer = DFlashProposer(make_dflash(target, block_size=4))
+    probability), i.e. each draft follows its own row whatever the other drew — the law verification assumes.
+    With a draft-vocabulary head the counts are of target ids, against ``q`` in target-id space."""
+    proposer = DFlashProposer(make_dflash(target, block_size=4, draft_ids=shortlist if head == "draft" else None))
     context = prompts[1]
     state = _state(target, context, proposer.target_layers)
     params = SamplingParams(temperature=1.0, top_k=3)
@@ -155,3 +171,85 @@ def test_a_state_without_its_layers_is_refused(target, prompts) -> None:
     state = _state(target, context, (0,))
     with pytest.raises(DrafterError, match="lacks layers"):
         proposer.propose(context, 3, GREEDY, torch.Generator(), state)
+
+
+def test_a_draft_vocabulary_head_drafts_its_ids_and_q_is_their_law(target, prompts, shortlist) -> None:
+    """``q`` is the own head's standardised rows scattered onto the draft vocabulary's target ids (zero elsewhere, one
+    in all), and the drafts are target ids of that vocabulary; the head starts as the target's rows of those ids."""
+    drafter = make_dflash(target, block_size=6, draft_ids=shortlist)
+    torch.testing.assert_close(drafter.lm_head.weight, target.get_output_embeddings().weight[shortlist], rtol=0, atol=0)
+    proposer = DFlashProposer(drafter)
+    context = prompts[0] + [5, 7]
+    state = _state(target, context, proposer.target_layers)
+    params = SamplingParams(temperature=1.0)
+    vocab = target.config.vocab_size
+    for seed in range(20):
+        proposal = proposer.propose(context, 5, params, torch.Generator().manual_seed(seed), state)
+        assert set(proposal.token_list()) <= set(shortlist.tolist())
+    assert proposal.q.shape == (5, vocab)
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[shortlist] = False
+    assert float(proposal.q[:, outside].abs().sum()) == 0.0
+    hidden = torch.cat(list(state.hidden), dim=-1).unsqueeze(0)
+    n = len(context) - 1
+    out = drafter(drafter.block_ids(torch.tensor([context[-1]])), hidden, torch.arange(n, n + 6).unsqueeze(0),
+                  torch.arange(n).unsqueeze(0))
+    rows = standardise(drafter.logits(out[0, 1:]), params)
+    assert rows.shape == (5, shortlist.numel())
+    torch.testing.assert_close(proposal.q[:, shortlist], rows, rtol=0, atol=1e-12)
+    torch.testing.assert_close(proposal.q.sum(-1), torch.ones(5, dtype=proposal.q.dtype), rtol=0, atol=1e-12)
+
+
+def test_verify_level_output_law_with_a_draft_vocabulary_head(target, prompts, trained_draft_head, shortlist) -> None:
+    """Speculative sampling with a real γ = 3 proposal of the trained draft-vocabulary drafter (temperature 1): p_i the
+    target's law given the context and the first i drafts, q_i the proposal's rows (zero off the 121 draft ids). Over
+    n = 200,000 blocks (x_i ~ q_i, verified by the loop's verify_speculative), the first two emitted tokens follow p_0
+    and p_1 and the accepted count follows [1-a0, a0(1-a1), a0 a1 (1-a2), a0 a1 a2], a_i = Σ min(p_i, q_i) (Leviathan
+    et al. 2023, Thm. 3.5); ids outside the draft vocabulary are emitted (through the residual). Bound per outcome:
+    conftest.assert_counts_match (Bernstein at failure probability e^-18 per side, ~6σ; a π = 0 outcome never)."""
+    drafter, _ = trained_draft_head
+    params = SamplingParams(temperature=1.0)
+    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    outside[shortlist] = False
+    continuation = generate_autoregressive(target, prompts[0], 30, GREEDY, torch.Generator()).tokens
+    for k in range(0, 30, 3):  # the first context where every path of the verifier runs
+        context = prompts[0] + continuation[:k]
+        proposer = DFlashProposer(drafter)
+        proposal = proposer.propose(context, 3, params, torch.Generator().manual_seed(k),
+                                    _state(target, context, proposer.target_layers))
+        drafts, q = proposal.token_list(), proposal.q
+        with torch.no_grad():
+            p = standardise(target(torch.tensor([context + drafts])).logits[0, len(context) - 1 :], params)
+        a = torch.minimum(p[:3], q).sum(-1)
+        if bool(((a > 0.05) & (a < 0.95)).all()) and bool((p[:2, outside].sum(-1) > 0.01).all()):
+            break
+    else:
+        raise AssertionError("no context along the continuation exercises every path of the verifier")
+    gen = torch.Generator().manual_seed(5)
+    n = 200_000
+    x, n_accepted, next_token = verify_blocks(p, q, n, gen)
+    first = torch.where(n_accepted >= 1, x[:, 0], next_token)
+    assert_counts_match(torch.bincount(first, minlength=p.shape[1]), p[0], n, "first emitted token")
+    assert int(outside[first].sum()) > 0
+    reached = n_accepted >= 1
+    second = torch.where(n_accepted[reached] >= 2, x[reached, 1], next_token[reached])
+    assert_counts_match(torch.bincount(second, minlength=p.shape[1]), p[1], int(reached.sum()), "second emitted token")
+    assert_acceptance_law(p, q, n_accepted, n)
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 6])
+def test_greedy_equals_autoregressive_with_a_draft_vocabulary_head(gamma: int, target, prompts,
+                                                                    trained_draft_head) -> None:
+    """As for the target's head: token for token, every prompt; some drafts accepted, some rejected; the training
+    loss fell."""
+    drafter, losses = trained_draft_head
+    assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:5]) / 5, losses
+    proposer = DFlashProposer(drafter)
+    accepted = rounds = 0
+    for prompt in prompts:
+        want = generate_autoregressive(target, prompt, 24, GREEDY, torch.Generator()).tokens
+        got = generate_speculative(target, proposer, prompt, 24, gamma, GREEDY, torch.Generator())
+        assert got.tokens == want
+        accepted += sum(got.accepted_per_round)
+        rounds += len(got.accepted_per_round)
+    assert accepted > 0 and accepted < rounds * min(gamma, 4)

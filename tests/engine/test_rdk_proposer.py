@@ -110,6 +110,38 @@ def test_kernel_sum_is_exact_for_light_and_heavy_scales() -> None:
     torch.testing.assert_close(kernel_sum(a, u, v), direct, rtol=0, atol=1e-12)
 
 
+def test_kernel_calls_index_with_fixed_vectors_never_with_masks() -> None:
+    """A boolean-mask index is a nonzero() under the hood: on CUDA a host sync in every RDK draft step (the H100 run's
+    sync-debug test caught it). With light and heavy scales mixed, a call runs no nonzero and indexes with no bool
+    tensor; the result is unchanged."""
+    from torch.overrides import TorchFunctionMode
+
+    from pipeline.rdk.affinity import SeparableKernel
+
+    class Seen(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            flat = list(args) + list((kwargs or {}).values())
+            flat += [x for arg in args if isinstance(arg, tuple) for x in arg]
+            masks = any(isinstance(x, torch.Tensor) and x.dtype == torch.bool for x in flat)
+            self.calls.append(getattr(func, "__name__", str(func)) + (" [bool index]" if masks else ""))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(1)
+    u = torch.rand(300, generator=gen, dtype=torch.float64) ** 3 * 4
+    v = torch.rand(500, generator=gen, dtype=torch.float64) ** 3 * 4
+    a = torch.rand(2, 300, generator=gen, dtype=torch.float64)
+    kernel = SeparableKernel(u, v)
+    assert kernel.any_light and not kernel.all_light and kernel.hu.numel() and kernel.hv.numel()
+    with Seen() as seen:
+        out = kernel(a)
+    assert not [c for c in seen.calls if "nonzero" in c or "bool index" in c], seen.calls
+    torch.testing.assert_close(out, a @ torch.exp(-u[:, None] * v[None]), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("tau", [1e-1, 1e-2, 1e-3, 1e-4, 1e-6])
 def test_sparse_affinity_equals_the_dense_construction(kit, tau: float) -> None:
     """Eq. 2's rows for every kept token over the whole test vocabulary (1,024 tokens, dense S from the same

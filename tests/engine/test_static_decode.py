@@ -41,9 +41,10 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
 GAMMA = 4
 NEW_TOKENS = 20
 DEVICE_METHODS = ("full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "pruned", "rdk", "rdk_taylor", "rdk_prior",
-                  "eagle3", "dflash")
-"""Methods whose drafts stay on the device (the others read their text: string-level and cross-tokenizer)."""
-GRAPH_METHODS = ("full", "dynaspec", "eagle3", "dflash")
+                  "eagle3", "dflash", "dflash_draft_head")
+"""Methods whose drafts stay on the device (the others read their text: string-level and cross-tokenizer); and
+DFlash with its own draft-vocabulary head (the ``proposers`` fixture's ``dflash_draft_head``)."""
+GRAPH_METHODS = ("full", "dynaspec", "eagle3", "dflash", "dflash_draft_head")
 """One method per drafter family, traced whole on path graphs (tracing every method would take minutes)."""
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy"}
 
@@ -88,7 +89,7 @@ def traced(monkeypatch) -> Iterator[list[str]]:
         torch._logging.set_logs()
 
 
-@pytest.mark.parametrize("method", METHOD_NAMES)
+@pytest.mark.parametrize("method", (*METHOD_NAMES, "dflash_draft_head"))
 def test_static_path_equals_autoregressive(method: str, kit, proposers, prompts, reference) -> None:
     target, tokenizer = kit["target"]
     for prompt, want in zip(prompts, reference, strict=True):
