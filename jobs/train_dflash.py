@@ -1,7 +1,8 @@
 """Stage ``train_dflash``: a DFlash block drafter trained on the target's own answers.
 
 Run alone with ``drafter train_dflash --config configs/tiny-dflash.yaml`` (it reuses, or first builds, the
-calibration set of ``generate``); ``drafter run`` includes it only when ``evaluate.methods`` names ``dflash``
+calibration set of ``generate``, and with ``train_dflash.head: draft`` the draft vocabulary of ``count``); ``drafter
+run`` includes it only when ``evaluate.methods`` names ``dflash``
 (the embedded default does not: see the README's "DFlash"). The frozen target computes its tapped layers and
 logits inside every training step (online, no hidden-state dump), the drafter learns the decayed block loss
 on anchored blocks of the assistant tokens (:mod:`pipeline.training.dflash_task`), and the checkpoint kept is

@@ -63,6 +63,25 @@ def test_artifact_holds_weights_config_exports_and_the_training_record(trained) 
     assert record["best"]["score"] > 1.0  # some held-out block rows agree with the target
 
 
+def test_own_head_draws_its_vocabulary_from_count(trained) -> None:
+    """train_dflash.head=draft: the plan adds count (built here, seconds), and the drafter prepare() builds has its own
+    head over the count artifact's draft vocabulary (its d2t/t2d), started from the target's rows of those ids."""
+    from safetensors.numpy import load_file as load_numpy
+
+    cfg, _ = trained
+    draft = load_config(None, [f"workdir={cfg.workdir_path}", *SMALL, *DFLASH, "train_dflash.head=draft"])
+    counts = run(draft, ["count"])["count"]
+    step = plan(draft, ["train_dflash"])["train_dflash"]
+    assert step.inputs["count"][0] == counts.id
+    ready = train_dflash.prepare(draft, step.input("generate"), step.input("count"))
+    maps = load_numpy(str(counts.file("eagle3_maps.safetensors")))
+    ids = torch.arange(maps["d2t"].size) + torch.from_numpy(maps["d2t"])
+    assert ready.config.draft_vocab_size == maps["d2t"].size < ready.config.vocab_size
+    assert torch.equal(ready.drafter.draft_to_target, ids)
+    assert torch.equal(ready.drafter.lm_head.weight, ready.target.get_output_embeddings().weight[ids])
+    assert ready.drafter.lm_head.weight.requires_grad
+
+
 def test_kill_minus_9_then_rerun_ends_bit_identical(trained, tmp_path: Path) -> None:
     """SIGKILL once the step-8 checkpoint landed; the rerun resumes there (the anchor draws are a function of seed
     and step, like the data order) and publishes the uninterrupted run's weights bit for bit."""

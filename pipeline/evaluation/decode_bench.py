@@ -383,17 +383,18 @@ def llama3_8b_models(device: torch.device, dtype: torch.dtype = torch.bfloat16, 
     draft_vocab = max(2, draft_vocab_size // scale)
     embedding = target.get_input_embeddings()
     config = Eagle3Config.from_target(target.config, draft_vocab_size=draft_vocab)
-    eagle3 = Eagle3Drafter(config, embedding).to(device=device, dtype=dtype).eval()
-    ids = np.sort(np.random.default_rng(0).choice(vocab, draft_vocab, replace=False))
-    eagle3.set_vocab_maps(*eagle3_offset_maps(ids, vocab))
     dflash_config = DFlashConfig.from_target(target.config, num_hidden_layers=dflash_layers, block_size=block_size,
                                              mask_token_id=vocab - 1)
-    dflash = DFlashDrafter(dflash_config, embedding, target.get_output_embeddings()).to(device=device, dtype=dtype)
     head = drafter.get_output_embeddings().weight
     m = max(2, min(clusters, vocab // 4))
+    with torch.device(device):  # initialised where they run: ~1.5B float32 parameters are slow to fill on a CPU
+        eagle3 = Eagle3Drafter(config, embedding).to(dtype=dtype).eval()
+        dflash = DFlashDrafter(dflash_config, embedding, target.get_output_embeddings()).to(dtype=dtype)
+        router = Router(2 * head.shape[1], max(8, 512 // scale), m).to(dtype=dtype).eval()
+    ids = np.sort(np.random.default_rng(0).choice(vocab, draft_vocab, replace=False))
+    eagle3.set_vocab_maps(*eagle3_offset_maps(ids, vocab))
     clustering = Clustering(unbalanced_assignment(vocab, m), np.zeros((m, head.shape[1]), np.float32),
                             head_sha256(head))
-    router = Router(2 * head.shape[1], max(8, 512 // scale), m).to(device=device, dtype=dtype).eval()
     k = max(1, round(routed_share * m))
     inputs = {
         SameTokenizerInputs: SameTokenizerInputs(drafter, target_vocab_size=vocab),

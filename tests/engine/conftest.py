@@ -147,13 +147,21 @@ def kit(tiny_kit) -> dict[str, tuple[torch.nn.Module, Any]]:
 def proposers(kit) -> dict[str, Any]:
     """Every registered method's proposer, built through the registry from :func:`kit_proposer_inputs`; and under
     ``dflash_draft_head`` a DFlash proposer whose drafter has its own head over the kit shortlist (``head: draft``)."""
-    from pipeline.engine.methods import METHOD_NAMES, build_proposer
+    from pipeline.engine.methods import METHOD_NAMES
 
     inputs = kit_proposer_inputs(kit)
-    out = {method: build_proposer(method, inputs[method]) for method in METHOD_NAMES}
+    return {method: kit_proposer(kit, inputs, method) for method in (*METHOD_NAMES, "dflash_draft_head")}
+
+
+def kit_proposer(kit: dict[str, tuple[torch.nn.Module, Any]], inputs: dict[str, Any], method: str) -> Any:
+    """A registered method's proposer from :func:`kit_proposer_inputs`; ``dflash_draft_head``: DFlash whose drafter has
+    its own head over the kit shortlist (``train_dflash.head: draft``)."""
+    from pipeline.engine.methods import build_proposer
+
+    if method != "dflash_draft_head":
+        return build_proposer(method, inputs[method])
     drafter = make_dflash(kit["target"][0], draft_ids=inputs["shortlist"].shortlist)
-    out["dflash_draft_head"] = build_proposer("dflash", dataclasses.replace(inputs["dflash"], dflash=drafter))
-    return out
+    return build_proposer("dflash", dataclasses.replace(inputs["dflash"], dflash=drafter))
 
 
 def assert_counts_match(counts: torch.Tensor, probs: torch.Tensor, n: int, what: str) -> None:

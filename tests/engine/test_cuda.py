@@ -31,10 +31,9 @@ def cuda_kit(tiny_kit):
 
 
 def _proposer(kit: dict, method: str):
-    from pipeline.engine.methods import build_proposer
-    from tests.engine.conftest import kit_proposer_inputs
+    from tests.engine.conftest import kit_proposer, kit_proposer_inputs
 
-    return build_proposer(method, kit_proposer_inputs(kit)[method])
+    return kit_proposer(kit, kit_proposer_inputs(kit), method)
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -114,8 +113,9 @@ def test_eagle3_trained_head_on_cuda(target, prompts) -> None:
     check_on_device(copy.deepcopy(target).to("cuda"), prompts)
 
 
-GRAPH_METHODS = ("full", "shortlist", "dynaspec", "pa_fr", "rdk", "eagle3", "dflash")
-"""The methods whose drafts stay on the device: on CUDA they run on path graphs by default."""
+GRAPH_METHODS = ("full", "shortlist", "dynaspec", "pa_fr", "rdk", "eagle3", "dflash", "dflash_draft_head")
+"""The methods whose drafts stay on the device: on CUDA they run on path graphs by default (and DFlash with its own
+draft-vocabulary head: tests/engine/conftest.py's kit_proposer)."""
 
 
 @pytest.mark.parametrize("method", GRAPH_METHODS)
