@@ -30,7 +30,8 @@ from pipeline.data.calibration import (
     shard_name,
     write_shard,
 )
-from pipeline.data.sources import Conversation, load_conversations, split_heldout
+from pipeline.data.records import Conversation
+from pipeline.data.sources import load_conversations, split_heldout
 from pipeline.errors import DrafterError
 from pipeline.models.loading import load_model
 from pipeline.models.target import Target

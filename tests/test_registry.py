@@ -18,19 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-import numpy as np
 import pytest
-from hypothesis import event, example, given, settings
-from hypothesis import strategies as st
 from mlflow import MlflowClient
-from safetensors.numpy import save_file
 
-from pipeline.artifacts import Artifact, ArtifactStore, artifact_id, sha256_file
-from pipeline.config.sections import MlflowConfig
+from pipeline.artifacts import sha256_file
 from pipeline.errors import DrafterError
 from pipeline.models.loading import fingerprint
 from pipeline.registry import (
-    Bundle,
     bundle_sha256,
     parse_ref,
     pull,
@@ -40,48 +34,7 @@ from pipeline.registry import (
     write_bundle,
 )
 from tests.mlflow_server import MlflowServer
-
-FP = {"model": "org/target", "revision": "r1", "vocab_hash": "v" * 64, "vocab_size": 320}
-PASSED = {"passed": True, "checks": {"lossless": {"passed": True}, "speedup": {"passed": True, "min": 1.0}}}
-
-
-def _cfg(uri: str | None) -> MlflowConfig:
-    return MlflowConfig(tracking_uri=uri, experiment="registry-tests", retries=2, timeout_s=2.0)
-
-
-def _components(root: Path, fp: dict = FP, seed: int = 0) -> list[Artifact]:
-    """A count artifact (safetensors + JSON) and a drafter artifact (safetensors) for target ``fp``."""
-    store = ArtifactStore(root / "artifacts")
-    rng = np.random.default_rng(seed)
-    out = []
-    for stage, kind in (("count", "token_counts"), ("train_drafter", "drafter")):
-        config = {"seed": seed}
-        writer = store.writer(
-            artifact_id(stage, config, [], fp),
-            kind=kind,
-            stage=stage,
-            config=config,
-            inputs=[],
-            fingerprint=fp,
-        )
-        save_file(
-            {"weight": rng.standard_normal((16, 8)).astype(np.float32)},
-            str(writer.tmp / "weights.safetensors"),
-        )
-        (writer.tmp / "info.json").write_text(json.dumps({"kind": kind, "rows": 16}))
-        out.append(writer.commit())
-    return out
-
-
-def _bundle(name: str, components: list[Artifact], tau: float, **extra) -> Bundle:
-    fields = {
-        "metrics": {"tau": tau, "speedup": tau / 2, "acceptance_rate": 0.5},
-        "primary_metric": "tau",
-        "gates": PASSED,
-        "fingerprint": FP,
-        **extra,
-    }
-    return Bundle(name=name, artifacts=components, **fields)
+from tests.registry_support import FP, make_bundle, make_components, registry_cfg
 
 
 def _client(server: MlflowServer) -> MlflowClient:
@@ -106,9 +59,9 @@ def test_registered_name_and_refs() -> None:
 def test_register_moves_candidate_and_champion_by_primary_metric(
     tmp_path: Path, mlflow_server: MlflowServer
 ) -> None:
-    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-aliases", "drafter")
-    components = _components(tmp_path)
-    first = register(_bundle(name, components, 2.0), cfg, tmp_path / "work")
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-aliases", "drafter")
+    components = make_components(tmp_path)
+    first = register(make_bundle(name, components, 2.0), cfg, tmp_path / "work")
     assert (first.version, first.aliases, first.promoted) == (1, ["candidate", "champion"], True)
     version = _client(mlflow_server).get_model_version(name, "1")
     tags = version.tags
@@ -120,7 +73,7 @@ def test_register_moves_candidate_and_champion_by_primary_metric(
     assert json.loads(tags["drafter.fingerprint"]) == FP and tags["drafter.gates.passed"] == "true"
     assert tags["git.sha"] and version.source == first.source and version.run_id == first.run_id
 
-    worse = register(_bundle(name, components, 1.5), cfg, tmp_path / "work")
+    worse = register(make_bundle(name, components, 1.5), cfg, tmp_path / "work")
     assert (worse.version, worse.promoted) == (2, False) and "does not beat" in worse.reason
     assert _aliases(mlflow_server, name) == {"candidate": "2", "champion": "1"}
     decisions = {v: _client(mlflow_server).get_model_version(name, v).tags["drafter.champion_decision"]
@@ -128,28 +81,28 @@ def test_register_moves_candidate_and_champion_by_primary_metric(
     assert decisions == {"1": "promoted: no champion yet",
                          "2": "kept: tau 1.5 does not beat champion version 1 (2)"}
 
-    better = register(_bundle(name, components, 2.5), cfg, tmp_path / "work")
+    better = register(make_bundle(name, components, 2.5), cfg, tmp_path / "work")
     assert (better.version, better.promoted, better.aliases) == (3, True, ["candidate", "champion"])
     assert (_client(mlflow_server).get_model_version(name, "3").tags["drafter.champion_decision"]
             == "promoted: tau 2.5 beats champion version 1 (2)")
 
-    forced = register(_bundle(name, components, 0.5), cfg, tmp_path / "work", promote=True)
+    forced = register(make_bundle(name, components, 0.5), cfg, tmp_path / "work", promote=True)
     assert forced.promoted and "forced" in forced.reason
     assert _aliases(mlflow_server, name) == {"candidate": "4", "champion": "4"}
 
     # Registering an already registered bundle reuses its version instead of adding a duplicate.
-    again = register(_bundle(name, components, 2.5), cfg, tmp_path / "work")
+    again = register(make_bundle(name, components, 2.5), cfg, tmp_path / "work")
     assert (again.version, again.reused) == (3, True)
     assert len(_client(mlflow_server).search_model_versions(f"name = '{name}'")) == 4
 
 
 def test_pull_round_trip_is_verified_and_identical(tmp_path: Path, mlflow_server: MlflowServer) -> None:
-    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-pull", "drafter")
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-pull", "drafter")
     report = tmp_path / "report"
     report.mkdir()
     (report / "report.json").write_text(json.dumps({"tau": 2.0}))
     (report / "index.html").write_text("<html>tau 2.0</html>")
-    bundle = _bundle(name, _components(tmp_path), 2.0, report=report)
+    bundle = make_bundle(name, make_components(tmp_path), 2.0, report=report)
     result = register(bundle, cfg, tmp_path / "work")
 
     pulled = pull(f"{name}@champion", tmp_path / "pulled", cfg, tmp_path / "work", expect_fingerprint=FP)
@@ -185,9 +138,9 @@ def _stored_copy(server: MlflowServer, source: str) -> Path:
 
 
 def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server: MlflowServer) -> None:
-    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-tamper", "drafter")
-    components = _components(tmp_path)
-    result = register(_bundle(name, components, 2.0), cfg, tmp_path / "work")
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-tamper", "drafter")
+    components = make_components(tmp_path)
+    result = register(make_bundle(name, components, 2.0), cfg, tmp_path / "work")
     stored = _stored_copy(mlflow_server, result.source)
     payload = stored / "components" / components[1].id / "weights.safetensors"
     original = payload.read_bytes()
@@ -210,8 +163,8 @@ def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server
 
 
 def test_pull_refuses_another_target(tmp_path: Path, mlflow_server: MlflowServer) -> None:
-    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-fingerprint", "drafter")
-    register(_bundle(name, _components(tmp_path), 2.0), cfg, tmp_path / "work")
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-fingerprint", "drafter")
+    register(make_bundle(name, make_components(tmp_path), 2.0), cfg, tmp_path / "work")
     other = {**FP, "vocab_hash": "w" * 64}
     with pytest.raises(DrafterError, match="vocab_hash") as err:
         pull(f"{name}@champion", tmp_path / "pulled", cfg, tmp_path / "work", expect_fingerprint=other)
@@ -222,15 +175,15 @@ def test_pull_refuses_another_target(tmp_path: Path, mlflow_server: MlflowServer
 
 
 def test_failed_gates_or_mixed_targets_register_nothing(tmp_path: Path, mlflow_server: MlflowServer) -> None:
-    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-gates", "drafter")
-    components = _components(tmp_path)
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-gates", "drafter")
+    components = make_components(tmp_path)
     failed = {"passed": False, "checks": {"lossless": {"passed": True}, "speedup": {"passed": False}}}
     with pytest.raises(DrafterError, match="did not pass its gates") as err:
-        register(_bundle(name, components, 2.0, gates=failed), cfg, tmp_path / "work")
+        register(make_bundle(name, components, 2.0, gates=failed), cfg, tmp_path / "work")
     assert "speedup" in str(err.value)
-    stranger = _components(tmp_path / "other", fp={**FP, "revision": "r2"}, seed=1)[0]
+    stranger = make_components(tmp_path / "other", fp={**FP, "revision": "r2"}, seed=1)[0]
     with pytest.raises(DrafterError, match="revision=r2"):
-        register(_bundle(name, [*components, stranger], 2.0), cfg, tmp_path / "work")
+        register(make_bundle(name, [*components, stranger], 2.0), cfg, tmp_path / "work")
     client = _client(mlflow_server)
     assert client.search_registered_models(f"name = '{name}'") == []
     assert client.search_model_versions(f"name = '{name}'") == []
@@ -241,9 +194,9 @@ def test_dead_server_fails_fast_and_registers_nothing(tmp_path: Path) -> None:
     is then started on that same port and store (one start instead of start-stop-start, ~20 s saved)
     to show the registry is empty and the same call now succeeds, i.e. only the outage made it fail."""
     server = MlflowServer(tmp_path / "dead")
-    cfg, name = _cfg(server.uri), registered_name("org/target-dead", "drafter")
+    cfg, name = registry_cfg(server.uri), registered_name("org/target-dead", "drafter")
     cfg.retries = 1
-    bundle = _bundle(name, _components(tmp_path), 2.0)
+    bundle = make_bundle(name, make_components(tmp_path), 2.0)
     with pytest.raises(DrafterError, match="unreachable") as err:
         register(bundle, cfg, tmp_path / "work")
     assert "Start the server" in str(err.value)
@@ -304,11 +257,11 @@ def _always(*_args: Any, **_kwargs: Any) -> bool:
 def test_midway_failure_leaves_no_alias_and_rerun_does_not_duplicate(
     tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg, name = _cfg(mlflow_server.uri), registered_name("org/target-midway", "drafter")
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-midway", "drafter")
     client = _client(mlflow_server)
-    components = _components(tmp_path)
-    register(_bundle(name, components, 1.0), cfg, tmp_path / "work")  # v1: champion to protect
-    better = _bundle(name, components, 3.0)
+    components = make_components(tmp_path)
+    register(make_bundle(name, components, 1.0), cfg, tmp_path / "work")  # v1: champion to protect
+    better = make_bundle(name, components, 3.0)
 
     # Failure after tags, cleanup succeeds: the half-made version is gone, aliases untouched.
     with pytest.raises(DrafterError, match="was deleted"):
@@ -342,7 +295,7 @@ def test_midway_failure_leaves_no_alias_and_rerun_does_not_duplicate(
     assert _aliases(mlflow_server, name) == {"candidate": half.version, "champion": half.version}
 
     # A failure after the version is complete but before aliases: kept, reused by the rerun.
-    newer = _bundle(name, components, 4.0)
+    newer = make_bundle(name, components, 4.0)
     with pytest.raises(DrafterError, match="may not point at it"):
         with store_dies(monkeypatch, set_registered_model_alias=_always):
             register(newer, cfg, tmp_path / "work")
@@ -355,8 +308,8 @@ def test_midway_failure_leaves_no_alias_and_rerun_does_not_duplicate(
 def test_local_sqlite_store_without_a_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The embedded default (``sqlite:///<workdir>/mlflow.db``, local artifacts) registers and pulls too."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg, name = _cfg(None), registered_name("org/target-local", "drafter")
-    result = register(_bundle(name, _components(tmp_path), 2.0), cfg, tmp_path / "work")
+    cfg, name = registry_cfg(None), registered_name("org/target-local", "drafter")
+    result = register(make_bundle(name, make_components(tmp_path), 2.0), cfg, tmp_path / "work")
     assert result.aliases == ["candidate", "champion"] and (tmp_path / "work" / "mlflow.db").is_file()
     pulled = pull(f"{name}@champion", tmp_path / "pulled", cfg, tmp_path / "work", expect_fingerprint=FP)
     assert bundle_sha256(read_bundle_json(pulled)) == result.bundle_sha256
@@ -396,8 +349,8 @@ def test_readme_pull_in_a_fresh_shell_reads_the_local_store_it_is_given(
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     fp, name = fingerprint(TARGET), registered_name(TARGET, "draft-vocab")
     workdir = tmp_path / "clone" / "runs" / "tiny"
-    components = _components(tmp_path, fp)
-    result = register(_bundle(name, components, 2.0, fingerprint=fp), _cfg(None), workdir)
+    components = make_components(tmp_path, fp)
+    result = register(make_bundle(name, components, 2.0, fingerprint=fp), registry_cfg(None), workdir)
     config = tmp_path / "clone" / "mine.yaml"
     config.write_text(f"workdir: {workdir}\n")
     elsewhere = tmp_path / "elsewhere"
@@ -424,8 +377,8 @@ def test_readme_pull_in_a_fresh_shell_reads_the_server_it_is_given(
     tmp_path: Path, tiny_kit, mlflow_server: MlflowServer
 ) -> None:
     fp, name = fingerprint(TARGET), registered_name(TARGET, "fresh-shell")  # not the evaluate tests' name
-    components = _components(tmp_path, fp)
-    result = register(_bundle(name, components, 2.0, fingerprint=fp), _cfg(mlflow_server.uri), tmp_path / "work")
+    components = make_components(tmp_path, fp)
+    result = register(make_bundle(name, components, 2.0, fingerprint=fp), registry_cfg(mlflow_server.uri), tmp_path / "work")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
 
@@ -455,56 +408,6 @@ def test_pull_from_a_missing_local_store_says_so_and_creates_nothing(
     monkeypatch.chdir(elsewhere)
     missing = tmp_path / "nowhere" / "mlflow.db"
     with pytest.raises(DrafterError, match=f"no MLflow store at {missing}"):
-        pull("m@champion", elsewhere / "bundle", _cfg(f"sqlite:///{missing}"), tmp_path / "work")
+        pull("m@champion", elsewhere / "bundle", registry_cfg(f"sqlite:///{missing}"), tmp_path / "work")
     assert list(elsewhere.iterdir()) == [] and not (tmp_path / "nowhere").exists()
     assert not (tmp_path / "work").exists()
-
-
-# --- hostile refs (issue 21): Hypothesis over NAME@ALIAS / NAME/VERSION / models:/ refs -------------
-# One local store holds one registered bundle; every generated ref is parsed and pulled from it. Each either
-# pulls that bundle (a ref that names it) or raises DrafterError with expected and what to do, and a refused
-# pull writes nothing at the destination.
-
-REF_NAME = "drafter-org-target-refs-draft-vocab"
-
-
-@pytest.fixture(scope="module")
-def local_registry(tmp_path_factory: pytest.TempPathFactory) -> tuple[MlflowConfig, Path]:
-    root = tmp_path_factory.mktemp("refs")
-    cfg = _cfg(f"sqlite:///{root / 'work' / 'mlflow.db'}")
-    register(_bundle(REF_NAME, _components(root), 2.0), cfg, root / "work")
-    return cfg, root / "work"
-
-
-REF_TEXT = st.text(st.characters(exclude_categories=()), max_size=12)
-# Mostly refs of the right shape (so they reach the registry) with odd names, aliases and versions; some any text.
-NAME = st.one_of(st.just(REF_NAME), st.from_regex(r"[^/@:]{1,12}", fullmatch=True), st.just("a'b\"c%_*\\"))
-ALIAS = st.one_of(st.sampled_from(["champion", "candidate", "latest"]), st.from_regex(r"[\w-]{1,10}", fullmatch=True))
-VERSION = st.one_of(st.sampled_from(["1", "2", "0", "01", "9" * 30]), st.from_regex(r"[0-9]{1,20}", fullmatch=True))
-REF = st.one_of(
-    st.tuples(st.sampled_from(["", "models:/"]), NAME, st.one_of(ALIAS.map("@".__add__), VERSION.map("/".__add__)))
-    .map("".join),
-    st.tuples(st.sampled_from(["", "models:/", "models://", "runs:/", " ", "MODELS:/"]), st.one_of(NAME, REF_TEXT),
-              st.sampled_from(["@", "/", ":", "@@", "", "/@", "@/"]), st.one_of(ALIAS, VERSION, REF_TEXT)).map("".join),
-    st.text(st.characters(exclude_categories=()), max_size=40),
-)
-
-
-@settings(max_examples=150, deadline=None, derandomize=True, database=None)
-@given(REF)
-@example(f"{REF_NAME}/١")  # Arabic-Indic digits: refused, a version is ASCII digits
-@example(f"{REF_NAME}/{'9' * 30}")  # a version beyond any database integer
-def test_any_ref_pulls_its_bundle_or_is_refused(local_registry: tuple[MlflowConfig, Path],
-                                                tmp_path_factory: pytest.TempPathFactory, ref: str) -> None:
-    cfg, workdir = local_registry
-    to = tmp_path_factory.mktemp("pull") / "bundle"
-    try:
-        parse_ref(ref)
-        pulled = pull(ref, to, cfg, workdir)
-    except DrafterError as err:
-        assert err.expected and err.fix, f"a DrafterError without expected/what to do:\n{err}"
-        assert not to.exists()
-        event("refused: " + " ".join(err.problem.split()[:3]))  # --hypothesis-show-statistics
-        return
-    assert read_bundle_json(pulled)["name"] == REF_NAME
-    event("pulled")

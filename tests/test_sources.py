@@ -9,8 +9,8 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from pipeline.data.records import Conversation
 from pipeline.data.sources import (
-    Conversation,
     load_conversations,
     load_humaneval,
     load_sharegpt,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.data.sources import Conversation
+from pipeline.data.records import Conversation
 from pipeline.errors import DrafterError
 
 SCHEMA = pa.schema([

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pipeline.data.sources import Conversation
+from pipeline.data.records import Conversation
 
 Chat = list[dict[str, str]]
 

@@ -1,0 +1,185 @@
+"""ShareGPT-style records made into :class:`Conversation` objects: one record's roles and turns normalised (the role
+spellings of several dumps mapped, empty and non-Unicode turns dropped and counted, leading assistant turns
+trimmed), a JSON array parsed record by record so a truncated dump keeps every complete record, JSON Lines, and the
+immutable form the loaders cache. :mod:`pipeline.data.sources` reads the sources; this module owns the records.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+# ShareGPT dumps use several spellings for the same three roles; anything else is dropped and counted.
+ROLE_MAP = {
+    **dict.fromkeys(("human", "user"), "user"),
+    **dict.fromkeys(("gpt", "chatgpt", "bing", "bard", "assistant", "model"), "assistant"),
+    "system": "system",
+}
+
+_SEPARATORS = re.compile(r"[\s,]*")
+
+
+@dataclass
+class Conversation:
+    """One conversation: an id and its messages in order.
+
+    Attributes:
+        id: Stable identifier (the source's own id where it has one); :func:`split_heldout` hashes it.
+        messages: ``{"role": "system"|"user"|"assistant", "content": str}`` dicts, non-empty contents.
+        group: Split key for :func:`split_heldout` when several records are parts of one original
+            conversation (the packaged ShareGPT splits long chats into ``<base>_0``, ``<base>_1`` …);
+            empty means the id itself.
+    """
+
+    id: str
+    messages: list[dict[str, str]]
+    group: str = ""
+
+
+@dataclass
+class SourceReport:
+    """What loading a source did: counts and the reasons records were dropped."""
+
+    source: str
+    records_read: int
+    records_kept: int
+    records_dropped: int
+    notes: list[str] = field(default_factory=list)
+
+
+# A normalised conversation as cached: immutable, so callers always get fresh mutable copies.
+Frozen = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def normalise_record(record: Any, fallback_id: str, counters: Counter[str]) -> Frozen | None:
+    """Map one raw record to ``(id, ((role, content), ...))``, or None when it has nothing usable."""
+    if not isinstance(record, dict):
+        counters["records that are not JSON objects"] += 1
+        return None
+    # JSON may escape a lone surrogate (\ud800), which no UTF-8 tokenizer, Arrow column or hash can take: an
+    # id keeps it as the visible escape (still unique), a turn holding one is dropped and counted.
+    own = next((record[key] for key in ("id", "task_id") if record.get(key) not in (None, "")), fallback_id)
+    rec_id = printable(str(own))  # an empty or null id is no id: the record's position names it
+    turns: list[tuple[str, str]] = []
+    if isinstance(record.get("conversations"), list):
+        raw = [(t.get("from"), t.get("value")) for t in record["conversations"] if isinstance(t, dict)]
+    elif isinstance(record.get("messages"), list):
+        raw = [(t.get("role"), t.get("content")) for t in record["messages"] if isinstance(t, dict)]
+    elif isinstance(record.get("prompt", record.get("text")), str):
+        raw = [("user", record.get("prompt", record.get("text")))]
+    else:
+        counters["records without conversations/messages/prompt/text"] += 1
+        return None
+    for role, content in raw:
+        mapped = ROLE_MAP.get(str(role).lower()) if role is not None else None
+        if mapped is None:
+            counters["turns with an unknown role"] += 1
+            continue
+        if not isinstance(content, str) or not content.strip():
+            counters["empty turns"] += 1
+            continue
+        if printable(content) != content:
+            counters["turns holding a lone surrogate escape (not Unicode text)"] += 1
+            continue
+        turns.append((mapped, content))
+    # A conversation starts at its first user turn: assistant turns before it answer nothing.
+    first_user = next((i for i, (role, _) in enumerate(turns) if role == "user"), None)
+    if first_user is None:
+        counters["records with no usable user turn"] += 1
+        return None
+    system = [t for t in turns[:first_user] if t[0] == "system"]
+    if first_user - len(system) > 0:
+        counters["leading assistant turns trimmed"] += first_user - len(system)
+    return rec_id, tuple(system + turns[first_user:])
+
+
+def printable(text: str) -> str:
+    """``text`` with any lone surrogate written as its ``\\udXXX`` escape (valid Unicode, encodable)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_PART_SUFFIX = re.compile(r"_\d+$")
+
+
+def thaw(frozen: Iterable[Frozen], *, parts_share_group: bool = False) -> list[Conversation]:
+    return [
+        Conversation(
+            cid,
+            [{"role": r, "content": c} for r, c in msgs],
+            _PART_SUFFIX.sub("", cid) if parts_share_group else "",
+        )
+        for cid, msgs in frozen
+    ]
+
+
+def iter_json_array(text: str) -> Iterator[Any]:
+    """Yield each complete element of a top-level JSON array, parsed one record at a time.
+
+    Stops at the first element that does not parse (a truncated tail) by raising
+    :class:`json.JSONDecodeError` (or the ``ValueError``/``RecursionError`` of a number too long or a record
+    nested too deep for Python's parser); everything before it has been yielded.
+    """
+    decoder = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0 or text[:start].strip():
+        raise json.JSONDecodeError("expected a JSON array", text, max(start, 0))
+    pos = start + 1
+    while True:
+        pos = _SEPARATORS.match(text, pos).end()  # type: ignore[union-attr]
+        if pos >= len(text) or text[pos] == "]":
+            return
+        record, pos = decoder.raw_decode(text, pos)
+        yield record
+
+
+def parse_records(text: str, name: str, notes: list[str]) -> tuple[list[Any], int]:
+    """Parse a JSON array (recovering complete records of a truncated one), one object, or JSON Lines.
+
+    Returns the records and how many records were seen but could not be parsed.
+    """
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        records: list[Any] = []
+        try:
+            for record in iter_json_array(text):
+                records.append(record)
+        except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+            where = f"character {err.pos} of {len(text)} ({err.msg})" if isinstance(err, json.JSONDecodeError) \
+                else f"a record Python cannot parse ({type(err).__name__}: {str(err)[:120]})"
+            notes.append(f"{name}: JSON ends in an incomplete record at {where}; the {len(records)} complete "
+                         "records before it were recovered")
+            return records, 1
+        return records, 0
+    try:  # one (possibly pretty-printed) object; JSON Lines with several lines fails with "Extra data"
+        return [json.loads(text)], 0
+    except (ValueError, RecursionError):
+        pass
+    records, bad = [], 0
+    # JSON Lines ends a record at "\n" only: str.splitlines would also cut at U+2028, U+0085 and others that a
+    # JSON string may hold unescaped.
+    for line in text.split("\n"):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except (ValueError, RecursionError):  # not JSON, a number too long, nested too deep
+                bad += 1
+    if bad:
+        notes.append(f"{name}: {bad} lines are not valid JSON and were dropped")
+    return records, bad
+
+
+def normalise_all(records: Iterable[Any], stem: str, counters: Counter[str]) -> list[Frozen]:
+    kept = []
+    for i, record in enumerate(records):
+        frozen = normalise_record(record, f"{stem}-{i}", counters)
+        if frozen is not None:
+            kept.append(frozen)
+    return kept
+
+
+def counter_notes(counters: Counter[str]) -> list[str]:
+    return [f"{count} {what}" for what, count in sorted(counters.items())]
