@@ -120,7 +120,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
                  tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path), experiment=cfg.mlflow.experiment,
                  run_name=f"{run.artifact_id}/training", label="train_dflash",
                  identity={"drafter": dataclasses.asdict(config), "train_dflash": identity(tc),
-                           "inputs": [calibration.id] + ([] if counts is None else [counts.id])})
+                           "inputs": [a.id for a in (calibration, counts) if a is not None]})
     if not result.is_global_zero:
         return None
     metrics = result.stage_metrics(data)
@@ -145,7 +145,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
 def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     """Train (or reuse) the DFlash drafter this config plans for."""
     step = plan(cfg, ["train_dflash"])["train_dflash"]
-    calibration = step.input("generate")
-    counts = step.input("count") if cfg.train_dflash.head == "draft" else None
-    inputs = [calibration] if counts is None else [calibration, counts]
-    return run_stage(cfg, step, inputs, build=lambda run: _build(cfg, run, calibration, counts), launch=launch)
+    inputs = {stage: step.input(stage) for stage in step.inputs}  # count only with head draft (the DAG's `when`)
+    calibration, counts = inputs["generate"], inputs.get("count")
+    return run_stage(cfg, step, list(inputs.values()), build=lambda run: _build(cfg, run, calibration, counts),
+                     launch=launch)
