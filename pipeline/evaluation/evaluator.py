@@ -109,15 +109,16 @@ class Evaluator:
         1,062 on its code prompts).
         """
         samples = {task: warm_up_prompts(items) for task, items in self.prompts.items()}
+        prompts = sum(len(items) for items in samples.values())
         with Progress("evaluate: untimed warm-up (compiles the static paths' shapes)",
-                      len(self.prompts) * (1 + len(configs) * len(self.ev.gammas)), "generation") as warm:
+                      prompts * (1 + len(configs) * len(self.ev.gammas)), "generation") as warm:
             for items in samples.values():
                 self._decode_all(items, None, 0, GREEDY, 0)
-                warm.update(1)
+                warm.update(len(items))
                 for config in configs:
                     for gamma in self.ev.gammas:
                         self._decode_all(items, config.proposer, gamma, GREEDY, 0)
-                        warm.update(1, method=config.method)
+                        warm.update(len(items), method=config.method)
 
     def run(self) -> tuple[list[EvalRow], list[LosslessCheck]]:
         """Decode everything: the matrix rows and the losslessness checks."""
