@@ -134,17 +134,17 @@ def test_bridge_gives_the_drafter_its_own_chat_format(kit) -> None:
     ("answer_start", "params"), [("", SAMPLED), (" The weather tod", SamplingParams(1.0, top_p=0.9))]
 )
 def test_psi_equals_brute_force(kit, answer_start: str, params: SamplingParams) -> None:
-    """byte_top_k = 3, lookahead = 3 (27 strings), with and without pruning; psi sums to 1 - P(none).
+    """byte_top_k = 3, lookahead = 3 (27 strings), in every pruning mode; psi sums to 1 - P(none).
     A context ending mid-word puts mass on "none" (drafts that merge with its last token)."""
     tok_t = kit["target"][1]
     context = _prompt(tok_t, QUESTIONS[0], answer_start)
     rows = []
-    for prune in (False, True):
+    for prune in ("off", "rows", "calls"):
         proposer = _proposer(kit, byte_top_k=3, lookahead=3, prune=prune)
         proposal = proposer.propose(context, 1, params, torch.Generator().manual_seed(0), TargetState())
         assert len(proposal.tokens) == 1 and proposal.q.shape == (1, len(tok_t))
         rows.append(proposal.q[0])
-        if prune:
+        if prune == "rows":
             assert proposer.stats.pruned > 0  # the exhaustive one-byte check fired, and psi is unchanged
     psi, none = _brute_force_psi(kit, proposer, context, 3, 3, params)
     expected = torch.zeros(len(tok_t), dtype=torch.float64)
@@ -165,7 +165,7 @@ def test_drafted_first_token_follows_psi(kit) -> None:
     brute force above, and the walk stops at a determined node the same way in both."""
     tok_t = kit["target"][1]
     context = _prompt(tok_t, QUESTIONS[1], " You can use")
-    proposer = _proposer(kit, byte_top_k=3, lookahead=3, prune=False)
+    proposer = _proposer(kit, byte_top_k=3, lookahead=3, prune="off")
     generator = torch.Generator().manual_seed(1)
     n, drawn, psi = 3000, [], None
     for _ in range(n):
@@ -242,6 +242,40 @@ def test_greedy_speculative_equals_autoregressive(kit, gamma: int) -> None:
     assert accepted > 0, "the accept path never ran; the test would not catch a bad accept"
 
 
+def test_lookups_kept_across_rounds_give_what_a_fresh_proposer_gives(kit) -> None:
+    """t1 lookups are kept by look-behind window across proposals: proposing after A, B (another window), then A
+    again gives each context the psi a fresh proposer gives it."""
+    tok_t = kit["target"][1]
+    contexts = [_prompt(tok_t, QUESTIONS[0], " The weather tod"), _prompt(tok_t, QUESTIONS[1], " You can use")]
+
+    def psi(proposer: SLRSProposer, context: list[int]) -> torch.Tensor:
+        return proposer.propose(context, 1, SAMPLED, torch.Generator().manual_seed(0), TargetState()).q[0]
+
+    fresh = [psi(_proposer(kit, byte_top_k=3, lookahead=3), context) for context in contexts]
+    kept = _proposer(kit, byte_top_k=3, lookahead=3)
+    for i in (0, 1, 0):
+        torch.testing.assert_close(psi(kept, contexts[i]), fresh[i], atol=0, rtol=0)
+    assert not torch.equal(fresh[0], fresh[1])
+
+
+def test_calls_pruning_skips_the_last_depths_call_under_greedy_decoding(kit) -> None:
+    """Greedy tries have one node a depth, so proving the depth ``lookahead - 1`` node determined skips that
+    depth's whole call: the default ``"calls"`` mode makes exactly one call fewer per pruned node than no
+    pruning, for the same tokens and the same q rows."""
+    target, tok_t = kit["target"]
+    ids = _prompt(tok_t, QUESTIONS[0])
+    runs = {}
+    for prune in ("off", "calls"):
+        proposer = _proposer(kit, prune=prune)
+        result = generate_speculative(target, proposer, ids, 24, 3, GREEDY, torch.Generator(), tok_t.eos_token_id)
+        runs[prune] = (result.tokens, proposer.stats)
+    assert runs["off"][0] == runs["calls"][0]
+    off, calls = runs["off"][1], runs["calls"][1]
+    assert calls.pruned > 0 and off.pruned == 0
+    assert off.trie_calls - calls.trie_calls == calls.pruned
+    assert off.trie_nodes - calls.trie_nodes == calls.pruned
+
+
 def test_registry_methods_decode_and_count_their_drafter_work(kit) -> None:
     """``slrs`` and ``slem_bytes`` built by name run through the loop at temperature 1 (γ 3): every round's
     q passes the verifier's checks, SLRS gets drafts accepted, and both count drafter calls (SLRS: one
@@ -270,7 +304,7 @@ def test_registry_methods_decode_and_count_their_drafter_work(kit) -> None:
 def test_bad_inputs_are_refused(kit) -> None:
     (drafter, tok_b), (_, tok_t) = kit["drafter_bytes"], kit["target"]
     for kwargs, what in (({"byte_top_k": 0}, "byte_top_k"), ({"lookahead": 0}, "lookahead"),
-                         ({"byte_top_k": 64, "lookahead": 4}, "too large")):  # fmt: skip
+                         ({"byte_top_k": 64, "lookahead": 4}, "too large"), ({"prune": True}, "prune mode")):  # fmt: skip
         with pytest.raises(DrafterError, match=what) as err:
             SLRSProposer(drafter, tok_b, tok_t, **kwargs)
         assert "expected" in str(err.value) and "what to do" in str(err.value)
