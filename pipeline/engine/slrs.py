@@ -165,7 +165,7 @@ class SLRSProposer(CrossVocabDrafter):
             (greedy decoding: one node, one call in ``lookahead`` saved); the proof stops at the first node
             that fails. ``"rows"``: every node, skipping the rows of the proven ones from a call that runs
             anyway: each proof costs 257 target-tokenizer lookups, so on the kit at temperature 1 it halved
-            the rows at 6.4x the wall time. ``"off"``: none.
+            the rows at about 5x the wall time. ``"off"``: none.
         keep_specials: Hand shared special tokens to the drafter (see :class:`~pipeline.engine.bridge.CrossVocabDrafter`).
         target_vocab_size: Width of ``q``; defaults to the target tokenizer's id span.
         name: Label used in metrics and reports.
