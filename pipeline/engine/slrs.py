@@ -136,12 +136,13 @@ class SLRSProposer(CrossVocabDrafter):
     the context's KV cache (§3.4 counts these rows). §3.3's lookahead rule ``S_1``: a prefix all of
     whose reachable leaves give the same ``t1`` determines it; the sampled path (one uniform per byte,
     :func:`~pipeline.engine.sampling.sample`) stops there, so ``t1`` is drawn exactly from ``psi``, and
-    the bytes it sampled are the drafter forwards a sequential SLRS needs (:class:`SLRSStats`). With ``prune``, a node at depth
-    ``lookahead - 1`` is first checked against all 256 possible next bytes and the string ending; if
-    every one gives the same ``t1``, it is determined whatever the drafter says and its forward can be
-    skipped (by default only when that skips the depth's whole call). ``q = psi`` (one row per token, float64, in target-id space; sub-stochastic by ``P(none)``)
-    goes to the standard verifier, whose accept test ``min(1, p/psi)`` and residual ``max(0, p - psi)``
-    are Alg. 3 lines 6-8, so the output keeps the target's law (Thm. 3.2).
+    the bytes it sampled are the drafter forwards a sequential SLRS needs (:class:`SLRSStats`). With
+    ``prune``, a node at depth ``lookahead - 1`` is first checked against all 256 possible next bytes and
+    the string ending; if every one gives the same ``t1``, it is determined whatever the drafter says and
+    its forward can be skipped (by default only when that skips the depth's whole call). ``q = psi`` (one
+    row per token, float64, in target-id space; sub-stochastic by ``P(none)``) goes to the standard
+    verifier, whose accept test ``min(1, p/psi)`` and residual ``max(0, p - psi)`` are Alg. 3 lines 6-8,
+    so the output keeps the target's law (Thm. 3.2).
 
     ``gamma > 1``: after ``t1`` a fresh trie is drafted from context + ``t1`` (its text fed to the
     drafter), giving ``t2`` with its own exact ``psi_2``, and so on. The bytes the first string drew past
@@ -331,11 +332,12 @@ class SLRSProposer(CrossVocabDrafter):
         by node, then proves node by node, and gives up (marking nothing) at the first that fails.
         """
         whole = self.prune == "calls"
+        options = {index: _continuations(nodes[index].prefix) for index, _ in grow}
         survivors = grow
         for probes in (True, False):
             passed: list[tuple[tuple[int, int], int]] = []
             for batch in ([entry] for entry in survivors) if whole else [survivors]:
-                agreed = self._agreeing(nodes, batch, context, memo, probes)
+                agreed = self._agreeing(options, batch, context, memo, probes)
                 if whole and not agreed:
                     return grow
                 passed += agreed
@@ -347,14 +349,19 @@ class SLRSProposer(CrossVocabDrafter):
         return [entry for entry in grow if entry not in proven]
 
     def _agreeing(
-        self, nodes: list[_Node], grow: list[tuple[int, int]], context: list[int], memo: dict[str, int], probes: bool
+        self,
+        options: dict[int, tuple[str, list[str]]],
+        grow: list[tuple[int, int]],
+        context: list[int],
+        memo: dict[str, int],
+        probes: bool,
     ) -> list[tuple[tuple[int, int], int]]:
-        """The entries whose string and one-byte continuations (:data:`_PROBES` if ``probes``, else the
-        others) all give one ``t1``, with it; their lookups in one batch."""
+        """The entries whose string and one-byte continuations (``options``, by node: :func:`_continuations`;
+        :data:`_PROBES` if ``probes``, else the others) all give one ``t1``, with it; their lookups in one batch."""
         count = len(_PROBES)
         texts = []
         for index, _ in grow:
-            own, rest = _continuations(nodes[index].prefix)
+            own, rest = options[index]
             texts.append([own, *(rest[:count] if probes else rest[count:])])
         firsts = self._first_tokens(context, [text for group in texts for text in group], memo)
         agreed, at = [], 0

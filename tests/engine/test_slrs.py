@@ -261,7 +261,7 @@ def test_lookups_kept_across_rounds_give_what_a_fresh_proposer_gives(kit) -> Non
 def test_calls_pruning_skips_the_last_depths_call_under_greedy_decoding(kit) -> None:
     """Greedy tries have one node a depth, so proving the depth ``lookahead - 1`` node determined skips that
     depth's whole call: the default ``"calls"`` mode makes exactly one call fewer per pruned node than no
-    pruning, for the same tokens and the same q rows."""
+    pruning, for the same tokens (psi in every mode: test_psi_equals_brute_force)."""
     target, tok_t = kit["target"]
     ids = _prompt(tok_t, QUESTIONS[0])
     runs = {}
