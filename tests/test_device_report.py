@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from jobs.evaluate import other_devices
 from pipeline.artifacts import ArtifactWriter
@@ -61,25 +62,31 @@ def test_a_report_without_another_device_has_no_device_table(tmp_path: Path) -> 
     assert "Wall-clock on each device" not in md_path.read_text() + html_path.read_text()
 
 
-@pytest.mark.parametrize("path", ["static", "eager"])
-def test_the_static_paths_warm_up_every_configuration_before_anything_is_timed(path: str, tiny_kit, monkeypatch,
-                                                                               tmp_path: Path) -> None:
-    """On the static paths (``graphs`` compiles a CUDA graph per shape on first use) the evaluator decodes, untimed and
-    before the first timed cell, one prompt of each prefill bucket per task and configuration (chat's third prompt
-    has its first prompt's buckets, so it is not among them); the eager path does not."""
-    import pipeline.evaluation.evaluator as evaluator_module
+def _evaluator(tmp_path: Path, path: str, *extra: str):  # noqa: ANN202
+    """An :class:`~pipeline.evaluation.evaluator.Evaluator` over the test kit with full drafts at γ 2 and 3."""
     from jobs import run
     from pipeline.config.sections import load_config
     from pipeline.evaluation.evaluator import Evaluator
     from pipeline.models.target import Target
 
     cfg = load_config(None, [f"workdir={tmp_path}", *SMALL, "evaluate.methods=[full]", "evaluate.gammas=[2,3]",
-                             f"evaluate.decode_path={path}", "evaluate.max_new_tokens=6",
-                             "evaluate.sampling_check_samples=0"])
+                             f"evaluate.decode_path={path}", "evaluate.sampling_check_samples=0", *extra])
     counts = run(cfg, ["count"])["count"]  # full drafts over the kit's drafter; the count artifact is read regardless
     target = Target(cfg.target)
+    return lambda prompts: Evaluator(cfg, target.model("cpu"), target.tokenizer(), prompts, {"count": counts}, "cpu",
+                                     lambda _line: None)
+
+
+@pytest.mark.parametrize("path", ["static", "eager"])
+def test_the_static_paths_replay_every_timed_generation_before_anything_is_timed(path: str, tiny_kit, monkeypatch,
+                                                                                  tmp_path: Path) -> None:
+    """On the static paths (``graphs`` compiles a CUDA graph per shape on first use) the evaluator decodes, untimed and
+    before the first timed cell, every generation the timed cells will decode, in their order; the eager path does
+    not."""
+    import pipeline.evaluation.evaluator as evaluator_module
+
+    evaluator = _evaluator(tmp_path, path, "evaluate.max_new_tokens=6")
     prompts = {"chat": [[5, 6, 7], [8, 9, 10, 11], [17, 18, 19]], "code": [[12, 13], [14, 15, 16]]}
-    samples = {"chat": [[5, 6, 7], [8, 9, 10, 11]], "code": [[12, 13], [14, 15, 16]]}  # buckets (2, 4), (4, 4); (1, 2)…
     calls: list[tuple] = []
     real_ar, real_spec = evaluator_module.generate_autoregressive, evaluator_module.generate_speculative
 
@@ -93,11 +100,59 @@ def test_the_static_paths_warm_up_every_configuration_before_anything_is_timed(p
 
     monkeypatch.setattr(evaluator_module, "generate_autoregressive", ar)
     monkeypatch.setattr(evaluator_module, "generate_speculative", spec_)
-    Evaluator(cfg, target.model("cpu"), target.tokenizer(), prompts, {"count": counts}, "cpu",
-              lambda _line: None).run()
+    evaluator(prompts).run()
     timed = [(kind, p, g) for task in prompts.values() for kind, g in (("ar", 0), ("spec", 2), ("spec", 3))
              for p in task]
-    warm_up = [(kind, p, g) for task in samples.values() for kind, g in (("ar", 0), ("spec", 2), ("spec", 3))
-               for p in task]
     assert calls[0] == ("ar", [5, 6, 7], 0)  # the short warm-up every path runs
-    assert calls[1:] == (warm_up + timed if path == "static" else timed)
+    assert calls[1:] == (timed + timed if path == "static" else timed)
+
+
+def test_the_timed_cells_feed_no_compiled_function_a_shape_the_warm_up_did_not(tiny_kit, monkeypatch,
+                                                                              tmp_path: Path) -> None:
+    """Path ``graphs`` on the CPU, with each function it would compile recorded instead (no CUDA graphs here): every
+    (function, argument shapes) the timed cells call was already called in the warm-up, so no timed cell pays for a
+    compile. Which shapes a generation feeds depends on what it accepts: its last round's drafts left (a one-,
+    two- or four-token verify) and the drafter's catch-up after each round. A warm-up over one prompt per prefill
+    bucket (here: the first prompt) left a two-token verify and a four-token catch-up to the timed cell, the way the
+    H100 evaluation of the kit timed a one-token verify's compile inside EAGLE-3's chat cell (0.20×)."""
+    import pipeline.engine.static as static_module
+    from pipeline.engine.static import DecodeOptions
+
+    def shapes(value) -> object:  # noqa: ANN001
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape)
+        if hasattr(value, "__dict__"):  # a cache: its buffers
+            return tuple((k, tuple(v.shape)) for k, v in vars(value).items() if isinstance(v, torch.Tensor))
+        return type(value).__name__
+
+    seen: set[tuple] = set()
+    timed: list[tuple] = []
+    phase = ["warm-up"]
+
+    def recorded(fn):  # noqa: ANN001, ANN202
+        owner = id(getattr(fn, "__self__", fn))
+
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            key = (fn.__qualname__, owner, tuple(map(shapes, args)),
+                   tuple((k, shapes(v)) for k, v in sorted(kwargs.items())))
+            if phase[0] == "timed" and key not in seen:
+                timed.append(key)
+            seen.add(key)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(static_module, "compiled", recorded)
+    # one prefill bucket: a warm-up over one prompt per prefill bucket decoded only the first prompt
+    prompts = {"chat": [[40 + 7 * i + j for j in range(5)] for i in range(12)]}
+    evaluator = _evaluator(tmp_path, "static", "evaluate.max_new_tokens=9", "evaluate.gammas=[7]")(prompts)
+    evaluator.options = DecodeOptions("graphs")  # what `evaluate.device=cuda` resolves to (refused on a CPU)
+    real_warm_up = evaluator._warm_up
+
+    def warm_up(configs) -> None:  # noqa: ANN001
+        real_warm_up(configs)
+        phase[0] = "timed"
+
+    monkeypatch.setattr(evaluator, "_warm_up", warm_up)
+    evaluator.run()
+    assert phase[0] == "timed" and len(seen) >= 4  # the sessions' and drafter's bucket forwards were recorded
+    assert timed == []

@@ -24,7 +24,7 @@ from pipeline.engine.loop import first_rounds, generate_autoregressive, generate
 from pipeline.engine.methods import BASELINE
 from pipeline.engine.metrics import summarize
 from pipeline.engine.sampling import SamplingParams, standardise
-from pipeline.engine.static import DecodeOptions, bucket, resolve_path
+from pipeline.engine.static import DecodeOptions, resolve_path
 from pipeline.evaluation.configurations import Configuration, Configurations
 from pipeline.evaluation.results import EvalRow, LosslessCheck
 from pipeline.progress import Progress
@@ -46,16 +46,6 @@ def chi_square_first_token(counts: np.ndarray, p: np.ndarray) -> tuple[float, in
     if obs.size < 2:
         return 1.0, int(obs.size)
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue), int(obs.size)
-
-
-def warm_up_prompts(prompts: list[list[int]]) -> list[list[int]]:
-    """The first prompt of each prefill shape among ``prompts``: the buckets of its whole length and of all but its last
-    token (the static sessions prefill one or the other), so a warm-up over these compiles every prefill graph the
-    timed generations will feed."""
-    seen: dict[tuple, list[int]] = {}
-    for prompt in prompts:
-        seen.setdefault((bucket(len(prompt) - 1), bucket(len(prompt))), prompt)
-    return list(seen.values())
 
 
 class Evaluator:
@@ -100,25 +90,32 @@ class Evaluator:
                                      self.options) for p in items]
 
     def _warm_up(self, configs: list[Configuration]) -> None:
-        """Untimed generations before anything is timed (the static paths): per task and configuration, one for each
-        prefill bucket the task's prompts reach (:func:`warm_up_prompts`).
+        """Every timed generation once, untimed, before anything is timed (the static paths): per task, autoregressive
+        decoding and each configuration × γ over all the task's prompts, greedy and (when sampling) with the timed
+        pass's seed.
 
-        On path ``graphs`` a CUDA graph is compiled for each bucket the first time a session or drafter feeds it, which
-        takes seconds. Warming up on the first prompt alone still timed the compiler on tasks whose prompts span
-        several buckets (an H100 evaluation of the kit: autoregressive decoding at 92 tokens/s on its chat prompts and
-        1,062 on its code prompts).
+        On path ``graphs`` a CUDA graph is compiled the first time a session or drafter feeds a shape, which takes
+        seconds. The shapes a generation feeds depend on what it accepts (a drafter's catch-up after ``a`` accepted
+        tokens, a last round with fewer drafts left), so only the timed generations themselves are sure to feed all of
+        them: decoding is seeded, so the replay feeds exactly the shapes the timed pass will. Two narrower warm-ups
+        timed the compiler on an H100: the first prompt only (autoregressive decoding at 92 tokens/s on the kit's chat
+        prompts, 1,062 on code), then one prompt per prefill bucket (EAGLE-3's chat row at 0.20×, code at 0.72×: a
+        chat generation's last one-token verify compiled inside the timed cell).
         """
-        samples = {task: warm_up_prompts(items) for task, items in self.prompts.items()}
-        prompts = sum(len(items) for items in samples.values())
-        with Progress("evaluate: untimed warm-up (compiles the static paths' shapes)",
-                      prompts * (1 + len(configs) * len(self.ev.gammas)), "generation") as warm:
-            for items in samples.values():
-                self._decode_all(items, None, 0, GREEDY, 0)
-                warm.update(len(items))
+        sampled = not self.params.greedy
+        passes = [(GREEDY, 0)] + ([(self.params, 1)] if sampled else [])
+        total = sum(len(items) for items in self.prompts.values()) * (1 + len(configs) * len(self.ev.gammas))
+        with Progress("evaluate: untimed warm-up (every timed generation once: compiles the static paths' shapes)",
+                      total * len(passes), "generation") as warm:
+            for items in self.prompts.values():
+                for params, seed in passes:
+                    self._decode_all(items, None, 0, params, seed)
+                    warm.update(len(items))
                 for config in configs:
                     for gamma in self.ev.gammas:
-                        self._decode_all(items, config.proposer, gamma, GREEDY, 0)
-                        warm.update(len(items), method=config.method)
+                        for params, seed in passes:
+                            self._decode_all(items, config.proposer, gamma, params, seed)
+                            warm.update(len(items), method=config.method)
 
     def run(self) -> tuple[list[EvalRow], list[LosslessCheck]]:
         """Decode everything: the matrix rows and the losslessness checks."""
