@@ -97,7 +97,7 @@ class Evaluator:
         On path ``graphs`` a CUDA graph is compiled the first time a session or drafter feeds a shape, which takes
         seconds. The shapes a generation feeds depend on what it accepts (a drafter's catch-up after ``a`` accepted
         tokens, a last round with fewer drafts left), so only the timed generations themselves are sure to feed all of
-        them: decoding is seeded, so the replay feeds exactly the shapes the timed pass will. Two narrower warm-ups
+        them: decoding is seeded, so the replay feeds the shapes the timed pass will feed. Two narrower warm-ups
         timed the compiler on an H100: the first prompt only (autoregressive decoding at 92 tokens/s on the kit's chat
         prompts, 1,062 on code), then one prompt per prefill bucket (EAGLE-3's chat row at 0.20×, code at 0.72×: a
         chat generation's last one-token verify compiled inside the timed cell).
