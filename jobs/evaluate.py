@@ -121,17 +121,18 @@ def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     return artifact
 
 
-def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20) -> str:
+def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, methods: str | None = None) -> str:
     """``drafter bench decode``: :mod:`pipeline.evaluation.decode_bench` on this config's kit (``tiny``), and with
     ``llama3-8b`` also at Llama-3.1-8B's shape with random weights, projected with the kit's acceptance.
 
     The kit pass decodes evaluate's own prompts (``evaluate.prompts_per_task`` per task, ``evaluate.max_new_tokens``,
     ``evaluate.gammas``) with the registry's :data:`~pipeline.engine.methods.DECODE_BENCH` methods whose artifacts
-    this config's plan finds built,
+    this config's plan finds built (``methods``, a comma-separated list: only those of them),
     through evaluate's own configurations; the decode path is ``evaluate.decode_path`` on this device.
 
     Raises:
-        DrafterError: When the count artifact is not built (evaluate's configurations read it).
+        DrafterError: When the count artifact is not built (evaluate's configurations read it), or ``methods``
+            names a method the bench does not time.
     """
     import sys
     from dataclasses import replace
@@ -151,15 +152,21 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20) -> s
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    timed = DECODE_BENCH if methods is None else tuple(m.strip() for m in methods.split(",") if m.strip())
+    unknown = [m for m in timed if m not in DECODE_BENCH]
+    if unknown or not timed:
+        raise DrafterError("`drafter bench decode --methods` names methods the bench does not time.",
+                           expected=f"a comma-separated list of {', '.join(DECODE_BENCH)}",
+                           found=", ".join(unknown) or repr(methods), fix="Leave --methods out to time them all.")
     step = plan(cfg, ["evaluate"])["evaluate"]
     built = {stage for stage, (_, path) in step.inputs.items() if (path / "manifest.json").is_file()}
     if "count" not in built:
         raise DrafterError("`drafter bench decode` decodes with evaluate's configurations, which read the count "
                            "artifact.", expected="the count artifact of this config built", found="not built",
                            fix="Run `drafter count --config <this config>` first (seconds on the kit).")
-    methods = [m for m in DECODE_BENCH if set(METHODS[m].stages) <= built]
-    skipped = [m for m in DECODE_BENCH if m not in methods]
-    ev = replace(cfg.evaluate, methods=methods)
+    runnable = [m for m in DECODE_BENCH if m in timed and set(METHODS[m].stages) <= built]
+    skipped = [m for m in DECODE_BENCH if m in timed and m not in runnable]
+    ev = replace(cfg.evaluate, methods=runnable)
     device = resolve_device(ev)
     target_ = Target(cfg.target)
     tokenizer, target = target_.tokenizer(), target_.model(device)
@@ -178,7 +185,7 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20) -> s
             notes.append("llama3-8b: needs a CUDA device (8B parameters in bf16); not run on this CPU.")
         else:
             kit_alpha = {(r.method, r.gamma): r.alpha for r in rows if r.alpha is not None}
-            big, big_proposers = llama3_8b_models(torch.device(device))
+            big, big_proposers = llama3_8b_models(torch.device(device), methods=timed)
             big_prompts = [torch.randint(3, 128_000, (128,), generator=torch.Generator().manual_seed(i)).tolist()
                            for i in range(2)]
             with torch.no_grad():

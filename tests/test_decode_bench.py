@@ -44,6 +44,9 @@ def test_scaled_llama3_shape_rows_are_projected_from_the_kit() -> None:
         assert (row.projected is not None) == ((row.method, 3) in kit_alpha)
     table = decode_table(rows)
     assert "(projected)" in table and "| llama3-8b |" in table and "— (no kit row)" in table
+    _, some = llama3_8b_models(torch.device("cpu"), torch.float32, scale=64, dflash_layers=2, block_size=6,
+                               methods=("dflash", "eagle3"))
+    assert list(some) == ["eagle3", "dflash"]  # the bench's order; the 1B drafter and router are not built
 
 
 @pytest.mark.slow
@@ -66,3 +69,8 @@ def test_drafter_bench_decode_on_the_test_kit(tmp_path, tiny_kit, mlflow_server,
     out = capsys.readouterr().out
     assert "| tiny | cpu" in out and "| full | 3 |" in out
     assert "not timed: dynaspec, eagle3, dflash" in out and "llama3-8b: needs a CUDA device" in out
+    assert main(["bench", "decode", "--steps", "2", "--methods", "full,eagle3", *SMALL, *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "| full | 3 |" in out and "not timed: eagle3 (" in out  # only the asked-for ones, built or not
+    assert main(["bench", "decode", "--methods", "full,nonesuch", *SMALL, *overrides]) == 2
+    assert re.search(r"(?s)does not time.*found:\s+nonesuch", capsys.readouterr().err)

@@ -363,13 +363,14 @@ def _scaled(shape: dict, scale: int) -> dict:
 
 def llama3_8b_models(device: torch.device, dtype: torch.dtype = torch.bfloat16, scale: int = 1, *,
                      draft_vocab_size: int = 32_768, dflash_layers: int = 5, block_size: int = 16,
-                     clusters: int = 1024, routed_share: float = 0.22) -> tuple[torch.nn.Module, dict[str, Any]]:
+                     clusters: int = 1024, routed_share: float = 0.22, methods: Sequence[str] = DECODE_BENCH,
+                     ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The target and the proposers of :data:`~pipeline.engine.methods.DECODE_BENCH` (built through the registry) at
     the shapes of ``configs/llama3-8b.yaml``, random weights, built on ``device``: a same-tokenizer drafter
     (Llama-3.2-1B), its head routed over 1,024 log-normal clusters with a router and a fixed budget of the clusters
     holding ~22 % of the rows (DynaSpec's ~28k of 128k), an EAGLE-3 head over the 32k draft vocabulary, and a
-    DFlash drafter (5 layers, B = 16). ``scale`` > 1 divides every width (a smoke
-    run of the same code on a CPU)."""
+    DFlash drafter (5 layers, B = 16); of those, the proposers of ``methods`` (a drafter no one of them reads is not
+    built). ``scale`` > 1 divides every width (a smoke run of the same code on a CPU)."""
     from transformers import LlamaConfig, LlamaForCausalLM  # deferred: pulls in transformers
 
     def build(shape: dict) -> torch.nn.Module:
@@ -378,31 +379,38 @@ def llama3_8b_models(device: torch.device, dtype: torch.dtype = torch.bfloat16, 
         return model.eval()
 
     torch.manual_seed(0)
-    target, drafter = build(LLAMA_3_1_8B), build(LLAMA_3_2_1B)
+    target = build(LLAMA_3_1_8B)
+    needed = {METHODS[method].inputs for method in methods}
     vocab = int(target.config.vocab_size)
-    draft_vocab = max(2, draft_vocab_size // scale)
     embedding = target.get_input_embeddings()
-    config = Eagle3Config.from_target(target.config, draft_vocab_size=draft_vocab)
-    dflash_config = DFlashConfig.from_target(target.config, num_hidden_layers=dflash_layers, block_size=block_size,
-                                             mask_token_id=vocab - 1)
-    head = drafter.get_output_embeddings().weight
-    m = max(2, min(clusters, vocab // 4))
-    with torch.device(device):  # initialised where they run: ~1.5B float32 parameters are slow to fill on a CPU
-        eagle3 = Eagle3Drafter(config, embedding).to(dtype=dtype).eval()
-        dflash = DFlashDrafter(dflash_config, embedding, target.get_output_embeddings()).to(dtype=dtype)
-        router = Router(2 * head.shape[1], max(8, 512 // scale), m).to(dtype=dtype).eval()
-    ids = np.sort(np.random.default_rng(0).choice(vocab, draft_vocab, replace=False))
-    eagle3.set_vocab_maps(*eagle3_offset_maps(ids, vocab))
-    clustering = Clustering(unbalanced_assignment(vocab, m), np.zeros((m, head.shape[1]), np.float32),
-                            head_sha256(head))
-    k = max(1, round(routed_share * m))
-    inputs = {
-        SameTokenizerInputs: SameTokenizerInputs(drafter, target_vocab_size=vocab),
-        RoutedInputs: RoutedInputs(drafter, clustering, router, ShortlistPolicy(keep_ids=(0,),
-                                                                                fixed=ClusterBudget("fixed", k)),
-                                   target_vocab_size=vocab),
-        FeatureInputs: FeatureInputs(eagle3, target_vocab_size=vocab),
-        BlockFeatureInputs: BlockFeatureInputs(dflash.eval(), target_vocab_size=vocab),
-    }
-    proposers = {method: build_proposer(method, inputs[METHODS[method].inputs]) for method in DECODE_BENCH}
+    inputs: dict[type, Any] = {}
+    if needed & {SameTokenizerInputs, RoutedInputs}:
+        drafter = build(LLAMA_3_2_1B)
+        inputs[SameTokenizerInputs] = SameTokenizerInputs(drafter, target_vocab_size=vocab)
+        if RoutedInputs in needed:
+            head = drafter.get_output_embeddings().weight
+            m = max(2, min(clusters, vocab // 4))
+            with torch.device(device):  # initialised where it runs
+                router = Router(2 * head.shape[1], max(8, 512 // scale), m).to(dtype=dtype).eval()
+            clustering = Clustering(unbalanced_assignment(vocab, m), np.zeros((m, head.shape[1]), np.float32),
+                                    head_sha256(head))
+            budget = ClusterBudget("fixed", max(1, round(routed_share * m)))
+            inputs[RoutedInputs] = RoutedInputs(drafter, clustering, router,
+                                                ShortlistPolicy(keep_ids=(0,), fixed=budget), target_vocab_size=vocab)
+    if FeatureInputs in needed:
+        draft_vocab = max(2, draft_vocab_size // scale)
+        config = Eagle3Config.from_target(target.config, draft_vocab_size=draft_vocab)
+        with torch.device(device):  # initialised where it runs: ~1B float32 parameters are slow to fill on a CPU
+            eagle3 = Eagle3Drafter(config, embedding).to(dtype=dtype).eval()
+        ids = np.sort(np.random.default_rng(0).choice(vocab, draft_vocab, replace=False))
+        eagle3.set_vocab_maps(*eagle3_offset_maps(ids, vocab))
+        inputs[FeatureInputs] = FeatureInputs(eagle3, target_vocab_size=vocab)
+    if BlockFeatureInputs in needed:
+        dflash_config = DFlashConfig.from_target(target.config, num_hidden_layers=dflash_layers,
+                                                 block_size=block_size, mask_token_id=vocab - 1)
+        with torch.device(device):
+            dflash = DFlashDrafter(dflash_config, embedding, target.get_output_embeddings()).to(dtype=dtype)
+        inputs[BlockFeatureInputs] = BlockFeatureInputs(dflash.eval(), target_vocab_size=vocab)
+    proposers = {method: build_proposer(method, inputs[METHODS[method].inputs]) for method in DECODE_BENCH
+                 if method in methods}
     return target, proposers
