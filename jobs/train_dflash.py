@@ -39,6 +39,11 @@ time."""
 
 def mask_token_id(configured: int | None, tokenizer: Any, vocab_size: int) -> int:
     """``train_dflash.mask_token_id``, else the tokenizer's pad token, else its unknown token, else the last id."""
+    if configured is not None and not 0 <= configured < vocab_size:
+        raise DrafterError("train_dflash.mask_token_id is not a row of the target's embedding.",
+                           expected=f"a token id in [0, {vocab_size}) or null", found=str(configured),
+                           fix="Leave train_dflash.mask_token_id null for the tokenizer's pad token, or name a token "
+                               "id of the target's vocabulary.")
     for candidate in (configured, getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "unk_token_id", None)):
         if candidate is not None:
             return int(candidate)
@@ -79,12 +84,20 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact | None 
                                expected="the count artifact the plan names", found="none",
                                fix="Run `drafter train_dflash` (it builds count first) or set train_dflash.counts.")
         maps = draft_vocab_maps(counts, vocab)
-    config = DFlashConfig.from_target(
-        target.config, num_hidden_layers=tc.num_layers, block_size=tc.block_size,
-        mask_token_id=mask_token_id(tc.mask_token_id, tokenizer, vocab),
-        target_layer_ids=tuple(tc.target_layer_ids) if tc.target_layer_ids else None,
-        num_key_value_heads=tc.num_key_value_heads, intermediate_size=tc.intermediate_size,
-        num_attention_heads=tc.num_attention_heads, draft_vocab_size=None if maps is None else int(maps[0].size))
+    mask = mask_token_id(tc.mask_token_id, tokenizer, vocab)
+    try:
+        config = DFlashConfig.from_target(
+            target.config, num_hidden_layers=tc.num_layers, block_size=tc.block_size, mask_token_id=mask,
+            target_layer_ids=tuple(tc.target_layer_ids) if tc.target_layer_ids else None,
+            num_key_value_heads=tc.num_key_value_heads, intermediate_size=tc.intermediate_size,
+            num_attention_heads=tc.num_attention_heads, draft_vocab_size=None if maps is None else int(maps[0].size))
+    except DrafterError as error:  # the drafter's shape is the target's, changed by this section: say which keys
+        if error.fix is not None:
+            raise
+        raise DrafterError(error.problem, expected=error.expected, found=error.found,
+                           fix="The draft layers copy the target's shape except where train_dflash sets "
+                               "num_attention_heads, num_key_value_heads or intermediate_size (null copies the "
+                               "target's): change the one named above.") from None
     torch.manual_seed(tc.init_seed)
     drafter = DFlashDrafter(config, target.get_input_embeddings(), target.get_output_embeddings())
     if maps is not None:

@@ -20,6 +20,7 @@ from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.drafters.dflash import reference_keys
 from pipeline.drafters.dflash_export import hidden_state_indices_of
 from pipeline.drafters.dflash_export import load_config as load_dflash_config
+from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import default_stages, plan
 from tests.helpers import SMALL, TRAIN
 from tests.killing import kill_after_checkpoint
@@ -113,10 +114,24 @@ def test_the_stage_is_outside_the_default_run_unless_evaluate_decodes_dflash(tra
     assert plan(cfg_of(cfg.workdir_path, "train_dflash.train.micro_batch_size=2"), ["train_dflash"])[
         "train_dflash"].id == art.id
     assert plan(cfg_of(cfg.workdir_path, "train_dflash.block_size=5"), ["train_dflash"])["train_dflash"].id != art.id
-    from pipeline.errors import DrafterError
-
     with pytest.raises(DrafterError, match=r"block_size - 1 = 3"):
         plan(cfg_of(cfg.workdir_path, "evaluate.methods=[dflash]", "evaluate.gammas=[4]"))
+
+
+def test_a_mask_token_or_head_count_the_target_cannot_take_is_refused_naming_the_keys_and_builds_nothing(trained) -> None:
+    cfg, art = trained
+    bad = cfg_of(cfg.workdir_path, "train_dflash.mask_token_id=999999")
+    bad_id = plan(bad, ["train_dflash"])["train_dflash"].id
+    before = sorted(p.name for p in art.path.parent.iterdir())
+    with pytest.raises(DrafterError, match=r"train_dflash.mask_token_id is not a row") as refused:
+        run(bad, ["train_dflash"])
+    assert "found:    999999" in str(refused.value) and "what to do: Leave train_dflash.mask_token_id null" in str(
+        refused.value)
+    assert bad_id != art.id and sorted(p.name for p in art.path.parent.iterdir()) == before
+    with pytest.raises(DrafterError, match=r"not a multiple of key/value heads") as refused:
+        run(cfg_of(cfg.workdir_path, "train_dflash.num_key_value_heads=3"), ["train_dflash"])  # 4 query heads
+    assert "what to do: The draft layers copy the target's shape" in str(refused.value)
+    assert sorted(p.name for p in art.path.parent.iterdir()) == before
 
 
 EVAL = ["evaluate.methods=[eagle3,dflash]", "evaluate.gammas=[3]", "evaluate.prompts_per_task=2",
