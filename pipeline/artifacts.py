@@ -183,6 +183,11 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict:
     """
     path = Path(path)
     manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise DrafterError(f"{path} is not an artifact: no such directory.", expected="an artifact directory",
+                           found="nothing there" if not path.exists() else "a file",
+                           fix="Pass the directory a stage wrote: <workdir>/artifacts/<artifact id> (`drafter status` "
+                               "lists a config's artifact ids); check the path for typos.")
     if not manifest_path.is_file():
         raise DrafterError(f"{path} is not an artifact: it has no {MANIFEST}.",
                            fix=f"Pass the directory a stage wrote (under <workdir>/artifacts/). If a stage wrote "
@@ -217,7 +222,10 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict:
                            expected=f"id {manifest.get('id')}", found=f"id {derived}",
                            fix=f"Do not edit manifests; nothing in this artifact can be trusted. {_redo(path)}")
     if kind is not None and manifest.get("kind") != kind:
-        raise DrafterError(f"Artifact {path} is of the wrong kind.", expected=kind, found=manifest.get("kind"))
+        raise DrafterError(f"Artifact {path} is of the wrong kind (made by stage {manifest.get('stage')}).",
+                           expected=kind, found=manifest.get("kind"),
+                           fix=f"Pass a {kind} artifact here; this option expects the directory of the stage that "
+                               f"writes {kind}, not {manifest.get('stage')}'s.")
     return manifest
 
 

@@ -85,8 +85,9 @@ def test_fingerprint_mismatch_names_both_sides(tmp_path: Path) -> None:
     with pytest.raises(DrafterError, match="(modified|does not match its manifest|different target)") as err:
         load_artifact(art.path, fingerprint=other)
     assert "vocab_hash=v2" in str(err.value) and "vocab_hash=v1" in str(err.value)
-    with pytest.raises(DrafterError, match="wrong kind"):
+    with pytest.raises(DrafterError, match="wrong kind") as err:
         load_artifact(art.path, kind="calibration")
+    assert "what to do: Pass a calibration artifact here" in str(err.value)
     check_fingerprint(art, FP, "x")  # same target: no error
 
 
@@ -131,6 +132,12 @@ def test_not_an_artifact_and_corrupt_manifest(tmp_path: Path) -> None:
     with pytest.raises(DrafterError, match="no manifest.json") as err:
         load_artifact(tmp_path)
     assert f"Delete {tmp_path} and rerun" in str(err.value)
+    for missing in (tmp_path / "no-such-dir", tmp_path / "a-file"):  # a typo is not a damaged artifact
+        if missing.name == "a-file":
+            missing.write_text("x")
+        with pytest.raises(DrafterError, match="no such directory") as err:
+            load_artifact(missing)
+        assert "Delete" not in str(err.value) and "check the path for typos" in str(err.value)
     art = _make(ArtifactStore(tmp_path / "s"))
     manifest = art.path / "manifest.json"
     manifest.write_text("{not json")
