@@ -353,7 +353,9 @@ def _wanted(args: argparse.Namespace, cfg) -> tuple[str, ...]:
     wanted = default_stages(cfg) if not args.stages else tuple(s.strip() for s in args.stages.split(","))
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
-        raise DrafterError(f"Unknown stage(s) {unknown}.", expected=f"some of {list(STAGES)}")
+        raise DrafterError(f"Unknown stage(s) {unknown}.", expected=f"some of {list(STAGES)}",
+                           fix="Pass --stages as a comma-separated list of those names (a stage's upstreams run "
+                               "with it), or leave --stages out for the config's default run.")
     return wanted
 
 

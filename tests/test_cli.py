@@ -191,6 +191,13 @@ def test_bad_config_key_exits_2_with_one_clear_line(capsys: pytest.CaptureFixtur
     assert err.startswith("error: Unknown config key 'generate.max_new_tokenz'") and "Traceback" not in err
 
 
+def test_an_unknown_stage_exits_2_listing_the_stages_and_what_to_pass(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--stages", "generate,evalute"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Unknown stage(s) ['evalute']") and "'evaluate'" in err
+    assert "what to do: Pass --stages as a comma-separated list" in err and "Traceback" not in err
+
+
 def test_config_prints_resolved_yaml(capsys: pytest.CaptureFixture) -> None:
     assert main(["config", "--config", str(ROOT / "configs/tiny.yaml"), "generate.limit=7"]) == 0
     assert "limit: 7" in capsys.readouterr().out
