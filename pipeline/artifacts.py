@@ -184,8 +184,9 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict:
     path = Path(path)
     manifest_path = path / MANIFEST
     if not path.is_dir():
-        raise DrafterError(f"{path} is not an artifact: no such directory.", expected="an artifact directory",
-                           found="nothing there" if not path.exists() else "a file",
+        what = "it is not a directory" if path.exists() else "no such directory"
+        raise DrafterError(f"{path} is not an artifact: {what}.", expected="an artifact directory",
+                           found="a file" if path.exists() else "nothing there",
                            fix="Pass the directory a stage wrote: <workdir>/artifacts/<artifact id> (`drafter status` "
                                "lists a config's artifact ids); check the path for typos.")
     if not manifest_path.is_file():

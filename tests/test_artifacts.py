@@ -132,11 +132,10 @@ def test_not_an_artifact_and_corrupt_manifest(tmp_path: Path) -> None:
     with pytest.raises(DrafterError, match="no manifest.json") as err:
         load_artifact(tmp_path)
     assert f"Delete {tmp_path} and rerun" in str(err.value)
-    for missing in (tmp_path / "no-such-dir", tmp_path / "a-file"):  # a typo is not a damaged artifact
-        if missing.name == "a-file":
-            missing.write_text("x")
-        with pytest.raises(DrafterError, match="no such directory") as err:
-            load_artifact(missing)
+    (tmp_path / "a-file").write_text("x")
+    for name, problem in (("no-such-dir", "no such directory"), ("a-file", "it is not a directory")):
+        with pytest.raises(DrafterError, match=problem) as err:  # a typo, not a damaged artifact to delete
+            load_artifact(tmp_path / name)
         assert "Delete" not in str(err.value) and "check the path for typos" in str(err.value)
     art = _make(ArtifactStore(tmp_path / "s"))
     manifest = art.path / "manifest.json"
