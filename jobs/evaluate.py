@@ -174,7 +174,7 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, meth
     artifacts = {stage: step.input(stage) for stage in step.inputs if stage in built}
     configs = Configurations(replace(cfg, evaluate=ev), target, tokenizer, {"bench": prompts}, artifacts, device, log)
     proposers = {c.method: c.proposer for c in configs}
-    options = DecodeOptions(resolve_path(ev.decode_path, device))
+    options = DecodeOptions(resolve_path(ev.decode_path, device), first_token=ev.first_token)
     with torch.no_grad():
         rows = measure("tiny", target, proposers, prompts, ev.gammas, ev.max_new_tokens, options, steps, log=log,
                        eos=tokenizer.eos_token_id)

@@ -128,3 +128,17 @@ def typed_results(data: dict | None = None, *, lossless: bool = True) -> Evaluat
 def drafted(proposal: Any) -> tuple[list[int], Any]:
     """A proposal's drafts as host ids and its q (proposers that draft on the device return a tensor of ids)."""
     return proposal.token_list(), proposal.q
+
+
+def kit_evaluator(tmp_path: Path, path: str, *extra: str):  # noqa: ANN201
+    """An :class:`~pipeline.evaluation.evaluator.Evaluator` over the test kit with full drafts at γ 2 and 3."""
+    from jobs import run  # deferred: pulls in the stages and torch
+    from pipeline.evaluation.evaluator import Evaluator  # deferred: pulls in torch and the engine
+    from pipeline.models.target import Target  # deferred: pulls in transformers
+
+    cfg = load_config(None, [f"workdir={tmp_path}", *SMALL, "evaluate.methods=[full]", "evaluate.gammas=[2,3]",
+                             f"evaluate.decode_path={path}", "evaluate.sampling_check_samples=0", *extra])
+    counts = run(cfg, ["count"])["count"]  # full drafts over the kit's drafter; the count artifact is read regardless
+    target = Target(cfg.target)
+    return lambda prompts: Evaluator(cfg, target.model("cpu"), target.tokenizer(), prompts, {"count": counts}, "cpu",
+                                     lambda _line: None)

@@ -14,7 +14,7 @@ from jobs.evaluate import other_devices
 from pipeline.artifacts import ArtifactWriter
 from pipeline.evaluation.report import write_report
 from pipeline.orchestration.dag import plan, spec
-from tests.helpers import SMALL, small_cfg, synthetic_results, typed_results
+from tests.helpers import kit_evaluator, small_cfg, synthetic_results, typed_results
 
 
 def _store_evaluation(cfg, device_name: str, speedup: float) -> str:
@@ -62,21 +62,6 @@ def test_a_report_without_another_device_has_no_device_table(tmp_path: Path) -> 
     assert "Wall-clock on each device" not in md_path.read_text() + html_path.read_text()
 
 
-def _evaluator(tmp_path: Path, path: str, *extra: str):  # noqa: ANN202
-    """An :class:`~pipeline.evaluation.evaluator.Evaluator` over the test kit with full drafts at γ 2 and 3."""
-    from jobs import run
-    from pipeline.config.sections import load_config
-    from pipeline.evaluation.evaluator import Evaluator
-    from pipeline.models.target import Target
-
-    cfg = load_config(None, [f"workdir={tmp_path}", *SMALL, "evaluate.methods=[full]", "evaluate.gammas=[2,3]",
-                             f"evaluate.decode_path={path}", "evaluate.sampling_check_samples=0", *extra])
-    counts = run(cfg, ["count"])["count"]  # full drafts over the kit's drafter; the count artifact is read regardless
-    target = Target(cfg.target)
-    return lambda prompts: Evaluator(cfg, target.model("cpu"), target.tokenizer(), prompts, {"count": counts}, "cpu",
-                                     lambda _line: None)
-
-
 @pytest.mark.parametrize("path", ["static", "eager"])
 def test_the_static_paths_replay_every_timed_generation_before_anything_is_timed(path: str, tiny_kit, monkeypatch,
                                                                                   tmp_path: Path) -> None:
@@ -85,7 +70,7 @@ def test_the_static_paths_replay_every_timed_generation_before_anything_is_timed
     not."""
     import pipeline.evaluation.evaluator as evaluator_module
 
-    evaluator = _evaluator(tmp_path, path, "evaluate.max_new_tokens=6")
+    evaluator = kit_evaluator(tmp_path, path, "evaluate.max_new_tokens=6")
     prompts = {"chat": [[5, 6, 7], [8, 9, 10, 11], [17, 18, 19]], "code": [[12, 13], [14, 15, 16]]}
     calls: list[tuple] = []
     real_ar, real_spec = evaluator_module.generate_autoregressive, evaluator_module.generate_speculative
@@ -144,7 +129,7 @@ def test_the_timed_cells_feed_no_compiled_function_a_shape_the_warm_up_did_not(t
     monkeypatch.setattr(static_module, "compiled", recorded)
     # one prefill bucket: a warm-up over one prompt per prefill bucket decoded only the first prompt
     prompts = {"chat": [[40 + 7 * i + j for j in range(5)] for i in range(12)]}
-    evaluator = _evaluator(tmp_path, "static", "evaluate.max_new_tokens=9", "evaluate.gammas=[7]")(prompts)
+    evaluator = kit_evaluator(tmp_path, "static", "evaluate.max_new_tokens=9", "evaluate.gammas=[7]")(prompts)
     evaluator.options = DecodeOptions("graphs")  # what `evaluate.device=cuda` resolves to (refused on a CPU)
     real_warm_up = evaluator._warm_up
 

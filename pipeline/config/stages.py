@@ -383,6 +383,11 @@ class EvaluateConfig:
     forwards, at most one device-to-host read per round), graphs (static, each forward a CUDA graph; CUDA only), or
     auto (graphs on CUDA, eager on a CPU). Greedy outputs are the same on every path; it is part of the evaluate
     id because timings, and on CUDA the speed gate, depend on it."""
+    first_token: str = "round"
+    """Where each speculative generation's first new token comes from: round (the first drafting round drafts it
+    after a prefill of the prompt but its last token) or prefill (the target's prefill emits it, and the first round
+    drafts after it: the order of vLLM, SGLang and EAGLE's reference code). τ counts only the rounds' tokens, so with
+    prefill it is measured as those engines report it. Both are lossless; it is part of the evaluate id."""
     seed: int = 0
     """Seed for sampled decoding and the sampling check."""
     gate_tau_min: float = 1.3
@@ -422,6 +427,8 @@ class EvaluateConfig:
                     "auto, eager, static or graphs", self.decode_path)
         check_value(not (self.decode_path == "graphs" and self.device == "cpu"), "evaluate.decode_path",
                     "graphs only with a CUDA device (evaluate.device auto or cuda)", "graphs with evaluate.device=cpu")
+        check_value(self.first_token in ("round", "prefill"), "evaluate.first_token", "round or prefill",
+                    self.first_token)
         check_value(self.gate_speed_metric in ("auto", "speedup", "mbsu"), "evaluate.gate_speed_metric",
                "auto, speedup or mbsu", self.gate_speed_metric)
         check_value(self.primary_metric in ("auto", "tau", "speedup", "mbsu"), "evaluate.primary_metric",

@@ -40,6 +40,9 @@ class GenerationResult:
         method: ``"autoregressive"`` or the proposer's name.
         gamma: Draft length asked for per round (0 for autoregressive decoding).
         target_forwards: Target forward passes (prefill included).
+        prefill_tokens: New tokens the target's prefill emitted before the first drafting round: 1 with
+            ``DecodeOptions.first_token == "prefill"`` (and a token to generate), else 0. They are in ``tokens`` and
+            in no round, so τ leaves them out.
         drafted_per_round: Drafts the proposer returned in each round.
         accepted_per_round: Drafts accepted in each round.
         position_attempts: ``[i]`` = rounds in which draft position ``i`` was verified.
@@ -57,6 +60,7 @@ class GenerationResult:
     method: str
     gamma: int = 0
     target_forwards: int = 0
+    prefill_tokens: int = 0
     drafted_per_round: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
     position_attempts: list[int] = field(default_factory=list)
@@ -216,7 +220,11 @@ def generate_speculative(
         generator: Random source shared by drafter and verifier.
         eos_token_id: Token id(s) that end the sequence.
         options: The decode path (:mod:`pipeline.engine.static`); default eager. On the static paths the prompt
-            but its last token is always prefilled, so every round's verify forward is ``γ' + 1`` tokens.
+            but its last token is always prefilled, so every round's verify forward is ``γ' + 1`` tokens. With
+            ``first_token="prefill"`` the target emits the first new token before any drafting (a round without
+            drafts, timed as prefill: one forward over the prompt, or over its last token where the rest was
+            prefilled), so the first round drafts after the target's own token, as vLLM, SGLang and EAGLE's
+            reference code do.
 
     Returns:
         The :class:`GenerationResult`. Phases are timed without synchronising (CUDA events); a round whose
@@ -263,6 +271,17 @@ def generate_speculative(
         position_accepts=[0] * gamma,
     )
     stopped = False
+    if options.first_token == "prefill" and max_new_tokens > 0:
+        # The target's own first token, before any drafting: the same round code with no drafts, timed as prefill.
+        step = speculative_round(model, proposer, sequence, 0, params, generator, None, vocab,
+                                 clocks=RoundClocks(clocks.draft, prefill), checks=checks, context_ids=context_ids)
+        last_p = step.p_next
+        _extend(context_ids, len(sequence), step)
+        sequence.extend(step.emitted)
+        new.extend(step.emitted)
+        result.ttft_seconds = time.perf_counter() - start
+        result.prefill_tokens = len(step.emitted)
+        new, stopped = _finish(new, eos, max_new_tokens)
     while len(new) < max_new_tokens and not stopped:
         # Drafts beyond the length budget would be thrown away, so do not pay for them.
         round_gamma = min(gamma, max_new_tokens - len(new) - 1)
@@ -270,10 +289,10 @@ def generate_speculative(
                                  clocks=clocks, checks=checks, context_ids=context_ids)
         last_p = step.p_next
         _extend(context_ids, len(sequence), step)
+        if not new:
+            result.ttft_seconds = time.perf_counter() - start
         sequence.extend(step.emitted)
         new.extend(step.emitted)
-        if not result.drafted_per_round:
-            result.ttft_seconds = time.perf_counter() - start
         result.drafted_per_round.append(step.drafted)
         result.accepted_per_round.append(step.accepted)
         for i in range(min(step.accepted + 1, step.verified)):

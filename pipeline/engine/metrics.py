@@ -13,7 +13,9 @@ has the prompt prefilled in a forward of its own, which emits nothing and is pro
 autoregressive decoding does inside its first forward; it stays in ``target_forwards`` (the true forward
 count, which times ``target_ms_per_forward``) and out of ``tau``. A last round cut short by EOS or by
 ``max_new_tokens`` counts as one round with the tokens actually kept, so the numerator is exactly the
-tokens returned (each round keeps at least its first token, hence still ``tau >= 1``).
+tokens returned (each round keeps at least its first token, hence still ``tau >= 1``). A token the target's
+prefill emitted before the first round (``DecodeOptions.first_token == "prefill"``, the order of vLLM, SGLang and
+EAGLE's reference code) belongs to no round and is left out of the numerator, as those engines leave it out.
 
 Two analytic models turn them into speedups, both per round and so consistent with this ``tau``:
 
@@ -154,7 +156,7 @@ def summarize(
     after_first = sum(r.wall_seconds - r.ttft_seconds for r in results if r.tokens)
     later_tokens = sum(len(r.tokens) - 1 for r in results if r.tokens)
 
-    tau = _ratio(new_tokens, rounds)
+    tau = _ratio(new_tokens - sum(r.prefill_tokens for r in results), rounds)
     verified_alpha = _ratio(sum(accepts), sum(attempts))
     tokens_per_second = _ratio(new_tokens, wall)
     speedup = None

@@ -47,6 +47,11 @@ PATHS = ("eager", "static", "graphs")
 """Decode paths: ``eager`` (dynamic cache, shapes as fed), ``static`` (static cache, bucketed shapes),
 ``graphs`` (static, each bucket's forward a CUDA graph)."""
 
+FIRST_TOKEN = ("round", "prefill")
+"""Where a speculative generation's first new token comes from: ``round`` (the first drafting round drafts and
+verifies it, this engine's original order) or ``prefill`` (the target's prefill emits it and the first round drafts
+after it: the order of vLLM, SGLang and EAGLE's reference code, whose τ never counts that token)."""
+
 MAX_BUCKET = 64
 """Feeds of at most this many tokens run at a fixed, power-of-two shape (γ + 1 ≤ 65 since γ ≤ 64 is checked at
 plan time, so every verify forward is bucketed); longer ones (prefills) at their own length, eagerly."""
@@ -67,15 +72,21 @@ class DecodeOptions:
         path: One of :data:`PATHS`.
         capacity: Positions the longest session of the generation must hold (prompt + new tokens + γ + 1, plus a
             drafter's block where it has one).
+        first_token: One of :data:`FIRST_TOKEN` (speculative decoding only; autoregressive decoding always takes
+            its first token from the prefill).
     """
 
     path: str = "eager"
     capacity: int = 0
+    first_token: str = "round"
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
             raise DrafterError(f"unknown decode path {self.path!r}", expected=f"one of {list(PATHS)}",
                                found=repr(self.path), fix="set evaluate.decode_path to auto, eager, static or graphs")
+        if self.first_token not in FIRST_TOKEN:
+            raise DrafterError(f"unknown first-token order {self.first_token!r}", expected=f"one of {list(FIRST_TOKEN)}",
+                               found=repr(self.first_token), fix="set evaluate.first_token to round or prefill")
 
     @property
     def static(self) -> bool:

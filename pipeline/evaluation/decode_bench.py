@@ -26,7 +26,7 @@ measured on the kit for the same method and γ).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -254,7 +254,7 @@ def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prom
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     # the bare forwards run at the rounds' mean context length: the mean prompt plus half the new tokens
     length = round(sum(len(p) for p in prompts) / len(prompts)) + new_tokens // 2
-    sized = DecodeOptions(options.path, decode_capacity(max(len(p) for p in prompts), new_tokens, max(gammas), 64))
+    sized = replace(options, capacity=decode_capacity(max(len(p) for p in prompts), new_tokens, max(gammas), 64))
 
     def decode(proposer: Any, gamma: int) -> list[GenerationResult]:
         if proposer is None:

@@ -65,7 +65,7 @@ class Evaluator:
         self.configurations = Configurations(cfg, target, tokenizer, prompts, artifacts, device, log)
         self.eos = tokenizer.eos_token_id
         self.params = SamplingParams(temperature=self.ev.temperature, top_p=self.ev.top_p)
-        self.options = DecodeOptions(resolve_path(self.ev.decode_path, device))
+        self.options = DecodeOptions(resolve_path(self.ev.decode_path, device), first_token=self.ev.first_token)
 
     def _generator(self, offset: int = 0) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.ev.seed + offset)

@@ -96,7 +96,8 @@ def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_
     return EvaluationResults(rows=rows, checks=checks, device=device_name, target=target_fingerprint, inputs=inputs,
                              eagle3_training=eagle3_training, dynaspec_policy=evaluator.policy_record,
                              rdk_analysis=rdk_analysis, dflash_training=dflash_training,
-                             decode_path=evaluator.options.path, **verdicts)
+                             decode_path=evaluator.options.path,
+                             first_token="prefill" if evaluator.options.first_token == "prefill" else None, **verdicts)
 
 
 def rdk_record(rdk: Artifact) -> dict:

@@ -95,6 +95,10 @@ def markdown_table(results: dict, task: str | None = None) -> str:
     return "\n".join(lines)
 
 
+PREFILL_NOTE = ("First token from the target's prefill (evaluate.first_token=prefill): each generation's first new "
+                "token is the target's own, and the first drafting round starts after it, as in vLLM, SGLang and "
+                "EAGLE's reference code; τ counts only the rounds' tokens, as they report it.")
+
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
 table{border-collapse:collapse;font-size:13px;margin:.5em 0}th,td{border:1px solid #ccc;padding:3px 7px}
 th{background:#f3f3f3}td.n{text-align:right;font-variant-numeric:tabular-nums}
@@ -173,6 +177,7 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
         f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{esc(title)}</title>",
         f"<style>{CSS}</style></head><body>\n<h1>{esc(title)}</h1>",
         _html_table(["target", "revision", "vocab hash", "device", "created"], [header]),
+        *([f"<p class='note'>{esc(PREFILL_NOTE)}</p>"] if results.get("first_token") == "prefill" else []),
         f"<h2>Gates: {_verdict_html(gates.get('passed'))}</h2>",
         _checks_html(gates.get("checks")),
     ]
@@ -263,7 +268,9 @@ def write_report(evaluation: EvaluationResults, out_dir: Path, *, provenance: di
     model, device = _text((results.get("target") or {}).get("model")), _text(results.get("device"))
     verdict = _verdict((results.get("gates") or {}).get("passed"))
     md_path = out_dir / "report.md"
-    md = f"# Drafter evaluation: {model}\n\nDevice: {device} · gates: **{verdict}**\n\n{markdown_table(results)}\n"
+    note = f"\n\n{PREFILL_NOTE}" if results.get("first_token") == "prefill" else ""
+    md = (f"# Drafter evaluation: {model}\n\nDevice: {device} · gates: **{verdict}**{note}\n\n"
+          f"{markdown_table(results)}\n")
     for extra in (eagle3_markdown(results), dynaspec_markdown(results), rdk_markdown(results),
                   block_markdown(results), slrs_markdown(results), device_markdown(results)):
         if extra:

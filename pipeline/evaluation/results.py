@@ -153,6 +153,9 @@ class EvaluationResults:
     """What train_dflash predicted for the evaluated DFlash drafter (its kept checkpoint's held-out simulated τ)."""
     decode_path: str | None = None
     """The decode path the rows were measured on (eager, static, graphs)."""
+    first_token: str | None = None
+    """``prefill`` when the target's prefill emitted each generation's first token (``evaluate.first_token``), which
+    τ then leaves out; None for the engine's original order (the first round drafts it)."""
     other_devices: list[dict] | None = None
     """The same config's evaluations on other devices found in the store: ``{"device", "decode_path", "evaluation",
     "rows"}`` with their result rows (the report's device table)."""
@@ -178,6 +181,7 @@ class EvaluationResults:
                     "dflash_training": self.dflash_training}
                    if self.dflash_gates or self.dflash_training else {}),
                 **({"decode_path": self.decode_path} if self.decode_path else {}),
+                **({"first_token": self.first_token} if self.first_token else {}),
                 **({"other_devices": self.other_devices} if self.other_devices else {})}
 
     @classmethod
@@ -199,7 +203,7 @@ class EvaluationResults:
             dynaspec_policy=data.get("dynaspec_policy"), rdk_gates=gates(data.get("rdk_gates")),
             rdk_analysis=data.get("rdk_analysis"), dflash_gates=gates(data.get("dflash_gates")),
             dflash_training=data.get("dflash_training"), decode_path=data.get("decode_path"),
-            other_devices=data.get("other_devices"))
+            first_token=data.get("first_token"), other_devices=data.get("other_devices"))
 
 
 def _mean(rows: list[EvalRow], key: str) -> float:

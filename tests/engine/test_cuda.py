@@ -118,23 +118,11 @@ GRAPH_METHODS = ("full", "shortlist", "dynaspec", "pa_fr", "rdk", "eagle3", "dfl
 draft-vocabulary head: tests/engine/conftest.py's kit_proposer)."""
 
 
-@pytest.mark.parametrize("method", GRAPH_METHODS)
-def test_graph_path_is_greedy_equal_and_never_synchronises_inside_a_round(cuda_kit, method: str, monkeypatch) -> None:
-    """Path graphs on CUDA (CUDA graphs captured for real): greedy output equal to eager autoregressive decoding, and
-    after a warm-up generation no round synchronises the host but for its one read of the accepted tokens
-    (``torch.cuda.set_sync_debug_mode("error")`` inside every round raises on any other synchronising call)."""
+def _strict_rounds(monkeypatch) -> list[int]:
+    """Run every round of the loop under ``torch.cuda.set_sync_debug_mode("error")``, switched off only for the
+    round's one host read (its ``.tolist()``); returns the list each read appends to."""
     import pipeline.engine.rounds as rounds_module
-    from pipeline.engine.loop import generate_autoregressive, generate_speculative
-    from pipeline.engine.sampling import SamplingParams
-    from pipeline.engine.static import DecodeOptions
 
-    target, tok = cuda_kit["target"]
-    greedy, graphs = SamplingParams(), DecodeOptions("graphs")
-    proposer = _proposer(cuda_kit, method)
-    prompt = _prompts(tok)[0]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    want = generate_autoregressive(target, prompt, 32, greedy, gen, tok.eos_token_id).tokens
-    assert generate_speculative(target, proposer, prompt, 32, 4, greedy, gen, tok.eos_token_id, graphs).tokens == want
     round_fn = rounds_module.speculative_round
     reads: list[int] = []
 
@@ -156,5 +144,47 @@ def test_graph_path_is_greedy_equal_and_never_synchronises_inside_a_round(cuda_k
             monkeypatch.setattr(torch.Tensor, "tolist", original)
 
     monkeypatch.setattr("pipeline.engine.loop.speculative_round", strict)
+    return reads
+
+
+@pytest.mark.parametrize("method", GRAPH_METHODS)
+def test_graph_path_is_greedy_equal_and_never_synchronises_inside_a_round(cuda_kit, method: str, monkeypatch) -> None:
+    """Path graphs on CUDA (CUDA graphs captured for real): greedy output equal to eager autoregressive decoding, and
+    after a warm-up generation no round synchronises the host but for its one read of the accepted tokens
+    (``torch.cuda.set_sync_debug_mode("error")`` inside every round raises on any other synchronising call)."""
+    from pipeline.engine.loop import generate_autoregressive, generate_speculative
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.engine.static import DecodeOptions
+
+    target, tok = cuda_kit["target"]
+    greedy, graphs = SamplingParams(), DecodeOptions("graphs")
+    proposer = _proposer(cuda_kit, method)
+    prompt = _prompts(tok)[0]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    want = generate_autoregressive(target, prompt, 32, greedy, gen, tok.eos_token_id).tokens
+    assert generate_speculative(target, proposer, prompt, 32, 4, greedy, gen, tok.eos_token_id, graphs).tokens == want
+    reads = _strict_rounds(monkeypatch)
     result = generate_speculative(target, proposer, prompt, 32, 4, greedy, gen, tok.eos_token_id, graphs)
     assert result.tokens == want and len(reads) == len(result.accepted_per_round)
+
+
+@pytest.mark.parametrize("method", ("eagle3", "dflash"))
+def test_graph_path_with_the_first_token_from_the_prefill(cuda_kit, method: str, monkeypatch) -> None:
+    """``evaluate.first_token=prefill`` on path graphs: greedy-equal to autoregressive decoding, and the prefill's
+    round without drafts reads the host once like every round, and synchronises nowhere else."""
+    from pipeline.engine.loop import generate_autoregressive, generate_speculative
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.engine.static import DecodeOptions
+
+    target, tok = cuda_kit["target"]
+    greedy, graphs = SamplingParams(), DecodeOptions("graphs", first_token="prefill")
+    proposer = _proposer(cuda_kit, method)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for prompt in _prompts(tok):
+        want = generate_autoregressive(target, prompt, 32, greedy, gen, tok.eos_token_id).tokens
+        assert generate_speculative(target, proposer, prompt, 32, 7, greedy, gen, tok.eos_token_id,
+                                    graphs).tokens == want
+    reads = _strict_rounds(monkeypatch)
+    result = generate_speculative(target, proposer, prompt, 32, 7, greedy, gen, tok.eos_token_id, graphs)
+    assert result.tokens == want and result.prefill_tokens == 1
+    assert len(reads) == len(result.accepted_per_round) + 1
