@@ -26,10 +26,10 @@ def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int, wa
     return float(np.median(times))
 
 
-def interleaved_medians(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int,
-                        warmup: int = 3) -> dict[str, float]:
-    """Median seconds of each of ``fns``, timed in turn within each of ``repeats`` rounds (after ``warmup`` rounds),
-    so a load that comes and goes on a shared machine moves every variant alike and their ratios hold."""
+def interleaved_times(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int,
+                      warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds of each call of each of ``fns``, timed in turn within each of ``repeats`` rounds (after ``warmup``
+    rounds), so a load that comes and goes on a shared machine moves every variant alike and their ratios hold."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for round_index in range(warmup + repeats):
         for name, fn in fns.items():
@@ -41,4 +41,10 @@ def interleaved_medians(fns: dict[str, Callable[[], Any]], device: torch.device,
                 torch.cuda.synchronize(device)
             if round_index >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(values)) for name, values in times.items()}
+    return times
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int,
+                        warmup: int = 3) -> dict[str, float]:
+    """The median of each of ``fns`` over :func:`interleaved_times`."""
+    return {name: float(np.median(values)) for name, values in interleaved_times(fns, device, repeats, warmup).items()}

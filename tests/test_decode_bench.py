@@ -74,3 +74,44 @@ def test_drafter_bench_decode_on_the_test_kit(tmp_path, tiny_kit, mlflow_server,
     assert "| full | 3 |" in out and "not timed: eagle3 (" in out  # only the asked-for ones, built or not
     assert main(["bench", "decode", "--methods", "full,nonesuch", *SMALL, *overrides]) == 2
     assert re.search(r"(?s)does not time.*found:\s+nonesuch", capsys.readouterr().err)
+
+
+def test_each_rows_timings_are_paired_in_time_prompt_by_prompt(monkeypatch) -> None:
+    """What a row divides is measured side by side: per prompt, autoregressive decoding, the method's decoding, then
+    its bare forwards (rebuilt after that generation), so a load that comes and goes weighs on both sides of every
+    ratio. Measured one after the other, a busy 2-core host moved one method's engine overhead between 1.04× and
+    1.56× from run to run."""
+    import pipeline.evaluation.decode_bench as bench
+
+    target, proposers = llama3_8b_models(torch.device("cpu"), torch.float32, scale=64, dflash_layers=1, block_size=4,
+                                         methods=("dflash",))
+    prompts = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 16)]
+    trace: list[tuple[str, int]] = []
+
+    def traced(kind: str, fn):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            prompt = next(a for a in args if isinstance(a, list))
+            trace.append((kind, len(prompt)))
+            return fn(*args, **kwargs)
+        return call
+
+    def bare(kind: str, fn):  # noqa: ANN001, ANN202
+        def build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            run = fn(*args, **kwargs)
+            return None if run is None else lambda: (trace.append((kind, 0)), run())[1]
+        return build
+
+    monkeypatch.setattr(bench, "generate_autoregressive", traced("ar", bench.generate_autoregressive))
+    monkeypatch.setattr(bench, "generate_speculative", traced("spec", bench.generate_speculative))
+    monkeypatch.setattr(bench, "bare_target", bare("bare target", bench.bare_target))
+    monkeypatch.setattr(bench, "bare_drafter", bare("bare drafter", bench.bare_drafter))
+    rows = measure("llama3-8b", target, proposers, prompts, [3], 6, DecodeOptions("static"), repeats=4,
+                   log=lambda _line: None)
+    assert len(rows) == 1 and rows[0].bare_draft_ms is not None
+    headline = [("ar", 12), ("ar", 16)] * 2 + [("bare target", 0)] * (3 + 4)  # warm-up, timed, the bare AR forward
+    assert trace[: len(headline)] == headline
+    rest = trace[len(headline):]
+    assert rest[:2] == [("spec", 12), ("spec", 16)]  # the method's warm-up
+    # then per prompt: AR, the method, and 1 warm-up + 2 timed rounds of (verify, one-token forward, drafter) in turn
+    per_prompt = [("bare target", 0), ("bare target", 0), ("bare drafter", 0)] * 3
+    assert rest[2:] == [("ar", 12), ("spec", 12), *per_prompt, ("ar", 16), ("spec", 16), *per_prompt]

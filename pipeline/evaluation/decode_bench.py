@@ -4,9 +4,13 @@ autoregressive decoding, measured in one run on one device.
 For each method and γ the decode loop runs on the bench's prompts (greedy, on the decode path the device would
 use, after a warm-up generation), and the round is split into **draft** (the proposer), **verify** (the target's
 forward of γ + 1 tokens, standardising, verification and the round's one host read) and **the rest** (the loop's
-bookkeeping). Then the **bare forwards** a round runs are timed alone, each a median over repeats: the target's
-forward of γ + 1 tokens, and the drafter's forwards and heads of one round (a chain drafter: a catch-up of the
-accepted tokens and γ − 1 one-token steps, γ heads; DFlash: one block forward and its B − 1 head rows). From them:
+bookkeeping). The **bare forwards** a round runs are timed alone, each a median over all its samples: the target's
+forward of γ + 1 tokens, its one-token forward, and the drafter's forwards and heads of one round (a chain drafter: a
+catch-up of the accepted tokens and γ − 1 one-token steps, γ heads; DFlash: one block forward and its B − 1 head
+rows). Everything a row divides is measured paired in time: per prompt, autoregressive decoding, then the method's
+decoding, then a few samples of each bare forward in turn, so a load that comes and goes on a shared machine weighs
+on numerator and denominator alike (timed one after the other, a busy 2-core host moved the engine overhead of one
+method between 1.04× and 1.56× from run to run). From them:
 
 * **engine overhead** = round time ÷ (bare draft + bare verify): 1.0 would be an engine that adds nothing;
 * **measured speedup**, end to end (tokens/s ÷ autoregressive tokens/s on the same prompts, prefills included) and
@@ -25,6 +29,7 @@ measured on the kit for the same method and γ).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -47,7 +52,7 @@ from pipeline.engine.metrics import expected_tokens_per_round, summarize
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.session import TargetState
 from pipeline.engine.static import DecodeOptions, decode_capacity, session_for
-from pipeline.timing import median_seconds
+from pipeline.timing import interleaved_times, median_seconds
 from pipeline.vocab.counting import eagle3_offset_maps
 
 GREEDY = SamplingParams()
@@ -241,6 +246,15 @@ def _rounds_time(results: list[GenerationResult]) -> tuple[int, float, float, fl
     return rounds, wall, draft, verify
 
 
+def _tokens_per_s(results: list[GenerationResult]) -> float:
+    return sum(len(r.tokens) for r in results) / sum(r.wall_seconds for r in results)
+
+
+def _ar_token_ms(results: list[GenerationResult]) -> float:
+    """An autoregressive token after the first (whose forward also ran the prompt): the steady state."""
+    return 1e3 * sum(r.wall_seconds - r.ttft_seconds for r in results) / sum(len(r.tokens) - 1 for r in results)
+
+
 def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prompts: list[list[int]],
             gammas: Sequence[int], new_tokens: int, options: DecodeOptions, repeats: int = 20,
             kit_alpha: dict[tuple[str, int], float] | None = None, log: Callable[[str], None] = print,
@@ -256,37 +270,46 @@ def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prom
     length = round(sum(len(p) for p in prompts) / len(prompts)) + new_tokens // 2
     sized = replace(options, capacity=decode_capacity(max(len(p) for p in prompts), new_tokens, max(gammas), 64))
 
-    def decode(proposer: Any, gamma: int) -> list[GenerationResult]:
+    def generate(proposer: Any, gamma: int, prompt: list[int]) -> GenerationResult:
         if proposer is None:
-            return [generate_autoregressive(target, p, new_tokens, GREEDY, torch.Generator(device=device), eos, sized)
-                    for p in prompts]
-        return [generate_speculative(target, proposer, p, new_tokens, gamma, GREEDY, torch.Generator(device=device),
-                                     eos, sized) for p in prompts]
+            return generate_autoregressive(target, prompt, new_tokens, GREEDY, torch.Generator(device=device), eos,
+                                           sized)
+        return generate_speculative(target, proposer, prompt, new_tokens, gamma, GREEDY,
+                                    torch.Generator(device=device), eos, sized)
 
-    decode(None, 0)  # warm-up (graphs captured, allocator grown)
-    ar = decode(None, 0)
-    ar_tokens = sum(len(r.tokens) for r in ar)
-    ar_rate = ar_tokens / sum(r.wall_seconds for r in ar)
-    # an autoregressive token after the first (whose forward also ran the prompt): the steady state
-    ar_token_ms = 1e3 * sum(r.wall_seconds - r.ttft_seconds for r in ar) / sum(len(r.tokens) - 1 for r in ar)
+    ar = [generate(None, 0, p) for p in prompts]  # warm-up (graphs captured, allocator grown)
+    ar = [generate(None, 0, p) for p in prompts]
     bare_ar = 1e3 * median_seconds(bare_target(target, sized, (), length, 1), device, repeats)
-    log(f"bench decode {shape}: autoregressive {ar_rate:.1f} tokens/s, bare one-token forward {bare_ar:.3f} ms")
+    log(f"bench decode {shape}: autoregressive {_tokens_per_s(ar):.1f} tokens/s, bare one-token forward "
+        f"{bare_ar:.3f} ms")
+    per_prompt = max(1, math.ceil(repeats / len(prompts)))
     rows = []
     for method, proposer in proposers.items():
         layers = tuple(proposer.target_layers)
         for gamma in gammas:
-            decode(proposer, gamma)  # warm-up
-            results = decode(proposer, gamma)
-            metrics = summarize(results, ar)
+            warm = [generate(proposer, gamma, p) for p in prompts]  # warm-up; its τ sizes the bare catch-up
+            catch_up = max(1, round(summarize(warm).mean_accepted_length or 1))
+            # Paired in time: per prompt, autoregressive decoding, the method's decoding, then its bare forwards
+            # (timed in turn), so a load that comes and goes on a shared machine weighs on all of them alike.
+            paired_ar, results, bare = [], [], {"verify": [], "draft": [], "ar": []}
+            for prompt in prompts:
+                paired_ar.append(generate(None, 0, prompt))
+                results.append(generate(proposer, gamma, prompt))
+                # rebuilt after each generation, which resets the sessions and drafter caches they run in
+                fns = {"verify": bare_target(target, sized, layers, length, gamma + 1),
+                       "ar": bare_target(target, sized, (), length, 1)}
+                if (draft_fn := bare_drafter(proposer, target, sized, length, gamma, catch_up)) is not None:
+                    fns["draft"] = draft_fn
+                for key, seconds in interleaved_times(fns, device, per_prompt, warmup=1).items():
+                    bare[key] += seconds
+            metrics = summarize(results, paired_ar)
             rounds, wall, draft, verify = _rounds_time(results)
-            catch_up = max(1, round(metrics.mean_accepted_length or 1))
-            bare_verify = 1e3 * median_seconds(bare_target(target, sized, layers, length, gamma + 1), device, repeats)
-            bare = bare_drafter(proposer, target, sized, length, gamma, catch_up)
-            bare_draft = None if bare is None else 1e3 * median_seconds(bare, device, repeats)
+            bare_draft = 1e3 * float(np.median(bare["draft"])) if bare["draft"] else None
             row = DecodeRow(shape, name, sized.path, method, gamma, rounds, metrics.mean_accepted_length or 1.0,
                             metrics.verified_acceptance_rate, 1e3 * wall / rounds, 1e3 * draft / rounds,
-                            1e3 * verify / rounds, 1e3 * (wall - draft - verify) / rounds, bare_draft, bare_verify,
-                            bare_ar, metrics.tokens_per_second or 0.0, ar_rate, ar_token_ms)
+                            1e3 * verify / rounds, 1e3 * (wall - draft - verify) / rounds, bare_draft,
+                            1e3 * float(np.median(bare["verify"])), 1e3 * float(np.median(bare["ar"])),
+                            metrics.tokens_per_second or 0.0, _tokens_per_s(paired_ar), _ar_token_ms(paired_ar))
             if kit_alpha is not None:
                 row.alpha_used = kit_alpha.get((method, gamma))
             rows.append(row)
