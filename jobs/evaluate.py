@@ -139,13 +139,13 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, meth
 
     import torch
 
-    from pipeline.engine.static import DecodeOptions, resolve_path  # deferred: pulls in torch
     from pipeline.evaluation.configurations import Configurations  # deferred: pulls in torch
     from pipeline.evaluation.decode_bench import (  # deferred: pulls in torch
         decode_table,
         llama3_8b_models,
         measure,
     )
+    from pipeline.evaluation.evaluator import decode_options  # deferred: pulls in torch
     from pipeline.evaluation.matrix import eval_prompts, resolve_device  # deferred: pulls in torch
     from pipeline.models.target import Target  # deferred: pulls in transformers
 
@@ -174,7 +174,7 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, meth
     artifacts = {stage: step.input(stage) for stage in step.inputs if stage in built}
     configs = Configurations(replace(cfg, evaluate=ev), target, tokenizer, {"bench": prompts}, artifacts, device, log)
     proposers = {c.method: c.proposer for c in configs}
-    options = DecodeOptions(resolve_path(ev.decode_path, device), first_token=ev.first_token)
+    options = decode_options(ev, device)
     with torch.no_grad():
         rows = measure("tiny", target, proposers, prompts, ev.gammas, ev.max_new_tokens, options, steps, log=log,
                        eos=tokenizer.eos_token_id)

@@ -246,15 +246,6 @@ def _rounds_time(results: list[GenerationResult]) -> tuple[int, float, float, fl
     return rounds, wall, draft, verify
 
 
-def _tokens_per_s(results: list[GenerationResult]) -> float:
-    return sum(len(r.tokens) for r in results) / sum(r.wall_seconds for r in results)
-
-
-def _ar_token_ms(results: list[GenerationResult]) -> float:
-    """An autoregressive token after the first (whose forward also ran the prompt): the steady state."""
-    return 1e3 * sum(r.wall_seconds - r.ttft_seconds for r in results) / sum(len(r.tokens) - 1 for r in results)
-
-
 def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prompts: list[list[int]],
             gammas: Sequence[int], new_tokens: int, options: DecodeOptions, repeats: int = 20,
             kit_alpha: dict[tuple[str, int], float] | None = None, log: Callable[[str], None] = print,
@@ -277,10 +268,11 @@ def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prom
         return generate_speculative(target, proposer, prompt, new_tokens, gamma, GREEDY,
                                     torch.Generator(device=device), eos, sized)
 
-    ar = [generate(None, 0, p) for p in prompts]  # warm-up (graphs captured, allocator grown)
-    ar = [generate(None, 0, p) for p in prompts]
+    for prompt in prompts:  # warm-up (graphs captured, allocator grown)
+        generate(None, 0, prompt)
+    ar = summarize([generate(None, 0, p) for p in prompts])
     bare_ar = 1e3 * median_seconds(bare_target(target, sized, (), length, 1), device, repeats)
-    log(f"bench decode {shape}: autoregressive {_tokens_per_s(ar):.1f} tokens/s, bare one-token forward "
+    log(f"bench decode {shape}: autoregressive {ar.tokens_per_second:.1f} tokens/s, bare one-token forward "
         f"{bare_ar:.3f} ms")
     per_prompt = max(1, math.ceil(repeats / len(prompts)))
     rows = []
@@ -302,14 +294,14 @@ def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prom
                     fns["draft"] = draft_fn
                 for key, seconds in interleaved_times(fns, device, per_prompt, warmup=1).items():
                     bare[key] += seconds
-            metrics = summarize(results, paired_ar)
+            metrics, ar_metrics = summarize(results, paired_ar), summarize(paired_ar)
             rounds, wall, draft, verify = _rounds_time(results)
             bare_draft = 1e3 * float(np.median(bare["draft"])) if bare["draft"] else None
             row = DecodeRow(shape, name, sized.path, method, gamma, rounds, metrics.mean_accepted_length or 1.0,
                             metrics.verified_acceptance_rate, 1e3 * wall / rounds, 1e3 * draft / rounds,
                             1e3 * verify / rounds, 1e3 * (wall - draft - verify) / rounds, bare_draft,
                             1e3 * float(np.median(bare["verify"])), 1e3 * float(np.median(bare["ar"])),
-                            metrics.tokens_per_second or 0.0, _tokens_per_s(paired_ar), _ar_token_ms(paired_ar))
+                            metrics.tokens_per_second or 0.0, ar_metrics.tokens_per_second, ar_metrics.tpot_ms)
             if kit_alpha is not None:
                 row.alpha_used = kit_alpha.get((method, gamma))
             rows.append(row)

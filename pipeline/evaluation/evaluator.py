@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pipeline.artifacts import Artifact
-from pipeline.config.sections import PipelineConfig
+from pipeline.config.sections import EvaluateConfig, PipelineConfig
 from pipeline.engine.loop import first_rounds, generate_autoregressive, generate_speculative
 from pipeline.engine.methods import BASELINE
 from pipeline.engine.metrics import summarize
@@ -48,6 +48,12 @@ def chi_square_first_token(counts: np.ndarray, p: np.ndarray) -> tuple[float, in
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue), int(obs.size)
 
 
+def decode_options(ev: EvaluateConfig, device: str) -> DecodeOptions:
+    """How ``evaluate`` decodes on ``device``: ``evaluate.decode_path`` resolved there, in ``evaluate.first_token``'s
+    order (the evaluation and ``drafter bench decode`` alike)."""
+    return DecodeOptions(resolve_path(ev.decode_path, device), first_token=ev.first_token)
+
+
 class Evaluator:
     """Runs the method × drafter × γ matrix on prepared prompts (see the module docstring).
 
@@ -65,7 +71,7 @@ class Evaluator:
         self.configurations = Configurations(cfg, target, tokenizer, prompts, artifacts, device, log)
         self.eos = tokenizer.eos_token_id
         self.params = SamplingParams(temperature=self.ev.temperature, top_p=self.ev.top_p)
-        self.options = DecodeOptions(resolve_path(self.ev.decode_path, device), first_token=self.ev.first_token)
+        self.options = decode_options(self.ev, device)
 
     def _generator(self, offset: int = 0) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.ev.seed + offset)
