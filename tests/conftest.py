@@ -6,6 +6,8 @@ Sections are self-contained; each says who uses it.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,7 +51,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if workers:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        torch.set_num_threads(_threads_per_worker(int(workers)))
+
+
+def _threads_per_worker(workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // workers)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -61,7 +67,57 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             skip = pytest.mark.skip(reason="needs a CUDA GPU (none here): run `pytest -m gpu` on a GPU machine; README Measured → GPU says what ran on one")
             for item in gpu:
                 item.add_marker(skip)
+    items[:] = _files_in_run_order(items)
 
+
+# --- order of the test files, and the kit built beside them under xdist ----------------------------
+# Under xdist (--dist loadfile --no-loadscope-reorder, pyproject.toml) the workers take whole files in the
+# order below: first the files that never touch the tiny kit, while the controller builds the kit in a
+# background process (pytest_sessionstart), then the kit's users. Within each group the heavier files go
+# first (tests marked slow or slurm weigh as 50 ordinary ones), so the last files handed out are short
+# ones and neither worker idles at the end while the other finishes a long one. Before, both workers
+# reached a kit test first and one waited the whole build (~4 min) on the other.
+_HEAVY = 50
+_PREBUILD = pytest.StashKey[subprocess.Popen]()
+
+
+def _files_in_run_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def key(name: str) -> tuple[bool, int, str]:
+        tests = by_file[name]
+        kit = any("tiny_kit" in getattr(t, "fixturenames", ()) for t in tests)
+        weight = sum(_HEAVY if t.get_closest_marker("slow") or t.get_closest_marker("slurm") else 1 for t in tests)
+        return kit, -weight, name
+
+    return [item for name in sorted(by_file, key=key) for item in by_file[name]]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """On the xdist controller, start building the `test` kit in the background (a no-op when it is cached);
+    the workers' ``tiny_kit`` fixture then waits on the build's lock, or finds the kit built."""
+    config = session.config
+    workers = getattr(config.option, "numprocesses", None) or 0
+    if hasattr(config, "workerinput") or not isinstance(workers, int) or workers < 1:
+        return
+    cache = os.environ.get("DRAFTER_CACHE") or str(config._tmp_path_factory.getbasetemp() / "drafter-cache")
+    # Same cache as the workers' fixture (their basetemp's parent is this basetemp) and the same torch thread
+    # count as they would build with: the kit's weights depend on it.
+    script = ("import sys, torch; from pathlib import Path; from pipeline.tiny import build_kit; "
+              "torch.set_num_threads(int(sys.argv[2])); build_kit('test', Path(sys.argv[1]), log=lambda _l: None)")
+    config.stash[_PREBUILD] = subprocess.Popen(  # noqa: S603 - our own interpreter and a fixed script
+        [sys.executable, "-c", script, cache, str(_threads_per_worker(workers))],
+        cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop a background build still running (an interrupted session): the build writes atomically."""
+    build = config.stash.get(_PREBUILD, None)
+    if build is not None and build.poll() is None:
+        build.terminate()
+        build.wait(timeout=60)
 
 
 # --- no pickle: loaders must never unpickle (the fault-table row "pickle.load raises") ---------------
