@@ -28,13 +28,16 @@ from tests.helpers import SMALL, small_cfg
 from tests.mlflow_server import MlflowServer
 
 ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENT = "test_stages"
 
 
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory: pytest.TempPathFactory, tiny_kit, mlflow_server: MlflowServer):
     """generate → count once, logged to the real MLflow server."""
     workdir = tmp_path_factory.mktemp("pipeline")
-    cfg = small_cfg(workdir, f"mlflow.tracking_uri={mlflow_server.uri}")
+    # Its own experiment on the session's shared server: other files run these same stages (same artifact ids)
+    # against it, in whatever order xdist gives them.
+    cfg = small_cfg(workdir, f"mlflow.tracking_uri={mlflow_server.uri}", f"mlflow.experiment={EXPERIMENT}")
     calibration = generate.main(cfg)
     counts = count.main(cfg)
     return cfg, calibration, counts
@@ -96,7 +99,7 @@ def test_counts_and_exports_match_the_calibration_set(pipeline_run) -> None:
 
 def test_stage_runs_are_in_mlflow(pipeline_run, mlflow_server: MlflowServer) -> None:
     client = MlflowClient(tracking_uri=mlflow_server.uri)
-    exp = client.get_experiment_by_name("stages")
+    exp = client.get_experiment_by_name(EXPERIMENT)
     for art in pipeline_run[1:]:
         runs = client.search_runs([exp.experiment_id], f"tags.`drafter.artifact_id` = '{art.id}'")
         assert len(runs) == 1
