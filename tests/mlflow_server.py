@@ -1,7 +1,7 @@
 """A real ``mlflow server`` on 127.0.0.1 for tests: started in a subprocess on a free port, stopped after.
 
-Registered as a pytest plugin by ``tests/conftest.py``; use the ``mlflow_server`` fixture (session
-scoped: one server for the whole run) to get its URI.
+Registered as a pytest plugin (``addopts`` in ``pyproject.toml``); use the ``mlflow_server`` fixture (session
+scoped: one server per xdist worker) to get its URI.
 """
 
 from __future__ import annotations
@@ -68,10 +68,18 @@ class MlflowServer:
                 self.proc.wait()
 
 
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    """A running tracking + registry server; ``.uri`` is its http address."""
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """Start a server in a fresh directory, yield it, stop it (the body of a fixture)."""
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """A running tracking + registry server; ``.uri`` is its http address. One per xdist worker, so the files a
+    worker runs share it: a module whose checks read registry-wide state (which version holds ``champion`` of a
+    bundle name that other files register too) overrides this fixture with a module-scoped one over
+    :func:`serve`."""
+    yield from serve(tmp_path_factory)

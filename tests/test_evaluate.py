@@ -5,6 +5,7 @@ aliases, `drafter pull` verifies it and refuses tampering; bad input gives clear
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from jobs.cli import main as cli
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
 from tests.helpers import ROUTER, SMALL, TRAIN
-from tests.mlflow_server import MlflowServer
+from tests.mlflow_server import MlflowServer, serve
 
 EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/drafter_other",
         "evaluate.shortlists=[top_k_16,top_k_64]", "evaluate.prompts_per_task=3", "evaluate.max_new_tokens=24",
@@ -33,6 +34,13 @@ EVAL = ["evaluate.drafter=tiny:test/drafter", "evaluate.drafter_other=tiny:test/
 
 def eval_cfg(workdir: Path, uri: str, *extra: str) -> PipelineConfig:
     return load_config(None, [f"workdir={workdir}", *SMALL, *EVAL, f"mlflow.tracking_uri={uri}", *extra])
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """This module's own server: its checks read which version holds `champion` of bundle names (…-eagle3,
+    …-dynaspec) that other files register on the worker's shared server too, in whatever order xdist runs them."""
+    yield from serve(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from pipeline.rdk.moments import MOMENTS_FILE, MomentSums
 from pipeline.rdk.prior import EXACT, INTERSECTION, PRUNED, RDKPrior
 from tests.helpers import SMALL
 from tests.killing import kill_when
-from tests.mlflow_server import MlflowServer
+from tests.mlflow_server import MlflowServer, serve
 
 RDK = ["estimate_rdk.top_k=16", "estimate_rdk.shard_rows=2", "estimate_rdk.batch_size=2",
        "estimate_rdk.heldout_fraction=0.2", "estimate_rdk.keep_fractions=[0.05,0.01]",
@@ -33,6 +34,13 @@ TAUS = [1e-2, 1e-3, 1e-4]
 
 def rdk_cfg(workdir: Path, *extra: str) -> PipelineConfig:
     return load_config(None, [f"workdir={workdir}", *SMALL, *RDK, *extra])
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """This module's own server: its checks read which version holds `champion` of bundle names (…-rdk) that
+    other files register on the worker's shared server too, in whatever order xdist runs them."""
+    yield from serve(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
