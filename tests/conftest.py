@@ -15,25 +15,19 @@ import pytest
 
 # --- tiny-model kit --------------------------------------------------------------------------------
 # The `test` profile of the tiny-model kit (two tokenizers, a trained tiny target, two distilled
-# drafters), built once per pytest session: about 1–2 minutes on 2 CPU cores, nothing downloaded.
-# It goes into $DRAFTER_CACHE when that is set (so repeated sessions reuse it), else into a session
-# temp dir. While the fixture is alive DRAFTER_CACHE points at that cache, so code that resolves
-# "tiny:test/<role>" refs itself (pipeline.models.loading, jobs) finds the same kit instead of building again.
+# drafters), built once: about 4 minutes on 2 CPU cores, nothing downloaded. It goes into the kit cache the CLI
+# uses, $DRAFTER_CACHE or ~/.cache/drafter-pipeline (content-hashed and verified on every load, like the default
+# profile's), so later sessions reuse it; .ci/run points DRAFTER_CACHE at a fresh directory. While the fixture is
+# alive DRAFTER_CACHE points at that cache, so code that resolves "tiny:test/<role>" refs itself
+# (pipeline.models.loading, jobs) finds the same kit instead of building again.
 
 
 @pytest.fixture(scope="session")
-def tiny_kit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+def tiny_kit() -> Iterator[object]:
     """The built `test`-profile :class:`pipeline.tiny.TinyKit` (use ``tiny_kit.path(role)``)."""
-    from pipeline.tiny import build_kit
+    from pipeline.tiny import build_kit, default_cache_dir
 
-    preset = os.environ.get("DRAFTER_CACHE")
-    if preset:
-        cache = Path(preset)
-    elif os.environ.get("PYTEST_XDIST_WORKER"):
-        # pytest-xdist workers share their session's temp root: one kit, built once (the build is locked).
-        cache = tmp_path_factory.getbasetemp().parent / "drafter-cache"
-    else:
-        cache = tmp_path_factory.mktemp("drafter-cache")
+    cache = default_cache_dir()  # xdist workers and the controller's background build share it (the build is locked)
     kit = build_kit("test", cache, log=lambda _line: None)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DRAFTER_CACHE", str(cache))
@@ -102,13 +96,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     workers = getattr(config.option, "numprocesses", None) or 0
     if hasattr(config, "workerinput") or not isinstance(workers, int) or workers < 1:
         return
-    cache = os.environ.get("DRAFTER_CACHE") or str(config._tmp_path_factory.getbasetemp() / "drafter-cache")
-    # Same cache as the workers' fixture (their basetemp's parent is this basetemp) and the same torch thread
-    # count as they would build with: the kit's weights depend on it.
-    script = ("import sys, torch; from pathlib import Path; from pipeline.tiny import build_kit; "
-              "torch.set_num_threads(int(sys.argv[2])); build_kit('test', Path(sys.argv[1]), log=lambda _l: None)")
+    # The workers' cache (default_cache_dir, from the same environment) and the torch thread count they would build
+    # with: the kit's weights depend on it.
+    script = ("import sys, torch; from pipeline.tiny import build_kit, default_cache_dir; "
+              "torch.set_num_threads(int(sys.argv[1])); build_kit('test', default_cache_dir(), log=lambda _l: None)")
     config.stash[_PREBUILD] = subprocess.Popen(  # noqa: S603 - our own interpreter and a fixed script
-        [sys.executable, "-c", script, cache, str(_threads_per_worker(workers))],
+        [sys.executable, "-c", script, str(_threads_per_worker(workers))],
         cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
