@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.evaluation.report import COLUMNS, markdown_table, render_html, write_report
+from pipeline.evaluation.sections import BLOCK_HEADERS, block_rows
 from tests.helpers import SHORTLISTS, report_row, synthetic_results, typed_results
 
 
@@ -313,3 +314,20 @@ def test_page_at_1300_px_shows_every_figure_at_full_size(tmp_path: Path) -> None
     for shown, own in layout["svgs"]:
         assert shown == pytest.approx(own, abs=1), "a figure was scaled down to fit the page"
     assert layout["scroll"] <= layout["client"]
+
+
+def test_block_section_gives_the_paired_tau_difference_against_the_chain() -> None:
+    """The DFlash row's "τ − chain's" cell is the paired difference on the same prompts ± 1.96 standard errors
+    (the hand-computed case of tests/engine/test_metrics.py, the other way round: 4 − 5 ± 1.96 · 0.7217); the chain's own row, a row
+    without per-prompt counts (a report written before they were kept) and prompts that do not pair show '—'."""
+    chain = {**report_row("chat", "eagle3", 5.0, 0.8), "kept_per_prompt": [10, 20, 30], "rounds_per_prompt": [2, 5, 5]}
+    block = {**report_row("chat", "dflash", 4.0, 0.7), "drafter_calls_per_token": 0.25,
+             "kept_per_prompt": [8, 20, 24], "rounds_per_prompt": [2, 5, 6]}
+    column = BLOCK_HEADERS.index("τ − chain's (95 %)")
+    table = {row[2]: row for row in block_rows({"rows": [chain, block]})}
+    assert table["dflash"][column] == f"-1.00 ± {1.96 * (3.125 / 6) ** 0.5:.2f}" == "-1.00 ± 1.41"
+    assert table["eagle3"][column] == "—"
+    unpaired = {**block, "kept_per_prompt": [8, 20]}
+    assert {row[2]: row for row in block_rows({"rows": [chain, unpaired]})}["dflash"][column] == "—"
+    old = {k: v for k, v in block.items() if k not in ("kept_per_prompt", "rounds_per_prompt")}
+    assert {row[2]: row for row in block_rows({"rows": [chain, old]})}["dflash"][column] == "—"

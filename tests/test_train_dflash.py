@@ -7,6 +7,7 @@ registered as a ``…-dflash`` bundle."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -153,6 +154,10 @@ def test_dflash_beside_eagle3_is_lossless_one_forward_per_round_and_registered(t
     assert results["inputs"]["train_dflash"] == art.id
     assert results["dflash_training"]["artifact"] == art.id
     assert "Block drafting (DFlash) beside EAGLE-3" in evaluation.file("report.md").read_text()
+    for row in results["rows"]:  # τ's per-prompt parts, kept for paired comparisons, add up to the row's τ
+        assert len(row["kept_per_prompt"]) == len(row["rounds_per_prompt"]) == row["prompts"] == 2
+        assert sum(row["kept_per_prompt"]) / sum(row["rounds_per_prompt"]) == pytest.approx(row["tau"])
+    assert re.search(r"\| dflash \| [0-9.]+ \| [+-][0-9.]+ ± [0-9.]+ \|", evaluation.file("report.md").read_text())
     gates = results["dflash_gates"]
     assert gates["passed"] and gates["chosen"]["gamma"] == 3, gates
     record = json.loads((evaluation.path.parent / f"{evaluation.id}.registration-dflash.json").read_text())

@@ -29,12 +29,20 @@ Two analytic models turn them into speedups, both per round and so consistent wi
   weights once and the drafter's ``gamma`` times and emits ``tau`` tokens, so this is the speedup if every
   forward costs time proportional to the weights it reads, i.e. batch-1 decoding on a GPU.
 
+How sure a τ is: τ is a ratio of sums over prompts (kept tokens over rounds), so its standard error comes
+from each prompt's residual ``kept_i − τ · rounds_i`` (the delta method for a ratio estimator, Cochran 1977,
+§6.3): ``sqrt(Σ residual_i² / (n (n − 1))) / mean(rounds)``. Two methods decoded on the same prompts are compared
+by the per-prompt difference of their residuals (each over its own mean rounds), which cancels what the prompts
+share: :func:`paired_tau_difference`. Greedy decoding is deterministic, so this is the error from which prompts
+were drawn, not from the drafter's training draw (retrain with another seed to see that one).
+
 Everything returned is a plain dataclass of floats/ints/lists (``None`` where undefined) and serialises
 to JSON via :meth:`SpeculationMetrics.to_dict`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -74,6 +82,47 @@ def verify_rounds(result: GenerationResult) -> int:
     return len(result.accepted_per_round) if result.gamma > 0 else len(result.tokens)
 
 
+def kept_tokens(result: GenerationResult) -> int:
+    """τ's numerator for one generation: tokens its rounds kept (a token the prefill emitted is in no round)."""
+    return len(result.tokens) - result.prefill_tokens
+
+
+def _residuals(kept: Sequence[int], rounds: Sequence[int]) -> tuple[float, float, list[float]] | None:
+    """(τ, mean rounds, per-prompt residual kept_i − τ · rounds_i), or None without two prompts that ran a round."""
+    if len(kept) != len(rounds):
+        raise ValueError(f"{len(kept)} kept-token counts for {len(rounds)} round counts: one of each per prompt")
+    if len(kept) < 2 or sum(rounds) <= 0:
+        return None
+    tau = sum(kept) / sum(rounds)
+    return tau, sum(rounds) / len(rounds), [y - tau * x for y, x in zip(kept, rounds, strict=True)]
+
+
+def tau_standard_error(kept: Sequence[int], rounds: Sequence[int]) -> float | None:
+    """Standard error of τ = Σ kept / Σ rounds over prompts (one entry each); None for fewer than two prompts."""
+    fit = _residuals(kept, rounds)
+    if fit is None:
+        return None
+    _, mean_rounds, residuals = fit
+    n = len(residuals)
+    return math.sqrt(sum(r * r for r in residuals) / (n * (n - 1))) / mean_rounds
+
+
+def paired_tau_difference(kept_a: Sequence[int], rounds_a: Sequence[int], kept_b: Sequence[int],
+                          rounds_b: Sequence[int]) -> tuple[float, float] | None:
+    """τ_a − τ_b for two methods decoded on the same prompts (entry i of each is prompt i), and its standard
+    error from the per-prompt differences of the linearised τs; None for fewer than two prompts."""
+    if len(kept_a) != len(kept_b):
+        raise ValueError(f"{len(kept_a)} prompts against {len(kept_b)}: a paired difference needs the same prompts")
+    fit_a, fit_b = _residuals(kept_a, rounds_a), _residuals(kept_b, rounds_b)
+    if fit_a is None or fit_b is None:
+        return None
+    (tau_a, mean_a, res_a), (tau_b, mean_b, res_b) = fit_a, fit_b
+    d = [ra / mean_a - rb / mean_b for ra, rb in zip(res_a, res_b, strict=True)]
+    n = len(d)
+    mean_d = sum(d) / n  # 0 up to rounding: each residual sums to 0
+    return tau_a - tau_b, math.sqrt(sum((x - mean_d) ** 2 for x in d) / (n * (n - 1)))
+
+
 def parameter_ratio(drafter: torch.nn.Module, target: torch.nn.Module) -> float:
     """``c`` for MBSU: drafter parameter count over target parameter count (tied weights counted once)."""
 
@@ -103,6 +152,8 @@ class SpeculationMetrics:
     """accepted drafts / drafts actually verified (Leviathan's i.i.d. alpha estimate)."""
     mean_accepted_length: float | None
     """tau: tokens kept per drafting-verification round (accepted drafts + the target's own token); >= 1."""
+    tau_standard_error: float | None
+    """Standard error of tau over the prompts (:func:`tau_standard_error`); None for one prompt."""
     per_position_acceptance: list[float | None]
     drafter_ms_per_round: float | None
     drafter_ms_per_draft: float | None
@@ -156,7 +207,7 @@ def summarize(
     after_first = sum(r.wall_seconds - r.ttft_seconds for r in results if r.tokens)
     later_tokens = sum(len(r.tokens) - 1 for r in results if r.tokens)
 
-    tau = _ratio(new_tokens - sum(r.prefill_tokens for r in results), rounds)
+    tau = _ratio(sum(kept_tokens(r) for r in results), rounds)
     verified_alpha = _ratio(sum(accepts), sum(attempts))
     tokens_per_second = _ratio(new_tokens, wall)
     speedup = None
@@ -182,6 +233,7 @@ def summarize(
         acceptance_rate=_ratio(accepted, drafted),
         verified_acceptance_rate=verified_alpha,
         mean_accepted_length=tau,
+        tau_standard_error=tau_standard_error([kept_tokens(r) for r in results], [verify_rounds(r) for r in results]),
         per_position_acceptance=[_ratio(a, n) for a, n in zip(accepts, attempts, strict=True)],
         drafter_ms_per_round=_scaled(_ratio(drafter_seconds, drafting_rounds), milli),
         drafter_ms_per_draft=_scaled(_ratio(drafter_seconds, drafted), milli),

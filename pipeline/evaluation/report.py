@@ -215,7 +215,7 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
                   f"<p class='note'>{html.escape(BLOCK_NOTE)}</p>"]
         if block_gates is not None:
             parts.append(_checks_html(block_gates.get("checks")))
-        parts.append(_html_table(BLOCK_HEADERS, block_table, {1, 3, 5, 6, 7, 8, 9, 10}))
+        parts.append(_html_table(BLOCK_HEADERS, block_table, {1, 3, 4, 6, 7, 8, 9, 10, 11}))
     if slrs_table := slrs_rows(results):
         parts += ["<h2>String-level rejection sampling (SLRS)</h2>", f"<p class='note'>{esc(SLRS_NOTE)}</p>",
                   _html_table(SLRS_HEADERS, slrs_table, {1, 3, 4, 5, 6, 7})]

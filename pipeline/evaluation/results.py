@@ -63,6 +63,13 @@ class EvalRow:
     instead of assuming γ calls per round."""
     psi_rows_per_token: float | None = None
     """SLRS only: next-byte distributions computed per emitted token to get psi exactly (the trie's nodes)."""
+    tau_standard_error: float | None = None
+    """Standard error of ``tau`` over the prompts (:func:`pipeline.engine.metrics.tau_standard_error`)."""
+    kept_per_prompt: list[int] | None = None
+    """Tokens the rounds kept, per prompt in decoding order (τ's numerator): with ``rounds_per_prompt`` it pairs two
+    rows decoded on the same prompts (:func:`pipeline.engine.metrics.paired_tau_difference`)."""
+    rounds_per_prompt: list[int] | None = None
+    """Drafting-verification rounds per prompt (τ's denominator)."""
 
     @property
     def tag(self) -> str:

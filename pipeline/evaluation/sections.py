@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pipeline.engine.inputs import SameTokenizerInputs, ShortlistInputs
 from pipeline.engine.methods import in_section, methods_with
+from pipeline.engine.metrics import paired_tau_difference
 from pipeline.evaluation.cells import MISSING, _fmt, _num, _rows, _shortlist_label, _text, _verdict
 
 
@@ -190,11 +191,28 @@ def slrs_markdown(results: dict) -> str:
 
 
 BLOCK_METHODS = in_section("block_drafting")
-BLOCK_HEADERS = ["task", "γ", "method", "τ", "per-position acceptance", "drafter forwards / round",
-                 "drafter ms / round", "drafter ms vs chain", "MBSU", "tokens/s", "speedup"]
+BLOCK_HEADERS = ["task", "γ", "method", "τ", "τ − chain's (95 %)", "per-position acceptance",
+                 "drafter forwards / round", "drafter ms / round", "drafter ms vs chain", "MBSU", "tokens/s", "speedup"]
 BLOCK_NOTE = ("DFlash drafts a whole block in one drafter forward; EAGLE-3 runs one forward per draft (γ per round, "
               "its chain). Both read the target's features and are verified by the same lossless loop. MBSU charges "
-              "the drafter's parameter ratio (DFlash: its layers plus the target's LM head) per measured forward.")
+              "the drafter's parameter ratio (DFlash: its layers plus the target's LM head) per measured forward. "
+              "τ − chain's: the difference on the same prompts, ± 1.96 standard errors of the paired per-prompt "
+              "difference (the prompts' draw only: a drafter retrained with another seed moves it too).")
+
+
+def _tau_versus(row: dict, chain: dict | None) -> str:
+    """``row``'s τ minus the chain's on the same prompts, ± 1.96 paired standard errors ('—' without both)."""
+    if chain is None or row is chain:
+        return MISSING
+    keys = ("kept_per_prompt", "rounds_per_prompt")
+    series = [row.get(k) for k in keys] + [chain.get(k) for k in keys]
+    if not all(isinstance(x, list) for x in series) or len(series[0]) != len(series[2]):
+        return MISSING
+    paired = paired_tau_difference(*series)
+    if paired is None:
+        return MISSING
+    difference, error = paired
+    return f"{difference:+.2f} ± {1.96 * error:.2f}"
 
 
 def block_rows(results: dict) -> list[list[str]]:
@@ -214,7 +232,9 @@ def block_rows(results: dict) -> list[list[str]]:
         ms, base = _num(r.get("drafter_ms_per_step")), _num((chain.get((r.get("task"), r.get("gamma"))) or {})
                                                             .get("drafter_ms_per_step"))
         positions = " / ".join(_fmt(x, ".2f") for x in (r.get("per_position_acceptance") or [])) or MISSING
-        out.append([_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _text(r.get("method")), _fmt(tau), positions,
+        versus = _tau_versus(r, chain.get((r.get("task"), r.get("gamma"))))
+        out.append([_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _text(r.get("method")), _fmt(tau), versus,
+                    positions,
                     _fmt(per_round, ".2f"), _fmt(ms, ".3f"), _fmt(ms / base if ms is not None and base else None,
                                                                    ".2f", "×"),
                     _fmt(r.get("mbsu"), ".2f", "×"), _fmt(r.get("tokens_per_s"), ".1f"),
