@@ -154,6 +154,10 @@ class SpeculationMetrics:
     """tau: tokens kept per drafting-verification round (accepted drafts + the target's own token); >= 1."""
     tau_standard_error: float | None
     """Standard error of tau over the prompts (:func:`tau_standard_error`); None for one prompt."""
+    kept_per_prompt: list[int]
+    """Tau's numerator per prompt, in the order given (:func:`kept_tokens`)."""
+    rounds_per_prompt: list[int]
+    """Tau's denominator per prompt (:func:`verify_rounds`)."""
     per_position_acceptance: list[float | None]
     drafter_ms_per_round: float | None
     drafter_ms_per_draft: float | None
@@ -190,7 +194,9 @@ def summarize(
     gamma = max((r.gamma for r in results), default=0)
     new_tokens = sum(len(r.tokens) for r in results)
     forwards = sum(r.target_forwards for r in results)
-    rounds = sum(verify_rounds(r) for r in results)
+    kept_per_prompt = [kept_tokens(r) for r in results]
+    rounds_per_prompt = [verify_rounds(r) for r in results]
+    rounds = sum(rounds_per_prompt)
     drafting_rounds = sum(sum(1 for d in r.drafted_per_round if d > 0) for r in results)
     drafted = sum(sum(r.drafted_per_round) for r in results)
     accepted = sum(sum(r.accepted_per_round) for r in results)
@@ -207,7 +213,7 @@ def summarize(
     after_first = sum(r.wall_seconds - r.ttft_seconds for r in results if r.tokens)
     later_tokens = sum(len(r.tokens) - 1 for r in results if r.tokens)
 
-    tau = _ratio(sum(kept_tokens(r) for r in results), rounds)
+    tau = _ratio(sum(kept_per_prompt), rounds)
     verified_alpha = _ratio(sum(accepts), sum(attempts))
     tokens_per_second = _ratio(new_tokens, wall)
     speedup = None
@@ -233,7 +239,9 @@ def summarize(
         acceptance_rate=_ratio(accepted, drafted),
         verified_acceptance_rate=verified_alpha,
         mean_accepted_length=tau,
-        tau_standard_error=tau_standard_error([kept_tokens(r) for r in results], [verify_rounds(r) for r in results]),
+        tau_standard_error=tau_standard_error(kept_per_prompt, rounds_per_prompt),
+        kept_per_prompt=kept_per_prompt,
+        rounds_per_prompt=rounds_per_prompt,
         per_position_acceptance=[_ratio(a, n) for a, n in zip(accepts, attempts, strict=True)],
         drafter_ms_per_round=_scaled(_ratio(drafter_seconds, drafting_rounds), milli),
         drafter_ms_per_draft=_scaled(_ratio(drafter_seconds, drafted), milli),

@@ -20,9 +20,9 @@ import torch
 
 from pipeline.artifacts import Artifact
 from pipeline.config.sections import EvaluateConfig, PipelineConfig
-from pipeline.engine.loop import GenerationResult, first_rounds, generate_autoregressive, generate_speculative
+from pipeline.engine.loop import first_rounds, generate_autoregressive, generate_speculative
 from pipeline.engine.methods import BASELINE
-from pipeline.engine.metrics import kept_tokens, summarize, verify_rounds
+from pipeline.engine.metrics import summarize
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.static import DecodeOptions, resolve_path
 from pipeline.evaluation.configurations import Configuration, Configurations
@@ -138,7 +138,7 @@ class Evaluator:
         for task, items in self.prompts.items():
             ar_greedy = self._decode_all(items, None, 0, GREEDY, 0)
             ar = self._decode_all(items, None, 0, self.params, 1) if sampled else ar_greedy
-            rows.append(self._row(task, BASELINE, None, 0, None, None, ar, summarize(ar, ar, None), True))
+            rows.append(self._row(task, BASELINE, None, 0, None, None, summarize(ar, ar, None), True))
             self.log(f"{task}: autoregressive {rows[-1].tokens_per_s:.1f} tokens/s")
             cells.update(1)
             for config in configs:
@@ -167,7 +167,7 @@ class Evaluator:
                         # c per measured drafter call: MBSU = τ / (1 + c · calls per round)
                         cost = config.cost * calls / (rounds * gamma) if rounds else config.cost
                     row = self._row(task, method, config.drafter, gamma, shortlist or budget, config.size,
-                                    runs, summarize(runs, ar, cost), equal)
+                                    summarize(runs, ar, cost), equal)
                     if counts is not None and row.new_tokens:
                         row.drafter_calls_per_token = calls / row.new_tokens
                         row.psi_rows_per_token = psi_rows / row.new_tokens if psi_rows else None
@@ -242,7 +242,7 @@ class Evaluator:
                           f"first draft accepted in {first_accepted}/{n} draws")
 
     def _row(self, task: str, method: str, drafter: str | None, gamma: int, shortlist: str | None,
-             size: int | None, runs: list[GenerationResult], m: Any, equal: bool) -> EvalRow:
+             size: int | None, m: Any, equal: bool) -> EvalRow:
         return EvalRow(task=task, method=method, drafter=drafter, gamma=gamma, shortlist=shortlist,
                        shortlist_size=size, prompts=m.prompts, new_tokens=m.new_tokens,
                        target_forwards=m.target_forwards, tau=m.mean_accepted_length,
@@ -252,8 +252,7 @@ class Evaluator:
                        mbsu=m.mbsu, ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms,
                        drafter_ms_per_step=m.drafter_ms_per_round, target_ms_per_step=m.target_ms_per_forward,
                        greedy_equal=equal, tau_standard_error=m.tau_standard_error,
-                       kept_per_prompt=[kept_tokens(r) for r in runs],
-                       rounds_per_prompt=[verify_rounds(r) for r in runs])
+                       kept_per_prompt=m.kept_per_prompt, rounds_per_prompt=m.rounds_per_prompt)
 
 
 def _drafter_counts(proposer: Any) -> tuple[int, int] | None:
