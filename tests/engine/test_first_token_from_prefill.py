@@ -69,7 +69,7 @@ def test_every_method_is_greedy_equal_with_the_first_token_from_the_prefill(meth
 @pytest.mark.parametrize("method", ["full", "eagle3", "dflash", "tli", "slrs"])
 def test_the_rounds_are_the_original_orders_rounds_after_the_targets_first_token(method: str, kit, proposers,
                                                                                  kit_prompts) -> None:
-    """What the first-round table of the README's DFlash section measured by hand: decoding the prompt followed by
+    """What the first-round table of docs/DFLASH.md measured by hand: decoding the prompt followed by
     the target's greedy first token, one token fewer, in the original order, is the same generation round for
     round."""
     target, tokenizer = kit["target"]
