@@ -64,6 +64,17 @@ class SlurmCluster:
         """A Slurm client command against this cluster."""
         return subprocess.run(list(args), capture_output=True, text=True, env=self.env, check=check)
 
+    def requeue(self, job_id: str, timeout: float = 120.0) -> None:
+        """``scontrol requeue`` a running job and let it start again at once. Slurm gives a requeued job a begin time
+        (a back-off of about 2.5 min here) once its tasks have stopped; that begin time is moved to now when the job
+        is back in the queue (PENDING). An update sent before that races the requeue and changes nothing."""
+        self.tool("scontrol", "requeue", job_id, check=True)
+        deadline = time.monotonic() + timeout
+        while (state := self.tool("squeue", "-h", "-j", job_id, "-o", "%T").stdout.strip()) != "PENDING":
+            assert time.monotonic() < deadline, f"job {job_id} not back in the queue after {timeout:.0f} s: {state!r}"
+            time.sleep(0.5)
+        self.tool("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=True)
+
     def write_conf(self) -> None:
         mem_mb = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
                           if line.startswith("MemTotal"))) // 1024 // 2

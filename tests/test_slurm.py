@@ -172,14 +172,7 @@ def test_requeue_mid_generate_resumes_and_ends_identically(tmp_path: Path, tiny_
     while not list(staging.glob("shard-*.arrow")) and time.monotonic() < deadline:
         time.sleep(0.2)  # until the first shard has landed
     assert list(staging.glob("shard-*.arrow")) and not plan(cfg, ["generate"])["generate"].cached
-    slurm_cluster.tool("scontrol", "requeue", row.job_id, check=True)
-    # Slurm sets a requeued job's begin time once its task has stopped (about 2.5 min on): move it to now after that,
-    # not before (an update racing the requeue changed nothing, and the job sat out the whole back-off).
-    deadline = time.monotonic() + 120
-    while slurm.job_state(row.job_id).state != "PENDING":
-        assert time.monotonic() < deadline, slurm.job_state(row.job_id)
-        time.sleep(0.5)
-    slurm_cluster.tool("scontrol", "update", f"JobId={row.job_id}", "StartTime=now", check=True)  # skip the back-off
+    slurm_cluster.requeue(row.job_id)  # and skip Slurm's back-off
     slurm_cluster.wait([row.job_id])
     step = plan(cfg, ["generate"])["generate"]
     assert slurm.job_state(row.job_id).state == "COMPLETED" and step.cached
