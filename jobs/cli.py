@@ -164,10 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "A stage's command runs that stage alone; its upstream stages are reused or built.",
         epilog="Each command's usage: `drafter COMMAND --help`.\n" + KEYS_EPILOG)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_LazyHelp)
-    kinds = {spec.name: spec.kind.replace("_", " ") for spec in dag.STAGES}
-    for stage in STAGES:
-        p = sub.add_parser(stage, help=f"stage → {kinds[stage]} artifact", formatter_class=raw)
-        p.stage_name = stage  # type: ignore[attr-defined]
+    for spec in dag.STAGES:
+        p = sub.add_parser(spec.name, help=f"stage → {spec.kind.replace('_', ' ')} artifact", formatter_class=raw)
+        p.stage_name = spec.name  # type: ignore[attr-defined]
         _add_config_args(p)
     p = sub.add_parser("run", help="run every stage in order and print a summary", formatter_class=raw,
                        description="Run every stage (or --stages) in DAG order, reusing cached artifacts, and "
