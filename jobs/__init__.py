@@ -50,7 +50,10 @@ def run(cfg: PipelineConfig, stages: Iterable[str] | None = None, launch: Launch
         # missing prompt source; the tracking store is checked here (each stage checks it again before its work).
 
         check_store(cfg.mlflow, cfg.workdir_path, probe=launch.first_rank)
-        _build_kits(the_plan)
+        if the_plan.provisional:
+            _build_kits(the_plan)
+            the_plan = plan(cfg, wanted)  # the ids now name the kit's weights: some may be cached under them
+            needed = the_plan.needed(wanted)
     for name in needed:
         artifact = importlib.import_module(the_plan[name].spec.job).main(cfg, launch)
         if artifact is None:

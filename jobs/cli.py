@@ -413,6 +413,9 @@ def _plan(args: argparse.Namespace, cfg) -> int:
     print(_table(rows, ["stage", "artifact_id", "status", "inputs"]))
     print(f"\n{sum(r['status'] == 'to run' for r in rows)} stage(s) to run; artifacts under "
           f"{cfg.workdir_path / 'artifacts'}")
+    if the_plan.provisional:
+        print("The ids are provisional until the tiny kit is built: a kit model's id names the files it is built "
+              "into, which differ from machine to machine (`drafter run` builds the kit first).")
     return 0
 
 

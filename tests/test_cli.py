@@ -167,6 +167,7 @@ def test_plan_columns_line_up_with_long_ids(monkeypatch: pytest.MonkeyPatch, cap
 
     class FakePlan:
         kits: list = []
+        provisional = False
 
         def needed(self, wanted: list[str]) -> list[str]:
             return ["count", "evaluate"]

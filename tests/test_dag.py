@@ -189,24 +189,56 @@ def test_plan_and_status_build_no_kit_and_name_it_as_a_row(tmp_path: Path, monke
                          env={**os.environ, "DRAFTER_CACHE": str(cache)}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"default-{kit_hash('default')}" in out.stdout and "to build" in out.stdout
+    assert "The ids are provisional until the tiny kit is built" in out.stdout
+    assert not any(cache.rglob("*.safetensors"))
+    # submitting would record jobs under ids the jobs will not publish (they build the kit, then plan again)
+    with pytest.raises(DrafterError, match="tiny kit this config names is not built") as err:
+        slurm.submit(cfg, ["generate"], [])
+    assert "drafter tiny --profile default" in err.value.fix
     assert not any(cache.rglob("*.safetensors"))
 
 
-def test_a_kit_models_ids_are_the_same_before_and_after_the_kit_is_built(tmp_path: Path, tiny_kit) -> None:
-    """The id computed from the recipe (kit not built) is the id the built kit gets."""
+def test_ids_planned_before_the_kit_is_built_are_provisional(tmp_path: Path, tiny_kit) -> None:
+    """Before the kit is built an id holds the recipe alone and the plan says so; once built, every id also names
+    the files the kit was built into (they differ from machine to machine), so the ids change."""
     import shutil
-
-    from pipeline.models import loading
 
     cfg = small_cfg(tmp_path)
     built = plan(cfg)
-    assert [k.built for k in built.kits] == [True]
+    assert [k.built for k in built.kits] == [True] and not built.provisional
+    assert built.stages["generate"].fingerprint["weights"].startswith("kit:")
     empty = tmp_path / "no-kit"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DRAFTER_CACHE", str(empty))
-        loading._fingerprint_cached.cache_clear()
         unbuilt = plan(cfg)
-    loading._fingerprint_cached.cache_clear()
-    assert [k.built for k in unbuilt.kits] == [False]
-    assert {n: s.id for n, s in unbuilt.stages.items()} == {n: s.id for n, s in built.stages.items()}
+    assert [k.built for k in unbuilt.kits] == [False] and unbuilt.provisional
+    assert "weights" not in unbuilt.stages["generate"].fingerprint
+    assert all(unbuilt.stages[n].id != built.stages[n].id for n in built.stages)
     shutil.rmtree(empty, ignore_errors=True)
+
+
+def test_run_on_a_fresh_cache_builds_the_kit_then_finds_what_that_kit_built(
+        tmp_path: Path, tiny_kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`drafter run` plans with provisional ids, builds the kit, and plans again: a kit built into the same files
+    (same machine, same recipe) finds the artifacts the first one published. The kit's training is replaced by a
+    copy of the session kit's files (its build is ~2.5 min); the build's lock, report and hashes are the real ones."""
+    import shutil
+
+    import jobs
+    from pipeline.tiny import ROLES, recipe
+
+    cfg = small_cfg(tmp_path / "work")
+    first = jobs.run(cfg, ["generate"])["generate"]
+
+    def build_into(spec, out: Path, log) -> dict:
+        for role in ROLES:
+            shutil.copytree(tiny_kit.path(role), out / role)
+        return {key: value for key, value in tiny_kit.report.items()
+                if key not in ("profile", "kit_hash", "build_seconds", "sha256")}
+
+    monkeypatch.setattr(recipe, "build_into", build_into)
+    monkeypatch.setenv("DRAFTER_CACHE", str(tmp_path / "fresh"))
+    assert plan(cfg).provisional
+    again = jobs.run(cfg, ["generate"])["generate"]
+    assert (tmp_path / "fresh" / "tiny" / tiny_kit.root.name / "report.json").is_file()
+    assert not plan(cfg).provisional and again.id == first.id and again.path == first.path

@@ -116,6 +116,50 @@ def test_a_damaged_tiny_kit_is_refused_when_loaded(tmp_path: Path, tiny_kit, mon
     assert not (tmp_path / "work" / "artifacts").exists() or not any((tmp_path / "work" / "artifacts").glob("generate-*"))
 
 
+def _built_elsewhere(kit_root: Path, cache: Path) -> Path:
+    """The kit as another machine builds it from the same recipe: the same directory name (the recipe hash), other
+    bytes in the target's weights, each file's digest recorded in its report as the build records them. (The kit
+    trains under bf16 autocast where the CPU multiplies bf16 natively, in float32 elsewhere, and CPUs round
+    differently.)"""
+    import json
+
+    from pipeline.checksums import sha256_file
+
+    root = cache / "tiny" / kit_root.name
+    shutil.copytree(kit_root, root)
+    _perturb_in_place(root / "target")
+    report = json.loads((root / "report.json").read_text())
+    report["sha256"] = {name: sha256_file(root / name) for name in report["sha256"]}
+    (root / "report.json").write_text(json.dumps(report))
+    return root
+
+
+def test_a_tiny_kit_built_into_other_bytes_gets_other_ids_and_none_of_the_first_kits_artifacts(
+        tmp_path: Path, tiny_kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ids used to hold the kit's recipe hash alone: a kit built into other weights (another CPU, a new torch)
+    found the first kit's calibration set cached under the same id and trained on it, exit 0."""
+    from jobs import generate
+    from pipeline.artifacts import load_artifact
+    from pipeline.tiny import build_kit
+
+    cfg = small_cfg(tmp_path / "work")
+    first = plan(cfg)
+    assert first.stages["generate"].fingerprint["weights"].startswith("kit:")
+    calibration = generate.main(cfg)
+    assert plan(cfg).stages["generate"].cached
+    cache = tmp_path / "elsewhere"
+    _built_elsewhere(tiny_kit.root, cache)
+    monkeypatch.setenv("DRAFTER_CACHE", str(cache))
+    assert build_kit("test", cache).root == cache / "tiny" / tiny_kit.root.name  # a sound kit: it loads
+    other = plan(cfg)
+    assert not other.provisional
+    assert {name for name in first.stages if first.stages[name].id != other.stages[name].id} == READS_TARGET
+    assert not other.stages["generate"].cached
+    with pytest.raises(DrafterError, match="built for a different target") as err:
+        load_artifact(calibration.path, fingerprint=other.stages["generate"].fingerprint)
+    assert "weights=kit:" in err.value.expected and "weights=kit:" in err.value.found
+
+
 # --- damaged cached models (issue 21): a library's own exception never reaches the user ----------------
 
 def _cut(path: Path) -> None:

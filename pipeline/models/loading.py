@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.checksums import StatCache, tree_digest
 from pipeline.errors import DrafterError
-from pipeline.tiny import default_cache_dir, kit_hash, parse_tiny_ref, resolve_tiny_ref
+from pipeline.tiny import default_cache_dir, kit_hash, kit_weights, parse_tiny_ref, resolve_tiny_ref
 from pipeline.tiny.spec import ROLE_TOKENIZERS
 from pipeline.vocab.tokens import vocab_hash
 
@@ -115,16 +115,24 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
 
 
 def _tiny_fingerprint(name: str, revision: str | None, tokenizer_name: str) -> tuple:
-    """A tiny-kit model's identity from its recipe alone: the kit hash names its weights and vocabulary.
+    """A tiny-kit model's identity: its recipe (the kit hash, the vocabulary's role) and, once the kit is built,
+    the digest of the files it was built into (:func:`~pipeline.tiny.kit_weights`).
 
-    The kit is a pure function of (profile spec, kit code version, packaged data), so nothing needs to be
-    built to know it: ``drafter plan`` and ``drafter status`` stay instant on a fresh machine.
+    The recipe does not fix the bytes: the kit trains under bfloat16 autocast on a CPU that multiplies bf16
+    natively and in float32 elsewhere, and CPUs round differently, so two machines build two targets from one
+    recipe, and every calibration set and drafter downstream differs. With the digest, each gets its own ids, and
+    artifacts built from one kit are never reused or loaded with another. Before the kit is built the id is the
+    recipe's alone: ``drafter plan`` and ``drafter status`` still answer at once on a fresh machine, their ids marked
+    provisional (nothing can be cached under them), and ``drafter run`` plans again once the kit is built.
     """
 
     profile, _ = parse_tiny_ref(name)
     tok_profile, tok_role = parse_tiny_ref(tokenizer_name)
     vocab = f"tiny:{tok_profile}-{kit_hash(tok_profile)}/{ROLE_TOKENIZERS[tok_role]}"
-    return (("model", name), ("revision", revision or kit_hash(profile)), ("vocab_hash", vocab))
+    items = [("model", name), ("revision", revision or kit_hash(profile)), ("vocab_hash", vocab)]
+    if (weights := kit_weights(name, tokenizer_name)) is not None:
+        items.append(("weights", "kit:" + weights))
+    return tuple(items)
 
 
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json")
@@ -199,7 +207,7 @@ def hub_commit(name: str, revision: str | None) -> str:
 
 def weights_identity(ref: ModelRef) -> str | None:
     """What names a model's weights in artifact ids: a local checkpoint's digest, a hub model's commit; None for a
-    tiny-kit model, whose kit hash (its revision) already names them, and for a directory without weights."""
+    directory without weights, and for a tiny-kit model (:func:`_tiny_fingerprint` names a built kit's files)."""
     if ref.name.startswith(TINY_PREFIX):
         return None
     if ref.is_local:
@@ -231,7 +239,7 @@ def _fingerprint_cached(name: str, revision: str | None, tokenizer_name: str | N
 def fingerprint(name: str, revision: str | None = None, tokenizer: str | None = None,
                 trust_remote_code: bool = False) -> dict:
     """The target fingerprint stamped on artifacts: model name, revision, tokenizer vocab hash and what names the
-    weights (a local checkpoint's digest, a hub model's commit; a tiny-kit model's kit hash is its revision)."""
+    weights (a local checkpoint's digest, a hub model's commit, a built tiny kit's recorded file digests)."""
     if name.startswith(TINY_PREFIX) and (tokenizer or name).startswith(TINY_PREFIX):
         return dict(_tiny_fingerprint(name, revision, tokenizer or name))
     signature = (_stat_signature(name), _stat_signature(tokenizer))

@@ -306,6 +306,12 @@ class Plan:
     def __getitem__(self, name: str) -> StagePlan:
         return self.stages[name]
 
+    @property
+    def provisional(self) -> bool:
+        """Whether a kit the config names is not built yet: a kit model's id then holds its recipe alone, and the
+        ids change once the kit is built and its files name its weights (:func:`~pipeline.tiny.kit_weights`)."""
+        return any(not kit.built for kit in self.kits)
+
     def needed(self, wanted: Iterable[str]) -> list[str]:
         """``wanted`` plus the upstream stages it must build (not cached, not named explicitly), in order."""
         need: set[str] = set()

@@ -236,6 +236,13 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
 
 
     the_plan = plan(cfg, stages)
+    if the_plan.provisional and not dry_run:
+        missing = [kit.profile for kit in the_plan.kits if not kit.built]
+        raise DrafterError("The tiny kit this config names is not built, so the artifact ids the jobs will publish "
+                           "are not known yet (a kit model's id names the files it is built into).",
+                           expected="the kit built on this machine's cache before submitting",
+                           found=f"not built: {', '.join(missing)}",
+                           fix=f"Run `drafter tiny --profile {missing[0]}` (minutes), then submit again.")
     needed = set(the_plan.needed(stages))
     root = _slurm_dir(cfg)
     logs = _logs(cfg)

@@ -11,6 +11,7 @@ by interrupted builds are removed under that lock. :func:`resolve_tiny_ref` turn
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -205,6 +206,28 @@ def parse_tiny_ref(ref: str) -> tuple[str, str]:
             fix="use one of those, or a local checkpoint directory / hub id for a real model",
         )
     return profile, role
+
+
+def kit_weights(ref: str, tokenizer_ref: str | None = None, cache_dir: Path | None = None) -> str | None:
+    """What names a kit model's weights in artifact ids: sha256 over the digests its build recorded for the
+    files of its role (weights, config, tokenizer) and of ``tokenizer_ref``'s role; None while the kit is not built.
+
+    The recipe hash names a kit's directory, not its bytes: the kit trains under bfloat16 autocast where the CPU
+    multiplies bf16 natively and in float32 elsewhere, and CPUs round differently, so the same recipe builds other
+    weights on another machine (or after ``drafter tiny --force`` on a new torch). Reads ``report.json`` only;
+    loading the kit checks every file against it.
+    """
+    profile, role = parse_tiny_ref(ref)
+    tok_profile, tok_role = parse_tiny_ref(tokenizer_ref or ref)
+    recorded: dict[str, str] = {}
+    for prof, prefix in {(profile, f"{role}/"), (tok_profile, f"{tok_role}/")}:
+        root, digest = _kit_dir(prof, cache_dir)
+        kit = _load_kit(root, prof, digest, verify=False)
+        if kit is None:
+            return None
+        recorded.update({f"{prof}:{name}": sha for name, sha in (kit.report.get("sha256") or {}).items()
+                         if name.startswith(prefix)})
+    return hashlib.sha256(json.dumps(recorded, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def kit_status(profile: str, cache_dir: Path | None = None) -> tuple[Path, str, bool]:
