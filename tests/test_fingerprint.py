@@ -117,10 +117,10 @@ def test_a_damaged_tiny_kit_is_refused_when_loaded(tmp_path: Path, tiny_kit, mon
 
 
 def _built_elsewhere(kit_root: Path, cache: Path) -> Path:
-    """The kit as another machine builds it from the same recipe: the same directory name (the recipe hash), other
-    bytes in the target's weights, each file's digest recorded in its report as the build records them. (The kit
-    trains under bf16 autocast where the CPU multiplies bf16 natively, in float32 elsewhere, and CPUs round
-    differently.)"""
+    """The kit as another machine can build it from the same recipe: the same directory name (the recipe hash),
+    other bytes in the target's weights, each file's digest recorded in its report as the build records them. (The
+    kit trains under bf16 autocast where the CPU multiplies bf16 natively, in float32 elsewhere, with kernels chosen
+    per CPU.)"""
     import json
 
     from pipeline.checksums import sha256_file

@@ -119,8 +119,8 @@ def _tiny_fingerprint(name: str, revision: str | None, tokenizer_name: str) -> t
     the digest of the files it was built into (:func:`~pipeline.tiny.kit_weights`).
 
     The recipe does not fix the bytes: the kit trains under bfloat16 autocast on a CPU that multiplies bf16
-    natively and in float32 elsewhere, and CPUs round differently, so two machines build two targets from one
-    recipe, and every calibration set and drafter downstream differs. With the digest, each gets its own ids, and
+    natively and in float32 elsewhere, with kernels chosen per CPU, so two machines can build two targets from one
+    recipe, and every calibration set and drafter downstream would differ. With the digest, each gets its own ids, and
     artifacts built from one kit are never reused or loaded with another. Before the kit is built the id is the
     recipe's alone: ``drafter plan`` and ``drafter status`` still answer at once on a fresh machine, their ids marked
     provisional (nothing can be cached under them), and ``drafter run`` plans again once the kit is built.

@@ -213,8 +213,8 @@ def kit_weights(ref: str, tokenizer_ref: str | None = None, cache_dir: Path | No
     files of its role (weights, config, tokenizer) and of ``tokenizer_ref``'s role; None while the kit is not built.
 
     The recipe hash names a kit's directory, not its bytes: the kit trains under bfloat16 autocast where the CPU
-    multiplies bf16 natively and in float32 elsewhere, and CPUs round differently, so the same recipe builds other
-    weights on another machine (or after ``drafter tiny --force`` on a new torch). Reads ``report.json`` only;
+    multiplies bf16 natively and in float32 elsewhere, with kernels chosen per CPU, so the same recipe can build
+    other weights on another machine (or after ``drafter tiny --force`` on a new torch). Reads ``report.json`` only;
     loading the kit checks every file against it.
     """
     profile, role = parse_tiny_ref(ref)
