@@ -11,7 +11,7 @@ import torch
 
 from pipeline.engine.metrics import expected_tokens_per_round
 from pipeline.engine.static import DecodeOptions
-from pipeline.evaluation.decode_bench import DecodeRow, decode_table, llama3_8b_models, measure
+from pipeline.evaluation.decode_bench import DecodeRow, bare_drafter, decode_table, llama3_8b_models, measure
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -115,3 +115,32 @@ def test_each_rows_timings_are_paired_in_time_prompt_by_prompt(monkeypatch) -> N
     # then per prompt: AR, the method, and 1 warm-up + 2 timed rounds of (verify, one-token forward, drafter) in turn
     per_prompt = [("bare target", 0), ("bare target", 0), ("bare drafter", 0)] * 3
     assert rest[2:] == [("ar", 12), ("spec", 12), *per_prompt, ("ar", 16), ("spec", 16), *per_prompt]
+
+
+def test_bare_drafting_of_either_drafter_family_is_its_forwards_and_head_rows_over_the_rounds_new_context() -> None:
+    """The bare drafter costs a DFlash row is divided by are what EAGLE-3's are: the forwards over the round's
+    ``catch_up`` new context rows and the head, returning logits (neither standardises: a one-hot greedy ``q`` over
+    the vocabulary is the proposer's, not the forward's), with the context cache back at ``length`` after each call."""
+    target, proposers = llama3_8b_models(torch.device("cpu"), torch.float32, scale=64, dflash_layers=1, block_size=4,
+                                         methods=("eagle3", "dflash"))
+    options, length, catch_up = DecodeOptions("eager"), 12, 3
+    dflash = proposers["dflash"]
+    fed: list[int] = []
+    forward = dflash.drafter.forward
+
+    def counted(block_ids, target_hidden, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        fed.append(int(target_hidden.shape[1]))
+        return forward(block_ids, target_hidden, *args, **kwargs)
+
+    dflash.drafter.forward = counted
+    run = bare_drafter(dflash, target, options, length, 3, catch_up)
+    assert fed == [length]  # the cache filled once, outside the timed call
+    for _ in range(3):
+        out = run()
+        assert dflash.cache.length == length
+    assert fed[1:] == [catch_up] * 3
+    vocab = int(target.config.vocab_size)
+    assert out.shape == (dflash.block_size - 1, vocab) and out.dtype == torch.float32
+    assert not bool(((out == 0) | (out == 1)).all())  # logits, not a one-hot distribution
+    eagle3 = bare_drafter(proposers["eagle3"], target, options, length, 3, catch_up)()
+    assert eagle3.dtype == torch.float32 and not bool(((eagle3 == 0) | (eagle3 == 1)).all())

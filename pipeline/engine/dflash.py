@@ -107,7 +107,12 @@ class DFlashProposer:
     def block_distributions(self, context: list[int], hidden: list[Tensor], params: SamplingParams,
                             state: TargetState | None = None) -> Tensor:
         """One drafter forward: the standardised distributions of block rows ``1 .. B − 1``, ``(B − 1, V)`` float64
-        over the head's rows (the target's vocabulary, or the draft vocabulary).
+        over the head's rows (the target's vocabulary, or the draft vocabulary); :meth:`block_logits`, standardised."""
+        return standardise(self.block_logits(context, hidden, state), params)
+
+    def block_logits(self, context: list[int], hidden: list[Tensor], state: TargetState | None = None) -> Tensor:
+        """One drafter forward and its head: the logits of block rows ``1 .. B − 1``, ``(B − 1, V)`` in the head's
+        dtype, over the head's rows.
 
         The context cache is brought to every position of ``context`` but the newest (whose token opens the block).
         On the static paths the new context rows are padded to their bucket and every position is a device value,
@@ -141,7 +146,7 @@ class DFlashProposer:
             out = self.drafter(block, features, block_positions, context_positions, cache=self.cache)
         self._ids = list(context[:rows])
         self.drafter_calls += 1
-        return standardise(self.drafter.logits(out[0, 1:]), params)
+        return self.drafter.logits(out[0, 1:])
 
     @torch.no_grad()
     def propose(

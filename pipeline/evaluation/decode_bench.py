@@ -6,8 +6,8 @@ use, after a warm-up generation), and the round is split into **draft** (the pro
 forward of γ + 1 tokens, standardising, verification and the round's one host read) and **the rest** (the loop's
 bookkeeping). The **bare forwards** a round runs are timed alone, each a median over all its samples: the target's
 forward of γ + 1 tokens, its one-token forward, and the drafter's forwards and heads of one round (a chain drafter: a
-catch-up of the accepted tokens and γ − 1 one-token steps, γ heads; DFlash: one block forward and its B − 1 head
-rows). Everything a row divides is measured paired in time: per prompt, autoregressive decoding, then the method's
+catch-up of the accepted tokens and γ − 1 one-token steps, γ heads; DFlash: one block forward over as many new
+context rows and its B − 1 head rows; logits, not standardised, for both). Everything a row divides is measured paired in time: per prompt, autoregressive decoding, then the method's
 decoding, then a few samples of each bare forward in turn, so a load that comes and goes on a shared machine weighs
 on numerator and denominator alike (timed one after the other, a busy 2-core host moved the engine overhead of one
 method between 1.04× and 1.56× from run to run). From them:
@@ -157,7 +157,7 @@ def bare_drafter(proposer: Any, target: torch.nn.Module, options: DecodeOptions,
     if isinstance(proposer, Eagle3Proposer):
         return _bare_eagle3(proposer, length, gamma, catch_up, vocab)
     if isinstance(proposer, DFlashProposer):
-        return _bare_dflash(proposer, length)
+        return _bare_dflash(proposer, length, catch_up)
     head = getattr(proposer, "head", None) or getattr(proposer, "routed", None)
     session = getattr(proposer, "session", None)
     if head is None or session is None:
@@ -212,21 +212,22 @@ def _bare_eagle3(proposer: Any, length: int, gamma: int, catch_up: int, vocab: i
     return run
 
 
-def _bare_dflash(proposer: Any, length: int) -> Callable[[], Any]:
-
+def _bare_dflash(proposer: Any, length: int, catch_up: int) -> Callable[[], Any]:
     drafter = proposer.drafter
     weight = drafter.fc.weight
     taps = len(drafter.config.target_layer_ids)
-    hidden = [torch.randn(length + 1, drafter.config.hidden_size, generator=torch.Generator().manual_seed(i)).to(weight)
+    total = length + catch_up  # context rows after the round: the cached ones and the round's new ones
+    hidden = [torch.randn(total, drafter.config.hidden_size, generator=torch.Generator().manual_seed(i)).to(weight)
               for i in range(taps)]
-    ids = _ids(length + 2, int(drafter.config.vocab_size), weight.device)
+    ids = _ids(total + 1, int(drafter.config.vocab_size), weight.device)
     context, state = ids.tolist(), TargetState(token_ids=ids)
     proposer.reset()
-    proposer.block_distributions(context[: length + 1], [h[:length] for h in hidden], GREEDY, state)
+    proposer.block_logits(context[: length + 1], [h[:length] for h in hidden], state)
 
     def run() -> Any:
-        # one block forward (and its head rows) over a context one row longer than the cached one, then back
-        out = proposer.block_distributions(context, hidden, GREEDY, state)
+        # as EAGLE-3's bare steps: the forward over the round's catch_up new context rows and the block, and the head
+        # rows (no standardising: the chain drafters' bare steps have none either); then the cache back to length
+        out = proposer.block_logits(context, hidden, state)
         proposer.cache.crop(length)
         proposer._ids = context[:length]
         return out

@@ -167,6 +167,23 @@ def test_greedy_is_argmax_exact_match() -> None:
         assert verify_exact(p, drafts, g, greedy) == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_standardise_in_the_logits_dtype_is_the_float64_argmax(dtype: torch.dtype) -> None:
+    """Greedy standardising takes the argmax before widening to float64: on rows with ties (exact in every dtype
+    here), -inf entries and values that round together in the narrow dtype, the one-hot equals the one the float64
+    logits give, and it is float64."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 50, generator=g).to(dtype)
+    logits[:16, 7] = logits[:16, 3] = logits[:16].max() + 1  # ties: the lower id wins
+    logits[16:32, :10] = float("-inf")
+    logits[32:48] = (logits[32:48] * 1e-3 + 100).to(dtype)  # narrow values that collide after rounding
+    hot = standardise(logits, SamplingParams())
+    wide = logits.to(torch.float64)
+    expected = torch.zeros_like(wide).scatter_(-1, wide.argmax(-1, keepdim=True), 1.0)
+    assert hot.dtype == torch.float64 and torch.equal(hot, expected)
+    assert hot[:16].argmax(-1).eq(3).all()
+
+
 def test_unbatched_call_matches_batch_of_one() -> None:
     """The list/2-D form is the batched code with B = 1: same generator state, same answer."""
     g = torch.Generator().manual_seed(7)
