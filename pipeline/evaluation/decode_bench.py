@@ -7,10 +7,11 @@ forward of γ + 1 tokens, standardising, verification and the round's one host r
 bookkeeping). The **bare forwards** a round runs are timed alone, each a median over all its samples: the target's
 forward of γ + 1 tokens, its one-token forward, and the drafter's forwards and heads of one round (a chain drafter: a
 catch-up of the accepted tokens and γ − 1 one-token steps, γ heads; DFlash: one block forward over as many new
-context rows and its B − 1 head rows; logits, not standardised, for both). Everything a row divides is measured paired in time: per prompt, autoregressive decoding, then the method's
-decoding, then a few samples of each bare forward in turn, so a load that comes and goes on a shared machine weighs
-on numerator and denominator alike (timed one after the other, a busy 2-core host moved the engine overhead of one
-method between 1.04× and 1.56× from run to run). From them:
+context rows and its B − 1 head rows; logits, not standardised, for both). Everything a row divides is measured
+paired in time: per prompt, autoregressive decoding, then the method's decoding, then a few samples of each bare
+forward in turn, so a load that comes and goes on a shared machine weighs on numerator and denominator alike (timed
+one after the other, a busy 2-core host moved the engine overhead of one method between 1.04× and 1.56× from run to
+run). From them:
 
 * **engine overhead** = round time ÷ (bare draft + bare verify): 1.0 would be an engine that adds nothing;
 * **measured speedup**, end to end (tokens/s ÷ autoregressive tokens/s on the same prompts, prefills included) and
