@@ -68,7 +68,7 @@ BENCHES: dict[str, Bench] = {
                   "pipeline.engine.bench:bench_heads", ("steps",)),
     "cluster": Bench("FAISS spherical k-means vs scikit-learn KMeans", "pipeline.engine.bench:bench_cluster"),
     "decode": Bench("a round's draft/verify/rest vs its bare forwards, AR decoding and Leviathan",
-                    "jobs.evaluate:bench_decode", ("cfg", "shape", "steps", "methods")),
+                    "jobs.evaluate:bench_decode", ("cfg", "shape", "steps", "methods", "cold")),
     "rdk": Bench("moment estimation throughput and memory vs a dense |T|^2 matrix, and one draft step\n"
                  "              of TLI vs RDK-Taylor vs the prior mix vs exact sparse RDK at 128k",
                  "pipeline.rdk.bench:bench_rdk", ("steps",)),
@@ -239,10 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=list(BENCHES), help="which benchmark (listed above)")
     p.add_argument("--steps", type=int, default=10, help="train, head, decode: timed repetitions of each")
     p.add_argument("--shape", default="tiny", choices=("tiny", "llama3-8b"), metavar="SHAPE",
-                   help="decode: tiny (the kit) or llama3-8b (also Llama-3-8B's shape; CUDA)")
+                   help="decode: tiny (the kit) or llama3-8b (also 8B; CUDA)")
     p.add_argument("--methods", default=None, metavar="A,B", help="decode: only these methods (default: all it times)")
+    p.add_argument("--cold", action="store_true", help="decode: bare forwards timed with cold caches")
     p.add_argument("--tokens", type=int, default=2_000_000, help="count: synthetic calibration tokens")
-    p.add_argument("--calibration", default=None, help="count: a calibration artifact to count instead")
+    p.add_argument("--calibration", default=None, metavar="DIR", help="count: a calibration artifact to count instead")
     p.add_argument("--counts", default=None, help="eval: the count artifact whose shortlists to evaluate")
     p.add_argument("--out", default=None, help="eval: write report.json/html/md here")
     _add_config_args(p)

@@ -121,14 +121,16 @@ def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
     return artifact
 
 
-def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, methods: str | None = None) -> str:
+def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, methods: str | None = None,
+                 cold: bool = False) -> str:
     """``drafter bench decode``: :mod:`pipeline.evaluation.decode_bench` on this config's kit (``tiny``), and with
     ``llama3-8b`` also at Llama-3.1-8B's shape with random weights, projected with the kit's acceptance.
 
     The kit pass decodes evaluate's own prompts (``evaluate.prompts_per_task`` per task, ``evaluate.max_new_tokens``,
     ``evaluate.gammas``) with the registry's :data:`~pipeline.engine.methods.DECODE_BENCH` methods whose artifacts
     this config's plan finds built (``methods``, a comma-separated list: only those of them),
-    through evaluate's own configurations; the decode path is ``evaluate.decode_path`` on this device.
+    through evaluate's own configurations; the decode path is ``evaluate.decode_path`` on this device. With ``cold``
+    each bare forward is timed after evicting the device's caches (see :func:`~pipeline.evaluation.decode_bench.measure`).
 
     Raises:
         DrafterError: When the count artifact is not built (evaluate's configurations read it), or ``methods``
@@ -177,7 +179,7 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, meth
     options = decode_options(ev, device)
     with torch.no_grad():
         rows = measure("tiny", target, proposers, prompts, ev.gammas, ev.max_new_tokens, options, steps, log=log,
-                       eos=tokenizer.eos_token_id)
+                       eos=tokenizer.eos_token_id, cold=cold)
     notes = [f"Not built for this config, so not timed: {', '.join(skipped)} (run `drafter run --config ...` first)."
              ] if skipped else []
     if shape == "llama3-8b":
@@ -190,5 +192,7 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, meth
                            for i in range(2)]
             with torch.no_grad():
                 rows += measure("llama3-8b", big, big_proposers, big_prompts, ev.gammas, ev.max_new_tokens, options,
-                                steps, kit_alpha=kit_alpha, log=log)
+                                steps, kit_alpha=kit_alpha, log=log, cold=cold)
+    if cold:
+        notes.append("Bare forwards timed with cold caches (a buffer of 4x the last-level cache written before each).")
     return "\n".join([decode_table(rows), *("" if not notes else ["", *notes])])

@@ -12,6 +12,7 @@ import torch
 from pipeline.engine.metrics import expected_tokens_per_round
 from pipeline.engine.static import DecodeOptions
 from pipeline.evaluation.decode_bench import DecodeRow, bare_drafter, decode_table, llama3_8b_models, measure
+from pipeline.timing import FLUSH_FALLBACK_BYTES, CacheFlusher, last_level_cache_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -144,3 +145,59 @@ def test_bare_drafting_of_either_drafter_family_is_its_forwards_and_head_rows_ov
     assert not bool(((out == 0) | (out == 1)).all())  # logits, not a one-hot distribution
     eagle3 = bare_drafter(proposers["eagle3"], target, options, length, 3, catch_up)()
     assert eagle3.dtype == torch.float32 and not bool(((eagle3 == 0) | (eagle3 == 1)).all())
+
+
+def test_with_cold_caches_every_bare_forward_follows_an_eviction_of_the_caches(monkeypatch) -> None:
+    """``drafter bench decode --cold``: each timed bare forward (warm-up included) runs right after the flusher, which
+    writes a buffer of four times the last-level cache; decoding itself is not flushed."""
+    import pipeline.evaluation.decode_bench as bench
+
+    target, proposers = llama3_8b_models(torch.device("cpu"), torch.float32, scale=64, dflash_layers=1, block_size=4,
+                                         methods=("dflash",))
+    prompts = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 16)]
+    trace: list[str] = []
+    sizes: list[int] = []
+
+    def flusher(device):  # noqa: ANN001, ANN202
+        flush = CacheFlusher(device)
+        sizes.append(flush.bytes)
+        return lambda: (trace.append("flush"), flush())[1]
+
+    def bare(fn):  # noqa: ANN001, ANN202
+        def build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            run = fn(*args, **kwargs)
+            return None if run is None else lambda: (trace.append("bare"), run())[1]
+        return build
+
+    def traced(fn):  # noqa: ANN001, ANN202
+        return lambda *args, **kwargs: (trace.append("decode"), fn(*args, **kwargs))[1]
+
+    monkeypatch.setattr(bench, "CacheFlusher", flusher)
+    monkeypatch.setattr(bench, "bare_target", bare(bench.bare_target))
+    monkeypatch.setattr(bench, "bare_drafter", bare(bench.bare_drafter))
+    monkeypatch.setattr(bench, "generate_speculative", traced(bench.generate_speculative))
+    rows = measure("llama3-8b", target, proposers, prompts, [3], 6, DecodeOptions("eager"), repeats=4,
+                   log=lambda _line: None, cold=True)
+    assert len(rows) == 1 and rows[0].bare_draft_ms is not None
+    paired = trace[trace.index("decode"):]
+    paired = paired[paired.index("decode", 2):]  # after the method's warm-up decodes
+    bares = [i for i, event in enumerate(paired) if event == "bare"]
+    assert len(bares) == 2 * 3 * 3  # per prompt: 1 warm-up + 2 timed rounds of verify, one-token forward, drafter
+    assert all(paired[i - 1] == "flush" for i in bares)
+    assert paired.count("flush") == len(bares)  # nothing else is flushed: decoding runs as it would
+    llc = last_level_cache_bytes(torch.device("cpu"))
+    assert sizes == [4 * (llc or FLUSH_FALLBACK_BYTES // 4)]
+
+
+def test_the_last_level_cache_is_the_highest_level_sysfs_lists() -> None:
+    import pathlib
+
+    root = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")
+    if not root.is_dir():
+        assert last_level_cache_bytes(torch.device("cpu")) is None
+        return
+    levels = {}
+    for entry in root.glob("index*"):
+        size = (entry / "size").read_text().strip()
+        levels[int((entry / "level").read_text())] = int(size[:-1]) * {"K": 2**10, "M": 2**20}[size[-1]]
+    assert last_level_cache_bytes(torch.device("cpu")) == levels[max(levels)]

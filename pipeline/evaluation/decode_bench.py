@@ -53,7 +53,7 @@ from pipeline.engine.metrics import expected_tokens_per_round, summarize
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.session import TargetState
 from pipeline.engine.static import DecodeOptions, decode_capacity, session_for
-from pipeline.timing import interleaved_times, median_seconds
+from pipeline.timing import CacheFlusher, interleaved_times, median_seconds
 from pipeline.vocab.counting import eagle3_offset_maps
 
 GREEDY = SamplingParams()
@@ -251,11 +251,13 @@ def _rounds_time(results: list[GenerationResult]) -> tuple[int, float, float, fl
 def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prompts: list[list[int]],
             gammas: Sequence[int], new_tokens: int, options: DecodeOptions, repeats: int = 20,
             kit_alpha: dict[tuple[str, int], float] | None = None, log: Callable[[str], None] = print,
-            eos: int | None = None) -> list[DecodeRow]:
+            eos: int | None = None, cold: bool = False) -> list[DecodeRow]:
     """Every method × γ of ``proposers`` against autoregressive decoding on ``prompts`` (see the module docstring).
 
     Args:
         kit_alpha: ``(method, γ)`` → the acceptance measured on the kit: rows then carry the projected speedup.
+        cold: Time each bare forward after evicting the device's caches (:class:`~pipeline.timing.CacheFlusher`), as a
+            round meets it after the other model's forward; else back to back, where small weights stay cached.
     """
     device = target.get_input_embeddings().weight.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
@@ -277,6 +279,7 @@ def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prom
     log(f"bench decode {shape}: autoregressive {ar.tokens_per_second:.1f} tokens/s, bare one-token forward "
         f"{bare_ar:.3f} ms")
     per_prompt = max(1, math.ceil(repeats / len(prompts)))
+    flush = CacheFlusher(device) if cold else None
     rows = []
     for method, proposer in proposers.items():
         layers = tuple(proposer.target_layers)
@@ -294,7 +297,7 @@ def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prom
                        "ar": bare_target(target, sized, (), length, 1)}
                 if (draft_fn := bare_drafter(proposer, target, sized, length, gamma, catch_up)) is not None:
                     fns["draft"] = draft_fn
-                for key, seconds in interleaved_times(fns, device, per_prompt, warmup=1).items():
+                for key, seconds in interleaved_times(fns, device, per_prompt, warmup=1, before=flush).items():
                     bare[key] += seconds
             metrics, ar_metrics = summarize(results, paired_ar), summarize(paired_ar)
             rounds, wall, draft, verify = _rounds_time(results)
