@@ -225,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=raw,
                        description="Build the tiny-model kit (tokenizers, a tiny target and its drafters) that "
                                    "the built-in defaults use,\ncached under $DRAFTER_CACHE or "
-                                   "~/.cache/drafter-pipeline. Takes no config.")
+                                   "~/.cache/drafter-pipeline. Takes no config.\n"
+                                   "DRAFTER_KIT_PRECISION=float32 trains it in float32 even where the CPU has bf16.")
     p.add_argument("--profile", default="default", choices=sorted(BUILD_MINUTES),
                    help=f"default: the embedded default's kit, about {BUILD_MINUTES['default']:g} min on a quiet "
                         f"2-core machine (longer on a busy one); test: what pytest builds, about "

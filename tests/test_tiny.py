@@ -318,6 +318,31 @@ def test_kit_hash_is_stable_and_per_profile() -> None:
     assert len(kit_hash("default")) == 12 and int(kit_hash("default"), 16) >= 0
 
 
+def test_a_float32_kit_is_another_kit_built_without_autocast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DRAFTER_KIT_PRECISION=float32 hands the recipe a spec without mixed precision, under its own kit hash and
+    directory, so it never meets the kit the CPU's own precision built; another value is refused naming the knob."""
+    seen: list[bool] = []
+
+    class Recording(FakeRecipe):
+        def __call__(self, spec: Any, out: Path, log: Any) -> dict:
+            seen.append(spec.mixed_precision)
+            return super().__call__(spec, out, log)
+
+    monkeypatch.setattr(recipe, "build_into", Recording())
+    monkeypatch.delenv("DRAFTER_KIT_PRECISION", raising=False)
+    auto_hash = kit_hash("test")
+    auto = resolve_tiny_ref("tiny:test/target", tmp_path)
+    monkeypatch.setenv("DRAFTER_KIT_PRECISION", "float32")
+    float32 = resolve_tiny_ref("tiny:test/target", tmp_path)
+    assert seen == [True, False]
+    assert kit_hash("test") != auto_hash and float32 == tmp_path / "tiny" / f"test-{kit_hash('test')}" / "target"
+    assert auto == tmp_path / "tiny" / f"test-{auto_hash}" / "target" and auto.is_dir()
+    monkeypatch.setenv("DRAFTER_KIT_PRECISION", "bf16")
+    with pytest.raises(DrafterError, match="DRAFTER_KIT_PRECISION") as err:
+        kit_hash("test")
+    assert "float32" in str(err.value) and "'bf16'" in str(err.value)
+
+
 @pytest.mark.slow
 def test_build_is_deterministic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two builds of one profile give byte-identical tokenizers and weights. The profile is the `test` one

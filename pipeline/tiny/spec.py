@@ -84,7 +84,7 @@ class ProfileSpec:
     gen_new_tokens: int
     mixed_precision: bool = True
     """Train under bfloat16 autocast when the CPU multiplies bf16 natively (AVX512-BF16/AMX: ~1.5x faster);
-    float32 elsewhere. The report records which ran."""
+    float32 elsewhere, and everywhere under ``DRAFTER_KIT_PRECISION=float32``. The report records which ran."""
     seed: int = 0
 
 
@@ -146,11 +146,17 @@ PROFILES: dict[str, ProfileSpec] = {
 }
 
 
+PRECISION_ENV = "DRAFTER_KIT_PRECISION"
+"""``auto`` (unset): bfloat16 autocast where the CPU multiplies bf16 natively, float32 elsewhere. ``float32``:
+float32 on every CPU, as a machine without native bf16 builds it. Either way the spec, so the kit hash, names it."""
+
+
 def get_profile(profile: str) -> ProfileSpec:
-    """The spec of a named profile.
+    """The spec of a named profile, under the precision :data:`PRECISION_ENV` asks for.
 
     Raises:
-        DrafterError: The profile is not one of :data:`PROFILES`.
+        DrafterError: The profile is not one of :data:`PROFILES`, or the precision is neither ``auto`` nor
+            ``float32``.
     """
     if profile not in PROFILES:
         raise DrafterError(
@@ -159,7 +165,16 @@ def get_profile(profile: str) -> ProfileSpec:
             found=repr(profile),
             fix="use tiny:default/<role> for the embedded default or tiny:test/<role> in tests",
         )
-    return PROFILES[profile]
+    precision = os.environ.get(PRECISION_ENV, "auto") or "auto"
+    if precision not in ("auto", "float32"):
+        raise DrafterError(
+            f"{PRECISION_ENV} names no precision the tiny kit builds in.",
+            expected="auto (bf16 autocast where the CPU multiplies bf16 natively) or float32",
+            found=repr(precision),
+            fix=f"unset {PRECISION_ENV}, or set it to float32",
+        )
+    spec = PROFILES[profile]
+    return dataclasses.replace(spec, mixed_precision=False) if precision == "float32" else spec
 
 
 def data_identity() -> dict[str, str | int]:
