@@ -131,6 +131,8 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, meth
     this config's plan finds built (``methods``, a comma-separated list: only those of them),
     through evaluate's own configurations; the decode path is ``evaluate.decode_path`` on this device. With ``cold``
     each bare forward is timed after evicting the device's caches (see :func:`~pipeline.evaluation.decode_bench.measure`).
+    Each shape also prints the target's forward time by tokens fed, 1 .. max γ + 1
+    (:func:`~pipeline.evaluation.decode_bench.verify_curve`): what a shorter block would save in verification.
 
     Raises:
         DrafterError: When the count artifact is not built (evaluate's configurations read it), or ``methods``
@@ -146,6 +148,8 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, meth
         decode_table,
         llama3_8b_models,
         measure,
+        verify_curve,
+        verify_curve_line,
     )
     from pipeline.evaluation.evaluator import decode_options  # deferred: pulls in torch
     from pipeline.evaluation.matrix import eval_prompts, resolve_device  # deferred: pulls in torch
@@ -177,9 +181,18 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, meth
     configs = Configurations(replace(cfg, evaluate=ev), target, tokenizer, {"bench": prompts}, artifacts, device, log)
     proposers = {c.method: c.proposer for c in configs}
     options = decode_options(ev, device)
+    curves: list[str] = []
+
+    def curve(shape: str, model: Any, shape_prompts: list[list[int]]) -> None:
+        line = verify_curve_line(shape, verify_curve(model, shape_prompts, ev.max_new_tokens, max(ev.gammas) + 1,
+                                                     options, steps, cold))
+        log(f"bench decode {line}")
+        curves.append(line)
+
     with torch.no_grad():
         rows = measure("tiny", target, proposers, prompts, ev.gammas, ev.max_new_tokens, options, steps, log=log,
                        eos=tokenizer.eos_token_id, cold=cold)
+        curve("tiny", target, prompts)
     notes = [f"Not built for this config, so not timed: {', '.join(skipped)} (run `drafter run --config ...` first)."
              ] if skipped else []
     if shape == "llama3-8b":
@@ -193,6 +206,8 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, meth
             with torch.no_grad():
                 rows += measure("llama3-8b", big, big_proposers, big_prompts, ev.gammas, ev.max_new_tokens, options,
                                 steps, kit_alpha=kit_alpha, log=log, cold=cold)
+                curve("llama3-8b", big, big_prompts)
+    notes += curves
     if cold:
         notes.append("Bare forwards timed with cold caches (a buffer of 4x the last-level cache written before each).")
-    return "\n".join([decode_table(rows), *("" if not notes else ["", *notes])])
+    return "\n".join([decode_table(rows), "", *notes])

@@ -11,7 +11,15 @@ import torch
 
 from pipeline.engine.metrics import expected_tokens_per_round
 from pipeline.engine.static import DecodeOptions
-from pipeline.evaluation.decode_bench import DecodeRow, bare_drafter, decode_table, llama3_8b_models, measure
+from pipeline.evaluation.decode_bench import (
+    DecodeRow,
+    bare_drafter,
+    decode_table,
+    llama3_8b_models,
+    measure,
+    verify_curve,
+    verify_curve_line,
+)
 from pipeline.timing import FLUSH_FALLBACK_BYTES, CacheFlusher, last_level_cache_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -70,6 +78,8 @@ def test_drafter_bench_decode_on_the_test_kit(tmp_path, tiny_kit, mlflow_server,
     out = capsys.readouterr().out
     assert "| tiny | cpu" in out and "| full | 3 |" in out
     assert "not timed: dynaspec, eagle3, dflash" in out and "llama3-8b: needs a CUDA device" in out
+    assert re.search(r"tiny: the target's forward by tokens fed .*1: [0-9.]+ \(1\.00×\), .*4: [0-9.]+ \([0-9.]+×\)\.",
+                     out)  # 1 .. max γ + 1 = 4
     assert main(["bench", "decode", "--steps", "2", "--methods", "full,eagle3", *SMALL, *overrides]) == 0
     out = capsys.readouterr().out
     assert "| full | 3 |" in out and "not timed: eagle3 (" in out  # only the asked-for ones, built or not
@@ -187,6 +197,40 @@ def test_with_cold_caches_every_bare_forward_follows_an_eviction_of_the_caches(m
     assert paired.count("flush") == len(bares)  # nothing else is flushed: decoding runs as it would
     llc = last_level_cache_bytes(torch.device("cpu"))
     assert sizes == [4 * (llc or FLUSH_FALLBACK_BYTES // 4)]
+
+
+def test_the_verify_curve_times_the_targets_forward_of_each_token_count_in_turn(monkeypatch) -> None:
+    """The verify cost curve: for n = 1 .. most, the target's forward of n device-fed tokens after the bench's context
+    length, timed in turn within each repetition, one median a count; the line names
+    every count with its ratio to one token's."""
+    import pipeline.evaluation.decode_bench as bench
+
+    target, _ = llama3_8b_models(torch.device("cpu"), torch.float32, scale=64, methods=("dflash",))
+    prompts = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 16)]
+    fed: list[tuple[int, int]] = []
+    built: list[int] = []
+    original = bench.bare_target
+
+    def bare(target_, options, layers, length, n):  # noqa: ANN001, ANN202
+        built.append(n)
+        run = original(target_, options, layers, length, n)
+
+        def call():  # noqa: ANN202
+            out = run()
+            fed.append((n, out.shape[0]))
+            return out
+
+        return call
+
+    monkeypatch.setattr(bench, "bare_target", bare)
+    curve = verify_curve(target, prompts, 6, 4, DecodeOptions("eager"), repeats=3)
+    assert built == [1, 2, 3, 4] and sorted(curve) == [1, 2, 3, 4]
+    assert all(ms > 0 for ms in curve.values())
+    assert [n for n, _ in fed] == [1, 2, 3, 4] * (1 + 3)  # one warm-up round, then three timed ones, in turn
+    assert all(rows == n for n, rows in fed)  # a forward of n tokens gives n rows of logits
+    line = verify_curve_line("tiny", {1: 2.0, 2: 3.0, 3: 3.0})
+    assert line.startswith("tiny: the target's forward by tokens fed")
+    assert "1: 2.000 (1.00×), 2: 3.000 (1.50×), 3: 3.000 (1.50×)" in line
 
 
 def test_the_last_level_cache_is_the_highest_level_sysfs_lists() -> None:

@@ -236,6 +236,34 @@ def _bare_dflash(proposer: Any, length: int, catch_up: int) -> Callable[[], Any]
     return run
 
 
+def _bare_context(prompts: list[list[int]], new_tokens: int, gamma: int, options: DecodeOptions
+                  ) -> tuple[int, DecodeOptions]:
+    """Where the bare forwards run: the rounds' mean context length (the mean prompt plus half the new tokens), and
+    ``options`` with a static capacity for the longest prompt's generation at ``gamma``."""
+    length = round(sum(len(p) for p in prompts) / len(prompts)) + new_tokens // 2
+    return length, replace(options, capacity=decode_capacity(max(len(p) for p in prompts), new_tokens, gamma, 64))
+
+
+def verify_curve(target: torch.nn.Module, prompts: list[list[int]], new_tokens: int, most: int,
+                 options: DecodeOptions, repeats: int = 20, cold: bool = False) -> dict[int, float]:
+    """Milliseconds of the target's forward of ``n`` device-fed tokens, ``n = 1 .. most`` (a round verifying
+    ``n − 1`` drafts), after the bench's context length, each a median of ``repeats`` calls timed in turn (after a
+    cache eviction each with ``cold``). How the verify cost grows with the drafts verified decides what cutting a
+    block short could save: where it is flat, nothing."""
+    device = target.get_input_embeddings().weight.device
+    length, sized = _bare_context(prompts, new_tokens, most - 1, options)
+    fns = {str(n): bare_target(target, sized, (), length, n) for n in range(1, most + 1)}
+    times = interleaved_times(fns, device, repeats, warmup=1, before=CacheFlusher(device) if cold else None)
+    return {int(n): 1e3 * float(np.median(seconds)) for n, seconds in times.items()}
+
+
+def verify_curve_line(shape: str, curve: dict[int, float]) -> str:
+    """``verify_curve`` as one line of the bench's output: each count's ms and its ratio to one token's."""
+    one = curve[1]
+    cells = ", ".join(f"{n}: {ms:.3f} ({ms / one:.2f}×)" for n, ms in sorted(curve.items()))
+    return f"{shape}: the target's forward by tokens fed (a round verifying n − 1 drafts), ms: {cells}."
+
+
 # --- one method × γ --------------------------------------------------------------------------------------------
 
 
@@ -261,9 +289,7 @@ def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prom
     """
     device = target.get_input_embeddings().weight.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    # the bare forwards run at the rounds' mean context length: the mean prompt plus half the new tokens
-    length = round(sum(len(p) for p in prompts) / len(prompts)) + new_tokens // 2
-    sized = replace(options, capacity=decode_capacity(max(len(p) for p in prompts), new_tokens, max(gammas), 64))
+    length, sized = _bare_context(prompts, new_tokens, max(gammas), options)
 
     def generate(proposer: Any, gamma: int, prompt: list[int]) -> GenerationResult:
         if proposer is None:
