@@ -99,8 +99,9 @@ class Artifact:
         return self.path / name
 
 
-FINGERPRINT_KEYS = ("model", "revision", "vocab_hash", "weights")
-"""What identifies a target: the model, its revision, its tokenizer's vocabulary and what names its weights."""
+FINGERPRINT_KEYS = ("model", "revision", "vocab_hash", "weights", "files")
+"""What identifies a target: the model, its revision, its tokenizer's vocabulary, what names its weights and, for a
+local directory, its other loading files (tokenizer files, chat template, generation config)."""
 
 
 def fingerprint_mismatch(expected: dict | None, found: dict | None) -> list[str]:

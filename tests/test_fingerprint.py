@@ -96,6 +96,68 @@ def test_a_hub_models_id_holds_the_commit_its_revision_resolves_to(tmp_path: Pat
         loading.hub_commit("org/never-downloaded", "v1.0")
 
 
+def test_a_hub_model_loads_at_the_commit_its_ids_name_though_its_branch_moves_on(
+        tmp_path: Path, tiny_kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The id named the commit main resolved to at planning, but the loaders asked for main again: a download
+    between planning and loading put other weights under the planned id, exit 0."""
+    import torch
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    old, new = "c" * 40, "d" * 40
+    _hub_cache(cache, "org/moving-target", {old: tiny_kit.path("target"), new: tiny_kit.path("target")})
+    _perturb_in_place(cache / "models--org--moving-target" / "snapshots" / new)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    main = cache / "models--org--moving-target" / "refs" / "main"
+    main.write_text(old)
+    first = {name: tensor.clone() for name, tensor in loading.load_model(str(cache / "models--org--moving-target"
+                                                                               / "snapshots" / old)).state_dict().items()}
+    assert loading.fingerprint("org/moving-target")["weights"] == f"commit:{old}"
+    main.write_text(new)  # a download elsewhere moves main on while this process runs
+    loaded = loading.load_model("org/moving-target").state_dict()
+    assert all(torch.equal(loaded[name], first[name]) for name in first)  # the planned commit's weights
+    assert loading.fingerprint("org/moving-target")["weights"] == f"commit:{old}"
+    loading.pinned_commit.cache_clear()  # a new process resolves main afresh, and loads what it names
+    loading._fingerprint_cached.cache_clear()
+    assert loading.fingerprint("org/moving-target")["weights"] == f"commit:{new}"
+    moved = loading.load_model("org/moving-target").state_dict()
+    assert not all(torch.equal(moved[name], first[name]) for name in first)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: (d / "chat_template.jinja").write_text((d / "chat_template.jinja").read_text().replace(
+        "<|im_start|>", "<|im_start|> ", 1)),
+    lambda d: (d / "generation_config.json").write_text('{"repetition_penalty": 1.3}'),
+], ids=["chat-template-fixed-in-place", "generation-config-edited"])
+def test_editing_a_local_targets_loading_files_in_place_changes_every_id_that_reads_it(
+        tmp_path: Path, tiny_kit, edit) -> None:
+    """The id held the weights and the vocabulary only: a chat template fixed in place kept every id, so the
+    calibration set rendered with the old template was a cache hit and the drafters trained on it were registered."""
+    target = _copy_model(tiny_kit.path("target"), tmp_path / "my-target")
+    cfg = small_cfg(tmp_path, f"target.model={target}")
+    before = plan(cfg)
+    assert before.stages["generate"].fingerprint["files"].startswith("sha256:")
+    edit(target)
+    after = plan(cfg)
+    assert after.stages["generate"].fingerprint["weights"] == before.stages["generate"].fingerprint["weights"]
+    assert {name for name in before.stages if before.stages[name].id != after.stages[name].id} == READS_TARGET
+
+
+def test_a_tiny_target_with_a_tokenizer_of_its_own_keeps_the_kits_weights_in_its_ids(tmp_path: Path,
+                                                                                   tiny_kit) -> None:
+    """Only a target whose tokenizer was a tiny ref too got the kit's weights digest: with a tokenizer directory the
+    ids held the recipe alone, so kits built into other bytes shared them."""
+    from pipeline.tiny import kit_weights
+
+    tokenizer = _copy_model(tiny_kit.path("target"), tmp_path / "tokenizer")
+    (tokenizer / "model.safetensors").unlink()
+    found = loading.fingerprint("tiny:test/target", tokenizer=str(tokenizer))
+    assert found["weights"] == "kit:" + kit_weights("tiny:test/target")
+    assert found["files"].startswith("sha256:")  # the tokenizer directory's files
+
+
 def test_a_damaged_tiny_kit_is_refused_when_loaded(tmp_path: Path, tiny_kit, monkeypatch: pytest.MonkeyPatch) -> None:
     from jobs import generate
     from pipeline.tiny import build_kit

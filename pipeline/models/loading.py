@@ -4,8 +4,10 @@ One loader serves every kind of reference: a tiny-kit ref (``tiny:<profile>/<rol
 demand), a local directory written by ``save_pretrained``, or a hub id (with a pinned revision; it needs
 network access, which tests and the embedded default never use). ``trust_remote_code`` is off unless a
 config turns it on. A target fingerprint — model name, revision, and a hash of the tokenizer's
-vocabulary, and what names the weights (a local checkpoint's sha256, a hub model's resolved commit) — is
-stamped on every artifact so nothing built for one target, or for other weights, is used with another. A
+vocabulary, what names the weights (a local checkpoint's sha256, a hub model's resolved commit) and a local
+directory's other loading files (chat template, generation config) — is stamped on every artifact so nothing
+built for one target, or for other weights or templates, is used with another. A hub model loads at the commit
+its fingerprint names. A
 tiny-kit model's fingerprint comes from its recipe (the kit hash), so computing it builds nothing; its
 files are checked against the hashes recorded at build time whenever they are loaded.
 """
@@ -58,6 +60,15 @@ def resolve_ref(name: str, revision: str | None = None) -> ModelRef:
     return ModelRef(name, name, revision)
 
 
+def _load_revision(ref: ModelRef) -> str | None:
+    """What ``from_pretrained`` loads: nothing for a local directory or a tiny kit, for a hub model the commit its
+    revision resolved to when this process named it (:func:`pinned_commit`), the commit its artifact ids hold. A
+    branch that moves on while a stage runs is not loaded under an id that names the commit before."""
+    if ref.is_local:
+        return None
+    return pinned_commit(ref.name, ref.revision)
+
+
 def _hub_error(ref: ModelRef, err: Exception) -> DrafterError:
     first_line = str(err).splitlines()[0] if str(err) else ""
     if ref.is_local:  # a directory that exists but does not load: damaged or not a transformers checkpoint
@@ -83,7 +94,7 @@ def load_tokenizer(name: str, revision: str | None = None, *, trust_remote_code:
 
     ref = resolve_ref(name, revision)
     try:
-        return AutoTokenizer.from_pretrained(ref.location, revision=None if ref.is_local else ref.revision,
+        return AutoTokenizer.from_pretrained(ref.location, revision=_load_revision(ref),
                                              trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001 - a damaged file raises TypeError, KeyError, tokenizers' Exception...
         raise _hub_error(ref, err) from err
@@ -101,7 +112,7 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
     hf_logging.disable_progress_bar()  # a weight-loading bar per model is noise in a stage's log
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            ref.location, revision=None if ref.is_local else ref.revision, dtype=getattr(torch, _DTYPES[dtype]),
+            ref.location, revision=_load_revision(ref), dtype=getattr(torch, _DTYPES[dtype]),
             trust_remote_code=trust_remote_code, use_safetensors=True)
     except Exception as err:  # noqa: BLE001 - a cut safetensors file raises SafetensorError, a bad config TypeError
         raise _hub_error(ref, err) from err
@@ -137,6 +148,10 @@ def _tiny_fingerprint(name: str, revision: str | None, tokenizer_name: str) -> t
 
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json")
 """What defines a local checkpoint's weights (the loader reads safetensors only)."""
+LOADING_FILES = ("*.json", "*.jinja", "additional_chat_templates/*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py")
+"""What else ``from_pretrained`` reads from a local directory and what a stage's output depends on: the tokenizer's
+files (normaliser, merges, special tokens), the chat template every prompt is rendered with, the generation config
+``generate`` applies (``top_k``, ``repetition_penalty``, the end-of-sequence ids), remote code."""
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
@@ -205,14 +220,44 @@ def hub_commit(name: str, revision: str | None) -> str:
     return sha
 
 
-def weights_identity(ref: ModelRef) -> str | None:
-    """What names a model's weights in artifact ids: a local checkpoint's digest, a hub model's commit; None for a
-    directory without weights, and for a tiny-kit model (:func:`_tiny_fingerprint` names a built kit's files)."""
-    if ref.name.startswith(TINY_PREFIX):
+@lru_cache(maxsize=64)
+def pinned_commit(name: str, revision: str | None) -> str:
+    """:func:`hub_commit`, resolved once a process: the artifact ids a process plans and the weights it loads name
+    the same commit."""
+    return hub_commit(name, revision)
+
+
+def local_files_digest(directory: Path, cache: StatCache | None = None) -> str | None:
+    """sha256 over the files of :data:`LOADING_FILES` in a local directory; None where it holds none.
+
+    The weights digest covers only what the model's forward reads. A chat template fixed in place, another
+    ``generation_config.json`` or another end-of-sequence token changes every prompt or answer a stage writes
+    while the vocabulary and the weights stay the same, so it has to change the ids too.
+    """
+    cache = cache or weights_stat_cache()
+    files = sorted({f for pattern in LOADING_FILES for f in directory.glob(pattern) if f.is_file()})
+    if not files:
         return None
+    return "sha256:" + tree_digest({f.relative_to(directory).as_posix(): cache.sha256(f) for f in files})
+
+
+def weights_identity(ref: ModelRef) -> str | None:
+    """What names a model's weights in artifact ids: a local checkpoint's digest, a hub model's commit, a built
+    tiny-kit model's recorded file digests; None for a directory without weights and for a kit not built yet."""
+    if ref.name.startswith(TINY_PREFIX):
+        return "kit:" + weights if (weights := kit_weights(ref.name)) else None
     if ref.is_local:
         return local_weights_digest(Path(ref.location))
-    return "commit:" + hub_commit(ref.name, ref.revision)
+    return "commit:" + pinned_commit(ref.name, ref.revision)
+
+
+def files_identity(*refs: ModelRef) -> str | None:
+    """What names the loading files (:data:`LOADING_FILES`) of a model and its tokenizer where either is a local
+    directory; None where neither is (a hub commit names every file; a tiny kit's digests name its own)."""
+    digests = {ref.location: digest for ref in refs
+               if ref.is_local and not ref.name.startswith(TINY_PREFIX)
+               and (digest := local_files_digest(Path(ref.location))) is not None}
+    return "sha256:" + tree_digest(digests) if digests else None
 
 
 def _stat_signature(name: str | None) -> tuple:
@@ -233,13 +278,16 @@ def _fingerprint_cached(name: str, revision: str | None, tokenizer_name: str | N
     items = [("model", ref.name), ("revision", ref.revision), ("vocab_hash", vocab_hash(tok)), ("vocab_size", len(tok))]
     if (weights := weights_identity(ref)) is not None:
         items.append(("weights", weights))
+    if (files := files_identity(ref, resolve_ref(tokenizer_name or name, revision))) is not None:
+        items.append(("files", files))
     return tuple(items)
 
 
 def fingerprint(name: str, revision: str | None = None, tokenizer: str | None = None,
                 trust_remote_code: bool = False) -> dict:
-    """The target fingerprint stamped on artifacts: model name, revision, tokenizer vocab hash and what names the
-    weights (a local checkpoint's digest, a hub model's commit, a built tiny kit's recorded file digests)."""
+    """The target fingerprint stamped on artifacts: model name, revision, tokenizer vocab hash, what names the
+    weights (a local checkpoint's digest, a hub model's commit, a built tiny kit's recorded file digests) and, for a
+    local model or tokenizer directory, the digest of its other loading files (:data:`LOADING_FILES`)."""
     if name.startswith(TINY_PREFIX) and (tokenizer or name).startswith(TINY_PREFIX):
         return dict(_tiny_fingerprint(name, revision, tokenizer or name))
     signature = (_stat_signature(name), _stat_signature(tokenizer))
