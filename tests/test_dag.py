@@ -112,8 +112,35 @@ def test_evaluate_id_follows_its_prompts_even_with_explicit_counts(tmp_path: Pat
     assert list(base.stages) == ["evaluate"] and base["evaluate"].inputs["count"][0] == counts.id
     assert base["evaluate"].id == plan(cfg, ["evaluate"])["evaluate"].id  # the path itself is not hashed
     other_source = plan(small_cfg(tmp_path, *named, "generate.source=humaneval"), ["evaluate"])
-    other_split = plan(small_cfg(tmp_path, *named, "generate.heldout_fraction=0.2"), ["evaluate"])
+    # a smaller held-out share lies inside the one the counts kept out (shares are nested)
+    other_split = plan(small_cfg(tmp_path, *named, "generate.heldout_fraction=0.02"), ["evaluate"])
     assert len({base["evaluate"].id, other_source["evaluate"].id, other_split["evaluate"].id}) == 3
+
+
+@pytest.mark.parametrize("override", [
+    "generate.heldout_fraction=0.2",  # chat: three quarters of these prompts were counted
+    "evaluate.tasks=[code]",  # code: every HumanEval problem, and the counts drew on all but 5 % of them
+])
+def test_an_evaluation_of_named_artifacts_built_from_its_own_prompts_is_refused(tmp_path: Path, tiny_kit,
+                                                                               override: str) -> None:
+    """An artifact named by path was scored on whatever prompts this config holds out, though its calibration set
+    may have been drawn with another split: trained on all but 5 % of the conversations, it was evaluated on 20 %,
+    most of them seen, and the inflated τ gated and registered."""
+    no_head = "evaluate.methods=[full,shortlist,tli]"
+    source = "generate.source=humaneval" if "code" in override else "generate.source=sharegpt"
+    cfg = small_cfg(tmp_path, no_head, source)
+    calibration = generate.main(cfg)
+    counts = count.main(cfg)
+    named = [f"evaluate.counts={counts.path}", no_head]
+    evaluated = ["generate.source=sharegpt", override] if "code" in override else [source, override]
+    with pytest.raises(DrafterError, match="prompts include conversations") as err:
+        plan(small_cfg(tmp_path, *named, *evaluated), ["evaluate"])
+    assert str(counts.path) in err.value.problem and calibration.id in err.value.expected
+    # the same artifact through count.calibration, one stage further up
+    with pytest.raises(DrafterError, match="prompts include conversations"):
+        plan(small_cfg(tmp_path, no_head, f"count.calibration={calibration.path}", *evaluated), ["evaluate"])
+    # evaluated on the split it was built with, it plans
+    plan(small_cfg(tmp_path, *named, source), ["evaluate"])
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)

@@ -19,8 +19,11 @@ from safetensors.numpy import load_file
 
 from jobs import count, generate
 from pipeline.artifacts import ArtifactWriter, load_artifact
-from pipeline.data.calibration import iter_rows, load_dataset_dir, read_shard, write_shard
+from pipeline.data.calibration import encode_prompt, iter_rows, load_dataset_dir, read_shard, write_shard
+from pipeline.data.sources import load_conversations, load_humaneval, split_heldout
 from pipeline.errors import DrafterError
+from pipeline.evaluation.matrix import eval_prompts
+from pipeline.models.loading import load_tokenizer
 from pipeline.orchestration import stage
 from pipeline.orchestration.dag import plan
 from pipeline.tracking import tracking_uri
@@ -64,12 +67,27 @@ def test_calibration_set_is_well_formed(pipeline_run) -> None:
 
 
 def test_calibration_excludes_heldout_conversations(pipeline_run) -> None:
-    from pipeline.data.sources import load_conversations, split_heldout
-
     convs, _ = load_conversations("sharegpt")
     heldout = {c.id for c in split_heldout(convs, 0.05, heldout=True)}
     used = {row["prompt_id"] for row in iter_rows(pipeline_run[1].path / "data")}
     assert used and not used & heldout
+
+
+@pytest.mark.parametrize("source", ["sharegpt", "humaneval"])
+def test_the_code_task_keeps_to_humaneval_problems_no_calibration_set_drew_on(tmp_path: Path, tiny_kit,
+                                                                              source: str) -> None:
+    """With generate.source=humaneval the calibration set holds every HumanEval problem outside the held-out share,
+    and the code task decoded the first problems regardless: most of its prompts had been trained on."""
+    cfg = small_cfg(tmp_path, f"generate.source={source}", "evaluate.prompts_per_task=200")
+    tokenizer = load_tokenizer(cfg.target.model)
+    code = eval_prompts(cfg, tokenizer)["code"]
+    problems = load_humaneval()
+    if source == "humaneval":
+        calibrated, _ = load_conversations(source)
+        trained = {c.id for c in split_heldout(calibrated, cfg.generate.heldout_fraction, heldout=False)}
+        problems = [c for c in problems if c.id not in trained]
+        assert 0 < len(problems) < 30
+    assert code == [encode_prompt(tokenizer, c.messages, cfg.evaluate.max_prompt_tokens) for c in problems]
 
 
 def test_counts_and_exports_match_the_calibration_set(pipeline_run) -> None:

@@ -251,6 +251,12 @@ def source_fingerprint(source: str, revision: str | None = None) -> dict:
     return {"hub": source, "revision": revision or "main"}
 
 
+def holds_humaneval(source: str, revision: str | None = None) -> bool:
+    """Whether prompt source ``source`` is the packaged HumanEval set, whose problems the evaluation's code task
+    decodes: a calibration set drawn from it holds every problem outside its held-out share."""
+    return source_fingerprint(source, revision) == source_fingerprint("humaneval")
+
+
 def _expand(source: str) -> Path:
     """``source`` as a path with ``~`` expanded; ``~user`` of an unknown user stays as written (no such path)."""
     try:

@@ -13,7 +13,7 @@ stage gets its inputs from its :class:`StagePlan` instead of calling another sta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from pipeline.artifacts import (
 from pipeline.config.schema import identity, to_dict
 from pipeline.config.sections import PipelineConfig
 from pipeline.config.stage_names import STAGE_NAMES
-from pipeline.data.sources import source_fingerprint
+from pipeline.data.sources import holds_humaneval, source_fingerprint
 from pipeline.engine.inputs import DRAFTER_MODELS
 from pipeline.engine.methods import models_read, stages_read
 from pipeline.errors import DrafterError
@@ -384,4 +384,71 @@ def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
     for name in wanted:
         visit(name)
     check_settings(cfg, planned)
+    if "evaluate" in planned:
+        check_heldout(cfg, planned["evaluate"], planned, store)
     return Plan({name: planned[name] for name in STAGE_NAMES if name in planned}, kits(cfg))
+
+
+def check_heldout(cfg: PipelineConfig, step: StagePlan, planned: dict[str, StagePlan], store: Path) -> None:
+    """Refuse an evaluation whose prompts include conversations an artifact it reads by path was built from.
+
+    A planned stage's calibration set is drawn by this config's ``generate`` section, so it leaves out exactly the
+    conversations the evaluation decodes. An artifact named by path (``evaluate.eagle3=…``, ``count.calibration=…``)
+    may come from another split: trained on everything outside a held-out fraction of 0.05, it would be scored on
+    the prompts of a fraction of 0.2, three quarters of them seen in training, and the τ they inflate would be gated
+    and registered. Held-out shares are nested (:func:`~pipeline.data.sources.split_heldout`), so an evaluation's
+    fraction at most the calibration set's is sound. The calibration sets behind named artifacts are found through
+    their manifests' inputs, beside the named artifact or in this workdir's store; one found in neither (a pulled
+    bundle ships none) cannot be checked.
+
+    Raises:
+        DrafterError: An evaluated task's prompts overlap what a calibration set behind a named artifact kept.
+    """
+    gen = cfg.generate
+    tasks = {}
+    if "chat" in cfg.evaluate.tasks:
+        tasks["chat"] = (source_fingerprint(gen.source, gen.source_revision), gen.heldout_fraction)
+    if "code" in cfg.evaluate.tasks:  # every HumanEval problem, or only the held-out ones where generate drew on them
+        tasks["code"] = (source_fingerprint("humaneval"),
+                         gen.heldout_fraction if holds_humaneval(gen.source, gen.source_revision) else None)
+    for named, calibration in _named_calibrations(step, planned, store):
+        drawn = (calibration["config"].get("data") or {}).get("source")
+        kept_out = calibration["config"]["generate"]["heldout_fraction"]
+        for task, (source, fraction) in tasks.items():
+            if drawn != source or (fraction is not None and fraction <= kept_out):
+                continue
+            raise DrafterError(
+                f"The evaluation's {task} prompts include conversations {named} was built from.",
+                expected=f"prompts from the share its calibration set {calibration['id']} held out: the same source "
+                         f"with generate.heldout_fraction <= {kept_out}",
+                found=(f"generate.heldout_fraction={fraction}" if fraction is not None
+                       else f"every HumanEval problem, while {calibration['id']} was drawn from them "
+                            f"(generate.source={calibration['config']['generate']['source']})"),
+                fix=(f"Evaluate with generate.heldout_fraction={kept_out} (or less), or name artifacts built from the "
+                     f"split you evaluate on." if fraction is not None else
+                     f"Leave the code task out (evaluate.tasks=[chat]), or evaluate with generate.source=humaneval and "
+                     f"generate.heldout_fraction <= {kept_out} so the code task keeps to the held-out problems."))
+
+
+def _named_calibrations(step: StagePlan, planned: dict[str, StagePlan], store: Path) -> Iterator[tuple[Path, dict]]:
+    """(named artifact, the manifest of a calibration set it was built from) for every artifact ``step`` reads by
+    path, directly or through a planned upstream stage."""
+    for up, (_, path) in step.inputs.items():
+        if up in step.explicit:
+            yield from ((path, calibration) for calibration in _calibrations_behind(path, store))
+        elif up in planned:
+            yield from _named_calibrations(planned[up], planned, store)
+
+
+def _calibrations_behind(path: Path, store: Path) -> Iterator[dict]:
+    """The manifests of the calibration sets artifact ``path`` was built from (itself, if it is one), following its
+    manifest's inputs to those beside it or in ``store``."""
+    manifest = read_manifest(path)
+    if manifest.get("stage") == "generate":
+        yield manifest
+        return
+    for aid in manifest.get("inputs") or []:
+        for where in (path.parent / aid, store / aid):
+            if (where / MANIFEST).is_file():
+                yield from _calibrations_behind(where, store)
+                break
