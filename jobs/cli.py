@@ -213,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", type=Path, required=True, help="destination directory (must be new or empty)")
     p.add_argument("--expect-target", default=None,
                    help="refuse the bundle unless it was built for this target model (name or tiny ref)")
+    p.add_argument("--expect-revision", default=None,
+                   help="the revision of --expect-target your serving pins (a hub model's branch, tag or commit)")
     _add_config_args(p)
     p = sub.add_parser("report", help="print the evaluation table of an evaluation artifact (default: the "
                                       "newest one in the config's workdir)", formatter_class=raw,
@@ -300,7 +302,7 @@ def _pull(args: argparse.Namespace, cfg) -> int:
     expect = None
     if args.expect_target:
 
-        expect = fingerprint(args.expect_target)
+        expect = fingerprint(args.expect_target, args.expect_revision)
     path = pull(args.ref, args.to, cfg.mlflow, cfg.workdir_path, expect_fingerprint=expect)
     print(f"pulled {args.ref} -> {path} (every sha256 and fingerprint verified)")
     return 0

@@ -125,6 +125,14 @@ def test_pull_round_trip_and_tampering(evaluated, mlflow_server: MlflowServer, t
                 *common]) == 0
     bundle = json.loads((dest / "bundle.json").read_text())
     assert {c["id"] for c in bundle["components"]} >= {artifact.id}
+    # the revision a serving stack pins is checked too (a hub target's branch, tag or commit; here the kit's hash)
+    pinned = ["--expect-target", "tiny:test/target", "--expect-revision"]
+    assert cli(["pull", f"{record['name']}@champion", "--to", str(tmp_path / "pinned"), *pinned,
+                artifact.fingerprint["revision"], *common]) == 0
+    capsys.readouterr()
+    assert cli(["pull", f"{record['name']}@champion", "--to", str(tmp_path / "repinned"), *pinned, "0" * 40,
+                *common]) == 2
+    assert f"revision={artifact.fingerprint['revision']}" in capsys.readouterr().err
     # tamper with a payload in the server's artifact store: the pull must refuse and leave nothing behind
     stored = [p for p in (mlflow_server.root / "artifacts").rglob("shortlists.safetensors")]
     assert stored

@@ -96,6 +96,25 @@ def test_register_moves_candidate_and_champion_by_primary_metric(
     assert len(_client(mlflow_server).search_model_versions(f"name = '{name}'")) == 4
 
 
+def test_champion_moves_to_a_version_built_for_the_new_weights_of_the_same_target(
+    tmp_path: Path, mlflow_server: MlflowServer
+) -> None:
+    """One registered name holds one target model by name. Once that target was retrained (other weights under the
+    same name), a new drafter that scored below the old champion left ``@champion`` on the drafter built for the old
+    weights: a consumer pulling it without --expect-target got a drafter for another target."""
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-retrained", "drafter")
+    register(make_bundle(name, make_components(tmp_path / "old"), 2.0), cfg, tmp_path / "work")
+    retrained = {**FP, "weights": "sha256:" + "e" * 64}
+    lower = register(make_bundle(name, make_components(tmp_path / "new", retrained), 1.5, fingerprint=retrained),
+                     cfg, tmp_path / "work")
+    assert (lower.version, lower.promoted) == (2, True)
+    assert lower.reason == "champion version 1 was built for another target (weights differ): the metrics do not compare"
+    assert _aliases(mlflow_server, name) == {"candidate": "2", "champion": "2"}
+    same = register(make_bundle(name, make_components(tmp_path / "again", retrained, seed=1), 1.0,
+                                fingerprint=retrained), cfg, tmp_path / "work")
+    assert (same.promoted, same.reason) == (False, "tau 1 does not beat champion version 2 (1.5)")  # same target
+
+
 def test_pull_round_trip_is_verified_and_identical(tmp_path: Path, mlflow_server: MlflowServer) -> None:
     cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-pull", "drafter")
     report = tmp_path / "report"

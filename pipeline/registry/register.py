@@ -6,18 +6,20 @@ metrics, component ids, fingerprint, git sha, gate verdict), then flipped to ``r
 pointed at by aliases. If a step fails before ``ready`` the half-made version is deleted; if even that
 fails it stays tagged incomplete with no alias on it, and a rerun with the same bundle finishes it
 instead of adding a duplicate. ``champion`` moves only when the new version beats the current one on
-the primary metric (higher is better), when there is none, or when the caller forces it.
+the primary metric (higher is better), when there is none, when the current one was built for another
+target (other weights, revision or vocabulary under the same model name), or when the caller forces it.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import canonical_json
+from pipeline.artifacts import canonical_json, fingerprint_mismatch
 from pipeline.config.sections import MlflowConfig
 from pipeline.registry.bundle import Bundle, bundle_sha256, check_registrable, read_bundle_json, write_bundle
 from pipeline.registry.store import (
@@ -269,6 +271,10 @@ def _champion_decision(
         return False, f"version {number} is already champion"
     if promote:
         return True, f"forced (promote=True) over champion version {current.version}"
+    if moved := fingerprint_mismatch(bundle.fingerprint, _tagged_fingerprint(current)):
+        # a name holds one target model; a champion built for its old weights is no champion for the new ones
+        return True, (f"champion version {current.version} was built for another target "
+                      f"({', '.join(moved)} differ): the metrics do not compare")
     theirs = current.tags.get(f"{METRIC_PREFIX}{metric}")
     if theirs is None:
         return False, (
@@ -281,6 +287,16 @@ def _champion_decision(
         False,
         f"{metric} {ours:.6g} does not beat champion version {current.version} ({float(theirs):.6g})",
     )
+
+
+def _tagged_fingerprint(version: Any) -> dict:
+    """The target fingerprint a version was tagged with; empty where the tag is missing or unreadable (nothing to
+    compare: the metrics decide, as before)."""
+    try:
+        found = json.loads(version.tags.get(FINGERPRINT) or "{}")
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _cleanup(client: Any, name: str, number: str, *, skip: bool) -> str:
