@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.checksums import sha256_file  # noqa: F401 - re-exported: checkpoints and bundles use it
+from pipeline.checksums import sha256_file, temp_sibling  # noqa: F401 - sha256_file re-exported: checkpoints and bundles use it
 from pipeline.errors import DrafterError
 
 SCHEMA_VERSION = 2
@@ -61,7 +61,7 @@ def artifact_id(stage: str, config: Any, inputs: list[str], fingerprint: dict | 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON so a reader sees the old file or the new one, never a torn one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_sibling(path)
     with open(tmp, "w") as fh:
         json.dump(obj, fh, indent=2, sort_keys=True, default=str)
         fh.flush()

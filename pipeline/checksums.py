@@ -13,10 +13,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import tempfile
 from pathlib import Path
 
 CHUNK = 1 << 20
+
+
+def temp_sibling(path: str | Path) -> Path:
+    """Where to write ``path`` before renaming it into place: a hidden sibling named for this host, process and a
+    random token. Ranks on two nodes may write the same file at once over a shared filesystem (the EAGLE-3 feature
+    cache), and in containers their pids can be equal: a name with the pid alone let them write into one temporary
+    file together and rename the mix into place."""
+    path = Path(path)
+    host = socket.gethostname().replace("/", "_")
+    return path.with_name(f".{path.name}.tmp-{host}-{os.getpid()}-{os.urandom(4).hex()}")
 
 
 def sha256_file(path: str | Path, chunk: int = CHUNK) -> str:

@@ -21,6 +21,7 @@ from pipeline.artifacts import (
     sha256_file,
     temp_owner,
 )
+from pipeline.checksums import temp_sibling
 from pipeline.errors import DrafterError
 
 FP = {"model": "tiny:test/target", "revision": "abc", "vocab_hash": "v1"}
@@ -212,3 +213,14 @@ def test_store_moves_a_damaged_artifact_aside_and_rebuilds_under_its_id(tmp_path
     (rebuilt.path / "info.json").write_text(json.dumps({"a": 2}))  # a payload changed: the same treatment
     assert store.reusable(art.id, lines.append) is None and "'info.json' of artifact" in lines[-1]
     assert len(list((tmp_path / ".damaged").iterdir())) == 4 and len(lines) == 4
+
+
+def test_two_writers_of_one_file_never_share_a_temporary_file(tmp_path: Path) -> None:
+    """Ranks on two nodes write the same EAGLE-3 feature rows over a shared filesystem, and in containers their pids
+    can be equal: temporary names held the pid alone, so two writers could fill one temporary file together and
+    rename the mix into place."""
+    target = tmp_path / "000000001.safetensors"
+    names = {temp_sibling(target) for _ in range(64)}  # one process, as two with the same pid would be
+    assert len(names) == 64
+    for name in names:
+        assert name.parent == tmp_path and name.name.startswith(f".{target.name}.tmp-{socket.gethostname()}-")

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.checksums import temp_sibling
 from pipeline.data.records import Conversation
 from pipeline.errors import DrafterError
 
@@ -95,7 +96,7 @@ def raw_row(tokenizer: Any, conv: Conversation, max_tokens: int) -> dict | None:
 def write_shard(path: Path, rows: list[dict]) -> None:
     """Write rows as one Arrow IPC stream file, atomically (temp file + fsync + rename)."""
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_sibling(path)
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, SCHEMA) as writer:
         writer.write_table(table)
     with open(tmp, "rb") as fh:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.artifacts import sha256_file, write_json_atomic
+from pipeline.checksums import temp_sibling
 
 SIDECAR_SUFFIX = ".sha256.json"
 
@@ -30,7 +31,7 @@ def sidecar(path: Path) -> Path:
 def write_staged(path: Path, write: Callable[[Path], None]) -> None:
     """Write a staged shard through ``write(temporary path)``, record its checksum, then publish it by rename."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_sibling(path)
     try:
         write(tmp)
         with open(tmp, "rb") as fh:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import canonical_json, sha256_file, write_json_atomic
+from pipeline.checksums import temp_sibling
 from pipeline.errors import DrafterError
 
 FORMAT = 1
@@ -145,7 +146,7 @@ def restore_optimizer(optimizer: Any, state: dict, world_size: int) -> None:
 def _write_safetensors(path: Path, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_sibling(path)
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, path)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.checksums import temp_sibling
 from pipeline.data.rows import Row, pad_batch
 from pipeline.drafters.eagle3 import Eagle3Drafter
 from pipeline.training.eagle3_objective import simulated_tau, target_features, ttt_loss
@@ -67,7 +68,7 @@ class FeatureCache:
             aux = torch.cat([out.hidden_states[i] for i in self.aux], dim=-1)
             for i, row in enumerate(todo):
                 n = len(row.input_ids)
-                tmp = self.path(row.index).with_suffix(f".tmp-{os.getpid()}")
+                tmp = temp_sibling(self.path(row.index))
                 save_file({"aux": aux[i, :n].cpu().contiguous(),
                            "last": out.hidden_states[-1][i, :n].cpu().contiguous()}, str(tmp))
                 os.replace(tmp, self.path(row.index))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.checksums import temp_sibling
 from pipeline.config.schema import identity as config_identity
 from pipeline.config.training import TrainConfig
 from pipeline.errors import DrafterError
@@ -277,7 +278,7 @@ def save_final(module: Any, out_dir: str | Path, name: str = "model.safetensors"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: p.detach().cpu().clone().contiguous() for k, p in trainable_parameters(module).items()}
-    tmp = out / f".{name}.tmp-{os.getpid()}"
+    tmp = temp_sibling(out / name)
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / name)
     return out / name
