@@ -440,15 +440,20 @@ def _named_calibrations(step: StagePlan, planned: dict[str, StagePlan], store: P
             yield from _named_calibrations(planned[up], planned, store)
 
 
-def _calibrations_behind(path: Path, store: Path) -> Iterator[dict]:
+def _calibrations_behind(path: Path, store: Path, manifest: dict | None = None) -> Iterator[dict]:
     """The manifests of the calibration sets artifact ``path`` was built from (itself, if it is one), following its
-    manifest's inputs to those beside it or in ``store``."""
-    manifest = read_manifest(path)
+    manifest's inputs to those beside it or in ``store``; an input whose manifest is missing or damaged there is
+    passed over (it cannot be checked, and the store rebuilds a damaged entry of its own when its stage runs)."""
+    manifest = manifest or read_manifest(path)
     if manifest.get("stage") == "generate":
         yield manifest
         return
     for aid in manifest.get("inputs") or []:
         for where in (path.parent / aid, store / aid):
-            if (where / MANIFEST).is_file():
-                yield from _calibrations_behind(where, store)
+            try:
+                found = stored_manifest(where, aid) if (where / MANIFEST).is_file() else None
+            except DrafterError:
+                found = None
+            if found is not None:
+                yield from _calibrations_behind(where, store, found)
                 break
