@@ -88,6 +88,9 @@ def test_the_code_task_keeps_to_humaneval_problems_no_calibration_set_drew_on(tm
         problems = [c for c in problems if c.id not in trained]
         assert 0 < len(problems) < 30
     assert code == [encode_prompt(tokenizer, c.messages, cfg.evaluate.max_prompt_tokens) for c in problems]
+    # which problems the code task decodes is part of what the evaluation's id names
+    assert plan(cfg, ["evaluate"])["evaluate"].config["data"].get("code_prompts") == (
+        "heldout" if source == "humaneval" else None)
 
 
 def test_counts_and_exports_match_the_calibration_set(pipeline_run) -> None:

@@ -63,6 +63,8 @@ def _evaluate_data(cfg: PipelineConfig) -> dict:
     data = _prompt_data(cfg)
     if "code" in cfg.evaluate.tasks:
         data["code"] = source_fingerprint("humaneval")
+        if holds_humaneval(cfg.generate.source, cfg.generate.source_revision):
+            data["code_prompts"] = "heldout"  # the code task keeps to the problems generate held out
     return data
 
 
