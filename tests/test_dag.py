@@ -8,6 +8,7 @@ not in the id; ``evaluate`` with ``evaluate.counts=PATH`` ignored where its prom
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from pipeline.config.sections import load_config
 from pipeline.data.calibration import iter_rows
 from pipeline.engine.methods import METHOD_NAMES, METHODS
 from pipeline.errors import DrafterError
+from pipeline.orchestration import dag
 from pipeline.orchestration.dag import STAGE_NAMES, STAGES, default_stages, plan
 from tests.helpers import SMALL, small_cfg
 
@@ -48,6 +50,20 @@ def test_plan_runs_nothing_and_follows_the_cache(tmp_path: Path, tiny_kit) -> No
     after = plan(cfg, ["count"])
     assert built.id == after["generate"].id and after["generate"].cached
     assert after.needed(["count"]) == ["count"]  # count alone reuses the calibration set
+
+
+def test_a_stages_version_rebuilds_it_and_everything_downstream(tmp_path: Path, tiny_kit,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ids hash the config, the inputs and the target, not the code: a fix that made count write other shortlists
+    from the same calibration set found the old ones cached and registered them under the new commit."""
+    cfg = small_cfg(tmp_path)
+    before = {name: step.id for name, step in plan(cfg).stages.items()}
+    bumped = tuple(dataclasses.replace(row, version=2) if row.name == "count" else row for row in dag.STAGES)
+    monkeypatch.setattr(dag, "STAGES", bumped)
+    after = plan(cfg).stages
+    assert after["count"].config["stage_version"] == 2
+    downstream = {"count", "train_drafter", "train_router", "estimate_rdk", "evaluate"}
+    assert {name for name in before if before[name] != after[name].id} == downstream
 
 
 def test_run_settings_stay_out_of_every_id(tmp_path: Path, tiny_kit) -> None:

@@ -112,6 +112,10 @@ class StageSpec:
         opt_in: For a stage outside the default run: a predicate on the config saying when the default run
             (``drafter run``, ``drafter plan``, ``drafter submit`` without ``--stages``) includes it anyway
             (``train_dflash``: when an evaluated method reads it). None: always in the default run.
+        version: The version of the stage's code. A change that makes the stage write other bytes from the same
+            inputs (a bug fixed, a metric computed another way) raises it; above 1 it enters the id, so what the
+            older code built is not found cached, and neither is anything downstream. Ids do not hash the code
+            itself: every commit would rerun every stage.
     """
 
     name: str
@@ -124,6 +128,7 @@ class StageSpec:
     data: Callable[[PipelineConfig], dict] | None = None
     when: dict[str, Callable[[PipelineConfig], bool]] = field(default_factory=dict)
     opt_in: Callable[[PipelineConfig], bool] | None = None
+    version: int = 1
 
     def upstream_of(self, cfg: PipelineConfig) -> tuple[str, ...]:
         """The upstream stages this stage reads under ``cfg``."""
@@ -375,6 +380,8 @@ def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
                 upstream = visit(up)
                 inputs[up] = (upstream.id, upstream.path)
         config = stage_identity(cfg, row)
+        if row.version > 1:  # version 1 leaves the id as it was before stages had versions
+            config["stage_version"] = row.version
         if row.models is not None and (models := row.models(cfg)):
             config["models"] = models
         if row.data is not None:
