@@ -148,7 +148,8 @@ def _tiny_fingerprint(name: str, revision: str | None, tokenizer_name: str) -> t
 
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json")
 """What defines a local checkpoint's weights (the loader reads safetensors only)."""
-LOADING_FILES = ("*.json", "*.jinja", "additional_chat_templates/*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py")
+LOADING_FILES = ("*.json", "*.jinja", "additional_chat_templates/*.jinja", "merges.txt", "vocab.txt", "*.model",
+                 "*.tiktoken", "*.py")
 """What else ``from_pretrained`` reads from a local directory and what a stage's output depends on: the tokenizer's
 files (normaliser, merges, special tokens), the chat template every prompt is rendered with, the generation config
 ``generate`` applies (``top_k``, ``repetition_penalty``, the end-of-sequence ids), remote code."""
