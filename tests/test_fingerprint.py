@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import hub
 from pipeline.checksums import StatCache
 from pipeline.errors import DrafterError
 from pipeline.models import loading
@@ -88,12 +89,12 @@ def test_a_hub_models_id_holds_the_commit_its_revision_resolves_to(tmp_path: Pat
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (cache / "models--org--tiny-target" / "refs" / "main").write_text(old)
-    assert loading.hub_commit("org/tiny-target", None) == old
+    assert hub.hub_commit("org/tiny-target", None) == old
     (cache / "models--org--tiny-target" / "refs" / "main").write_text(new)
-    assert loading.hub_commit("org/tiny-target", None) == new  # main moved on: another commit, another id
-    assert loading.hub_commit("org/tiny-target", old) == old  # a pinned commit needs no lookup
+    assert hub.hub_commit("org/tiny-target", None) == new  # main moved on: another commit, another id
+    assert hub.hub_commit("org/tiny-target", old) == old  # a pinned commit needs no lookup
     with pytest.raises(DrafterError, match="Pin target.revision"):
-        loading.hub_commit("org/never-downloaded", "v1.0")
+        hub.hub_commit("org/never-downloaded", "v1.0")
 
 
 def test_a_hub_model_loads_at_the_commit_its_ids_name_though_its_branch_moves_on(
@@ -119,7 +120,7 @@ def test_a_hub_model_loads_at_the_commit_its_ids_name_though_its_branch_moves_on
     loaded = loading.load_model("org/moving-target").state_dict()
     assert all(torch.equal(loaded[name], first[name]) for name in first)  # the planned commit's weights
     assert loading.fingerprint("org/moving-target")["weights"] == f"commit:{old}"
-    loading.pinned_commit.cache_clear()  # a new process resolves main afresh, and loads what it names
+    hub.pinned_commit.cache_clear()  # a new process resolves main afresh, and loads what it names
     loading._fingerprint_cached.cache_clear()
     assert loading.fingerprint("org/moving-target")["weights"] == f"commit:{new}"
     moved = loading.load_model("org/moving-target").state_dict()

@@ -15,6 +15,7 @@ import yaml
 
 from jobs import run
 from jobs.cli import main as cli_main
+from pipeline import hub
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import STAGE_NAMES, plan
 from tests.helpers import SMALL, small_cfg
@@ -54,7 +55,21 @@ def test_prompt_file_content_enters_the_ids(tmp_path: Path, tiny_kit) -> None:
     assert _ids(tmp_path, f"generate.source={source}") == before  # content, not history
 
 
-def test_saved_dataset_fingerprint_and_hub_revision_enter_the_ids(tmp_path: Path, tiny_kit) -> None:
+def _hub_dataset(cache: Path, name: str, main: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A hub dataset as a download leaves the Hugging Face cache: ``refs/main`` naming a commit; offline."""
+    from huggingface_hub import constants
+
+    refs = cache / f"datasets--{name.replace('/', '--')}" / "refs"
+    refs.mkdir(parents=True, exist_ok=True)
+    (refs / "main").write_text(main)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub.pinned_commit.cache_clear()  # each test is a new process as far as resolving goes
+    return refs / "main"
+
+
+def test_saved_dataset_fingerprint_and_hub_revision_enter_the_ids(tmp_path: Path, tiny_kit,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     import datasets
 
     rows = [{"conversations": [{"from": "human", "value": q}]} for q in QUESTIONS]
@@ -62,11 +77,28 @@ def test_saved_dataset_fingerprint_and_hub_revision_enter_the_ids(tmp_path: Path
     datasets.Dataset.from_list(rows[:-1]).save_to_disk(str(tmp_path / "b"))
     a, b = _ids(tmp_path, f"generate.source={tmp_path / 'a'}"), _ids(tmp_path, f"generate.source={tmp_path / 'b'}")
     assert _changed(a, b) == DOWNSTREAM_OF_GENERATE
-    hub = ["generate.source=org/chats"]  # planned without network: the id holds the id and the revision
-    main, pinned = _ids(tmp_path, *hub), _ids(tmp_path, *hub, "generate.source_revision=3f2a9c1")
+    hub_source = ["generate.source=org/chats"]  # planned without network: main's commit from the local cache
+    _hub_dataset(tmp_path / "hub", "org/chats", "a" * 40, monkeypatch)
+    main, pinned = _ids(tmp_path, *hub_source), _ids(tmp_path, *hub_source, f"generate.source_revision={'b' * 40}")
     assert _changed(main, pinned) == DOWNSTREAM_OF_GENERATE
     with pytest.raises(DrafterError, match="does not exist"):
         plan(small_cfg(tmp_path, f"generate.source={tmp_path / 'missing.jsonl'}"))
+
+
+def test_data_pushed_to_a_hub_datasets_branch_changes_the_ids(tmp_path: Path, tiny_kit,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unpinned hub dataset entered the ids as "main": new conversations pushed there found the old calibration
+    set cached, and CI registered drafters trained on the old data, exit 0."""
+    hub_source = ["generate.source=org/chats"]
+    main = _hub_dataset(tmp_path / "hub", "org/chats", "c" * 40, monkeypatch)
+    before = _ids(tmp_path, *hub_source)
+    assert plan(small_cfg(tmp_path, *hub_source))["generate"].config["data"]["source"]["commit"] == "c" * 40
+    main.write_text("d" * 40)  # a download moved main on
+    assert _ids(tmp_path, *hub_source) == before  # this process keeps the commit it resolved (and loads it)
+    hub.pinned_commit.cache_clear()  # the next process resolves main afresh
+    assert _changed(before, _ids(tmp_path, *hub_source)) == DOWNSTREAM_OF_GENERATE
+    with pytest.raises(DrafterError, match="Pin generate.source_revision"):
+        plan(small_cfg(tmp_path, "generate.source=org/never-downloaded"))
 
 
 def test_the_code_prompts_package_version_enters_the_ids_that_read_it(tmp_path: Path, tiny_kit,

