@@ -300,6 +300,9 @@ def _bench(args: argparse.Namespace) -> str:
 def _pull(args: argparse.Namespace, cfg) -> int:
 
     expect = None
+    if args.expect_revision and not args.expect_target:
+        raise DrafterError("--expect-revision is the revision of --expect-target, which is missing.",
+                           fix="Pass --expect-target MODEL with it.")
     if args.expect_target:
 
         expect = fingerprint(args.expect_target, args.expect_revision)

@@ -159,6 +159,26 @@ def test_an_evaluation_of_named_artifacts_built_from_its_own_prompts_is_refused(
     plan(small_cfg(tmp_path, *named, source), ["evaluate"])
 
 
+def test_a_named_artifacts_prompts_are_recognised_after_rows_were_added_to_their_file(tmp_path: Path,
+                                                                                        tiny_kit) -> None:
+    """The split hashes each conversation's id, so a file that gained rows since the counts were made still holds
+    every conversation they were made from; the check compared the file's content and let the overlap through."""
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": f"Question {i}: what is {i} times {i}?"},
+                               {"from": "gpt", "value": "ok"}]} for i in range(40)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    no_head = ["evaluate.methods=[full,shortlist,tli]", "evaluate.tasks=[chat]", f"generate.source={prompts}"]
+    cfg = small_cfg(tmp_path, *no_head)
+    generate.main(cfg)
+    counts = count.main(cfg)
+    with prompts.open("a") as fh:
+        fh.write(json.dumps({"conversations": [{"from": "human", "value": "One more question?"}]}) + "\n")
+    named = [*no_head, f"evaluate.counts={counts.path}"]
+    with pytest.raises(DrafterError, match="chat prompts include conversations"):
+        plan(small_cfg(tmp_path, *named, "generate.heldout_fraction=0.5"), ["evaluate"])
+    plan(small_cfg(tmp_path, *named), ["evaluate"])  # the share the counts held out: sound
+
+
 @pytest.mark.parametrize("method", METHOD_NAMES)
 def test_evaluate_reads_exactly_what_its_methods_registry_entry_needs(tmp_path: Path, tiny_kit, method: str) -> None:
     """Issue 22: which upstream artifacts and drafter models enter the evaluate id comes from the method

@@ -133,6 +133,9 @@ def test_pull_round_trip_and_tampering(evaluated, mlflow_server: MlflowServer, t
     assert cli(["pull", f"{record['name']}@champion", "--to", str(tmp_path / "repinned"), *pinned, "0" * 40,
                 *common]) == 2
     assert f"revision={artifact.fingerprint['revision']}" in capsys.readouterr().err
+    assert cli(["pull", f"{record['name']}@champion", "--to", str(tmp_path / "unnamed"), "--expect-revision",
+                "0" * 40, *common]) == 2  # a revision of no named target
+    assert "--expect-target MODEL" in capsys.readouterr().err and not (tmp_path / "unnamed").exists()
     # tamper with a payload in the server's artifact store: the pull must refuse and leave nothing behind
     stored = [p for p in (mlflow_server.root / "artifacts").rglob("shortlists.safetensors")]
     assert stored

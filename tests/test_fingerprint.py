@@ -140,6 +140,8 @@ def test_editing_a_local_targets_loading_files_in_place_changes_every_id_that_re
     cfg = small_cfg(tmp_path, f"target.model={target}")
     before = plan(cfg)
     assert before.stages["generate"].fingerprint["files"].startswith("sha256:")
+    moved = plan(small_cfg(tmp_path, f"target.model={_copy_model(target, tmp_path / 'elsewhere' / 'my-target')}"))
+    assert moved.stages["generate"].fingerprint["files"] == before.stages["generate"].fingerprint["files"]  # not paths
     edit(target)
     after = plan(cfg)
     assert after.stages["generate"].fingerprint["weights"] == before.stages["generate"].fingerprint["weights"]

@@ -103,7 +103,8 @@ def test_champion_moves_to_a_version_built_for_the_new_weights_of_the_same_targe
     same name), a new drafter that scored below the old champion left ``@champion`` on the drafter built for the old
     weights: a consumer pulling it without --expect-target got a drafter for another target."""
     cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-retrained", "drafter")
-    register(make_bundle(name, make_components(tmp_path / "old"), 2.0), cfg, tmp_path / "work")
+    first = {**FP, "weights": "sha256:" + "d" * 64}
+    register(make_bundle(name, make_components(tmp_path / "old", first), 2.0, fingerprint=first), cfg, tmp_path / "work")
     retrained = {**FP, "weights": "sha256:" + "e" * 64}
     lower = register(make_bundle(name, make_components(tmp_path / "new", retrained), 1.5, fingerprint=retrained),
                      cfg, tmp_path / "work")
@@ -113,6 +114,11 @@ def test_champion_moves_to_a_version_built_for_the_new_weights_of_the_same_targe
     same = register(make_bundle(name, make_components(tmp_path / "again", retrained, seed=1), 1.0,
                                 fingerprint=retrained), cfg, tmp_path / "work")
     assert (same.promoted, same.reason) == (False, "tau 1 does not beat champion version 2 (1.5)")  # same target
+    # a key the champion's tag lacks (tagged before the pipeline recorded it) is no sign of another target
+    newer = {**retrained, "files": "sha256:" + "f" * 64}
+    later = register(make_bundle(name, make_components(tmp_path / "later", newer, seed=2), 1.2, fingerprint=newer),
+                     cfg, tmp_path / "work")
+    assert (later.promoted, later.reason) == (False, "tau 1.2 does not beat champion version 2 (1.5)")
 
 
 def test_pull_round_trip_is_verified_and_identical(tmp_path: Path, mlflow_server: MlflowServer) -> None:

@@ -37,7 +37,7 @@ def eval_prompts(cfg: PipelineConfig, tokenizer: Any) -> dict[str, list[list[int
         prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens) for m in msgs]
     if "code" in ev.tasks:
         code = load_humaneval()
-        if holds_humaneval(cfg.generate.source, cfg.generate.source_revision):  # calibrated on the other problems
+        if holds_humaneval(cfg.generate.source):  # calibrated on the other problems
             code = split_heldout(code, cfg.generate.heldout_fraction, heldout=True)
         prompts["code"] = [encode_prompt(tokenizer, c.messages, ev.max_prompt_tokens)
                            for c in code[: ev.prompts_per_task]]

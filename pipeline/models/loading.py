@@ -93,9 +93,9 @@ def load_tokenizer(name: str, revision: str | None = None, *, trust_remote_code:
     from transformers import AutoTokenizer
 
     ref = resolve_ref(name, revision)
+    pinned = _load_revision(ref)  # outside the try: its error says to pin a commit
     try:
-        return AutoTokenizer.from_pretrained(ref.location, revision=_load_revision(ref),
-                                             trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(ref.location, revision=pinned, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001 - a damaged file raises TypeError, KeyError, tokenizers' Exception...
         raise _hub_error(ref, err) from err
 
@@ -108,11 +108,12 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
     from transformers.utils import logging as hf_logging
 
     ref = resolve_ref(name, revision)
+    pinned = _load_revision(ref)  # outside the try: its error says to pin a commit
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a weight-loading bar per model is noise in a stage's log
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            ref.location, revision=_load_revision(ref), dtype=getattr(torch, _DTYPES[dtype]),
+            ref.location, revision=pinned, dtype=getattr(torch, _DTYPES[dtype]),
             trust_remote_code=trust_remote_code, use_safetensors=True)
     except Exception as err:  # noqa: BLE001 - a cut safetensors file raises SafetensorError, a bad config TypeError
         raise _hub_error(ref, err) from err
@@ -212,10 +213,12 @@ def weights_identity(ref: ModelRef) -> str | None:
     return "commit:" + pinned_commit(ref.name, ref.revision)
 
 
-def files_identity(*refs: ModelRef) -> str | None:
-    """What names the loading files (:data:`LOADING_FILES`) of a model and its tokenizer where either is a local
-    directory; None where neither is (a hub commit names every file; a tiny kit's digests name its own)."""
-    digests = {ref.location: digest for ref in refs
+def files_identity(model: ModelRef, tokenizer: ModelRef) -> str | None:
+    """What names the loading files (:data:`LOADING_FILES`) of a model and of its tokenizer where either is a local
+    directory, by role and never by path (the same files at another path are the same target); None where neither
+    is (a hub commit names every file; a tiny kit's digests name its own)."""
+    roles = {"model": model} if tokenizer.location == model.location else {"model": model, "tokenizer": tokenizer}
+    digests = {role: digest for role, ref in roles.items()
                if ref.is_local and not ref.name.startswith(TINY_PREFIX)
                and (digest := local_files_digest(Path(ref.location))) is not None}
     return "sha256:" + tree_digest(digests) if digests else None
@@ -228,7 +231,8 @@ def _stat_signature(name: str | None) -> tuple:
     path = Path(name).expanduser()
     if not path.is_dir():
         return ()
-    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file()))
+    files = [*path.iterdir(), *(path / "additional_chat_templates").glob("*")]
+    return tuple(sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()))
 
 
 @lru_cache(maxsize=16)

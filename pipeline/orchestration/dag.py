@@ -63,7 +63,7 @@ def _evaluate_data(cfg: PipelineConfig) -> dict:
     data = _prompt_data(cfg)
     if "code" in cfg.evaluate.tasks:
         data["code"] = source_fingerprint("humaneval")
-        if holds_humaneval(cfg.generate.source, cfg.generate.source_revision):
+        if holds_humaneval(cfg.generate.source):
             data["code_prompts"] = "heldout"  # the code task keeps to the problems generate held out
     return data
 
@@ -414,17 +414,22 @@ def check_heldout(cfg: PipelineConfig, step: StagePlan, planned: dict[str, Stage
         DrafterError: An evaluated task's prompts overlap what a calibration set behind a named artifact kept.
     """
     gen = cfg.generate
-    tasks = {}
+    tasks = {}  # task -> (its prompts' source as named, its content, the held-out fraction it keeps to or None: all)
     if "chat" in cfg.evaluate.tasks:
-        tasks["chat"] = (source_fingerprint(gen.source, gen.source_revision), gen.heldout_fraction)
+        tasks["chat"] = (gen.source, source_fingerprint(gen.source, gen.source_revision), gen.heldout_fraction)
     if "code" in cfg.evaluate.tasks:  # every HumanEval problem, or only the held-out ones where generate drew on them
-        tasks["code"] = (source_fingerprint("humaneval"),
-                         gen.heldout_fraction if holds_humaneval(gen.source, gen.source_revision) else None)
+        tasks["code"] = ("humaneval", source_fingerprint("humaneval"),
+                         gen.heldout_fraction if holds_humaneval(gen.source) else None)
     for named, calibration in _named_calibrations(step, planned, store):
-        drawn = (calibration["config"].get("data") or {}).get("source")
-        kept_out = calibration["config"]["generate"]["heldout_fraction"]
-        for task, (source, fraction) in tasks.items():
-            if drawn != source or (fraction is not None and fraction <= kept_out):
+        drew = calibration["config"].get("generate") or {}
+        kept_out = drew.get("heldout_fraction")
+        then = (calibration["config"].get("data") or {}).get("source")
+        if kept_out is None:
+            continue
+        for task, (source, now, fraction) in tasks.items():
+            # the split hashes conversation ids, so a source named alike overlaps even if rows were added since
+            if (drew.get("source") != source and then != now) or (
+                    fraction is not None and fraction <= kept_out):
                 continue
             raise DrafterError(
                 f"The evaluation's {task} prompts include conversations {named} was built from.",
@@ -432,7 +437,7 @@ def check_heldout(cfg: PipelineConfig, step: StagePlan, planned: dict[str, Stage
                          f"with generate.heldout_fraction <= {kept_out}",
                 found=(f"generate.heldout_fraction={fraction}" if fraction is not None
                        else f"every HumanEval problem, while {calibration['id']} was drawn from them "
-                            f"(generate.source={calibration['config']['generate']['source']})"),
+                            f"(generate.source={drew.get('source')})"),
                 fix=(f"Evaluate with generate.heldout_fraction={kept_out} (or less), or name artifacts built from the "
                      f"split you evaluate on." if fraction is not None else
                      f"Leave the code task out (evaluate.tasks=[chat]), or evaluate with generate.source=humaneval and "

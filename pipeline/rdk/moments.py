@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from pipeline.checksums import temp_sibling
 from pipeline.errors import DrafterError
 
 MOMENTS_FILE = "moments.safetensors"
@@ -122,7 +123,7 @@ class MomentSums:
         from safetensors.torch import save_file
 
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = temp_sibling(path)
         save_file(self.tensors(), str(tmp))
         tmp.replace(path)
 

@@ -271,7 +271,9 @@ def _champion_decision(
         return False, f"version {number} is already champion"
     if promote:
         return True, f"forced (promote=True) over champion version {current.version}"
-    if moved := fingerprint_mismatch(bundle.fingerprint, _tagged_fingerprint(current)):
+    tagged = _tagged_fingerprint(current)
+    if moved := [key for key in fingerprint_mismatch(bundle.fingerprint, tagged)  # a key one side lacks says nothing
+                 if bundle.fingerprint.get(key) is not None and tagged.get(key) is not None]:
         # a name holds one target model; a champion built for its old weights is no champion for the new ones
         return True, (f"champion version {current.version} was built for another target "
                       f"({', '.join(moved)} differ): the metrics do not compare")
