@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"pipeline.drafters", "pipeline.tiny"},
     {"pipeline.vocab"},
     {"pipeline.data", "pipeline.artifacts"},
-    {"pipeline.config"},
+    {"pipeline.config", "pipeline.hub"},
     {"pipeline.errors", "pipeline.progress", "pipeline.checksums", "pipeline.runlog", "pipeline.timing", "pipeline"},
 ]
 """Top to bottom. ``pipeline`` itself is the package's ``__init__``."""
