@@ -199,6 +199,20 @@ def test_pull_refuses_another_target(tmp_path: Path, mlflow_server: MlflowServer
         pull(f"{name}@prod", tmp_path / "pulled", cfg, tmp_path / "work")
 
 
+def test_pull_takes_a_hub_commit_however_its_revision_was_written(tmp_path: Path, mlflow_server: MlflowServer) -> None:
+    """A bundle built from target.revision=main, which resolved to commit C, was refused to a consumer whose serving
+    pins C by its sha: the revision strings differ though the weights are the same commit."""
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-by-branch", "drafter")
+    built = {**FP, "revision": "main", "weights": "commit:" + "c" * 40}
+    register(make_bundle(name, make_components(tmp_path, built), 2.0, fingerprint=built), cfg, tmp_path / "work")
+    pinned = {**built, "revision": "c" * 40}
+    assert pull(f"{name}@champion", tmp_path / "pulled", cfg, tmp_path / "work", expect_fingerprint=pinned).is_dir()
+    moved = {**built, "revision": "c" * 40, "weights": "commit:" + "d" * 40}  # another commit: refused
+    with pytest.raises(DrafterError, match="weights"):
+        pull(f"{name}@champion", tmp_path / "again", cfg, tmp_path / "work", expect_fingerprint=moved)
+    assert not (tmp_path / "again").exists()
+
+
 def test_failed_gates_or_mixed_targets_register_nothing(tmp_path: Path, mlflow_server: MlflowServer) -> None:
     cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-gates", "drafter")
     components = make_components(tmp_path)
