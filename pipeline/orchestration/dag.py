@@ -413,13 +413,12 @@ def check_heldout(cfg: PipelineConfig, step: StagePlan, planned: dict[str, Stage
     Raises:
         DrafterError: An evaluated task's prompts overlap what a calibration set behind a named artifact kept.
     """
-    gen = cfg.generate
+    gen, data = cfg.generate, step.config.get("data") or {}  # the contents, as the evaluation's id holds them
     tasks = {}  # task -> (its prompts' source as named, its content, the held-out fraction it keeps to or None: all)
     if "chat" in cfg.evaluate.tasks:
-        tasks["chat"] = (gen.source, source_fingerprint(gen.source, gen.source_revision), gen.heldout_fraction)
+        tasks["chat"] = (gen.source, data.get("source"), gen.heldout_fraction)
     if "code" in cfg.evaluate.tasks:  # every HumanEval problem, or only the held-out ones where generate drew on them
-        tasks["code"] = ("humaneval", source_fingerprint("humaneval"),
-                         gen.heldout_fraction if holds_humaneval(gen.source) else None)
+        tasks["code"] = ("humaneval", data.get("code"), gen.heldout_fraction if holds_humaneval(gen.source) else None)
     for named, calibration in _named_calibrations(step, planned, store):
         drew = calibration["config"].get("generate") or {}
         kept_out = drew.get("heldout_fraction")
@@ -428,7 +427,7 @@ def check_heldout(cfg: PipelineConfig, step: StagePlan, planned: dict[str, Stage
             continue
         for task, (source, now, fraction) in tasks.items():
             # the split hashes conversation ids, so a source named alike overlaps even if rows were added since
-            if (drew.get("source") != source and then != now) or (
+            if (drew.get("source") != source and (then is None or then != now)) or (
                     fraction is not None and fraction <= kept_out):
                 continue
             raise DrafterError(
