@@ -105,10 +105,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     cache = None
     if td.features == "cached":
         _check_disk(data.train, cfg, run, config.hidden_size, target.dtype)
-        cache = FeatureCache(run.staging / "features", target, config.aux_layer_ids)
-        started = time.perf_counter()
-        built = cache.build(data.train)
-        run.log(f"feature cache: {built} rows computed in {time.perf_counter() - started:.1f} s")
+        cache = FeatureCache(run.staging / "features", target, config.aux_layer_ids, data.train)
     task = Eagle3Task(drafter, target, data.heldout, ttt_steps=td.ttt_steps, decay=td.ttt_decay,
                       pad_id=ready.pad_id, cache=cache)
     result = fit(task, data.train, td.train, run.staging / "train",
@@ -119,9 +116,13 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     if not result.is_global_zero:
         return None
     metrics = result.stage_metrics(data)
+    if task.cache_record is not None:
+        filled = task.cache_record
+        run.log(f"feature cache: {sum(filled['computed'])} of {filled['rows']} rows computed in {filled['seconds']:.1f} s "
+                f"(by rank: {filled['computed']})")
     run.log(result.describe())
     report = {**result.record(),
-              "features": td.features, "rows": data.record(),
+              "features": td.features, "feature_cache": task.cache_record, "rows": data.record(),
               "aux_layer_ids": list(config.aux_layer_ids), "draft_vocab_size": config.draft_vocab_size,
               "counts": counts.id, "calibration": calibration.id}
 

@@ -18,12 +18,14 @@ from safetensors.torch import load_file
 
 from jobs import train_drafter
 from pipeline.config.sections import PipelineConfig, load_config
-from pipeline.data.rows import CalibrationRows
+from pipeline.data.rows import CalibrationRows, pad_batch
 from pipeline.drafters.eagle3 import SERVING_KEYS
 from pipeline.drafters.store import load_drafter
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
 from pipeline.training import checkpoints as ckpt
+from pipeline.training.eagle3_objective import target_features
+from pipeline.training.eagle3_task import FeatureCache
 from tests.helpers import SMALL, TRAIN
 from tests.killing import kill_after_checkpoint
 
@@ -160,6 +162,61 @@ def test_cached_features_train_the_same_drafter_as_online(trained, tmp_path: Pat
     ours, reference = load_file(str(cached.file("model.safetensors"))), load_file(str(art.file("model.safetensors")))
     for key in ours:
         torch.testing.assert_close(ours[key], reference[key], rtol=0, atol=1e-4)
+    record = json.loads(cached.file("training.json").read_text())
+    train_rows = record["rows"]["train"]
+    assert record["feature_cache"]["rows"] == train_rows and record["feature_cache"]["computed"] == [train_rows]
+    assert record["feature_cache"]["device"] == "cpu"
+    assert json.loads(art.file("training.json").read_text())["feature_cache"] is None  # online: no cache
+
+
+def test_the_feature_cache_fills_a_ranks_share_then_waits_and_computes_only_missing_rows(trained,
+                                                                                        tmp_path: Path) -> None:
+    """Rank 1 of 2 computes rows 1, 3, 5, … before the barrier; with no rank 0 to fill the rest, it computes
+    them after. A second fill computes nothing; one after three files were removed computes those three. Every
+    file holds the target's features of its row, as the online path computes them."""
+    cfg, _, artifacts = trained
+    ready = train_drafter.prepare(cfg, artifacts["generate"], artifacts["count"])
+    rows = ready.data.train
+    cache = FeatureCache(tmp_path / "features", ready.target, ready.config.aux_layer_ids, rows)
+    at_barrier: list[set[int]] = []
+    filled = cache.fill(1, 2, lambda: at_barrier.append({int(p.stem) for p in cache.directory.glob("*.safetensors")}))
+    assert at_barrier == [{r.index for r in rows[1::2]}]
+    assert filled["computed"] == len(rows) and {int(p.stem) for p in cache.directory.iterdir()} == {r.index for r in rows}
+    assert cache.fill(0, 1)["computed"] == 0
+    for row in rows[:3]:
+        cache.path(row.index).unlink()
+    assert cache.fill(0, 1)["computed"] == 3
+    row = rows[4]
+    batch = pad_batch([row])
+    aux, logits = target_features(ready.target, batch["input_ids"], batch["attention_mask"], ready.config.aux_layer_ids)
+    stored, last = cache.load(torch.tensor([row.index]), len(row.input_ids), torch.device("cpu"))
+    torch.testing.assert_close(stored, aux, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ready.target.get_output_embeddings()(last), logits, rtol=0, atol=1e-4)
+
+
+def test_two_ranks_each_compute_half_the_feature_cache_and_train_the_one_rank_drafter(trained, tmp_path: Path) -> None:
+    """features=cached on one node running two Lightning ranks (DDP over gloo, a real second process): each rank
+    computes every second row of the cache (17 and 17 of the 34 training rows), and the drafter agrees with the
+    one-rank online one as the one-rank cached run does (to 1e-4: the features' padding differs)."""
+    _, art, _ = trained
+    workdir = tmp_path / "two-ranks"
+    workdir.mkdir()
+    (workdir / "base.yaml").write_text(f"workdir: {workdir}\n")
+    cmd = [sys.executable, "-m", "jobs.cli", "train_drafter", "--config", str(workdir / "base.yaml"), *SMALL, *TRAIN,
+           *named_inputs(art), "train_drafter.features=cached", "train_drafter.train.accelerator=cpu",
+           "train_drafter.train.devices=2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    (artifact,) = (workdir / "artifacts").glob("train_drafter-*/")
+    record = json.loads((artifact / "training.json").read_text())
+    assert record["world_size"] == 2 and record["strategy"] == "ddp", record
+    rows = record["rows"]["train"]
+    assert record["feature_cache"]["computed"] == [(rows + 1) // 2, rows // 2], record["feature_cache"]
+    assert f"feature cache: {rows} of {rows} rows computed" in done.stderr
+    ours, reference = load_file(str(artifact / "model.safetensors")), load_file(str(art.file("model.safetensors")))
+    for key in ours:
+        torch.testing.assert_close(ours[key], reference[key], rtol=0, atol=1e-4)
 
 
 def test_bad_input_is_refused_before_training(trained, tmp_path: Path) -> None:
@@ -254,6 +311,23 @@ def test_lightning_deepspeed_stage_2_trains_the_drafter_on_gpu(trained, tmp_path
     ar = generate_autoregressive(target, prompt, 24, greedy, gen, None)
     spec = generate_speculative(target, proposer, prompt, 24, 3, greedy, gen, None)
     assert spec.tokens == ar.tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_cached_features_are_computed_on_the_gpu_the_drafter_trains_on(trained, tmp_path: Path) -> None:
+    """features=cached on a CUDA machine: the target computes the cache where Lightning put it (it used to run on
+    the CPU, before the trainer moved the model), and the drafter agrees with the one-rank CPU online one as the
+    CPU cached run does, to float32 rounding on another device (1e-3)."""
+    _, art, _ = trained
+    cached = train_drafter.main(td_cfg(tmp_path, *named_inputs(art), "train_drafter.features=cached",
+                                       "train_drafter.train.accelerator=gpu", "train_drafter.train.devices=1"))
+    record = json.loads(cached.file("training.json").read_text())
+    assert record["feature_cache"]["device"].startswith("cuda"), record["feature_cache"]
+    assert record["feature_cache"]["computed"] == [record["rows"]["train"]]
+    ours, reference = load_file(str(cached.file("model.safetensors"))), load_file(str(art.file("model.safetensors")))
+    for key in ours:
+        torch.testing.assert_close(ours[key], reference[key], rtol=0, atol=1e-3)
 
 
 def _deepspeed_script(args: dict) -> None:

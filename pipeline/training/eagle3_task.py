@@ -14,7 +14,8 @@ cheap stand-in for the τ the ``evaluate`` stage then measures in the engine.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,9 @@ from torch import nn
 from pipeline.checksums import temp_sibling
 from pipeline.data.rows import Row, pad_batch
 from pipeline.drafters.eagle3 import Eagle3Drafter
+from pipeline.progress import Progress
 from pipeline.training.eagle3_objective import simulated_tau, target_features, ttt_loss
+from pipeline.training.ranks import gather
 from pipeline.training.task import DrafterTask
 
 
@@ -40,28 +43,44 @@ class FeatureCache:
     Per row, ``<dir>/<index>.safetensors`` holds ``aux`` ``(T, 3H)`` and ``last`` ``(T, H)`` (the final
     normed hidden state; the target's logits are its LM head applied to it, recomputed per batch so the
     ``(T, V)`` logits never touch the disk). Each file is written atomically, so a killed run resumes by
-    computing only the missing rows. Ranks start at different rows and skip files that exist.
+    computing only the missing rows. The cache is filled once the trainer's ranks exist
+    (:meth:`Eagle3Task.before_training`), on the device training runs on: rank ``r`` of ``w`` computes rows
+    ``r, r + w, …``, then all ranks wait for each other, so on ``n`` nodes each computes ``1/n`` of the cache
+    (the directory is the stage's staging directory, shared by every node).
     """
 
-    def __init__(self, directory: Path, target: nn.Module, aux_layer_ids: Sequence[int]) -> None:
-        self.directory, self.target, self.aux = directory, target, tuple(aux_layer_ids)
+    def __init__(self, directory: Path, target: nn.Module, aux_layer_ids: Sequence[int], rows: Sequence[Row]) -> None:
+        self.directory, self.target, self.aux, self.rows = directory, target, tuple(aux_layer_ids), list(rows)
 
     def path(self, index: int) -> Path:
         return self.directory / f"{index:09d}.safetensors"
 
+    def missing(self, rows: Sequence[Row]) -> list[Row]:
+        return [r for r in rows if not self.path(r.index).is_file()]
+
+    def fill(self, rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
+             batch_size: int = 8, label: str = "feature cache") -> dict[str, Any]:
+        """Compute this rank's missing rows, wait for the other ranks (``barrier``), then any row still missing
+        (none unless a file was removed meanwhile). Returns this rank's ``computed`` rows and ``seconds``."""
+        started = time.perf_counter()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        share = self.missing(self.rows[rank::world_size])
+        progress = Progress(label, len(share), "row") if rank == 0 else None  # one rank speaks for all
+        computed = self._compute(share, batch_size, progress)
+        if progress is not None:
+            progress.close()
+        if barrier is not None and world_size > 1:
+            barrier()
+        computed += self._compute(self.missing(self.rows), batch_size, None)
+        return {"computed": computed, "seconds": round(time.perf_counter() - started, 2)}
+
     @torch.no_grad()
-    def build(self, rows: Sequence[Row], rank: int = 0, world_size: int = 1, batch_size: int = 8) -> int:
-        """Compute the missing rows (this rank's share first, then any left); returns rows computed."""
+    def _compute(self, rows: Sequence[Row], batch_size: int, progress: Progress | None) -> int:
         from safetensors.torch import save_file
 
-        self.directory.mkdir(parents=True, exist_ok=True)
-        order = list(rows[rank::world_size]) + [r for i, r in enumerate(rows) if i % world_size != rank]
         device = next(self.target.parameters()).device
-        done = 0
-        for start in range(0, len(order), batch_size):
-            todo = [r for r in order[start : start + batch_size] if not self.path(r.index).is_file()]
-            if not todo:
-                continue
+        for start in range(0, len(rows), batch_size):
+            todo = rows[start : start + batch_size]
             batch = {k: v.to(device) for k, v in pad_batch(todo).items()}
             out = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                               output_hidden_states=True, use_cache=False, logits_to_keep=1)
@@ -72,8 +91,9 @@ class FeatureCache:
                 save_file({"aux": aux[i, :n].cpu().contiguous(),
                            "last": out.hidden_states[-1][i, :n].cpu().contiguous()}, str(tmp))
                 os.replace(tmp, self.path(row.index))
-                done += 1
-        return done
+            if progress is not None:
+                progress.update(len(todo))
+        return len(rows)
 
     def load(self, index: torch.Tensor, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded ``(aux (B, T, 3H), last (B, T, H))`` for the rows ``index``."""
@@ -99,7 +119,8 @@ class Eagle3Task(DrafterTask):
         decay: weight ``decay^s`` of step ``s``.
         pad_id: token id used to pad batches (masked out everywhere).
         eval_batch_size: rows per forward in :meth:`evaluate`.
-        cache: a built :class:`FeatureCache` (offline mode) or None (online: the target runs every step).
+        cache: a :class:`FeatureCache` (offline mode: filled by :meth:`before_training`) or None (online: the
+            target runs every step).
     """
 
     def __init__(self, drafter: Eagle3Drafter, target: nn.Module, heldout: Sequence[Row], *, ttt_steps: int,
@@ -107,6 +128,19 @@ class Eagle3Task(DrafterTask):
         super().__init__(drafter, target, heldout, pad_id=pad_id, eval_batch_size=eval_batch_size)
         self.ttt_steps, self.decay, self.cache = ttt_steps, decay, cache
         self.aux_layer_ids = drafter.config.aux_layer_ids
+        self.cache_record: dict[str, Any] | None = None
+
+    def before_training(self, rank: int, world_size: int, barrier: Callable[[], None]) -> None:
+        """Fill the feature cache (offline mode), each rank its share, on the device the trainer put the target
+        on; ``cache_record``: the cache's rows, the rows each rank computed (none on a resume that finds them
+        all), the slowest rank's seconds and rank 0's device."""
+        if self.cache is None:
+            return
+        mine = self.cache.fill(rank, world_size, barrier)
+        everyone = gather(world_size, mine)
+        self.cache_record = {"rows": len(self.cache.rows), "computed": [r["computed"] for r in everyone],
+                             "seconds": max(r["seconds"] for r in everyone),
+                             "device": str(next(self.target.parameters()).device)}
 
     def _features(self, batch: dict[str, torch.Tensor], cached: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if not cached:

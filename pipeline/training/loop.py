@@ -74,6 +74,10 @@ class HarnessModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_start(self) -> None:
+        # The ranks and the device exist only now: the module's own preparation (a feature cache) runs here.
+        prepare = getattr(self.inner, "before_training", None)
+        if prepare is not None:
+            prepare(self.global_rank, self.trainer.world_size, self.trainer.strategy.barrier)
         # Optimizers exist only now (DeepSpeed builds its ZeRO wrapper in strategy setup).
         if self.plan.resume is None:
             return

@@ -24,15 +24,21 @@ PEER_LOST = ("timed out", "timeout", "connection closed by peer", "connection re
 def participants(trainer: Any) -> list[dict]:
     """Every rank of ``trainer``'s run, gathered over its process group: global rank, node rank, local rank and
     the host it ran on. One entry where there is no process group (one rank, or nothing ran)."""
-    import torch.distributed as dist
-
     mine = {"rank": trainer.global_rank, "node_rank": trainer.node_rank, "local_rank": trainer.local_rank,
             "host": socket.gethostname()}
-    if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+    return sorted(gather(trainer.world_size, mine), key=lambda rank: rank["rank"])
+
+
+def gather(world_size: int, mine: Any) -> list[Any]:
+    """Every rank's ``mine`` (a JSON-like value), in global-rank order: one all-gather over the process group;
+    ``[mine]`` where there is none (one rank)."""
+    import torch.distributed as dist
+
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return [mine]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return sorted(everyone, key=lambda rank: rank["rank"])
+    return everyone
 
 
 def took_part(ranks: list[dict]) -> dict[str, list]:
