@@ -25,7 +25,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,6 +238,36 @@ def stored_manifest(path: Path, artifact_id_: str) -> dict:
         raise DrafterError(f"Store directory {path} holds artifact {manifest['id']}, not the one its name says.",
                            expected=f"id {artifact_id_}", found=f"id {manifest['id']}", fix=_redo(path))
     return manifest
+
+
+LINEAGE = "lineage"
+"""A bundle's folder of the manifests of what its components were built from (``lineage/<artifact id>/manifest.json``),
+so that a pulled bundle still says which calibration set, and which split of it, is behind its artifacts."""
+
+
+def upstream_manifests(path: Path, store: Path | None = None) -> Iterator[tuple[Path, dict]]:
+    """(directory, verified manifest) of every artifact ``path`` was built from, following the manifests' inputs
+    transitively, each once. An input is looked for beside ``path`` (a workdir's store, a bundle's ``lineage/``), in
+    the lineage of the bundle ``path`` is a component of, then in ``store``; one whose manifest is missing or damaged
+    everywhere is passed over (what it held cannot be known)."""
+    seen: set[str] = set()
+    todo = [(Path(path), read_manifest(path))]
+    while todo:
+        here, manifest = todo.pop()
+        for aid in manifest.get("inputs") or []:
+            if aid in seen:
+                continue
+            seen.add(aid)
+            places = [here.parent / aid, here.parent.parent / LINEAGE / aid] + ([store / aid] if store else [])
+            for where in places:
+                try:
+                    found = stored_manifest(where, aid) if (where / MANIFEST).is_file() else None
+                except DrafterError:
+                    found = None
+                if found is not None:
+                    yield where, found
+                    todo.append((where, found))
+                    break
 
 
 def verify_payloads(artifact: Artifact) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from pipeline.engine.methods import METHOD_NAMES, METHODS
 from pipeline.errors import DrafterError
 from pipeline.orchestration import dag
 from pipeline.orchestration.dag import STAGE_NAMES, STAGES, default_stages, plan
+from pipeline.registry.bundle import Bundle, verify_bundle, write_bundle
 from tests.helpers import SMALL, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,6 +179,33 @@ def test_a_named_artifacts_prompts_are_recognised_after_rows_were_added_to_their
     with pytest.raises(DrafterError, match="chat prompts include conversations"):
         plan(small_cfg(tmp_path, *named, "generate.heldout_fraction=0.5"), ["evaluate"])
     plan(small_cfg(tmp_path, *named), ["evaluate"])  # the share the counts held out: sound
+
+
+def test_a_pulled_bundles_lineage_names_the_split_its_artifacts_were_built_from(tmp_path: Path, tiny_kit) -> None:
+    """A bundle ships the manifests of what its components were built from (``lineage/``), so the held-out check sees
+    behind an artifact named inside a pulled copy, in a workdir that never held its calibration set: before, it found
+    no manifest there and let an evaluation on a wider split through. The lineage is hashed like every bundle file."""
+    no_head = "evaluate.methods=[full,shortlist,tli]"
+    cfg = small_cfg(tmp_path / "built", no_head)
+    calibration = generate.main(cfg)
+    counts = count.main(cfg)
+    bundle = Bundle(name="drafter-test-shortlist", artifacts=[counts], metrics={"tau": 1.0}, primary_metric="tau",
+                    gates={"passed": True, "checks": {}}, fingerprint=counts.fingerprint)
+    written = write_bundle(bundle, tmp_path / "registry-copy")
+    pulled = tmp_path / "pulled"
+    shutil.copytree(written, pulled)  # what `drafter pull` leaves after downloading the version's files
+    assert (pulled / "lineage" / calibration.id / "manifest.json").is_file()
+    verify_bundle(pulled)
+    named = [no_head, f"evaluate.counts={pulled / 'components' / counts.id}"]
+    elsewhere = tmp_path / "consumer"
+    with pytest.raises(DrafterError, match="chat prompts include conversations") as err:
+        plan(small_cfg(elsewhere, *named, "generate.heldout_fraction=0.2"), ["evaluate"])
+    assert calibration.id in err.value.expected
+    plan(small_cfg(elsewhere, *named), ["evaluate"])  # the split the counts held out: sound
+    lineage = pulled / "lineage" / calibration.id / "manifest.json"
+    lineage.write_text(lineage.read_text().replace('"heldout_fraction": 0.05', '"heldout_fraction": 0.5'))
+    with pytest.raises(DrafterError, match=f"lineage/{calibration.id}/manifest.json' was modified"):
+        verify_bundle(pulled)
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)

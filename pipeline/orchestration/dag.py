@@ -26,6 +26,7 @@ from pipeline.artifacts import (
     load_artifact,
     read_manifest,
     stored_manifest,
+    upstream_manifests,
 )
 from pipeline.config.schema import identity, to_dict
 from pipeline.config.sections import PipelineConfig
@@ -407,8 +408,8 @@ def check_heldout(cfg: PipelineConfig, step: StagePlan, planned: dict[str, Stage
     the prompts of a fraction of 0.2, three quarters of them seen in training, and the τ they inflate would be gated
     and registered. Held-out shares are nested (:func:`~pipeline.data.sources.split_heldout`), so an evaluation's
     fraction at most the calibration set's is sound. The calibration sets behind named artifacts are found through
-    their manifests' inputs, beside the named artifact or in this workdir's store; one found in neither (a pulled
-    bundle ships none) cannot be checked.
+    their manifests' inputs, beside the named artifact, in the ``lineage/`` of the bundle it was pulled in, or in this
+    workdir's store; one found nowhere (a bundle registered before bundles carried their lineage) cannot be checked.
 
     Raises:
         DrafterError: An evaluated task's prompts overlap what a calibration set behind a named artifact kept.
@@ -453,20 +454,12 @@ def _named_calibrations(step: StagePlan, planned: dict[str, StagePlan], store: P
             yield from _named_calibrations(planned[up], planned, store)
 
 
-def _calibrations_behind(path: Path, store: Path, manifest: dict | None = None) -> Iterator[dict]:
-    """The manifests of the calibration sets artifact ``path`` was built from (itself, if it is one), following its
-    manifest's inputs to those beside it or in ``store``; an input whose manifest is missing or damaged there is
-    passed over (it cannot be checked, and the store rebuilds a damaged entry of its own when its stage runs)."""
-    manifest = manifest or read_manifest(path)
+def _calibrations_behind(path: Path, store: Path) -> Iterator[dict]:
+    """The manifests of the calibration sets artifact ``path`` was built from (itself, if it is one), found through
+    its manifest's inputs (:func:`~pipeline.artifacts.upstream_manifests`: beside it, in the lineage of the bundle it
+    came in, or in ``store``); one found nowhere is passed over (it cannot be checked)."""
+    manifest = read_manifest(path)
     if manifest.get("stage") == "generate":
         yield manifest
         return
-    for aid in manifest.get("inputs") or []:
-        for where in (path.parent / aid, store / aid):
-            try:
-                found = stored_manifest(where, aid) if (where / MANIFEST).is_file() else None
-            except DrafterError:
-                found = None
-            if found is not None:
-                yield from _calibrations_behind(where, store, found)
-                break
+    yield from (found for _, found in upstream_manifests(path, store) if found.get("stage") == "generate")

@@ -2,7 +2,8 @@
 
 A bundle directory is ``bundle.json`` (name, metrics, gate verdict, target fingerprint, component ids,
 the sha256 of every other file, git sha) beside ``components/<artifact id>/`` (each a copy of an artifact
-with its own manifest) and an optional ``report/``. The bundle's sha256 is the hash of ``bundle.json``'s
+with its own manifest), ``lineage/<artifact id>/manifest.json`` (the manifests, payloads left out, of the
+artifacts the components were built from: the calibration set, its source and split) and an optional ``report/``. The bundle's sha256 is the hash of ``bundle.json``'s
 canonical JSON; since that lists every file's sha256 it names the content exactly, carries no timestamp,
 and so lets a rerun of ``register`` recognise a version it already made. :func:`verify_bundle` is the
 check a consumer runs on a downloaded bundle: every file, every component manifest, every fingerprint.
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from pipeline.artifacts import (
     FINGERPRINT_KEYS,
+    LINEAGE,
     MANIFEST,
     SAFE_SUFFIXES,
     Artifact,
@@ -30,6 +32,7 @@ from pipeline.artifacts import (
     fingerprint_mismatch,
     load_artifact,
     sha256_file,
+    upstream_manifests,
     write_json_atomic,
 )
 from pipeline.errors import DrafterError
@@ -148,6 +151,16 @@ def write_bundle(bundle: Bundle, directory: Path) -> Path:
                     "fingerprint": copy.fingerprint,
                 }
             )
+        ids = {a.id for a in bundle.artifacts}
+        for artifact in sorted(bundle.artifacts, key=lambda a: a.id):
+            for where, manifest in upstream_manifests(artifact.path):
+                if manifest["id"] in ids:
+                    continue
+                ids.add(manifest["id"])
+                dest = tmp / LINEAGE / manifest["id"] / MANIFEST
+                dest.parent.mkdir(parents=True)
+                shutil.copyfile(where / MANIFEST, dest)
+                files[dest.relative_to(tmp).as_posix()] = _file_entry(dest)
         if bundle.report is not None:
             shutil.copytree(bundle.report, tmp / "report")
             for path in sorted(p for p in (tmp / "report").rglob("*") if p.is_file()):
