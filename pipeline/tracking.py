@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pipeline.artifacts import Artifact, write_json_atomic
 from pipeline.config.sections import MlflowConfig
-from pipeline.errors import DrafterError
+from pipeline.errors import DrafterError, scrub
 from pipeline.runlog import flatten, redact  # noqa: F401 - re-exported for the CLI and the registry
 
 LOGGED_MARKER = "mlflow_runs.json"  # beside, not inside, the artifact: the artifact stays immutable
@@ -156,7 +156,7 @@ def check_reachable(uri: str, cfg: MlflowConfig) -> None:
             time.sleep(min(2.0**attempt * 0.5, 4.0))
     raise DrafterError(
         f"The MLflow tracking server at {redact(uri)} is unreachable after {cfg.retries} attempts "
-        f"({type(last).__name__ if last else 'bad status'}: {last}).",
+        f"({type(last).__name__ if last else 'bad status'}: {scrub(str(last), uri)}).",
         expected="a running `mlflow server` answering GET /health",
         fix="Start the server or fix MLFLOW_TRACKING_URI (unset it to log to the local sqlite store), "
             "then rerun: finished artifacts are reused, nothing is recomputed.",
@@ -288,7 +288,8 @@ def _mlflow_errors(uri: str, artifact: Artifact | None) -> Iterator[None]:
     except Exception as err:  # noqa: BLE001 - MLflow raises many types for one cause: the store failed
         kept = f" The artifact is safe at {artifact.path}." if artifact is not None else ""
         raise DrafterError(
-            f"Logging to MLflow at {redact(uri)} failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}."
+            f"Logging to MLflow at {redact(uri)} failed: {type(err).__name__}: "
+            f"{scrub((str(err).splitlines() or [''])[0], uri)[:300]}."
             + kept,
             fix="Check the tracking server, then rerun the same command: the stage is a cache hit and "
                 "only the logging is redone.",

@@ -88,6 +88,24 @@ def test_unreachable_server_fails_fast_before_any_work(tmp_path: Path) -> None:
     assert calls == [] and time.monotonic() - start < 30  # bounded retries, not MLflow's minutes of backoff
 
 
+def test_a_token_in_the_server_uri_never_reaches_an_error(tmp_path: Path, monkeypatch) -> None:
+    """``https://user:TOKEN@host`` without a port: urllib reads ``TOKEN@host`` as the port and says so in its error,
+    which the unreachable-server message quoted (stderr, the Slurm log, `drafter status`, the CI summary). Every
+    credential (the URI's user and password, $MLFLOW_TRACKING_PASSWORD/TOKEN) is now hidden from any DrafterError,
+    whichever tool's message it quotes."""
+    token = "tok-" + os.urandom(8).hex()
+    uri = f"http://alice:{token}@127.0.0.1"
+    with pytest.raises(DrafterError, match="unreachable after 1 attempts") as err:
+        check_reachable(uri, MlflowConfig(retries=1, timeout_s=1))
+    assert "nonnumeric port" in str(err.value) and token not in str(err.value), str(err.value)
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", token)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"https://bob:{token[::-1]}@mlflow.example.com/x")
+    quoted = DrafterError(f"a store failed: 401 for {token}", found=f"password {token[::-1]} refused",
+                          fix=f"retry https://bob:{token[::-1]}@mlflow.example.com")
+    assert token not in str(quoted) and token[::-1] not in str(quoted), str(quoted)
+    assert "a store failed: 401 for ***" in quoted.problem and quoted.found == "password *** refused"
+
+
 def test_server_dying_mid_stage_keeps_the_artifact_and_rerun_only_logs(tmp_path: Path) -> None:
     server = MlflowServer(tmp_path / "server")
     server.start()

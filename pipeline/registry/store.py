@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config.sections import MlflowConfig
-from pipeline.errors import DrafterError
+from pipeline.errors import DrafterError, scrub
 from pipeline.tracking import (
     check_reachable,
     is_remote,
@@ -92,7 +92,7 @@ def registry_errors(uri: str, action: str, state: str = "", fix: str | None = No
     except DrafterError:
         raise
     except Exception as err:  # noqa: BLE001 - MLflow raises many types for one cause: the store failed
-        first_line = (str(err).splitlines() or [""])[0][:300]
+        first_line = scrub((str(err).splitlines() or [""])[0], uri)[:300]
         default_fix = (
             "Check that the tracking server is running and reachable, then rerun the same command."
             if is_remote(uri)
