@@ -96,6 +96,18 @@ def test_sampling_and_draft_length_ranges() -> None:
     with pytest.raises(DrafterError, match=r"evaluate.gammas.*to 64"):
         load_config(None, ["evaluate.gammas=[4, 65]"])
     assert load_config(None, ["evaluate.gammas=[1, 64]"]).evaluate.gammas == [1, 64]
+
+
+@pytest.mark.parametrize("override", ["evaluate.sampling_check_alpha=0", "evaluate.sampling_check_alpha=-1",
+                                      "evaluate.sampling_check_alpha=0.9", "evaluate.tie_tolerance=0.5",
+                                      "evaluate.tie_tolerance=-1e-4"])
+def test_a_losslessness_gate_that_could_not_fail_is_refused(override: str) -> None:
+    """A chi-square threshold at or below 0 passes every sampled method; a tie tolerance of half the largest logit
+    calls real greedy mismatches rounding ties."""
+    with pytest.raises(DrafterError, match=override.split("=")[0].replace(".", r"\.")):
+        load_config(None, [override])
+    for ok in ("evaluate.sampling_check_alpha=0.01", "evaluate.tie_tolerance=0"):
+        load_config(None, [ok])
     with pytest.raises(DrafterError, match="evaluate.temperature"):
         EvaluateConfig(temperature=math.inf)  # built directly, not through YAML
     with pytest.raises(DrafterError, match="generate.temperature"):

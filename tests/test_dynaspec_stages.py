@@ -120,6 +120,30 @@ def test_router_artifact_and_routing_curves(routed) -> None:
     assert training["best"]["metric"] == "neg_loss" and training["steps"] == 24
 
 
+def test_routing_curves_rank_a_padded_heads_extra_rows_last(routed) -> None:
+    """A drafter head with more rows than its tokenizer has tokens (Qwen2.5: 151,936 against 151,665): the count's
+    ranking covers the tokens only. The extra rows rank last, so the static shortlists are those of a ranking that
+    lists them at its end (before, a ranking shorter than the head failed here, or read uninitialised ranks)."""
+    from pipeline.data.rows import CalibrationRows
+    from pipeline.dynaspec.router import load_router, routing_curves
+    from pipeline.models.loading import load_model
+    from pipeline.vocab.counting import frequency_ranking
+
+    cfg, artifacts = routed
+    clustering = Clustering.load(artifacts["cluster"].path)
+    drafter = load_model(cfg.cluster.drafter, dtype="float32", device="cpu").eval()
+    target = load_model(cfg.target.model, dtype="float32", device="cpu").eval()
+    router, _ = load_router(artifacts["train_router"].path, clustering, drafter.get_output_embeddings().weight)
+    rows = CalibrationRows(artifacts["generate"].path / "data", max_length=128, eval_fraction=0.2,
+                           eval_max_rows=4, min_length=2).heldout
+    ranking = frequency_ranking(artifacts["count"])
+    padding = ranking[ranking >= clustering.vocab_size - 5]  # the ids a 5-row-padded head would have no token for
+    short = ranking[ranking < clustering.vocab_size - 5]
+    curves = [routing_curves(router, drafter, target, rows, clustering, r, top_l=4, keep_ids=[0])
+              for r in (short, np.concatenate([short, np.sort(padding)]))]
+    assert curves[0] == curves[1]
+
+
 def test_kill_minus_9_then_rerun_ends_bit_identical(routed, tmp_path: Path) -> None:
     cfg, artifacts = routed
     art = artifacts["train_router"]

@@ -61,6 +61,11 @@ def test_every_stage_run_settings_keep_every_id(tmp_path: Path, tiny_kit) -> Non
     assert slurm.run_settings("generate", GPU_ALLOCATION) == [
         "generate.accelerator=gpu", "generate.devices=8", "generate.num_nodes=2"]
     assert slurm.run_settings("train_drafter", GPU_ALLOCATION)[1] == "train_drafter.train.devices=8"
+    # every trainer's ranks are the allocation's tasks: train_dflash got none, so a 2-node job of 16 tasks built
+    # trainers for 1 node and failed after waiting for its inputs
+    for trainer in ("train_drafter", "train_dflash", "train_router"):
+        assert slurm.run_settings(trainer, GPU_ALLOCATION) == [
+            f"{trainer}.train.accelerator=gpu", f"{trainer}.train.devices=8", f"{trainer}.train.num_nodes=2"]
     assert slurm.run_settings("evaluate", GPU_ALLOCATION) == []  # evaluate.device is part of its id
 
 

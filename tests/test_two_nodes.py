@@ -111,8 +111,9 @@ def test_job_script_meets_at_the_first_nodes_address_on_a_port_from_the_job_id(t
     assert "GLOO_SOCKET_IFNAME" not in seen and "NCCL_SOCKET_IFNAME" not in seen
     assert args == ["--kill-on-bad-exit=1", "python", "-m", "jobs.cli", "generate", "--config", "cfg.yaml"]
     seen, _ = _run_script(tmp_path / "shell", text, "generate", "cfg.yaml", MASTER_ADDR="10.9.9.9", MASTER_PORT="1",
-                          NCCL_SOCKET_IFNAME="ib0")
+                          NCCL_SOCKET_IFNAME="ib0", OMP_NUM_THREADS="1")
     assert (seen["MASTER_ADDR"], seen["MASTER_PORT"], seen["NCCL_SOCKET_IFNAME"]) == ("10.1.0.7", "19242", "ib0")
+    assert seen["OMP_NUM_THREADS"] == "12"  # a login shell's module-set value would leave the task's other cores idle
 
 
 def test_llama3_8b_train_drafter_on_2_nodes_x_8_gpus_script_and_environment(tmp_path: Path) -> None:

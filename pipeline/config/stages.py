@@ -422,6 +422,12 @@ class EvaluateConfig:
         check_value(math.isfinite(self.temperature) and self.temperature >= 0, "evaluate.temperature",
                     "a finite number >= 0", self.temperature)
         check_value(0 < self.top_p <= 1, "evaluate.top_p", "a number in (0, 1]", self.top_p)
+        # either out of range makes a losslessness gate that cannot fail
+        check_value(0 < self.sampling_check_alpha < 0.5, "evaluate.sampling_check_alpha",
+                    "a p-value threshold in (0, 0.5) (at 0 or below no chi-square test fails)", self.sampling_check_alpha)
+        check_value(0 <= self.tie_tolerance <= 1e-2, "evaluate.tie_tolerance",
+                    "a relative logit gap in [0, 0.01] (floating-point rounding; a larger one calls real greedy "
+                    "mismatches ties)", self.tie_tolerance)
         check_value(self.device in ("auto", "cpu", "cuda"), "evaluate.device", "auto, cpu or cuda", self.device)
         check_value(self.decode_path in ("auto", "eager", "static", "graphs"), "evaluate.decode_path",
                     "auto, eager, static or graphs", self.decode_path)

@@ -233,8 +233,14 @@ def routing_curves(router: Router, drafter: nn.Module, target: nn.Module, rows: 
     sizes = torch.bincount(assignment, minlength=m).double()
     vocab = clustering.vocab_size
     keep = torch.as_tensor(sorted(set(int(t) for t in keep_ids)), dtype=torch.long, device=device)
+    # a head may have more rows than the tokenizer has tokens (padding rows, which no count ranks): they rank last,
+    # in id order
+    ranked = torch.as_tensor(ranking[:vocab], device=device)
+    unranked = torch.ones(vocab, dtype=torch.bool, device=device)
+    unranked[ranked] = False
+    order = torch.cat([ranked, torch.nonzero(unranked).flatten()])
     rank_of = torch.empty(vocab, dtype=torch.long, device=device)
-    rank_of[torch.as_tensor(ranking[:vocab], device=device)] = torch.arange(vocab, device=device)
+    rank_of[order] = torch.arange(vocab, device=device)
     totals = {key: torch.zeros(m, dtype=torch.float64) for key in
               ("size", "drafter_top_l_recall", "drafter_mass", "target_mass")}
     parts: dict[str, list[Tensor]] = {"q": [], "p": [], "topl": []}

@@ -37,6 +37,8 @@ from typing import Any
 from pipeline.artifacts import write_json_atomic
 from pipeline.config.schema import to_dict
 from pipeline.config.sections import SLURM_RESOURCES, PipelineConfig
+from pipeline.config.stage_names import STAGE_NAMES
+from pipeline.config.training import TrainConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
 
@@ -69,6 +71,11 @@ class Resources:
         return cls(**{**base, **cfg.slurm.stages.get(stage, {})})
 
 
+TRAINERS = tuple(name for name in STAGE_NAMES
+                 if isinstance(getattr(getattr(PipelineConfig(), name, None), "train", None), TrainConfig))
+"""The stages the training harness runs (their section has a ``train`` block): each rank of a job is one trainer rank."""
+
+
 def run_settings(stage: str, res: Resources) -> list[str]:
     """Overrides that make ``stage`` use exactly its allocation (run settings: no artifact id changes).
 
@@ -78,7 +85,7 @@ def run_settings(stage: str, res: Resources) -> list[str]:
     accelerator = "gpu" if gpu else "cpu"
     if stage in ("generate", "estimate_rdk"):
         prefix = stage
-    elif stage in ("train_drafter", "train_router"):
+    elif stage in TRAINERS:
         prefix = f"{stage}.train"
     elif stage == "cluster":
         return [f"cluster.device={'cuda' if gpu else 'cpu'}"]
