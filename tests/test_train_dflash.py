@@ -27,7 +27,7 @@ from tests.helpers import SMALL, TRAIN
 from tests.killing import kill_after_checkpoint
 
 DFLASH = ["train_dflash.num_layers=1", "train_dflash.block_size=4", "train_dflash.anchors_per_row=6",
-          "train_dflash.eval_fraction=0.2", "train_dflash.max_length=128", "train_dflash.train.max_steps=16",
+          "train_dflash.eval_fraction=0.2", "train_dflash.max_length=128", "train_dflash.train.max_steps=24",
           "train_dflash.train.global_batch_size=8", "train_dflash.train.micro_batch_size=4",
           "train_dflash.train.eval_every=8", "train_dflash.train.checkpoint_every=4", "train_dflash.train.lr=3e-3",
           "train_dflash.train.warmup_steps=2", "train_dflash.train.progress_bar=false",
@@ -55,11 +55,11 @@ def test_artifact_holds_weights_config_exports_and_the_training_record(trained) 
         assert set(load_file(str(art.path / "exports" / export / "model.safetensors"))) == set(reference_keys(config))
         assert hidden_state_indices_of(art.path / "exports" / export) == config.hidden_state_indices
     record = json.loads(art.file("training.json").read_text())
-    assert record["steps"] == 16 and record["strategy"] == "single" and record["block_size"] == 4
+    assert record["steps"] == 24 and record["strategy"] == "single" and record["block_size"] == 4
     assert record["rows"]["train"] + record["rows"]["heldout"] == 40 and record["resumed_from"] == 0
     client = MlflowClient(f"sqlite:///{cfg.workdir_path / 'mlflow.db'}")
     history = client.get_metric_history(record["mlflow_run_id"], "eval.simulated_tau")
-    assert [m.step for m in history] == [8, 16]
+    assert [m.step for m in history] == [8, 16, 24]
     best = max(history, key=lambda m: (m.value, -m.step))
     assert record["best"]["step"] == best.step and record["best"]["score"] == pytest.approx(best.value)
     assert record["best"]["score"] > 1.0  # some held-out block rows agree with the target
@@ -94,7 +94,7 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(trained, tmp_path: Path) -> 
     (tmp_path / "base.yaml").write_text(f"workdir: {workdir}\n")
     cmd = [sys.executable, "-m", "jobs.cli", "train_dflash", "--config", str(tmp_path / "base.yaml"), *SMALL,
            *DFLASH, *named]
-    landed = kill_after_checkpoint(cmd, workdir, at_step=8, total=16, stage="train_dflash")
+    landed = kill_after_checkpoint(cmd, workdir, at_step=8, total=24, stage="train_dflash")
     resumed = train_dflash.main(cfg_of(workdir, *named))
     assert json.loads(resumed.file("training.json").read_text())["resumed_from"] == max(landed)
     assert resumed.id == art.id  # a named input enters the id by its artifact id
@@ -102,6 +102,24 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(trained, tmp_path: Path) -> 
     assert ours.keys() == reference.keys()
     for key in ours:
         assert torch.equal(ours[key], reference[key]), key
+
+
+def test_the_micro_batch_layout_does_not_change_what_is_learnt(trained, tmp_path: Path) -> None:
+    """micro_batch_size is a run setting (the same id): two micro-batches of 2 instead of one of 4 per rank must train
+    the same drafter. Each row's anchors are seeded by the step and the row's own index; they were drawn from the
+    micro-batch's generator, so another layout (a smaller micro-batch after an out-of-memory, more GPUs) trained
+    another drafter under the same id. The rows' target features are computed in other batches (other padding), so
+    the weights agree to float32 rounding, 1e-4 after 24 steps, as cached and online EAGLE-3 features do."""
+    cfg, art = trained
+    calibration = art.path.parent / json.loads(art.file("training.json").read_text())["calibration"]
+    smaller = train_dflash.main(cfg_of(tmp_path, f"train_dflash.calibration={calibration}",
+                                       "train_dflash.train.micro_batch_size=2"))
+    assert smaller.id == art.id
+    assert json.loads(smaller.file("training.json").read_text())["batch_layout"] == {"micro_batch_size": 2,
+                                                                                  "accumulation": 4}
+    ours, reference = load_file(str(smaller.file("model.safetensors"))), load_file(str(art.file("model.safetensors")))
+    for key in ours:
+        torch.testing.assert_close(ours[key], reference[key], rtol=0, atol=1e-4, msg=key)
 
 
 def test_the_stage_is_outside_the_default_run_unless_evaluate_decodes_dflash(trained) -> None:

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from pipeline.config.dflash import DFLASH_LOSSES
 from pipeline.data.rows import Row, pad_batch
 from pipeline.drafters.dflash import DFlashDrafter
+from pipeline.training.checkpoints import derive_seed
 from pipeline.training.task import DrafterTask
 
 
@@ -67,11 +68,12 @@ class Blocks:
 
 
 def draw_blocks(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int, per_row: int,
-                generator: torch.Generator | None = None) -> Blocks:
+                generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Blocks:
     """Up to ``per_row`` anchors per row, without replacement, among positions ``a ≥ 1`` with ``loss_mask[a+1]``.
 
     ``a ≥ 1`` because a block at ``a`` sees the features of positions ``< a`` (the proposer drafts nothing
-    without one).
+    without one). ``generator``: one for the whole batch, or one per row (:func:`row_generators`: a row's anchors
+    then do not depend on the batch it came in).
     """
     batch = loss_mask.shape[0]
     anchors = torch.zeros(batch, per_row, dtype=torch.long)
@@ -82,12 +84,20 @@ def draw_blocks(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int,
         candidates = torch.nonzero(mask[b, 2:n]).flatten() + 1  # a with loss_mask[a + 1], 1 <= a <= n - 2
         if candidates.numel() == 0:
             continue
-        order = torch.randperm(candidates.numel(), generator=generator)[:per_row]
+        drawn_by = generator if generator is None or isinstance(generator, torch.Generator) else generator[b]
+        order = torch.randperm(candidates.numel(), generator=drawn_by)[:per_row]
         chosen = candidates[order].sort().values
         anchors[b, : chosen.numel()] = chosen
         valid[b, : chosen.numel()] = True
     device = loss_mask.device
     return blocks_at(anchors.to(device), valid.to(device), loss_mask, lengths, block_size)
+
+
+def row_generators(seed: int, index: torch.Tensor) -> list[torch.Generator]:
+    """One generator per row, seeded by ``seed`` and the row's index in its dataset: the row's draws are the same
+    whichever micro-batch, rank or position in a batch it lands in (micro-batch size and device count are run
+    settings: they must not change what is learnt)."""
+    return [torch.Generator().manual_seed(derive_seed(seed, "row", int(i))) for i in index.tolist()]
 
 
 def blocks_at(anchors: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
@@ -229,8 +239,9 @@ class DFlashTask(DrafterTask):
         super().__init__(drafter, target, heldout, pad_id=pad_id, eval_batch_size=eval_batch_size)
         self.anchors_per_row, self.decay, self.loss = anchors_per_row, decay, loss
         self.next_round_anchors = next_round_anchors
+        self.step_seed = 0  # the harness sets it before each optimizer step's micro-batches
 
-    def _blocks(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None,
+    def _blocks(self, batch: dict[str, torch.Tensor], generator: Sequence[torch.Generator],
                 next_round: bool = False) -> BlockResult:
         hidden, logits = tapped_features(self.target, batch["input_ids"], batch["attention_mask"],
                                          self.drafter.config.hidden_state_indices)
@@ -244,8 +255,8 @@ class DFlashTask(DrafterTask):
         return block_loss(self.drafter, batch["input_ids"], hidden, logits, blocks, self.decay, self.loss)
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        # the harness seeded the global generator for this micro-batch
-        result = self._blocks(batch, None, self.next_round_anchors)
+        # each row's anchors from the harness's seed of this optimizer step and the row's own index
+        result = self._blocks(batch, row_generators(self.step_seed, batch["index"]), self.next_round_anchors)
         acc = result.per_position_correct.float() / result.per_position_tokens.clamp(min=1).float()
         metrics = {f"acc_{k + 1}": acc[k] for k in range(acc.numel())}
         metrics["train_simulated_tau"] = 1 + float(result.accepted) / max(1, result.blocks)
@@ -257,7 +268,6 @@ class DFlashTask(DrafterTask):
     def evaluate(self) -> dict[str, float]:
         """Held-out simulated τ (the selection metric), per-position agreement and loss, on fixed anchors."""
         device = next(self.drafter.parameters()).device
-        generator = torch.Generator().manual_seed(0)  # the same held-out blocks at every evaluation
         size = self.drafter.config.block_size
         correct = torch.zeros(size - 1, dtype=torch.float64)
         tokens = torch.zeros(size - 1, dtype=torch.float64)
@@ -265,7 +275,7 @@ class DFlashTask(DrafterTask):
         for start in range(0, len(self.heldout_rows), self.eval_batch_size):
             rows = self.heldout_rows[start : start + self.eval_batch_size]
             batch = {k: v.to(device) for k, v in pad_batch(rows, self.pad_id).items()}
-            result = self._blocks(batch, generator)
+            result = self._blocks(batch, row_generators(0, batch["index"]))  # the same blocks at every evaluation
             correct += result.per_position_correct.double().cpu()
             tokens += result.per_position_tokens.double().cpu()
             accepted += float(result.accepted)

@@ -123,6 +123,9 @@ class TrainResult:
     best: dict | None = None
     """With ``eval_every``: the best evaluation (``step``, ``score``, ``metric``, all ``metrics``, weights'
     ``sha256``); the module then holds those weights. None without evaluation (the last weights)."""
+    batch_layout: dict[str, int] = field(default_factory=dict)
+    """This call's ``micro_batch_size`` and ``accumulation`` per rank (run settings: they change how a step is
+    computed, not what)."""
     ranks: list[dict] = field(default_factory=list)
     """The ranks that trained in this call (:func:`~pipeline.training.ranks.participants`: rank, node rank, local
     rank, host); this rank alone when the run was already finished and nothing trained."""
@@ -137,7 +140,8 @@ class TrainResult:
         part; each stage adds its own rows and inputs."""
         return {"steps": self.steps, "resumed_from": self.start_step, "strategy": self.strategy,
                 "world_size": self.world_size, "deepspeed_config": self.deepspeed_config, "best": self.best or {},
-                "last_step_metrics": self.metrics, "mlflow_run_id": self.mlflow_run_id, **took_part(self.ranks)}
+                "batch_layout": self.batch_layout, "last_step_metrics": self.metrics, "mlflow_run_id": self.mlflow_run_id,
+                **took_part(self.ranks)}
 
     def stage_metrics(self, rows: Any) -> dict[str, Any]:
         """What a trainer stage publishes: steps, the rows (a :class:`~pipeline.data.rows.CalibrationRows`) and
@@ -225,13 +229,14 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
     if resume and trainer.global_rank == 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
         best = resume[1].get("best")
         ckpt.prune_best(staging, {best["step"]} if best else set())  # later ones are evaluated again
+    layout = {"micro_batch_size": micro, "accumulation": accumulation}
     plan = RunPlan(cfg=cfg, staging=staging, strategy=strategy, world_size=world, micro_batch_size=micro,
                    accumulation=accumulation, total_steps=total,
                    start_step=start, expected=expected, resume=resume, tracking_uri=tracking_uri,
                    experiment=experiment, run_name=run_name or staging.name, label=label)
     if start >= total:
         state = resume[1] if resume else {}
-        return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world,
+        return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world, batch_layout=layout,
                            global_rank=trainer.global_rank, deepspeed_config=ds_config,
                            metrics=state.get("metrics", {}), mlflow_run_id=state.get("mlflow_run_id"),
                            seconds=time.perf_counter() - started, best=_take_best(module, staging, state),
@@ -244,7 +249,7 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
         trainer.fit(lightning_module)
         ranks = participants(trainer)  # the process group outlives fit (Lightning does not destroy it)
     final = ckpt.read_checkpoint(ckpt.checkpoints(staging)[-1], expected)  # every rank: written before a barrier
-    return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world,
+    return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world, batch_layout=layout,
                        global_rank=trainer.global_rank, deepspeed_config=ds_config,
                        metrics=lightning_module.last_metrics, mlflow_run_id=lightning_module.mlflow_run_id,
                        seconds=time.perf_counter() - started, best=_take_best(module, staging, final), ranks=ranks)

@@ -5,7 +5,10 @@ metrics (progress on rank zero: :class:`~pipeline.progress.Progress`, and MLflow
 
 Randomness: before each micro-batch the global torch seed is set from (seed, step, global micro-batch
 index), so dropout does not depend on how many steps ran in this process; that, the step-derived data
-order and the restored optimizer make a resumed CPU run bit-identical to an uninterrupted one.
+order and the restored optimizer make a resumed CPU run bit-identical to an uninterrupted one. What a module
+draws per example (DFlash's anchors) must not depend on the micro-batch layout either, which is a run setting:
+a module with a ``step_seed`` attribute gets one per optimizer step, the same on every rank and micro-batch, to
+seed each example's draws with its own index.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ class HarnessModule(L.LightningModule):
         step, micro = self.plan.start_step + batch_idx // self.plan.accumulation, batch_idx % self.plan.accumulation
         global_micro = micro * self.trainer.world_size + self.global_rank
         torch.manual_seed(ckpt.derive_seed(self.plan.cfg.seed, "micro", step, global_micro))
+        if hasattr(self.inner, "step_seed"):  # draws keyed by it and an example's own index ignore the batch layout
+            self.inner.step_seed = ckpt.derive_seed(self.plan.cfg.seed, "step", step)
         loss, metrics = split_output(self.inner.training_step(batch))
         self._sums["loss"] += loss.detach().float()
         for key, value in metrics.items():
