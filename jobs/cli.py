@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(spec.name, help=f"stage → {spec.kind.replace('_', ' ')} artifact", formatter_class=raw)
         p.stage_name = spec.name  # type: ignore[attr-defined]
         _add_config_args(p)
+        p.add_argument("--expect-id", default=None, metavar="ID",
+                       help="run only if the config still plans this artifact id, its inputs already built "
+                            "(what `drafter submit` passes each job)")
     p = sub.add_parser("run", help="run every stage in order and print a summary", formatter_class=raw,
                        description="Run every stage (or --stages) in DAG order, reusing cached artifacts, and "
                                    "print a summary.", epilog=KEYS_EPILOG)
@@ -344,6 +347,8 @@ def _run(args: argparse.Namespace, launch: Launch) -> int:
     if args.command in ("submit", "status"):
         return _slurm(args, cfg)
     if args.command in STAGES:
+        if args.expect_id:
+            _check_submitted(cfg, args.command, args.expect_id)
         artifacts = run(cfg, [args.command], launch)
         if args.command in artifacts:
             print(_summary(cfg, {args.command: artifacts[args.command]}))
@@ -352,6 +357,30 @@ def _run(args: argparse.Namespace, launch: Launch) -> int:
     if artifacts:
         print(_summary(cfg, artifacts))
     return 0
+
+
+def _check_submitted(cfg, stage: str, submitted: str) -> None:  # noqa: ANN001 - a PipelineConfig
+    """A Slurm job plans again when it starts: refuse to run if the id moved since `drafter submit` (the YAML, a hub
+    branch's commit, the prompt file or the pipeline's code changed), or if an input is missing from the store
+    (the job would build it inside an allocation sized for its own stage)."""
+    the_plan = plan(cfg, [stage])
+    planned = the_plan[stage].id
+    if planned != submitted:
+        changed = [up for up in the_plan[stage].inputs if not the_plan[up].cached]
+        raise DrafterError(
+            f"This {stage} job was submitted for {submitted}, but its config now plans {planned}: something the id "
+            f"reads changed since `drafter submit`.",
+            expected=f"the config plans {submitted}",
+            found=f"{planned}" + (f" (inputs not built under the new ids: {', '.join(changed)})" if changed else ""),
+            fix="Check what changed (the config file, a hub revision that moved to a new commit, the prompt file, a "
+                "`git pull` of the pipeline), then `drafter submit` again: it plans the new ids and chains their jobs.")
+    missing = [up for up in the_plan.needed([stage]) if up != stage]
+    if missing:
+        raise DrafterError(
+            f"This {stage} job's inputs are not in the store: {', '.join(f'{up} {the_plan[up].id}' for up in missing)}.",
+            expected="every input published by the jobs this one waited for",
+            found="missing (deleted, or moved aside as damaged, after its job ended)",
+            fix="`drafter submit` again: it submits jobs for what is missing and chains this stage after them.")
 
 
 def _wanted(args: argparse.Namespace, cfg) -> tuple[str, ...]:

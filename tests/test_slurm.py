@@ -84,11 +84,35 @@ def test_dry_run_prints_each_script_with_its_resources(tmp_path: Path, tiny_kit,
         assert f"#SBATCH {line}\n" in generate
     assert "#SBATCH --nodes=1\n" in count and "--gpus-per-node" not in count
     assert "generate.accelerator=gpu generate.devices=8 generate.num_nodes=2" in generate
+    planned = plan(small_cfg(tmp_path), ["count"])
+    for stage, text in scripts.items():  # each job runs only if its config still plans the submitted id
+        assert f" --expect-id {planned[stage].id} " in text.splitlines()[-1], text.splitlines()[-1]
     assert re.search(r"^count\s+—\s+<generate>\s+count-", out, re.M)  # the dependency, by stage
     assert "0 job(s) submitted" in out
     assert not (tmp_path / "slurm").exists()  # a dry run writes nothing
     for text in scripts.values():
         subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_a_job_whose_id_moved_since_submit_or_whose_inputs_are_gone_refuses_to_run(tmp_path: Path, tiny_kit,
+                                                                                      capsys) -> None:
+    """A job plans again when it starts. If the id moved (the YAML, a hub branch's commit, the prompt file changed
+    after `drafter submit`), the job refuses instead of building the new ids' upstream stages inside its own
+    allocation (a GPU generate in a count job's CPU allocation) under ids `jobs.json` never heard of; so does a job
+    whose input is missing from the store. Nothing is built either way; with the submitted id and its inputs built,
+    the job runs."""
+    overrides = [f"workdir={tmp_path}", *SMALL]
+    submitted = plan(small_cfg(tmp_path), ["count"])["count"].id
+    assert cli_main(["count", "--expect-id", submitted, *overrides]) == 2
+    assert "inputs are not in the store: generate generate-" in capsys.readouterr().err
+    assert not list((tmp_path / "artifacts").glob("*-*"))
+    assert cli_main(["generate", *overrides]) == 0
+    assert cli_main(["count", "--expect-id", submitted, *overrides, "count.top_k=[8]"]) == 2
+    err = capsys.readouterr().err
+    assert f"submitted for {submitted}, but its config now plans count-" in err and "drafter submit" in err
+    assert not list((tmp_path / "artifacts").glob("count-*"))
+    assert cli_main(["count", "--expect-id", submitted, *overrides]) == 0
+    assert (tmp_path / "artifacts" / submitted).is_dir()
 
 
 def test_submit_without_slurm_or_with_a_bad_stage_is_refused(tmp_path: Path, tiny_kit, monkeypatch) -> None:

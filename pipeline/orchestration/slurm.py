@@ -281,7 +281,7 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
                                   record.get("script")))
             continue
         text = render(cfg, name, logs)
-        args = [name, str(config_path), *run_settings(name, Resources.of(cfg, name))]
+        args = [name, str(config_path), "--expect-id", step.id, *run_settings(name, Resources.of(cfg, name))]
         script = root / "scripts" / f"{step.id}.sbatch"
         if dry_run:
             rows.append(Submitted(name, step.id, None, [f"<{up}>" for up in step.inputs if up in needed
