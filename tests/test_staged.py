@@ -4,7 +4,11 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.artifacts import artifact_id
+from pipeline.orchestration.stage import BuildResult
 from pipeline.orchestration.staged import sidecar, staged_ok, staged_problem, write_staged
+
+FP = {"model": "tiny:test/target", "revision": "r1", "vocab_hash": "abc"}
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -53,3 +57,55 @@ def test_a_write_that_fails_publishes_nothing(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="disk went away"):
         write_staged(shard, fail)
     assert not list(tmp_path.iterdir())
+
+
+def _input(root: Path, payload: bytes):  # noqa: ANN202 - an Artifact
+    """A generate artifact holding ``payload``: the same id whatever the payload (ids name what built it)."""
+    from pipeline.artifacts import ArtifactStore
+
+    config = {"generate": {"source": "rows.jsonl"}}
+    aid = artifact_id("generate", config, [], FP)
+    writer = ArtifactStore(root).writer(aid, kind="calibration", stage="generate", config=config, inputs=[],
+                                        fingerprint=FP)
+    (writer.tmp / "rows.txt").write_bytes(payload)
+    return writer.commit({})
+
+
+def test_staged_work_from_an_input_rebuilt_with_other_bytes_is_started_over(tmp_path: Path, capsys) -> None:
+    """A stage killed with work staged (estimate_rdk's sums, a trainer's checkpoints); its input is rebuilt under the
+    same id with other bytes (moved aside as damaged, or deleted, and generated again on a GPU). The rerun used to
+    resume the staged work and mix the two inputs; it now starts over, saying why. The same input keeps it."""
+    from pipeline.config.sections import load_config
+    from pipeline.orchestration.dag import StagePlan, spec, stage_identity
+    from pipeline.orchestration.stage import run_stage
+
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}"])
+    seen: list[list[str]] = []
+
+    def stage(calibration, finish: bool):  # noqa: ANN001, ANN202
+        def build(run):  # noqa: ANN001, ANN202
+            seen.append(sorted(p.name for p in run.staging.iterdir()))
+            (run.staging / f"sums-{len(seen)}.safetensors").write_bytes(calibration.file("rows.txt").read_bytes())
+            if not finish:
+                raise KeyboardInterrupt  # killed after staging a shard
+            return BuildResult(lambda out: (out / "moments.json").write_text("{}"), {})
+
+        row = spec("estimate_rdk")
+        config = stage_identity(cfg, row)
+        aid = artifact_id("estimate_rdk", config, [calibration.id], FP)
+        step = StagePlan(row, aid, config, FP, inputs={"generate": (calibration.id, calibration.path)},
+                         explicit=frozenset(), path=cfg.workdir_path / "artifacts" / aid)
+        return run_stage(cfg, step, [calibration], build=build)
+
+    first = _input(tmp_path / "a", b"old rows")
+    with pytest.raises(KeyboardInterrupt):
+        stage(first, finish=False)
+    with pytest.raises(KeyboardInterrupt):
+        stage(first, finish=False)  # the same input: the staged shard is kept
+    assert seen[1] == ["inputs.json", "sums-1.safetensors"]
+    rebuilt = _input(tmp_path / "b", b"new rows")
+    assert rebuilt.id == first.id and rebuilt.manifest["files"] != first.manifest["files"]
+    stage(rebuilt, finish=True)
+    assert seen[2] == ["inputs.json"]  # sums-1 and sums-2 held the old rows
+    assert f"the staged work was computed from other contents of {first.id} (rebuilt since): starting over" in \
+        capsys.readouterr().err

@@ -16,6 +16,8 @@ never a cache hit: it is moved aside with a log line and rebuilt, so edited metr
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import shutil
 import time
 from collections.abc import Callable
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import Artifact, ArtifactStore
+from pipeline.artifacts import Artifact, ArtifactStore, canonical_json, write_json_atomic
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import StagePlan
@@ -96,6 +98,53 @@ def run_stage(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
                                "was published.") from err
 
 
+STAGED_INPUTS = "inputs.json"
+"""In a staging directory: the content of the inputs its shards and checkpoints were computed from."""
+STAGED_INPUTS_WAIT_S = 600.0
+
+
+def staged_inputs(inputs: list[Artifact]) -> dict[str, str]:
+    """Each input's content: the sha256 of its payloads' sha256s (its id names only what built it)."""
+    return {a.id: hashlib.sha256(canonical_json(a.manifest["files"]).encode()).hexdigest() for a in inputs}
+
+
+def _staging_for(staging: Path, inputs: list[Artifact], launch: Launch, say: Callable[[str], None]) -> None:
+    """Make ``staging`` hold only work computed from ``inputs`` as they are now.
+
+    An input can be rebuilt under its id with other bytes (moved aside as damaged, or deleted, then built again on a
+    GPU, where sampling is not bit-reproducible): shards and checkpoints staged from the old one would be resumed and
+    mixed with the new. The first rank empties such a staging directory, with a line saying why, and records the
+    inputs' content; the other ranks wait for that record before they read anything there. A directory staged before
+    the record existed is kept (nothing says it is stale).
+    """
+    record, now = staging / STAGED_INPUTS, staged_inputs(inputs)
+
+    def recorded() -> dict | None:
+        try:
+            return json.loads(record.read_text())
+        except (OSError, ValueError):
+            return None
+
+    before = recorded()
+    if before == now:
+        return
+    if not launch.first_rank:
+        deadline = time.monotonic() + STAGED_INPUTS_WAIT_S
+        while (seen := recorded()) != now:
+            if time.monotonic() > deadline:
+                raise DrafterError(f"The first rank did not prepare the staging directory {staging}.",
+                                   expected=f"{STAGED_INPUTS} naming this run's inputs {now}",
+                                   found=str(seen), fix="Rerun the job: it resumes what was staged.")
+            time.sleep(0.5)
+        return
+    if before is not None:
+        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        say(f"the staged work was computed from other contents of {', '.join(changed)} (rebuilt since): starting over")
+        for entry in staging.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    write_json_atomic(record, now)
+
+
 def _build_and_publish(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
                        build: Callable[[StageRun], BuildResult | None], store: ArtifactStore,
                        uri: str, launch: Launch) -> Artifact | None:
@@ -105,6 +154,7 @@ def _build_and_publish(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifa
         store.sweep()
     staging = workdir / "staging" / aid
     staging.mkdir(parents=True, exist_ok=True)
+    _staging_for(staging, inputs, launch, lambda message: log(stage, message))
     run = StageRun(cfg, stage, aid, staging, step.fingerprint, inputs)
     started = time.perf_counter()
     result = build(run)
