@@ -57,7 +57,7 @@ def test_registered_name_and_refs() -> None:
 
 
 def test_register_moves_candidate_and_champion_by_primary_metric(
-    tmp_path: Path, mlflow_server: MlflowServer
+    tmp_path: Path, mlflow_server: MlflowServer, monkeypatch
 ) -> None:
     cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-aliases", "drafter")
     components = make_components(tmp_path)
@@ -94,6 +94,16 @@ def test_register_moves_candidate_and_champion_by_primary_metric(
     again = register(make_bundle(name, components, 2.5), cfg, tmp_path / "work")
     assert (again.version, again.reused) == (3, True)
     assert len(_client(mlflow_server).search_model_versions(f"name = '{name}'")) == 4
+    # ... and leaves the aliases where the forced rollback put them (it compared metrics again and took champion
+    # back, and candidate with it); it reports the decision made when the version was registered
+    assert _aliases(mlflow_server, name) == {"candidate": "4", "champion": "4"}
+    assert (again.promoted, again.reason) == (True, "tau 2.5 beats champion version 1 (2)")
+    # from another commit too: the bundle's sha names its content, not the code that registered it (bundle.json
+    # held the git sha, so every commit registered the same artifacts as a new version)
+    monkeypatch.setenv("DRAFTER_GIT_SHA", "f" * 40)
+    later = register(make_bundle(name, components, 2.5), cfg, tmp_path / "work")
+    assert (later.version, later.reused) == (3, True)
+    assert len(_client(mlflow_server).search_model_versions(f"name = '{name}'")) == 4
 
 
 def test_champion_moves_to_a_version_built_for_the_new_weights_of_the_same_target(
@@ -119,6 +129,16 @@ def test_champion_moves_to_a_version_built_for_the_new_weights_of_the_same_targe
     later = register(make_bundle(name, make_components(tmp_path / "later", newer, seed=2), 1.2, fingerprint=newer),
                      cfg, tmp_path / "work")
     assert (later.promoted, later.reason) == (False, "tau 1.2 does not beat champion version 2 (1.5)")
+    # a drafter for the old weights again (a stale checkout, a host whose cache still resolves the old commit) is a
+    # step back, not a new target: champion stays, whatever its metric; so does a rerun of version 1's registration
+    stale = register(make_bundle(name, make_components(tmp_path / "stale", first, seed=3), 9.0, fingerprint=first),
+                     cfg, tmp_path / "work")
+    assert (stale.promoted, stale.reason) == (False, "built for the target of version 1, which champion version 2 "
+                                                     "replaced (weights differ); pass promote=True to roll back")
+    rerun = register(make_bundle(name, make_components(tmp_path / "old", first), 2.0, fingerprint=first), cfg,
+                     tmp_path / "work")
+    assert rerun.reused and rerun.version == 1
+    assert _aliases(mlflow_server, name)["champion"] == "2"
 
 
 def test_pull_round_trip_is_verified_and_identical(tmp_path: Path, mlflow_server: MlflowServer) -> None:

@@ -1,12 +1,13 @@
 """Bundles: the set of verified artifacts one registered model version holds, and its ``bundle.json``.
 
 A bundle directory is ``bundle.json`` (name, metrics, gate verdict, target fingerprint, component ids,
-the sha256 of every other file, git sha) beside ``components/<artifact id>/`` (each a copy of an artifact
-with its own manifest), ``lineage/<artifact id>/manifest.json`` (the manifests, payloads left out, of the
-artifacts the components were built from: the calibration set, its source and split) and an optional ``report/``. The bundle's sha256 is the hash of ``bundle.json``'s
-canonical JSON; since that lists every file's sha256 it names the content exactly, carries no timestamp,
-and so lets a rerun of ``register`` recognise a version it already made. :func:`verify_bundle` is the
-check a consumer runs on a downloaded bundle: every file, every component manifest, every fingerprint.
+the sha256 of every other file) beside ``components/<artifact id>/`` (each a copy of an artifact with its own
+manifest), ``lineage/<artifact id>/manifest.json`` (the manifests, payloads left out, of the artifacts the
+components were built from: the calibration set, its source and split) and an optional ``report/``. The bundle's
+sha256 is the hash of ``bundle.json``'s canonical JSON; since that lists every file's sha256 it names the content
+exactly, carries no timestamp and no commit (the version's ``git.sha`` tag names the registering one), and so lets
+a rerun of ``register`` recognise a version it already made, from any commit. :func:`verify_bundle` is the check a
+consumer runs on a downloaded bundle: every file, every component manifest, every fingerprint.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from pipeline.artifacts import (
     write_json_atomic,
 )
 from pipeline.errors import DrafterError
-from pipeline.tracking import git_sha
 
 BUNDLE_JSON = "bundle.json"
 BUNDLE_FORMAT = "drafter-bundle"
@@ -181,7 +181,6 @@ def write_bundle(bundle: Bundle, directory: Path) -> Path:
             "fingerprint": bundle.fingerprint,
             "components": components,
             "files": files,
-            "git_sha": git_sha(),
         }
         write_json_atomic(tmp / BUNDLE_JSON, document)
         publish_dir(tmp, directory)

@@ -39,7 +39,7 @@ from pipeline.registry.store import (
     version_by_alias,
     versions_of_bundle,
 )
-from pipeline.tracking import ensure_experiment, http_limits
+from pipeline.tracking import ensure_experiment, git_sha, http_limits
 
 
 @dataclass
@@ -88,7 +88,7 @@ def version_tags(document: dict, sha256: str) -> dict[str, str]:
         "drafter.target_revision": str(fp.get("revision")),
         "drafter.vocab_hash": str(fp.get("vocab_hash")),
         FINGERPRINT: canonical_json(fp),
-        "git.sha": str(document["git_sha"]),
+        "git.sha": str(document.get("git_sha") or git_sha()),  # the registering commit; bundles since 2026-11-28 omit it
         "drafter.gates.passed": str(document["gates"].get("passed")).lower(),
         "drafter.gates": canonical_json(document["gates"])[:100_000],
     }
@@ -177,12 +177,20 @@ def _register(
             state=f" Version {number} is complete (tagged ready) but the aliases may not point at it yet.",
             fix="Rerun register with the same bundle: it reuses the version and sets the aliases.",
         ):
-            promoted, reason = _champion_decision(client, name, number, bundle, promote)
-            # why champion moved or stayed, on the version itself (the registry UI shows it beside the metrics)
-            client.set_model_version_tag(name, number, DECISION, f"{'promoted' if promoted else 'kept'}: {reason}")
-            client.set_registered_model_alias(name, CANDIDATE, number)
-            if promoted:
-                client.set_registered_model_alias(name, CHAMPION, number)
+            decided = version.tags.get(DECISION) if reused and not promote else None
+            if decided is not None:
+                # Its aliases were set when it was registered (the decision is tagged after them); since then later
+                # versions, or a forced rollback, may have moved them: a rerun that reuses it leaves them there.
+                verdict, _, reason = decided.partition(": ")
+                promoted = verdict == "promoted"
+            else:
+                promoted, reason = _champion_decision(client, name, number, bundle, promote)
+                client.set_registered_model_alias(name, CANDIDATE, number)
+                if promoted:
+                    client.set_registered_model_alias(name, CHAMPION, number)
+                # why champion moved or stayed, on the version itself (the registry UI shows it beside the metrics)
+                client.set_model_version_tag(name, number, DECISION,
+                                             f"{'promoted' if promoted else 'kept'}: {reason}")
             aliases = sorted(
                 a for a, v in client.get_registered_model(name).aliases.items() if str(v) == number
             )
@@ -274,7 +282,11 @@ def _champion_decision(
     tagged = _tagged_fingerprint(current)
     if moved := [key for key in fingerprint_mismatch(bundle.fingerprint, tagged)  # a key one side lacks says nothing
                  if bundle.fingerprint.get(key) is not None and tagged.get(key) is not None]:
-        # a name holds one target model; a champion built for its old weights is no champion for the new ones
+        # a name holds one target model; a champion built for its old weights is no champion for the new ones, but
+        # a version built for weights an earlier version had, which the champion replaced, is a step back
+        if replaced := _replaced_by(client, name, current, bundle.fingerprint, moved):
+            return False, (f"built for the target of version {replaced}, which champion version {current.version} "
+                           f"replaced ({', '.join(moved)} differ); pass promote=True to roll back")
         return True, (f"champion version {current.version} was built for another target "
                       f"({', '.join(moved)} differ): the metrics do not compare")
     theirs = current.tags.get(f"{METRIC_PREFIX}{metric}")
@@ -289,6 +301,18 @@ def _champion_decision(
         False,
         f"{metric} {ours:.6g} does not beat champion version {current.version} ({float(theirs):.6g})",
     )
+
+
+def _replaced_by(client: Any, name: str, champion: Any, fingerprint: dict, keys: list[str]) -> str | None:
+    """The newest version older than ``champion`` built for the target ``fingerprint`` names (on ``keys``), if any."""
+    escaped = name.replace("'", "\\'")
+    older = sorted((v for v in client.search_model_versions(f"name = '{escaped}'")
+                    if int(v.version) < int(champion.version)), key=lambda v: -int(v.version))
+    for version in older:
+        tagged = _tagged_fingerprint(version)
+        if all(tagged.get(key) == fingerprint.get(key) for key in keys):
+            return str(version.version)
+    return None
 
 
 def _tagged_fingerprint(version: Any) -> dict:
