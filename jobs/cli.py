@@ -220,9 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the revision of --expect-target your serving pins (a hub model's branch, tag or commit)")
     _add_config_args(p)
     p = sub.add_parser("report", help="print the evaluation table of an evaluation artifact (default: the "
-                                      "newest one in the config's workdir)", formatter_class=raw,
-                       description="Print the evaluation table of an evaluation artifact (default: the newest "
-                                   "one in the config's workdir)\nand the path of its report.html.",
+                                      "one the config plans)", formatter_class=raw,
+                       description="Print the evaluation table of an evaluation artifact (default: the one the "
+                                   "config plans, once built)\nand the path of its report.html.",
                        epilog=KEYS_EPILOG)
     p.add_argument("--artifact", type=Path, default=None, help="an evaluation artifact directory")
     _add_config_args(p)
@@ -317,13 +317,19 @@ def _pull(args: argparse.Namespace, cfg) -> int:
 def _report(args: argparse.Namespace, cfg) -> int:
 
     path = args.artifact
-    if path is None:
-        found = sorted((cfg.workdir_path / "artifacts").glob("evaluate-*/manifest.json"),
-                       key=lambda p: p.stat().st_mtime)
-        if not found:
-            raise DrafterError(f"No evaluation artifact under {cfg.workdir_path / 'artifacts'}.",
-                               fix="Run `drafter evaluate` (or `drafter run`) first, or pass --artifact.")
-        path = found[-1].parent
+    if path is None:  # the evaluation this config plans: the newest in the workdir may be another config's
+        step = plan(cfg, ["evaluate"])["evaluate"]
+        if not step.cached:
+            found = sorted((cfg.workdir_path / "artifacts").glob("evaluate-*/manifest.json"),
+                           key=lambda p: p.stat().st_mtime)
+            raise DrafterError(
+                f"The evaluation this config plans, {step.id}, is not built.",
+                expected=f"{step.path}",
+                found=(f"other evaluations in {cfg.workdir_path / 'artifacts'}, the newest {found[-1].parent.name}"
+                       if found else f"no evaluation under {cfg.workdir_path / 'artifacts'}"),
+                fix="Run `drafter evaluate` (or `drafter run`) with this config first, or pass --artifact DIR to "
+                    "print another evaluation.")
+        path = step.path
     artifact = load_artifact(path, kind="evaluation")
     print(artifact.file("report.md").read_text(), end="")
     print(f"\nfull report: {artifact.file('report.html')}")

@@ -5,6 +5,8 @@ aliases, `drafter pull` verifies it and refuses tampering; bad input gives clear
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,6 +70,30 @@ def test_every_method_is_lossless_on_the_tiny_kit(evaluated) -> None:
             assert verified > 0, check  # the check exercised verification, not just sampling from p
     failed = [c for c in results["lossless"]["checks"] if not c["passed"]]
     assert not failed and results["lossless"]["passed"]
+
+
+def test_report_prints_the_evaluation_its_config_plans(evaluated, tmp_path: Path, capsys) -> None:
+    """`drafter report --config C` printed the newest evaluation in the workdir, whatever C planned: after C's own
+    evaluation failed, CI's summary showed another config's table and its gates. It prints C's, and refuses (naming
+    the newest other one) when C's is not built."""
+    cfg, artifact, _ = evaluated
+    (tmp_path / "built-in.yaml").write_text("{}\n")  # the built-in defaults, as eval_cfg (not configs/tiny.yaml)
+    common = ["--config", str(tmp_path / "built-in.yaml"), f"workdir={cfg.workdir_path}", *SMALL, *EVAL,
+              f"mlflow.tracking_uri={cfg.mlflow.tracking_uri}"]
+    assert cli(["report", *common]) == 0
+    assert f"full report: {artifact.file('report.html')}" in capsys.readouterr().out
+    newer = cfg.workdir_path / "artifacts" / "evaluate-0000000000000000"  # another evaluation, written later
+    shutil.copytree(artifact.path, newer)
+    later = (newer / "manifest.json").stat().st_mtime + 60
+    os.utime(newer / "manifest.json", (later, later))
+    try:
+        assert cli(["report", *common, "evaluate.max_new_tokens=8"]) == 2
+        err = capsys.readouterr().err
+        assert "this config plans" in err and "is not built" in err and newer.name in err
+        assert cli(["report", *common]) == 0  # still its own, not the newer one
+        assert f"full report: {artifact.file('report.html')}" in capsys.readouterr().out
+    finally:
+        shutil.rmtree(newer)
 
 
 def test_metrics_are_sane(evaluated) -> None:
