@@ -18,6 +18,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print each stage's artifact and Slurm job state (squeue/sacct), and why a "
                                    "job failed or was cancelled.", epilog=KEYS_EPILOG)
     _add_plan_args(p, "print the status as JSON")
+    p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                   help="poll every SECONDS until no job is queued or running; exit 1 unless every stage's artifact "
+                        "exists (for CI)")
     p = sub.add_parser("config", help="print the resolved config as YAML, or with --keys every config key and "
                                       "its meaning", formatter_class=raw,
                        description="Print the resolved config (--config FILE plus overrides) as YAML.\n"
@@ -414,13 +418,21 @@ def _slurm(args: argparse.Namespace, cfg) -> int:
     wanted = list(_wanted(args, cfg))
     if args.command == "status":
         rows = [row.to_dict() for row in slurm.status(cfg, wanted)]
+        while args.wait is not None and any(row["state"] in slurm.ACTIVE for row in rows):
+            time.sleep(args.wait)
+            rows = [row.to_dict() for row in slurm.status(cfg, wanted)]
+        # with --wait the verdict is the store's: a job can end COMPLETED without publishing, or vanish from
+        # Slurm's memory after failing, or sit SUSPENDED or PREEMPTED; only the artifacts say the chain is done
+        verdict = 0 if args.wait is None or all(row["artifact"] for row in rows) else 1
         if args.json:
             print(json.dumps(rows, indent=2))
-            return 0
+            return verdict
         for row in rows:
             row["artifact"] = "yes" if row["artifact"] else "no"
         print(_table(rows, ["stage", "artifact_id", "artifact", "job_id", "state", "why"]))
-        return 0
+        if verdict:
+            print(f"\nnot done: {', '.join(r['stage'] for r in rows if r['artifact'] == 'no')} (see `why`)")
+        return verdict
     submitted = slurm.submit(cfg, wanted, list(args.overrides), dry_run=args.dry_run)
     rows = [row.to_dict() for row in submitted]
     if args.json:

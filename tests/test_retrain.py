@@ -144,7 +144,7 @@ def test_retrain_workflow_runs_plan_then_submit_and_publishes_the_report() -> No
     (job,) = workflow["jobs"].values()
     assert "self-hosted" in job["runs-on"]
     text = json.dumps(job)
-    for needle in ("drafter plan", "drafter submit", "drafter status", "drafter report", "GITHUB_STEP_SUMMARY",
+    for needle in ("drafter plan", "drafter submit", "drafter status", "--wait", "drafter report", "GITHUB_STEP_SUMMARY",
                    "secrets.MLFLOW_TRACKING_URI", "secrets.MLFLOW_TRACKING_PASSWORD"):
         assert needle in text, needle
     assert "MLFLOW_TRACKING_PASSWORD=" not in text  # from secrets into env, never echoed into a command

@@ -115,6 +115,19 @@ def test_a_job_whose_id_moved_since_submit_or_whose_inputs_are_gone_refuses_to_r
     assert (tmp_path / "artifacts" / submitted).is_dir()
 
 
+def test_status_wait_exits_nonzero_until_every_artifact_exists(tmp_path: Path, tiny_kit, capsys) -> None:
+    """CI's wait: `drafter status --wait S` returns once no job is queued or running, and its exit code is whether
+    every planned stage's artifact exists. The workflow's own loop listed five active states and grepped five failed
+    ones: a preempted, suspended or forgotten job (Slurm drops a failed job after MinJobAge) ended it green."""
+    overrides = [f"workdir={tmp_path}", *SMALL, "--stages", "generate"]
+    assert cli_main(["status", "--wait", "0.01", *overrides]) == 1  # nothing submitted, nothing built: not done
+    assert "not done: generate" in capsys.readouterr().out
+    assert cli_main(["generate", f"workdir={tmp_path}", *SMALL]) == 0
+    capsys.readouterr()
+    assert cli_main(["status", "--wait", "0.01", *overrides]) == 0
+    assert cli_main(["status", *overrides]) == 0  # without --wait, status only reports
+
+
 def test_submit_without_slurm_or_with_a_bad_stage_is_refused(tmp_path: Path, tiny_kit, monkeypatch) -> None:
     with pytest.raises(Exception, match="slurm.stages"):
         load_config(None, ["slurm.stages={generat: {nodes: 2}}"])
