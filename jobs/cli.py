@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
-        prog="drafter", formatter_class=raw,
+        prog="drafter", formatter_class=lambda prog: raw(prog, max_help_position=20),  # a command name per line
         description="Train, calibrate, validate and register drafter artifacts for speculative decoding.\n"
                     "A stage's command runs that stage alone; its upstream stages are reused or built.",
         epilog="Each command's usage: `drafter COMMAND --help`.\n" + KEYS_EPILOG)
@@ -177,28 +177,24 @@ def build_parser() -> argparse.ArgumentParser:
                                    "print a summary.", epilog=KEYS_EPILOG)
     _add_config_args(p)
     p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)}")
-    p = sub.add_parser("plan", help="print the stage DAG: each stage's artifact id, inputs, and whether it is "
-                                    "cached or would run (nothing runs)", formatter_class=raw,
+    p = sub.add_parser("plan", help="each stage's artifact id, cached or to run (runs nothing)", formatter_class=raw,
                        description="Print each stage's artifact id, its inputs, and whether it is cached or "
                                    "would run.\nNothing runs.", epilog=KEYS_EPILOG)
     _add_plan_args(p, "print the plan as JSON (for CI)")
-    p = sub.add_parser("submit", help="submit every stage that is not cached as a Slurm job, chained with "
-                                      "afterok dependencies; prints the job table", formatter_class=raw,
+    p = sub.add_parser("submit", help="submit the stages not cached as chained Slurm jobs", formatter_class=raw,
                        description="Submit every stage that is not cached as a Slurm job, chained with afterok "
                                    "dependencies,\nand print the job table (resources: `drafter config --keys "
                                    "slurm`).", epilog=KEYS_EPILOG)
     _add_plan_args(p, "print the job table as JSON")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch scripts and submit nothing")
-    p = sub.add_parser("status", help="each stage's artifact and Slurm job state (squeue/sacct), and why a job "
-                                      "failed or was cancelled", formatter_class=raw,
+    p = sub.add_parser("status", help="each stage's artifact and job state, and why a job failed", formatter_class=raw,
                        description="Print each stage's artifact and Slurm job state (squeue/sacct), and why a "
                                    "job failed or was cancelled.", epilog=KEYS_EPILOG)
     _add_plan_args(p, "print the status as JSON")
     p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                    help="poll every SECONDS until no job is queued or running; exit 1 unless every stage's artifact "
                         "exists (for CI)")
-    p = sub.add_parser("config", help="print the resolved config as YAML, or with --keys every config key and "
-                                      "its meaning", formatter_class=raw,
+    p = sub.add_parser("config", help="the resolved config, or with --keys what every key means", formatter_class=raw,
                        description="Print the resolved config (--config FILE plus overrides) as YAML.\n"
                                    "With --keys, print the config reference instead: every key (or SECTION's) "
                                    "with its type,\nbuilt-in default and meaning; [run setting] marks keys "
@@ -209,8 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="list every config key, or those under SECTION (a stage, target, mlflow, slurm, or a "
                         "dotted prefix such as train_drafter.train)")
     _add_config_args(p)
-    p = sub.add_parser("pull", help="download a registered bundle (NAME@ALIAS or NAME/VERSION), verify every "
-                                    "sha256 and fingerprint, and write it to --to", formatter_class=raw,
+    p = sub.add_parser("pull", help="download a registered bundle and verify every sha256", formatter_class=raw,
                        description="Download a registered bundle, verify every sha256 and fingerprint, and "
                                    "write it to --to, e.g.\n"
                                    "  drafter pull drafter-tiny-default-target-draft-vocab@champion --to ./bundle\n"
@@ -223,14 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expect-revision", default=None,
                    help="the revision of --expect-target your serving pins (a hub model's branch, tag or commit)")
     _add_config_args(p)
-    p = sub.add_parser("report", help="print the evaluation table of an evaluation artifact (default: the "
-                                      "one the config plans)", formatter_class=raw,
+    p = sub.add_parser("report", help="an evaluation's table (default: the one the config plans)", formatter_class=raw,
                        description="Print the evaluation table of an evaluation artifact (default: the one the "
                                    "config plans, once built)\nand the path of its report.html.",
                        epilog=KEYS_EPILOG)
     p.add_argument("--artifact", type=Path, default=None, help="an evaluation artifact directory")
     _add_config_args(p)
-    p = sub.add_parser("tiny", help="build the tiny-model kit (tokenizers, target, drafters) used by the defaults",
+    p = sub.add_parser("tiny", help="build the tiny-model kit the defaults use",
                        formatter_class=raw,
                        description="Build the tiny-model kit (tokenizers, a tiny target and its drafters) that "
                                    "the built-in defaults use,\ncached under $DRAFTER_CACHE or "
@@ -241,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"2-core machine (longer on a busy one); test: what pytest builds, about "
                         f"{BUILD_MINUTES['test']:g} min")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
-    p = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run",
+    p = sub.add_parser("bench", help="benchmarks: ratios against a baseline of the same run",
                        formatter_class=raw,
                        description="Benchmarks that print ratios against a baseline measured in the same run:\n"
                                    + "\n".join(f"  {name:<11} {b.description}" for name, b in BENCHES.items()),
