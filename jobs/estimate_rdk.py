@@ -20,11 +20,13 @@ from pathlib import Path
 
 from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
-from pipeline.data.sources import load_humaneval
+from pipeline.data.sources import unseen_humaneval
 from pipeline.errors import DrafterError
+from pipeline.models.context import context_length
 from pipeline.models.loading import load_model, load_tokenizer
 from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
+from pipeline.orchestration.limits import check_rdk_code_problems
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
 from pipeline.orchestration.staged import staged_ok, write_staged
@@ -172,29 +174,29 @@ def _heldout_inputs(cfg: PipelineConfig, rows: list, target, drafter, kept_sets:
 
 
 def _code_rows(cfg: PipelineConfig, tokenizer) -> list:  # noqa: ANN001
-    """Code contexts for the α table: the last ``estimate_rdk.code_problems`` HumanEval problems (evaluate decodes
-    the first ones), each as evaluate encodes its prompt (chat template, ``evaluate.max_prompt_tokens``) followed
-    by the canonical solution's tokens and EOS, as if the target had written it; answer positions only.
+    """Code contexts for the α table: the last ``estimate_rdk.code_problems`` HumanEval problems that neither the
+    calibration set drew on nor the evaluation decodes (:func:`~pipeline.data.sources.unseen_humaneval`: evaluate
+    takes the first ones), each as evaluate encodes its prompt (chat template, ``evaluate.max_prompt_tokens``)
+    followed by the canonical solution's tokens and EOS, as if the target had written it; answer positions only.
+    A row is cut to ``estimate_rdk.max_length`` and to the context of the target and of the drafter that reads it.
 
     The answer is encoded on its own and appended, the way generated tokens follow a prompt: templating the
     whole turn would let BPE merge the template's newline with the solution's leading indentation."""
     from pipeline.data.calibration import encode_prompt  # deferred: pulls in pyarrow
     from pipeline.data.rows import Row  # deferred: pulls in torch
 
-    er, ev = cfg.estimate_rdk, cfg.evaluate
-    problems = load_humaneval(with_solutions=True)
-    decoded = ev.prompts_per_task if "code" in ev.tasks else 0
-    if er.code_problems + decoded > len(problems):
-        raise DrafterError("RDK's code analysis would reuse HumanEval problems that evaluate decodes.",
-                           expected=f"estimate_rdk.code_problems + evaluate.prompts_per_task <= {len(problems)}",
-                           found=f"{er.code_problems} + {decoded}",
-                           fix="Lower estimate_rdk.code_problems (0 skips the code analysis).")
+    er, ev, gen = cfg.estimate_rdk, cfg.evaluate, cfg.generate
+    unseen = unseen_humaneval(gen.source, gen.heldout_fraction, with_solutions=True)
+    check_rdk_code_problems(cfg)
+    contexts = [context_length(cfg.target.model, cfg.target.revision, cfg.target.trust_remote_code),
+                context_length(ev.drafter, None, cfg.target.trust_remote_code)]
+    limit = min([er.max_length] + [c for c in contexts if c])
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     rows = []
-    for conv in problems[len(problems) - er.code_problems :]:
+    for conv in unseen[len(unseen) - er.code_problems :]:
         prompt = encode_prompt(tokenizer, conv.messages[:1], ev.max_prompt_tokens)
         answer = tokenizer.encode(conv.messages[1]["content"], add_special_tokens=False) + eos
-        ids = (prompt + answer)[: er.max_length]
+        ids = (prompt + answer)[:limit]
         if len(ids) > len(prompt):
             rows.append(Row(len(rows), ids, ([0] * len(prompt) + [1] * len(answer))[: len(ids)]))
     return rows

@@ -221,6 +221,41 @@ def test_bad_input_is_refused(estimated, tmp_path: Path) -> None:
         evaluate.main(bad)
 
 
+@pytest.mark.parametrize("source", ["sharegpt", "humaneval"])
+def test_code_rows_keep_to_unseen_problems_and_to_the_models_context(tmp_path: Path, tiny_kit, source: str) -> None:
+    """The α table's code rows: the last problems that no calibration row holds and the evaluation does not decode
+    (with generate.source=humaneval the calibration set holds every problem outside its held-out share: the rows
+    came from those, and the overlap check counted evaluate's problems as the first ones, which they are not there),
+    each cut to the context of the target and the drafter (prompt + canonical solution ran past the test kit's 128
+    positions, which RoPE extrapolates silently). How prompts are cut enters estimate_rdk's id."""
+    from jobs.estimate_rdk import _code_rows
+    from pipeline.data.calibration import encode_prompt
+    from pipeline.data.sources import load_humaneval, split_heldout
+    from pipeline.models.target import Target
+
+    cfg = rdk_cfg(tmp_path, f"generate.source={source}", "generate.heldout_fraction=0.3",
+                  "evaluate.prompts_per_task=4", "estimate_rdk.code_problems=6", "evaluate.max_prompt_tokens=64")
+    tokenizer = Target(cfg.target).tokenizer()
+    rows = _code_rows(cfg, tokenizer)
+    everything = load_humaneval()
+    unseen = split_heldout(everything, 0.3, heldout=True) if source == "humaneval" else everything
+    calibrated = set() if source == "sharegpt" else {c.id for c in split_heldout(everything, 0.3, heldout=False)}
+    expected = unseen[-6:]
+    assert not {c.id for c in expected} & (calibrated | {c.id for c in unseen[:4]})
+    assert len(rows) == 6
+    for row, problem in zip(rows, expected):
+        prompt = encode_prompt(tokenizer, problem.messages, 64)
+        assert row.input_ids[: len(prompt)] == prompt, problem.id
+    assert max(len(r.input_ids) for r in rows) == 128  # the test kit's context: at least one row was cut there
+    ids = [plan(rdk_cfg(tmp_path, extra), ["estimate_rdk"])["estimate_rdk"].id
+           for extra in ("evaluate.max_prompt_tokens=64", "evaluate.max_prompt_tokens=48")]
+    assert ids[0] != ids[1]
+    # the overlap is refused at plan time, for a cached estimate_rdk too (evaluate's settings are not in its id)
+    with pytest.raises(DrafterError, match=r"code_problems \+ evaluate.prompts_per_task <= "):
+        plan(rdk_cfg(tmp_path, f"generate.source={source}", "generate.heldout_fraction=0.3",
+                     "evaluate.prompts_per_task=4", f"estimate_rdk.code_problems={len(unseen) - 3}"), ["estimate_rdk"])
+
+
 def test_rdk_artifact_loads_with_pickle_forbidden(estimated, pickle_forbidden) -> None:
     """The estimate_rdk artifact (moments, kept sets, tau, weights) loads and transforms with pickle.load/loads/
     Unpickler and torch.load raising."""

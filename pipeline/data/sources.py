@@ -260,6 +260,14 @@ def holds_humaneval(source: str) -> bool:
     return source == "humaneval"
 
 
+def unseen_humaneval(source: str, heldout_fraction: float, *, with_solutions: bool = False) -> list[Conversation]:
+    """The HumanEval problems a calibration set drawn from ``source`` (with ``heldout_fraction``) never saw, in order:
+    all 164, or only the held-out share when ``source`` is HumanEval itself. The evaluation's code task decodes the
+    first ``evaluate.prompts_per_task`` of them; RDK's code analysis takes its problems from the rest."""
+    problems = load_humaneval(with_solutions=with_solutions)
+    return split_heldout(problems, heldout_fraction, heldout=True) if holds_humaneval(source) else problems
+
+
 def _expand(source: str) -> Path:
     """``source`` as a path with ``~`` expanded; ``~user`` of an unknown user stays as written (no such path)."""
     try:

@@ -18,7 +18,7 @@ from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.config.stages import EvaluateConfig
 from pipeline.data.calibration import encode_prompt, first_prompt
-from pipeline.data.sources import holds_humaneval, load_conversations, load_humaneval, split_heldout
+from pipeline.data.sources import load_conversations, split_heldout, unseen_humaneval
 from pipeline.engine.methods import GATE_SETS
 from pipeline.errors import DrafterError
 from pipeline.evaluation.evaluator import Evaluator
@@ -36,9 +36,7 @@ def eval_prompts(cfg: PipelineConfig, tokenizer: Any) -> dict[str, list[list[int
         msgs = [m for c in held if (m := first_prompt(c)) is not None][: ev.prompts_per_task]
         prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens) for m in msgs]
     if "code" in ev.tasks:
-        code = load_humaneval()
-        if holds_humaneval(cfg.generate.source):  # calibrated on the other problems
-            code = split_heldout(code, cfg.generate.heldout_fraction, heldout=True)
+        code = unseen_humaneval(cfg.generate.source, cfg.generate.heldout_fraction)
         prompts["code"] = [encode_prompt(tokenizer, c.messages, ev.max_prompt_tokens)
                            for c in code[: ev.prompts_per_task]]
     for task, items in prompts.items():

@@ -170,7 +170,9 @@ STAGES: tuple[StageSpec, ...] = (
     # RDK: the target's moments on the calibration set, pruning levels from count's ranking; the held-out
     # analysis that picks tau runs evaluate's drafters, so they (and nothing else of evaluate) enter its id.
     StageSpec("estimate_rdk", "jobs.estimate_rdk", "rdk_affinity", upstream=("generate", "count"),
-              reads=(*TARGET_IDENTITY, "target.dtype", "estimate_rdk", "evaluate.drafter", "evaluate.drafter_other"),
+              # the α table's code prompts are cut as evaluate cuts its prompts
+              reads=(*TARGET_IDENTITY, "target.dtype", "estimate_rdk", "evaluate.drafter", "evaluate.drafter_other",
+                     "evaluate.max_prompt_tokens"),
               overrides={"generate": "estimate_rdk.calibration", "count": "estimate_rdk.counts"}, models=_rdk_models,
               data=_rdk_data),
     StageSpec("evaluate", "jobs.evaluate", "evaluation",

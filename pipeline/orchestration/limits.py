@@ -43,6 +43,7 @@ from pathlib import Path
 
 from pipeline.artifacts import read_manifest
 from pipeline.config.sections import PipelineConfig
+from pipeline.data.sources import holds_humaneval, unseen_humaneval
 from pipeline.engine.inputs import ShortlistInputs
 from pipeline.engine.methods import methods_reading, methods_with, models_read, stages_read
 from pipeline.errors import DrafterError
@@ -173,8 +174,29 @@ def _check_evaluate(cfg: PipelineConfig) -> None:
         )
 
 
+def check_rdk_code_problems(cfg: PipelineConfig) -> None:
+    """Refuse an RDK code analysis that would take HumanEval problems the evaluation decodes or the calibration set
+    was drawn from: RDK takes the last ``estimate_rdk.code_problems`` of the problems no calibration row holds
+    (:func:`~pipeline.data.sources.unseen_humaneval`), the evaluation the first ``evaluate.prompts_per_task``. Checked
+    whenever a plan holds estimate_rdk, built or reused: the evaluation's settings are not in its id."""
+    er, ev, gen = cfg.estimate_rdk, cfg.evaluate, cfg.generate
+    if not er.code_problems:
+        return
+    unseen = len(unseen_humaneval(gen.source, gen.heldout_fraction))
+    decoded = ev.prompts_per_task if "code" in ev.tasks else 0
+    if er.code_problems + decoded > unseen:
+        drew = "; the calibration set drew on the others" if holds_humaneval(gen.source) else ""
+        raise DrafterError("RDK's code analysis would reuse HumanEval problems that evaluate decodes or the calibration "
+                           "set was drawn from.",
+                           expected=f"estimate_rdk.code_problems + evaluate.prompts_per_task <= {unseen} "
+                                    f"(the problems no calibration row holds{drew})",
+                           found=f"{er.code_problems} + {decoded}",
+                           fix="Lower estimate_rdk.code_problems (0 skips the code analysis)"
+                               + (" or raise generate.heldout_fraction." if drew else "."))
+
+
 _CHECKS = {"generate": _check_generate, "train_drafter": _check_train_drafter, "train_dflash": _check_train_dflash,
-           "evaluate": _check_evaluate}
+           "evaluate": _check_evaluate, "estimate_rdk": check_rdk_code_problems}
 
 
 def check_settings(cfg: PipelineConfig, stages: Collection[str]) -> None:
