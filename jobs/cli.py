@@ -273,10 +273,13 @@ def _summary(cfg, artifacts: dict) -> str:
         lines.append(f"{'':<14} {art.path}")
         from pipeline.evaluation.publish import REGISTRATION_FILES  # deferred: pulls in numpy
 
+        store = redact(tracking_uri(cfg.mlflow, cfg.workdir_path))
         for suffix in REGISTRATION_FILES.values():
             registration = art.path.parent / f"{art.id}.{suffix}"
             if registration.is_file():
                 reg = json.loads(registration.read_text())
+                if reg.get("store", store) != store:
+                    continue  # registered in another store, not in this one
                 lines.append(f"{'':<14} registered {reg['name']} version {reg['version']} aliases "
                              f"{reg['aliases']} ({reg['reason']})")
     if "evaluate" in artifacts:
@@ -417,7 +420,7 @@ def _slurm(args: argparse.Namespace, cfg) -> int:
             rows = [row.to_dict() for row in slurm.status(cfg, wanted)]
         # with --wait the verdict is the store's: a job can end COMPLETED without publishing, or vanish from
         # Slurm's memory after failing, or sit SUSPENDED or PREEMPTED; only the artifacts say the chain is done
-        verdict = 0 if args.wait is None or all(row["artifact"] for row in rows) else 1
+        verdict = 0 if args.wait is None or all(row["artifact"] and not row["unregistered"] for row in rows) else 1
         if args.json:
             print(json.dumps(rows, indent=2))
             return verdict
@@ -425,7 +428,8 @@ def _slurm(args: argparse.Namespace, cfg) -> int:
             row["artifact"] = "yes" if row["artifact"] else "no"
         print(_table(rows, ["stage", "artifact_id", "artifact", "job_id", "state", "why"]))
         if verdict:
-            print(f"\nnot done: {', '.join(r['stage'] for r in rows if r['artifact'] == 'no')} (see `why`)")
+            print(f"\nnot done: {', '.join(r['stage'] for r in rows if r['artifact'] == 'no' or r['unregistered'])} "
+                  "(see `why`)")
         return verdict
     submitted = slurm.submit(cfg, wanted, list(args.overrides), dry_run=args.dry_run)
     rows = [row.to_dict() for row in submitted]

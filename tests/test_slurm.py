@@ -128,6 +128,39 @@ def test_status_wait_exits_nonzero_until_every_artifact_exists(tmp_path: Path, t
     assert cli_main(["status", *overrides]) == 0  # without --wait, status only reports
 
 
+def test_a_built_evaluation_whose_registration_failed_is_submitted_again_to_register(tmp_path: Path, tiny_kit,
+                                                                                     capsys) -> None:
+    """evaluate published its artifact, then registering failed (the server dropped, the job hit its time limit):
+    `drafter submit` saw evaluate cached and submitted nothing, so the bundle was never registered and CI's wait
+    went green. Now submit sends an evaluate job (a cache hit that registers), status names what is not registered
+    and `status --wait` fails until it is; a registration recorded for another store does not count."""
+    keys = [f"workdir={tmp_path}", *SMALL, "evaluate.methods=[full,shortlist]", "evaluate.prompts_per_task=2",
+            "evaluate.max_new_tokens=8", "evaluate.gammas=[2]", "evaluate.sampling_check_samples=50",
+            "evaluate.gate_tau_min=1.0", "evaluate.gate_speed_min=0.01", "evaluate.shortlists=[top_k_16,top_k_64]"]
+    (tmp_path / "built-in.yaml").write_text("{}\n")  # the built-in defaults, not configs/tiny.yaml
+    stage_args = ["--config", str(tmp_path / "built-in.yaml"), *keys]
+    overrides = [*stage_args, "--stages", "evaluate"]
+    assert cli_main(["evaluate", *stage_args]) == 0
+    evaluation = plan(load_config(None, keys), ["evaluate"])["evaluate"]
+    record = evaluation.path.parent / f"{evaluation.id}.registration.json"
+    assert json.loads(record.read_text())["store"] == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    capsys.readouterr()
+    assert cli_main(["submit", "--dry-run", *overrides]) == 0
+    assert "0 job(s)" in capsys.readouterr().out and cli_main(["status", "--wait", "0.01", *overrides]) == 0
+    for lost in (None, {**json.loads(record.read_text()), "store": "http://127.0.0.1:1"}):
+        record.unlink() if lost is None else record.write_text(json.dumps(lost))
+        capsys.readouterr()
+        assert cli_main(["submit", "--dry-run", *overrides]) == 0
+        out = capsys.readouterr().out
+        assert re.search(rf"^evaluate\s+—\s+—\s+{evaluation.id}\s+dry run: to register draft-vocab", out, re.M), out
+        assert f"# sbatch {evaluation.id}.sbatch evaluate " in out and f"--expect-id {evaluation.id}" in out
+        assert cli_main(["status", "--wait", "0.01", *overrides]) == 1
+        assert "not registered in this store: draft-vocab" in capsys.readouterr().out
+    assert cli_main(["evaluate", "--expect-id", evaluation.id, *stage_args]) == 0  # what that job runs
+    assert json.loads(record.read_text())["store"] == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert cli_main(["status", "--wait", "0.01", *overrides]) == 0
+
+
 def test_submit_without_slurm_or_with_a_bad_stage_is_refused(tmp_path: Path, tiny_kit, monkeypatch) -> None:
     with pytest.raises(Exception, match="slurm.stages"):
         load_config(None, ["slurm.stages={generat: {nodes: 2}}"])

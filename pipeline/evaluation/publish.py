@@ -4,6 +4,7 @@ and its registration record is written beside the evaluation artifact."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from pipeline.artifacts import Artifact, write_json_atomic
@@ -12,9 +13,32 @@ from pipeline.engine.methods import GATE_SETS
 from pipeline.evaluation.results import EvaluationResults
 from pipeline.progress import log
 from pipeline.registry import Bundle, register, registered_name
+from pipeline.runlog import redact
+from pipeline.tracking import tracking_uri
 
 REGISTRATION_FILES = {gate.name: gate.registration for gate in GATE_SETS.values()}
 """Bundle kind → the record written beside the evaluation artifact as ``<evaluation id>.<file>``."""
+
+
+def pending_registrations(cfg: PipelineConfig, evaluation: Artifact) -> list[str]:
+    """The bundles of ``evaluation`` whose gates passed and that this config's store holds no registration of (a
+    registration that failed after the artifact was published, or another store): what rerunning evaluate, a cache
+    hit, registers. Empty with ``evaluate.register`` off. A record written before records named their store counts
+    as this store's."""
+    if not cfg.evaluate.register:
+        return []
+    store = redact(tracking_uri(cfg.mlflow, cfg.workdir_path))
+    pending = []
+    for gate in GATE_SETS.values():
+        if not evaluation.metrics.get(gate.passed_metric):
+            continue
+        try:
+            record = json.loads((evaluation.path.parent / f"{evaluation.id}.{gate.registration}").read_text())
+        except (OSError, ValueError):
+            record = None
+        if not isinstance(record, dict) or record.get("store", store) != store:
+            pending.append(gate.name)
+    return pending
 
 
 def register_bundle(cfg: PipelineConfig, results: EvaluationResults, evaluation: Artifact,
@@ -57,7 +81,8 @@ def _register_one(cfg: PipelineConfig, results: EvaluationResults, gates: Any, k
     result = register(bundle, cfg.mlflow, cfg.workdir_path, promote=cfg.evaluate.promote)
     record = {"name": result.name, "version": result.version, "aliases": result.aliases,
               "promoted": result.promoted, "reason": result.reason, "uri": result.uri,
-              "bundle_sha256": result.bundle_sha256, "run_id": result.run_id}
+              "bundle_sha256": result.bundle_sha256, "run_id": result.run_id,
+              "store": redact(tracking_uri(cfg.mlflow, cfg.workdir_path))}
     # Beside the artifact, not inside it: the artifact is immutable, registration is an event about it.
     write_json_atomic(evaluation.path.parent / f"{evaluation.id}.{REGISTRATION_FILES[kind]}", record)
     log("evaluate", f"registered {result.name} version {result.version} with aliases {result.aliases}: {result.reason}")

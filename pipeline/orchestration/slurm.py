@@ -30,11 +30,11 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import write_json_atomic
+from pipeline.artifacts import load_artifact, write_json_atomic
 from pipeline.config.schema import to_dict
 from pipeline.config.sections import SLURM_RESOURCES, PipelineConfig
 from pipeline.config.stage_names import STAGE_NAMES
@@ -270,7 +270,8 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
     jobs: dict[str, str] = {}
     rows: list[Submitted] = []
     for name, step in the_plan.stages.items():
-        if name not in needed or step.cached:
+        pending = unregistered(cfg, step) if name in stages else []
+        if not pending and (name not in needed or step.cached):
             rows.append(Submitted(name, step.id, None, [], "cached" if step.cached else "not needed"))
             continue
         upstream = [jobs[up] for up in step.inputs if up in jobs]
@@ -286,7 +287,8 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
         if dry_run:
             rows.append(Submitted(name, step.id, None, [f"<{up}>" for up in step.inputs if up in needed
                                                         and not the_plan[up].cached],
-                                  "dry run", text + f"# sbatch {script.name} {shlex.join(args)}\n"))
+                                  f"dry run: to register {', '.join(pending)}" if pending else "dry run",
+                                  text + f"# sbatch {script.name} {shlex.join(args)}\n"))
             jobs[name] = f"<{name}>"
             continue
         script.parent.mkdir(parents=True, exist_ok=True)
@@ -296,7 +298,8 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
         records[step.id] = {"stage": name, "job_id": job_id, "depends_on": upstream, "script": str(script),
                             "args": args, "overrides": overrides, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S")}
         write_json_atomic(root / RECORDS, records)
-        rows.append(Submitted(name, step.id, job_id, upstream, "submitted", str(script)))
+        rows.append(Submitted(name, step.id, job_id, upstream,
+                              f"submitted to register {', '.join(pending)}" if pending else "submitted", str(script)))
     return rows
 
 
@@ -310,6 +313,8 @@ class StageStatus:
     job_id: str | None
     state: str | None
     why: str | None
+    unregistered: list[str] = field(default_factory=list)
+    """evaluate: the bundles whose gates passed that this store holds no registration of."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -330,6 +335,17 @@ def _log_tail(path: Path, lines: int = 3) -> str | None:
     return " | ".join(line.strip() for line in picked) or None
 
 
+def unregistered(cfg: PipelineConfig, step: Any) -> list[str]:
+    """A built evaluation's passing bundles that this config's store has no registration of (none for another
+    stage, or one not built): its registration failed after it was published, or it was registered elsewhere.
+    ``drafter submit`` submits an evaluate job for them (a cache hit that only registers)."""
+    if step.spec.name != "evaluate" or not step.cached:
+        return []
+    from pipeline.evaluation.publish import pending_registrations  # deferred: pulls in numpy
+
+    return pending_registrations(cfg, load_artifact(step.path, verify=False))
+
+
 def status(cfg: PipelineConfig, stages: list[str]) -> list[StageStatus]:
     """Each planned stage: whether its artifact exists, its latest job's state, and why it failed or waits."""
 
@@ -339,6 +355,12 @@ def status(cfg: PipelineConfig, stages: list[str]) -> list[StageStatus]:
     rows = []
     for name, step in the_plan.stages.items():
         record = records.get(step.id)
+        pending = unregistered(cfg, step)
+        if pending and (record is None or job_state(record["job_id"]).state not in ACTIVE):
+            rows.append(StageStatus(name, step.id, True, record and record["job_id"], None,
+                                    f"built; not registered in this store: {', '.join(pending)} (drafter submit "
+                                    "registers it)", pending))
+            continue
         if record is None:
             rows.append(StageStatus(name, step.id, step.cached, None, None,
                                     None if step.cached else "not submitted (drafter submit)"))
