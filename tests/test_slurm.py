@@ -234,6 +234,24 @@ def test_second_submit_submits_nothing(submitted, slurm_cluster: SlurmCluster) -
 
 
 @pytest.mark.slurm
+def test_a_queued_job_is_reused_and_says_when_this_submission_would_run_it_otherwise(
+        tmp_path: Path, tiny_kit, slurm_cluster: SlurmCluster, mlflow_server: MlflowServer) -> None:
+    """A held generate job is reused by the next submit. A submission whose run settings differ (another MLflow
+    experiment, evaluate.register, resources: none in the id) still reuses it, which then runs with the settings it
+    was submitted with; the row now says so instead of a plain "queued"."""
+    cfg = _cfg(tmp_path, mlflow_server.uri, "slurm.extra=[--hold]")
+    (row,) = slurm.submit(cfg, ["generate"], [])
+    try:
+        (again,) = slurm.submit(cfg, ["generate"], [])
+        assert (again.job_id, again.status) == (row.job_id, "queued")
+        (other,) = slurm.submit(_cfg(tmp_path, mlflow_server.uri, "slurm.extra=[--hold]", "mlflow.experiment=other"),
+                                ["generate"], [])
+        assert other.job_id == row.job_id and other.status.startswith("queued with its own settings (scancel it")
+    finally:
+        slurm_cluster.tool("scancel", row.job_id)
+
+
+@pytest.mark.slurm
 @pytest.mark.slow
 def test_requeue_mid_generate_resumes_and_ends_identically(tmp_path: Path, tiny_kit, slurm_cluster: SlurmCluster,
                                                           mlflow_server: MlflowServer) -> None:

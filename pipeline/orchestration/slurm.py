@@ -278,8 +278,12 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
         record = records.get(step.id)
         if record is not None and job_state(record["job_id"]).state in ACTIVE:
             jobs[name] = record["job_id"]
-            rows.append(Submitted(name, step.id, record["job_id"], record.get("depends_on", []), "queued",
-                                  record.get("script")))
+            # it runs with the config it was submitted with: run settings (evaluate.register, mlflow, resources)
+            # of this submission that differ are not in the id, and would be dropped without a word
+            same = record.get("args", [None, None])[1] == str(config_path)
+            rows.append(Submitted(name, step.id, record["job_id"], record.get("depends_on", []),
+                                  "queued" if same else "queued with its own settings (scancel it and submit again "
+                                  "to use this submission's)", record.get("script")))
             continue
         text = render(cfg, name, logs)
         args = [name, str(config_path), "--expect-id", step.id, *run_settings(name, Resources.of(cfg, name))]
