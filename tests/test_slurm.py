@@ -161,6 +161,22 @@ def test_a_built_evaluation_whose_registration_failed_is_submitted_again_to_regi
     assert cli_main(["status", "--wait", "0.01", *overrides]) == 0
 
 
+def test_status_quotes_why_the_last_restart_of_a_requeued_job_failed(tmp_path: Path) -> None:
+    """A requeued job appends each restart to one log (--open-mode=append). The first restart stopped on SIGTERM with
+    our error; the last died of a CUDA out-of-memory traceback. `status` quoted the first restart's error as the
+    reason; it quotes the last restart's."""
+    log = tmp_path / "generate-7.out"
+    log.write_text("drafter: generate on 1 node(s) x 1 task(s), job 7, restart 0, rendezvous a:1\n"
+                   "error: Stage generate received SIGTERM before finishing.\n  found:    signal 15\n"
+                   "drafter: generate on 1 node(s) x 1 task(s), job 7, restart 1, rendezvous a:1\n"
+                   "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                   "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    why = slurm._log_tail(log)
+    assert "OutOfMemoryError" in why and "SIGTERM" not in why, why
+    log.write_text(log.read_text().split("drafter: generate on 1 node(s) x 1 task(s), job 7, restart 1")[0])
+    assert slurm._log_tail(log).startswith("error: Stage generate received SIGTERM")
+
+
 def test_submit_without_slurm_or_with_a_bad_stage_is_refused(tmp_path: Path, tiny_kit, monkeypatch) -> None:
     with pytest.raises(Exception, match="slurm.stages"):
         load_config(None, ["slurm.stages={generat: {nodes: 2}}"])

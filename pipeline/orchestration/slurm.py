@@ -47,6 +47,8 @@ TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "stage.sbatch"
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
                     "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT"})
 """Job states in which a job will still produce its artifact (a resubmission reuses it)."""
+ENDED_BADLY = frozenset({"FAILED", "TIMEOUT", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
+"""Job states whose log says why (``status`` quotes it); NODE_FAIL too, which Slurm may suffix."""
 RECORDS = "jobs.json"
 LAUNCH_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                               "MASTER_ADDR", "MASTER_PORT"})
@@ -325,11 +327,14 @@ class StageStatus:
 
 
 def _log_tail(path: Path, lines: int = 3) -> str | None:
-    """Why a job failed, from its log: the pipeline's own ``error:`` block (message and what was found), else
-    the last lines naming an error (a traceback's exception), else the last lines."""
+    """Why a job failed, from its log's last restart: the pipeline's own ``error:`` block (message and what was
+    found), else the last lines naming an error (a traceback's exception), else the last lines."""
     if not path.is_file():
         return None
     text = [line.rstrip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    # a requeued job appends each restart to one log: only the last restart says why the job ended
+    starts = [i for i, line in enumerate(text) if line.startswith("drafter: ") and ", restart " in line]
+    text = text[starts[-1]:] if starts else text
     ours = [i for i, line in enumerate(text) if line.startswith("error: ")]
     if ours:
         block = text[ours[-1]: ours[-1] + 4]
@@ -371,7 +376,7 @@ def status(cfg: PipelineConfig, stages: list[str]) -> list[StageStatus]:
             continue
         state = job_state(record["job_id"])
         why = state.reason
-        if state.state == "FAILED" or (state.state or "").startswith("NODE_FAIL") or state.state == "TIMEOUT":
+        if state.state in ENDED_BADLY or (state.state or "").startswith("NODE_FAIL"):
             log = _logs(cfg) / f"{name}-{record['job_id']}.out"
             why = f"exit {state.exit_code}; log {log}: {_log_tail(log) or 'empty'}"
         elif state.state == "CANCELLED" and state.reason == "DependencyNeverSatisfied":
