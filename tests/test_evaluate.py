@@ -96,6 +96,20 @@ def test_report_prints_the_evaluation_its_config_plans(evaluated, tmp_path: Path
         shutil.rmtree(newer)
 
 
+def test_a_sampled_evaluation_checks_the_law_it_decodes_with(tmp_path: Path, tiny_kit) -> None:
+    """At evaluate.temperature=0.7 and top_p=0.9 the rows' τ is measured under that law, and the first-token check
+    now tests that law (it tested temperature 1 without a nucleus, so a fault in nucleus-sampled verification would
+    have inflated the gated τ without failing anything). 200 draws a method, p-value >= 1e-4."""
+    cfg = load_config(None, [f"workdir={tmp_path}", *SMALL, "evaluate.methods=[full,shortlist]",
+                             "evaluate.shortlists=[top_k_64]", "evaluate.prompts_per_task=2", "evaluate.tasks=[chat]",
+                             "evaluate.max_new_tokens=8", "evaluate.gammas=[2]", "evaluate.sampling_check_samples=200",
+                             "evaluate.temperature=0.7", "evaluate.top_p=0.9", "evaluate.register=false"])
+    results = json.loads(run(cfg, ["evaluate"])["evaluate"].file("report.json").read_text())
+    checks = [c for c in results["lossless"]["checks"] if c["name"].startswith("first_token_distribution")]
+    assert len(checks) == 2 and all(c["passed"] for c in checks), checks
+    assert all("temperature 0.7, top-p 0.9" in c["detail"] for c in checks), checks
+
+
 def test_metrics_are_sane(evaluated) -> None:
     _, artifact, results = evaluated
     for row in results["rows"]:

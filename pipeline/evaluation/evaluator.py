@@ -6,7 +6,8 @@ TLI, Union and SLEM; the routed, redistributed and byte-level methods) for each 
 prompts. It records one row of metrics per configuration (τ, α, per-position acceptance, tokens/s, measured
 speedup, Leviathan's predicted speedup, MBSU, TTFT/TPOT) and two losslessness checks per method: greedy output
 equal to the autoregressive greedy output on every prompt, and a chi-square test of the first emitted token's
-empirical distribution at temperature 1 against the target's own p. The configurations themselves (each
+empirical distribution against the target's own p, under the evaluation's temperature and top-p (temperature 1 when
+it decodes greedily). The configurations themselves (each
 method's inputs prepared, its proposer built) come from :mod:`pipeline.evaluation.configurations`.
 """
 
@@ -210,12 +211,14 @@ class Evaluator:
 
     def sampling_check(self, method: str, shortlist: str | None, proposer: Any,
                        progress: Progress | None = None) -> LosslessCheck:
-        """First emitted token at temperature 1 over n draws vs the target's p (chi-square, pooled tail)."""
+        """First emitted token over n draws vs the target's p (chi-square, pooled tail), under the law the rows decode
+        with (``evaluate.temperature`` and ``top_p``), or at temperature 1 when they decode greedily."""
         # The first emitted token is the first draft (accepted) or a residual sample of p_0 and q_0 (rejected):
         # its law involves only the first draft, so one draft per round tests exactly that law, at a fraction of
         # the drafting (SLRS enumerates a byte trie per draft). The matrix rows cover every draft position.
         n, gamma = self.ev.sampling_check_samples, 1
-        params = SamplingParams(temperature=1.0)
+        # a sampled evaluation's τ is measured under its own temperature and nucleus: the check tests that law
+        params = self.params if self.params.temperature > 0 else SamplingParams(temperature=1.0)
         context = next(iter(self.prompts.values()))[0]
         with torch.no_grad():
             logits = self.target(torch.tensor([context], device=self.device)).logits[0, -1]
@@ -236,7 +239,8 @@ class Evaluator:
         passed = impossible == 0 and pvalue >= self.ev.sampling_check_alpha and drafted > 0
         name = f"first_token_distribution[{method}{'/' + shortlist if shortlist else ''}]"
         return LosslessCheck(name=name, passed=passed,
-                             detail=f"n={n}, γ={gamma}, chi-square p={pvalue:.3g} over {bins} bins "
+                             detail=f"n={n}, γ={gamma}, temperature {params.temperature:g}, top-p {params.top_p:g}, "
+                                    f"chi-square p={pvalue:.3g} over {bins} bins "
                           f"(fails below {self.ev.sampling_check_alpha}); zero-probability tokens emitted: {impossible}; "
                           f"first-round drafts verified: {drafted} (a check with none would be vacuous), "
                           f"first draft accepted in {first_accepted}/{n} draws")
