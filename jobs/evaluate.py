@@ -30,8 +30,8 @@ from pipeline.config.sections import PipelineConfig
 from pipeline.engine.methods import DECODE_BENCH, GATE_SETS, METHODS
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan, spec
-from pipeline.orchestration.lock import Launch
-from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.orchestration.lock import Launch, artifact_lock
+from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
 
 SUMMARY: tuple[str, ...] = ("lossless_passed",
                              *(key for gate in GATE_SETS.values() for key in gate.summary_metrics()))
@@ -117,7 +117,10 @@ def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
         from pipeline.evaluation.results import EvaluationResults  # deferred: pulls in numpy
 
         results = EvaluationResults.from_dict(json.loads(artifact.file("report.json").read_text()))
-        register_bundle(cfg, results, artifact, artifacts)
+        # two runs on one workdir would both find no version of the bundle and both create one
+        with artifact_lock(cfg.workdir_path, f"{artifact.id}.registration", "evaluate",
+                           lambda message: log("evaluate", message), launch or Launch.from_environ()):
+            register_bundle(cfg, results, artifact, artifacts)
     return artifact
 
 

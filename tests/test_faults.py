@@ -156,6 +156,44 @@ def test_two_runs_on_one_workdir_build_each_artifact_once(tmp_path: Path, refere
     assert not list((workdir / "artifacts").glob(".tmp-*"))
 
 
+def test_registering_an_evaluation_waits_for_a_run_already_registering_it(tmp_path: Path, tiny_kit) -> None:
+    """Two `drafter evaluate` of one built evaluation at once on one workdir (two CI jobs, a rerun while a run
+    registers): registration ran outside any lock, both could look the bundle up before either created a version, and
+    the registry got two versions of one bundle. Registration now holds `<evaluation id>.registration`: with it held
+    here (another run registering), `drafter evaluate` waits, registers nothing until it is released, then makes the
+    one version; a second run reuses it."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.orchestration.lock import Launch, artifact_lock
+
+    workdir = tmp_path / "shared"
+    (tmp_path / "built-in.yaml").write_text("{}\n")  # the built-in defaults, not configs/tiny.yaml
+    keys = ["--config", str(tmp_path / "built-in.yaml"), "evaluate.methods=[full,shortlist]",
+            "evaluate.shortlists=[top_k_16]", "evaluate.prompts_per_task=2", "evaluate.tasks=[chat]",
+            "evaluate.max_new_tokens=8", "evaluate.gammas=[2]", "evaluate.sampling_check_samples=50",
+            "evaluate.gate_tau_min=1.0", "evaluate.gate_speed_min=0.01"]
+    built = subprocess.run(_cli(workdir, "evaluate", *keys, "evaluate.register=false"), cwd=ROOT, capture_output=True,
+                           text=True, timeout=900)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (evaluation,) = [p for p in (workdir / "artifacts").glob("evaluate-*") if p.is_dir()]
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    stderr = tmp_path / "waiting.log"
+    with artifact_lock(workdir, f"{evaluation.name}.registration", "evaluate", lambda _: None, Launch.from_environ({})):
+        with stderr.open("w") as sink:
+            proc = subprocess.Popen(_cli(workdir, "evaluate", *keys), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=sink,
+                                    text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 300
+        while "waiting for pid" not in stderr.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "waiting for pid" in stderr.read_text(), stderr.read_text()[-2000:]
+        assert client.search_registered_models() == []  # nothing registered while the other run holds it
+    assert proc.wait(timeout=600) == 0, stderr.read_text()[-2000:]
+    (model,) = client.search_registered_models()
+    again = subprocess.run(_cli(workdir, "evaluate", *keys), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(client.search_model_versions(f"name = '{model.name}'")) == 1
+
+
 def test_a_held_lock_stops_a_multi_rank_launch_naming_the_holder(tmp_path: Path, monkeypatch) -> None:
     """Ranks started by srun/torchrun cannot wait with their rank 0, so a held lock stops rank 0 at once with
     the holder's pid; a run's later ranks never take the lock."""
