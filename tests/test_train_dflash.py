@@ -7,7 +7,9 @@ registered as a ``…-dflash`` bundle."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from pipeline.orchestration.dag import default_stages, plan
 from tests.helpers import SMALL, TRAIN
 from tests.killing import kill_after_checkpoint
 
+ROOT = Path(__file__).resolve().parents[1]
 DFLASH = ["train_dflash.num_layers=1", "train_dflash.block_size=4", "train_dflash.anchors_per_row=6",
           "train_dflash.eval_fraction=0.2", "train_dflash.max_length=128", "train_dflash.train.max_steps=24",
           "train_dflash.train.global_batch_size=8", "train_dflash.train.micro_batch_size=4",
@@ -118,6 +121,32 @@ def test_the_micro_batch_layout_does_not_change_what_is_learnt(trained, tmp_path
     assert json.loads(smaller.file("training.json").read_text())["batch_layout"] == {"micro_batch_size": 2,
                                                                                   "accumulation": 4}
     ours, reference = load_file(str(smaller.file("model.safetensors"))), load_file(str(art.file("model.safetensors")))
+    for key in ours:
+        torch.testing.assert_close(ours[key], reference[key], rtol=0, atol=1e-4, msg=key)
+
+
+def test_two_ranks_train_the_one_rank_drafter(trained, tmp_path: Path) -> None:
+    """train_dflash on one node running two Lightning ranks (DDP over gloo, a real second process, one thread each):
+    each rank takes half of every global batch, draws each row's anchors from the row's own seed, and the two ranks'
+    gradients are averaged, so the drafter is the one-rank run's (which accumulates two micro-batches) to float32
+    rounding (1e-4, as the micro-batch layout test)."""
+    _, art = trained
+    workdir = tmp_path / "two-ranks"
+    workdir.mkdir()
+    (workdir / "base.yaml").write_text(f"workdir: {workdir}\n")
+    calibration = art.path.parent / json.loads(art.file("training.json").read_text())["calibration"]
+    cmd = [sys.executable, "-m", "jobs.cli", "train_dflash", "--config", str(workdir / "base.yaml"), *SMALL, *DFLASH,
+           f"train_dflash.calibration={calibration}", "train_dflash.train.accelerator=cpu",
+           "train_dflash.train.devices=2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    (artifact,) = (workdir / "artifacts").glob("train_dflash-*/")
+    assert artifact.name == art.id
+    record = json.loads((artifact / "training.json").read_text())
+    assert (record["world_size"], record["strategy"], record["batch_layout"]) == (
+        2, "ddp", {"micro_batch_size": 4, "accumulation": 1})
+    ours, reference = load_file(str(artifact / "model.safetensors")), load_file(str(art.file("model.safetensors")))
     for key in ours:
         torch.testing.assert_close(ours[key], reference[key], rtol=0, atol=1e-4, msg=key)
 
