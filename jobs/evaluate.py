@@ -32,6 +32,7 @@ from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan, spec
 from pipeline.orchestration.lock import Launch, artifact_lock
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
+from pipeline.vocab.tokens import stop_ids
 
 SUMMARY: tuple[str, ...] = ("lossless_passed",
                              *(key for gate in GATE_SETS.values() for key in gate.summary_metrics()))
@@ -194,7 +195,7 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, meth
 
     with torch.no_grad():
         rows = measure("tiny", target, proposers, prompts, ev.gammas, ev.max_new_tokens, options, steps, log=log,
-                       eos=tokenizer.eos_token_id, cold=cold)
+                       eos=stop_ids(tokenizer, target), cold=cold)
         curve("tiny", target, prompts)
     notes = [f"Not built for this config, so not timed: {', '.join(skipped)} (run `drafter run --config ...` first)."
              ] if skipped else []

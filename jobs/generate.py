@@ -42,6 +42,7 @@ from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
 from pipeline.training.harness import predict_shards, shard_trainer
 from pipeline.training.ranks import took_part
+from pipeline.vocab.tokens import stop_ids
 
 SUMMARY: tuple[str, ...] = ("rows", "assistant_tokens", "tokens_per_s")
 """Metrics ``drafter run`` prints for this stage: rows written, assistant tokens and generation throughput."""
@@ -122,14 +123,15 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
                                      device=self.device)
             sampling = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} \
                 if gen.temperature > 0 else {"do_sample": False}
+            stops = stop_ids(tok, self.lm)
             out = self.lm.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=gen.max_new_tokens,
-                                   pad_token_id=pad, eos_token_id=tok.eos_token_id, **sampling)
+                                   pad_token_id=pad, eos_token_id=stops, **sampling)
             rows = []
             for (pid, ids), seq in zip(batch, out[:, width:].tolist()):
                 response, finished = [], False
                 for t in seq:
                     response.append(t)
-                    if t == tok.eos_token_id:
+                    if t in stops:
                         finished = True
                         break
                 self.generated_tokens += len(response)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,9 @@ def test_jsonl_with_messages_prompt_and_text(tmp_path: Path) -> None:
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
     convs, report = load_conversations(str(path))
-    assert [c.id for c in convs] == ["data-0", "data-1", "data-2"]
+    # no ids of their own: each is named by its file and its content (position would rename them on any insertion)
+    assert [re.fullmatch(r"data-[0-9a-f]{16}", c.id) is not None for c in convs] == [True, True, True]
+    assert len({c.id for c in convs}) == 3
     assert convs[1].messages == [{"role": "user", "content": "write a poem"}]
     assert report.records_read == 5 and report.records_kept == 3
     _well_formed(convs)
@@ -179,6 +182,44 @@ def test_parts_of_one_chat_stay_on_one_side() -> None:
     held_groups = {c.group for c in split_heldout(convs, 0.1, heldout=True)}
     rest_groups = {c.group for c in split_heldout(convs, 0.1, heldout=False)}
     assert held_groups and held_groups.isdisjoint(rest_groups)
+
+
+def test_a_sharegpt_file_keeps_the_parts_of_one_chat_together_and_numbered_records_apart(tmp_path: Path) -> None:
+    """The packaged ShareGPT grouped `<base>_0`, `<base>_1` … into one split group; the same data from a local file
+    (configs/llama3-8b.yaml's source) or the hub did not, and 543 of 899 held-out chats had another part in the
+    calibration set. Every source groups them now; a dataset that numbers its records (`q_0` … `q_399`: one "base"
+    holding every record) is not one chat, and its records keep their own ids."""
+    chats = [{"id": f"chat{c}_{k}", "conversations": [{"from": "human", "value": f"chat {c} part {k}"}]}
+             for c in range(300) for k in range(3)]
+    numbered = [{"id": f"q_{i}", "conversations": [{"from": "human", "value": f"question {i}"}]} for i in range(400)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(chats + numbered))
+    convs, _ = load_conversations(str(path))
+    assert {c.group for c in convs if c.id.startswith("chat7_")} == {"chat7"}
+    assert all(c.group == "" for c in convs if c.id.startswith("q_"))
+    held = split_heldout(convs, 0.2, heldout=True)
+    rest = split_heldout(convs, 0.2, heldout=False)
+    chat = lambda c: c.id.rsplit("_", 1)[0]  # noqa: E731
+    assert {chat(c) for c in held if c.id.startswith("chat")}.isdisjoint(chat(c) for c in rest)
+    assert 40 < sum(c.id.startswith("q_") for c in held) < 120  # the numbered records split one by one (~80)
+
+
+def test_a_record_without_an_id_is_named_by_its_content_not_its_position(tmp_path: Path) -> None:
+    """Records without an id were named `<file>-<position>`: one record added at the top renamed every record
+    below, moved about a fifth of them across the held-out split (it hashes ids) and let an artifact built from the
+    old file be scored on its own training rows. Now the name is the content's hash (repeats numbered)."""
+    rows = [{"conversations": [{"from": "human", "value": f"Question {i}?"}]} for i in range(50)]
+    rows.append(rows[3])  # a repeat
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before, _ = load_conversations(str(path))
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": "A new first question?"}]}) + "\n"
+                    + path.read_text())
+    after, _ = load_conversations(str(path))
+    assert len({c.id for c in before}) == len(before) == 51  # the repeat has a name of its own
+    assert {c.id: c.messages for c in before}.items() <= {c.id: c.messages for c in after}.items()
+    assert {c.id for c in split_heldout(before, 0.2, heldout=True)} <= {c.id for c in split_heldout(after, 0.2,
+                                                                                                    heldout=True)}
 
 
 def test_split_rejects_bad_fraction() -> None:

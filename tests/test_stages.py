@@ -95,6 +95,52 @@ def test_the_code_task_keeps_to_humaneval_problems_no_calibration_set_drew_on(tm
         "heldout" if source == "humaneval" else None)
 
 
+def test_the_chat_task_skips_prompts_also_posted_on_the_calibration_side(tmp_path: Path, tiny_kit) -> None:
+    """The split hashes ids, so a chat posted twice under two ids (the ShareGPT dump holds such copies: 14 of the
+    first 64 held-out prompts had a byte-identical twin on the calibration side) could be decoded by evaluate after
+    the drafters trained on the target's answer to its twin. Such prompts are skipped."""
+    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question number {i}?"}]} for i in range(200)]
+    rows += [{"id": f"copy{i}", "conversations": [{"from": "human", "value": f"Question number {i}?"}]}
+             for i in range(200)]
+    source = tmp_path / "posted-twice.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = small_cfg(tmp_path, f"generate.source={source}", "generate.heldout_fraction=0.2",
+                    "evaluate.prompts_per_task=200", "evaluate.tasks=[chat]")
+    tokenizer = load_tokenizer(cfg.target.model)
+    chat = eval_prompts(cfg, tokenizer)["chat"]
+    convs, _ = load_conversations(str(source))
+    trained = {encode_prompt(tokenizer, c.messages, cfg.evaluate.max_prompt_tokens).__repr__()
+               for c in split_heldout(convs, 0.2, heldout=False)}
+    held = split_heldout(convs, 0.2, heldout=True)
+    assert 0 < len(chat) < len(held)  # some held-out prompts had a twin in calibration, some did not
+    assert not any(repr(prompt) in trained for prompt in chat)
+
+
+def test_answers_end_at_the_generation_configs_end_of_turn_ids_too(tmp_path: Path, tiny_kit) -> None:
+    """An instruct model's end-of-turn token is often only in its generation config's eos_token_id list (Llama-3's
+    <|eot_id|>, Gemma's <end_of_turn>). generate passed the tokenizer's EOS alone, which replaced that list, so answers
+    ran past the end of their turn to max_new_tokens with every extra token marked as the assistant's. Here a local
+    copy of the test target lists, beside its EOS, the token its first greedy answer opens with: that answer is now
+    that one token, finished."""
+    import shutil
+
+    from pipeline.models.loading import resolve_ref
+
+    first = generate.main(small_cfg(tmp_path / "plain", "generate.limit=8"))
+    row = next(iter_rows(first.path / "data"))
+    opener = row["input_ids"][row["prompt_len"]]
+    local = tmp_path / "target"
+    shutil.copytree(resolve_ref("tiny:test/target").location, local)
+    config = json.loads((local / "generation_config.json").read_text())
+    tokenizer = load_tokenizer(str(local))
+    assert opener != tokenizer.eos_token_id
+    config["eos_token_id"] = [tokenizer.eos_token_id, opener]
+    (local / "generation_config.json").write_text(json.dumps(config))
+    ended = generate.main(small_cfg(tmp_path / "local", "generate.limit=8", f"target.model={local}"))
+    same = next(r for r in iter_rows(ended.path / "data") if r["prompt_id"] == row["prompt_id"])
+    assert same["input_ids"][same["prompt_len"]:] == [opener] and same["finished"]
+
+
 def test_counts_and_exports_match_the_calibration_set(pipeline_run) -> None:
     cfg, calibration, counts_art = pipeline_run
     counts = load_file(str(counts_art.file("counts.safetensors")))["counts"]

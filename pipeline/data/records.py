@@ -6,6 +6,7 @@ immutable form the loaders cache. :mod:`pipeline.data.sources` reads the sources
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import Counter
@@ -63,7 +64,7 @@ def normalise_record(record: Any, fallback_id: str, counters: Counter[str]) -> F
     # JSON may escape a lone surrogate (\ud800), which no UTF-8 tokenizer, Arrow column or hash can take: an
     # id keeps it as the visible escape (still unique), a turn holding one is dropped and counted.
     own = next((record[key] for key in ("id", "task_id") if record.get(key) not in (None, "")), fallback_id)
-    rec_id = printable(str(own))  # an empty or null id is no id: the record's position names it
+    rec_id = printable(str(own)) if own else ""  # an empty or null id is no id: normalise_all names it
     turns: list[tuple[str, str]] = []
     if isinstance(record.get("conversations"), list):
         raw = [(t.get("from"), t.get("value")) for t in record["conversations"] if isinstance(t, dict)]
@@ -105,15 +106,24 @@ def printable(text: str) -> str:
 _PART_SUFFIX = re.compile(r"_\d+$")
 
 
-def thaw(frozen: Iterable[Frozen], *, parts_share_group: bool = False) -> list[Conversation]:
-    return [
-        Conversation(
-            cid,
-            [{"role": r, "content": c} for r, c in msgs],
-            _PART_SUFFIX.sub("", cid) if parts_share_group else "",
-        )
-        for cid, msgs in frozen
-    ]
+PART_GROUP_SHARE = 0.01
+"""ShareGPT splits a long chat into records ``<base>_0``, ``<base>_1``, …, which must share a side of the held-out
+split. A base whose parts hold more than this share of a source's records is a dataset numbering its records
+(``example_0`` … ``example_999``), not one chat: its records keep their own ids (the packaged ShareGPT's longest
+chat is 89 parts of 17,395 records, 0.5 %)."""
+
+
+def thaw(frozen: Iterable[Frozen]) -> list[Conversation]:
+    """Conversations from normalised records, the parts of one chat (``<base>_<n>``) in one split group."""
+    frozen = list(frozen)
+    bases = Counter(_PART_SUFFIX.sub("", cid) for cid, _ in frozen if _PART_SUFFIX.search(cid))
+    most = max(1, int(len(frozen) * PART_GROUP_SHARE))
+    out = []
+    for cid, msgs in frozen:
+        base = _PART_SUFFIX.sub("", cid) if _PART_SUFFIX.search(cid) else ""
+        group = base if base and bases[base] <= most else ""
+        out.append(Conversation(cid, [{"role": r, "content": c} for r, c in msgs], group))
+    return out
 
 
 def iter_json_array(text: str) -> Iterator[Any]:
@@ -173,11 +183,21 @@ def parse_records(text: str, name: str, notes: list[str]) -> tuple[list[Any], in
 
 
 def normalise_all(records: Iterable[Any], stem: str, counters: Counter[str]) -> list[Frozen]:
-    kept = []
-    for i, record in enumerate(records):
-        frozen = normalise_record(record, f"{stem}-{i}", counters)
-        if frozen is not None:
-            kept.append(frozen)
+    """Normalised records. One without an id of its own is named by its content (``<stem>-<sha256 prefix>``, then
+    ``-2``, ``-3`` … for repeats), not by its position: a record added or removed above it would otherwise rename
+    every record below, move them across the held-out split (which hashes ids) and let training rows of an
+    artifact built from the old file into the new file's held-out prompts."""
+    kept, seen = [], Counter()
+    for record in records:
+        frozen = normalise_record(record, "", counters)
+        if frozen is None:
+            continue
+        cid, msgs = frozen
+        if not cid:
+            digest = hashlib.sha256(json.dumps(msgs, ensure_ascii=False).encode()).hexdigest()[:16]
+            seen[digest] += 1
+            cid = f"{stem}-{digest}" + (f"-{seen[digest]}" if seen[digest] > 1 else "")
+        kept.append((cid, msgs))
     return kept
 
 

@@ -95,8 +95,8 @@ def load_sharegpt(path: str | Path | None = None) -> tuple[list[Conversation], S
     """
     if path is None:
         frozen, report = _packaged_sharegpt()
-        # Parts of one chat must land on the same side of the held-out split.
-        return thaw(frozen, parts_share_group=True), dataclasses.replace(report, notes=list(report.notes))
+        # Parts of one chat land on the same side of the held-out split (thaw groups them, for every source).
+        return thaw(frozen), dataclasses.replace(report, notes=list(report.notes))
     return _load_file(Path(path))
 
 

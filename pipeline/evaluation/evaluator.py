@@ -29,6 +29,7 @@ from pipeline.engine.static import DecodeOptions, resolve_path
 from pipeline.evaluation.configurations import Configuration, Configurations
 from pipeline.evaluation.results import EvalRow, LosslessCheck
 from pipeline.progress import Progress
+from pipeline.vocab.tokens import stop_ids
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -70,7 +71,7 @@ class Evaluator:
         self.target, self.tokenizer, self.prompts = target, tokenizer, prompts
         self.device, self.log = device, log
         self.configurations = Configurations(cfg, target, tokenizer, prompts, artifacts, device, log)
-        self.eos = tokenizer.eos_token_id
+        self.eos = stop_ids(tokenizer, target)  # where generate ended the calibration answers
         self.params = SamplingParams(temperature=self.ev.temperature, top_p=self.ev.top_p)
         self.options = decode_options(self.ev, device)
 

@@ -9,6 +9,7 @@ Registry.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,12 @@ def eval_prompts(cfg: PipelineConfig, tokenizer: Any) -> dict[str, list[list[int
     if "chat" in ev.tasks:
         convs, _ = load_conversations(cfg.generate.source, revision=cfg.generate.source_revision)
         held = split_heldout(convs, cfg.generate.heldout_fraction, heldout=True)
-        msgs = [m for c in held if (m := first_prompt(c)) is not None][: ev.prompts_per_task]
+        # the split hashes ids: a chat posted twice under two ids can sit on both sides, and its prompt would be
+        # scored after the drafters trained on the target's answer to it
+        seen = {json.dumps(m) for c in split_heldout(convs, cfg.generate.heldout_fraction, heldout=False)
+                if (m := first_prompt(c)) is not None}
+        msgs = [m for c in held if (m := first_prompt(c)) is not None and json.dumps(m) not in seen]
+        msgs = msgs[: ev.prompts_per_task]
         prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens) for m in msgs]
     if "code" in ev.tasks:
         code = unseen_humaneval(cfg.generate.source, cfg.generate.heldout_fraction)

@@ -140,8 +140,11 @@ TARGET_IDENTITY = ("target.model", "target.revision", "target.tokenizer")
 EVALUATE_UPSTREAM = ("count", "train_drafter", "cluster", "train_router", "estimate_rdk", "train_dflash")
 
 STAGES: tuple[StageSpec, ...] = (
+    # 2: the parts of a chat share a side of the split for every source, not only the packaged one; a record without
+    # an id is named by its content, not its position; answers stop at the generation config's end-of-turn ids too
     StageSpec("generate", "jobs.generate", "calibration",
-              reads=(*TARGET_IDENTITY, "target.dtype", "generate"), models=_generate_models, data=_prompt_data),
+              reads=(*TARGET_IDENTITY, "target.dtype", "generate"), models=_generate_models, data=_prompt_data,
+              version=2),
     StageSpec("count", "jobs.count", "token_counts", upstream=("generate",),
               reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}),
     # evaluate's prompts come from generate.source / heldout_fraction (the held-out share), so those two
@@ -184,7 +187,10 @@ STAGES: tuple[StageSpec, ...] = (
                          "train_dflash": "evaluate.dflash"},
               models=_evaluate_models, data=_evaluate_data,
               # count always (its shortlists, the draft-vocabulary bundle); the others only for the methods that read them
-              when={stage: _read_by_methods(stage) for stage in EVALUATE_UPSTREAM if stage != "count"}),
+              when={stage: _read_by_methods(stage) for stage in EVALUATE_UPSTREAM if stage != "count"},
+              # 2: the split as generate 2 draws it, no chat prompt also posted on the calibration side, the generation
+              # config's end-of-turn ids end a decode
+              version=2),
 )
 if tuple(s.name for s in STAGES) != STAGE_NAMES:  # the leaf list the config layer validates against
     raise RuntimeError(f"the DAG table's stages {[s.name for s in STAGES]} differ from {list(STAGE_NAMES)}")

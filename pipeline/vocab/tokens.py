@@ -243,6 +243,16 @@ def representatives(tokenizer: Any) -> dict[Meaning, int]:
     return {meaning: token_id for meaning, (_, token_id) in best.items()}
 
 
+def stop_ids(tokenizer: Any, model: Any) -> list[int]:
+    """Where an answer ends: the tokenizer's end-of-sequence id(s) and those of the model's generation config (an
+    instruct model's end-of-turn token, e.g. Llama-3's ``<|eot_id|>`` or Gemma's ``<end_of_turn>``, is often only
+    there). Passing the tokenizer's alone to ``generate`` replaced the config's list, and answers ran past the end of
+    their turn to ``max_new_tokens``, every extra token marked as the assistant's."""
+    config = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    extra = [] if config is None else ([config] if isinstance(config, int) else list(config))
+    return sorted({*eos_ids(tokenizer), *(int(e) for e in extra)})
+
+
 def eos_ids(tokenizer: Any) -> list[int]:
     """The tokenizer's end-of-sequence id(s), which every draft shortlist must contain.
 
