@@ -292,13 +292,19 @@ def generate_speculative(
         if not new:
             result.ttft_seconds = time.perf_counter() - start
         sequence.extend(step.emitted)
+        before = len(new)
         new.extend(step.emitted)
-        result.drafted_per_round.append(step.drafted)
-        result.accepted_per_round.append(step.accepted)
-        for i in range(min(step.accepted + 1, step.verified)):
-            result.position_attempts[i] += 1
-            result.position_accepts[i] += int(i < step.accepted)
         new, stopped = _finish(new, eos, max_new_tokens)
+        # An accepted EOS ends the generation: drafts after it were verified but are not part of the answer, and
+        # no position after it was tried. Counting them made α, per-position acceptance and the predicted speedup
+        # disagree with τ, which counts kept tokens.
+        ended_in_drafts = stopped and len(new) - before <= step.accepted
+        accepted = len(new) - before if ended_in_drafts else step.accepted
+        result.drafted_per_round.append(accepted if ended_in_drafts else step.drafted)
+        result.accepted_per_round.append(accepted)
+        for i in range(accepted if ended_in_drafts else min(accepted + 1, step.verified)):
+            result.position_attempts[i] += 1
+            result.position_accepts[i] += int(i < accepted)
     checks.raise_if_any()
     result.tokens = new
     result.stop_reason = "eos" if stopped else "length"

@@ -189,7 +189,7 @@ STAGES: tuple[StageSpec, ...] = (
               # count always (its shortlists, the draft-vocabulary bundle); the others only for the methods that read them
               when={stage: _read_by_methods(stage) for stage in EVALUATE_UPSTREAM if stage != "count"},
               # 2: the split as generate 2 draws it, no chat prompt also posted on the calibration side, the generation
-              # config's end-of-turn ids end a decode
+              # config's end-of-turn ids end a decode, drafts after an accepted end of sequence not counted as accepted
               version=2),
 )
 if tuple(s.name for s in STAGES) != STAGE_NAMES:  # the leaf list the config layer validates against

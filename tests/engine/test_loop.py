@@ -210,6 +210,22 @@ def test_eos_stops_and_truncates(target, drafter, prompts, greedy_reference) -> 
     assert baseline.tokens == reference[:cut] and baseline.stop_reason == "eos"
 
 
+def test_drafts_after_an_accepted_eos_count_neither_as_drafted_nor_accepted(target, prompts, greedy_reference) -> None:
+    """The target drafting for itself (every draft accepted, γ = 4: rounds emit tokens 0-4, 5-9, …) with EOS = a token
+    the second round drafts after its first position (the reference's token j, 6 ≤ j ≤ 8, at its first occurrence):
+    the round keeps j - 4 tokens. Its 4 accepted drafts used to count, so α and the per-position acceptance said 4 of
+    4 while τ counted the kept tokens."""
+    reference = greedy_reference[0]
+    (j, *_) = [j for j in (6, 7, 8) if reference.index(reference[j]) == j] or [None]
+    assert j is not None, f"no token first seen at 6..8 in {reference[:10]}: pick another prompt"
+    result = generate_speculative(target, FullHeadProposer(target), prompts[0], NEW_TOKENS, 4, GREEDY,
+                                  torch.Generator(), reference[j])
+    kept = j - 4
+    assert result.tokens == reference[: j + 1] and result.stop_reason == "eos"
+    assert result.accepted_per_round == [4, kept] and result.drafted_per_round == [4, kept]
+    assert result.position_attempts == [2] * kept + [1] * (4 - kept) == result.position_accepts
+
+
 @pytest.mark.parametrize("gamma", [0, -2])
 def test_non_positive_gamma_is_refused(gamma: int, target, drafter, prompts) -> None:
     with pytest.raises(DrafterError, match="gamma"):
