@@ -280,6 +280,24 @@ def test_colour_is_the_family_and_marker_the_method_within_it() -> None:
     assert set(FAMILIES) | set(METHODS) <= legend
 
 
+def test_per_position_plot_keeps_every_configuration_of_a_long_drafter_name() -> None:
+    """With the default drafter `tiny:default/drafter`, the shortlist rows' labels ran past 48 characters and were
+    cut at the end: top_k_128/256/512/1024 all became `shortlist / tiny:default/drafter / γ=4 / top_k_…`, the plot
+    kept one line per task under that label and the other configurations vanished. The drafter's name is shortened
+    now, so each configuration keeps its own line and a label that names it."""
+    from pipeline.evaluation.plots import figures
+
+    shortlists = [("top_k_128", 128), ("top_k_256", 256), ("top_k_512", 512), ("top_k_1024", 1024)]
+    rows = [report_row("chat", "ar", 1.0, None)] + [
+        report_row("chat", "shortlist", 2.0, 0.5 + i / 10, drafter="tiny:default/drafter", shortlist=sl)
+        for i, sl in enumerate(shortlists)]
+    fig = figures({"rows": rows, "device": "cpu"})["positions"]
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert len(labels) == len(set(labels)) == 4
+    assert all(len(label) <= 48 for label in labels)
+    assert sorted(label.rsplit(" / ", 1)[-1] for label in labels) == sorted(name for name, _ in shortlists)
+
+
 def test_gate_values_are_rounded_to_their_thresholds(tmp_path: Path) -> None:
     page = render_html(full_results(), tmp_path).read_text(encoding="utf-8")
     assert "<td>2.77</td>" in page and "2.7654321" not in page

@@ -66,8 +66,17 @@ def marker(method: Any) -> str:
 
 
 def _label(*parts: Any) -> str:
-    """A plot label from result strings: '$' is escaped so matplotlib never parses it as mathtext."""
-    text = " / ".join(str(p) for p in parts if p is not None and p != "")
+    """A plot label from result strings, at most 48 characters: the middle parts (a drafter's name) are shortened
+    first, so the method, γ and shortlist that tell a method's configurations apart stay whole; '$' is escaped so
+    matplotlib never parses it as mathtext."""
+    items = [str(p) for p in parts if p is not None and p != ""]
+    text = " / ".join(items)
+    while len(text) > 48 and len(items) > 2:
+        i = max(range(1, len(items) - 1), key=lambda k: len(items[k]))
+        if len(items[i]) <= 4:
+            break
+        items[i] = items[i][: max(3, len(items[i]) - (len(text) - 48) - 1)] + "…"
+        text = " / ".join(items)
     text = text if len(text) <= 48 else text[:47] + "…"
     return text.replace("$", r"\$")
 
@@ -188,6 +197,7 @@ def _plot_positions(rows: list[Row]) -> Any:
 
     lines: dict[str, dict[str, list[tuple[int, float]]]] = {}
     order: dict[str, tuple] = {}  # label -> (method rank, shortlist size, label, method): legend order
+    shown: dict[str, tuple] = {}  # label -> the configuration it names
     for r in rows:
         values = r.get("per_position_acceptance")
         values = values if isinstance(values, list) else []
@@ -196,6 +206,9 @@ def _plot_positions(rows: list[Row]) -> Any:
             gamma = _num(r.get("gamma"))
             gamma_text = None if gamma is None else f"γ={int(gamma)}"
             label = _label(r.get("method"), r.get("drafter"), gamma_text, r.get("shortlist"))
+            full = (r.get("method"), r.get("drafter"), gamma_text, r.get("shortlist"))
+            while shown.setdefault(label, full) != full:  # two configurations, one shortened label: keep both lines
+                label += " ′"
             lines.setdefault(_text(r.get("task")), {})[label] = points
             method = r.get("method")
             order[label] = (_rank(method), _num(r.get("shortlist_size")) or 0.0, label, str(method))
