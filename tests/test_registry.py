@@ -141,6 +141,26 @@ def test_champion_moves_to_a_version_built_for_the_new_weights_of_the_same_targe
     assert _aliases(mlflow_server, name)["champion"] == "2"
 
 
+def test_a_champion_ranked_on_another_devices_speed_metric_is_compared_by_tau(
+    tmp_path: Path, mlflow_server: MlflowServer
+) -> None:
+    """evaluate.primary_metric=auto is the device's speed metric: MBSU on a CPU, wall-clock speedup on CUDA. A GPU
+    version's speedup compared with a CPU champion's speedup tag (a CPU's wall clock, never gated) said which device
+    is faster; champion then flipped with the device, not the drafter. Versions ranked by different metrics are
+    compared by τ, and the decision says so."""
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-devices", "drafter")
+    components = make_components(tmp_path)
+    cpu = {"tau": 2.0, "mbsu": 1.5, "speedup": 0.6}
+    register(make_bundle(name, components, 2.0, metrics=cpu, primary_metric="mbsu"), cfg, tmp_path / "work")
+    gpu = register(make_bundle(name, components, 1.8, metrics={"tau": 1.8, "mbsu": 1.2, "speedup": 1.25},
+                               primary_metric="speedup"), cfg, tmp_path / "work")
+    assert (gpu.promoted, gpu.reason) == (False, "tau 1.8 does not beat champion version 1 (2); ranked by tau: champion "
+                                                 "version 1 was ranked by mbsu, this version by speedup")
+    better = register(make_bundle(name, components, 2.2, metrics={"tau": 2.2, "mbsu": 1.4, "speedup": 1.1},
+                                  primary_metric="speedup"), cfg, tmp_path / "work")
+    assert better.promoted and better.reason.startswith("tau 2.2 beats champion version 1 (2); ranked by tau")
+
+
 def test_pull_round_trip_is_verified_and_identical(tmp_path: Path, mlflow_server: MlflowServer) -> None:
     cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-pull", "drafter")
     report = tmp_path / "report"

@@ -289,6 +289,13 @@ def _champion_decision(
                            f"replaced ({', '.join(moved)} differ); pass promote=True to roll back")
         return True, (f"champion version {current.version} was built for another target "
                       f"({', '.join(moved)} differ): the metrics do not compare")
+    note = ""
+    if (ranked := current.tags.get(PRIMARY_METRIC)) not in (None, metric) and f"{METRIC_PREFIX}tau" in current.tags \
+            and "tau" in bundle.metrics:
+        # evaluate.primary_metric=auto is the speed metric of the device (speedup on CUDA, MBSU on a CPU): a GPU
+        # version's wall-clock speedup against a CPU champion's says which device is faster, not which drafter
+        note = f"; ranked by tau: champion version {current.version} was ranked by {ranked}, this version by {metric}"
+        metric, ours = "tau", float(bundle.metrics["tau"])
     theirs = current.tags.get(f"{METRIC_PREFIX}{metric}")
     if theirs is None:
         return False, (
@@ -296,10 +303,10 @@ def _champion_decision(
             "pass promote=True to replace it"
         )
     if ours > float(theirs):
-        return True, f"{metric} {ours:.6g} beats champion version {current.version} ({float(theirs):.6g})"
+        return True, f"{metric} {ours:.6g} beats champion version {current.version} ({float(theirs):.6g}){note}"
     return (
         False,
-        f"{metric} {ours:.6g} does not beat champion version {current.version} ({float(theirs):.6g})",
+        f"{metric} {ours:.6g} does not beat champion version {current.version} ({float(theirs):.6g}){note}",
     )
 
 
