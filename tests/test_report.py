@@ -75,6 +75,18 @@ def test_markdown_table_escapes_pipes_and_shows_missing_values() -> None:
     assert cells[5] == "—" and cells[8] == "—"
 
 
+def test_lossless_column_shows_tolerated_ties_as_lossless() -> None:
+    """A row whose greedy output differed from autoregressive decoding only at floating-point ties passes the lossless
+    check and the gates; the table showed ✗ beside "gates: PASSED". It shows ✓ with the number of tied prompts;
+    a row with a real mismatch stays ✗."""
+    results = synthetic_results()
+    results["rows"][1].update(greedy_equal=False, greedy_ties=2)
+    results["rows"][2].update(greedy_equal=False, greedy_ties=None)
+    lines = markdown_table(results).splitlines()[2:]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert cells[1][-1] == "✓ (2 ties)" and cells[2][-1] == "✗" and cells[0][-1] in ("✓", "—")
+
+
 def test_render_html_is_well_formed_self_contained_and_complete(tmp_path: Path) -> None:
     path = render_html(synthetic_results(), tmp_path)
     assert path == tmp_path / "report.html"

@@ -170,6 +170,7 @@ class Evaluator:
                         cost = config.cost * calls / (rounds * gamma) if rounds else config.cost
                     row = self._row(task, method, config.drafter, gamma, shortlist or budget, config.size,
                                     summarize(runs, ar, cost), equal)
+                    row.greedy_ties = ties if mismatched and ties == len(mismatched) else None
                     if counts is not None and row.new_tokens:
                         row.drafter_calls_per_token = calls / row.new_tokens
                         row.psi_rows_per_token = psi_rows / row.new_tokens if psi_rows else None

@@ -70,8 +70,17 @@ COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
     ("speedup", lambda r: _fmt(r.get("speedup"), ".2f", "×")),
     ("predicted", lambda r: _fmt(r.get("predicted_speedup"), ".2f", "×")),
     ("MBSU", lambda r: _fmt(r.get("mbsu"), ".2f", "×")),
-    ("lossless", lambda r: _tick(r.get("greedy_equal"))),
+    ("lossless", lambda r: _lossless(r)),
 ]
+
+
+def _lossless(row: Row) -> str:
+    """✓ greedy output equal to autoregressive decoding on every prompt; ✓ (n ties) where the only differences were
+    floating-point ties (the lossless check passes); ✗ otherwise."""
+    ties, equal = row.get("greedy_ties"), row.get("greedy_equal")
+    if equal is False and isinstance(ties, int) and not isinstance(ties, bool) and ties > 0:
+        return f"✓ ({ties} tie{'s' if ties > 1 else ''})"
+    return _tick(equal)
 
 
 def markdown_table(results: dict, task: str | None = None) -> str:

@@ -48,6 +48,10 @@ class EvalRow:
     drafter_ms_per_step: float | None
     target_ms_per_step: float | None
     greedy_equal: bool
+    greedy_ties: int | None = None
+    """Where ``greedy_equal`` is False and every difference from autoregressive decoding was a floating-point tie
+    (the two tokens' logits within ``evaluate.tie_tolerance``: the lossless check passes), the prompts that differed;
+    None otherwise."""
     budget: str | None = None
     """Shortlist budget of a context-dependent method at this γ (DynaSpec ``k12`` / ``k0_30-k1_12``, PA-FR
     ``kmax700``)."""
