@@ -186,7 +186,7 @@ def _code_rows(cfg: PipelineConfig, tokenizer) -> list:  # noqa: ANN001
     from pipeline.data.rows import Row  # deferred: pulls in torch
 
     er, ev, gen = cfg.estimate_rdk, cfg.evaluate, cfg.generate
-    unseen = unseen_humaneval(gen.source, gen.heldout_fraction, with_solutions=True)
+    unseen = unseen_humaneval(gen.source, gen.heldout_fraction, with_solutions=True, revision=gen.source_revision)
     check_rdk_code_problems(cfg)
     contexts = [context_length(cfg.target.model, cfg.target.revision, cfg.target.trust_remote_code),
                 context_length(ev.drafter, None, cfg.target.trust_remote_code)]

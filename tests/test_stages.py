@@ -95,6 +95,22 @@ def test_the_code_task_keeps_to_humaneval_problems_no_calibration_set_drew_on(tm
         "heldout" if source == "humaneval" else None)
 
 
+def test_a_copy_of_humaneval_under_another_name_is_still_kept_out_of_the_code_task(tmp_path: Path, tiny_kit) -> None:
+    """generate.source=./HumanEval.jsonl (the same problems, a path rather than the packaged name): HumanEval was
+    recognised by name only, so the code task decoded every problem, ~95 % of them answered in the calibration set.
+    Problems whose prompt opens a calibration conversation are now left out, whatever the source is called."""
+    problems = load_humaneval()
+    source = tmp_path / "HumanEval.jsonl"
+    source.write_text("".join(json.dumps({"task_id": c.id, "prompt": c.messages[0]["content"]}) + "\n"
+                              for c in problems))
+    cfg = small_cfg(tmp_path, f"generate.source={source}", "evaluate.prompts_per_task=200", "evaluate.tasks=[code]",
+                    "estimate_rdk.code_problems=0")
+    tokenizer = load_tokenizer(cfg.target.model)
+    code = eval_prompts(cfg, tokenizer)["code"]
+    held = split_heldout(problems, cfg.generate.heldout_fraction, heldout=True)
+    assert code == [encode_prompt(tokenizer, c.messages, cfg.evaluate.max_prompt_tokens) for c in held]
+
+
 def test_the_chat_task_skips_prompts_also_posted_on_the_calibration_side(tmp_path: Path, tiny_kit) -> None:
     """The split hashes ids, so a chat posted twice under two ids (the ShareGPT dump holds such copies: 14 of the
     first 64 held-out prompts had a byte-identical twin on the calibration side) could be decoded by evaluate after

@@ -260,12 +260,22 @@ def holds_humaneval(source: str) -> bool:
     return source == "humaneval"
 
 
-def unseen_humaneval(source: str, heldout_fraction: float, *, with_solutions: bool = False) -> list[Conversation]:
+def unseen_humaneval(source: str, heldout_fraction: float, *, with_solutions: bool = False,
+                     revision: str | None = None) -> list[Conversation]:
     """The HumanEval problems a calibration set drawn from ``source`` (with ``heldout_fraction``) never saw, in order:
-    all 164, or only the held-out share when ``source`` is HumanEval itself. The evaluation's code task decodes the
-    first ``evaluate.prompts_per_task`` of them; RDK's code analysis takes its problems from the rest."""
+    all 164, only the held-out share when ``source`` is the packaged HumanEval, and for any other source (a local
+    copy of HumanEval, a mix that holds some of it) those whose prompt opens no conversation on its calibration side.
+    The evaluation's code task decodes the first ``evaluate.prompts_per_task`` of them; RDK's code analysis takes its
+    problems from the rest."""
     problems = load_humaneval(with_solutions=with_solutions)
-    return split_heldout(problems, heldout_fraction, heldout=True) if holds_humaneval(source) else problems
+    if holds_humaneval(source):
+        return split_heldout(problems, heldout_fraction, heldout=True)
+    if source in PACKAGED_SOURCES:  # the packaged ShareGPT dump: no HumanEval problem in it
+        return problems
+    convs, _ = load_conversations(source, revision=revision)
+    seen = {c.messages[0]["content"] for c in split_heldout(convs, heldout_fraction, heldout=False)
+            if c.messages and c.messages[0]["role"] == "user"}
+    return [p for p in problems if p.messages[0]["content"] not in seen]
 
 
 def _expand(source: str) -> Path:

@@ -42,7 +42,8 @@ def eval_prompts(cfg: PipelineConfig, tokenizer: Any) -> dict[str, list[list[int
         msgs = msgs[: ev.prompts_per_task]
         prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens) for m in msgs]
     if "code" in ev.tasks:
-        code = unseen_humaneval(cfg.generate.source, cfg.generate.heldout_fraction)
+        code = unseen_humaneval(cfg.generate.source, cfg.generate.heldout_fraction,
+                                revision=cfg.generate.source_revision)
         prompts["code"] = [encode_prompt(tokenizer, c.messages, ev.max_prompt_tokens)
                            for c in code[: ev.prompts_per_task]]
     for task, items in prompts.items():

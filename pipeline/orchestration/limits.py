@@ -182,7 +182,7 @@ def check_rdk_code_problems(cfg: PipelineConfig) -> None:
     er, ev, gen = cfg.estimate_rdk, cfg.evaluate, cfg.generate
     if not er.code_problems:
         return
-    unseen = len(unseen_humaneval(gen.source, gen.heldout_fraction))
+    unseen = len(unseen_humaneval(gen.source, gen.heldout_fraction, revision=gen.source_revision))
     decoded = ev.prompts_per_task if "code" in ev.tasks else 0
     if er.code_problems + decoded > unseen:
         drew = "; the calibration set drew on the others" if holds_humaneval(gen.source) else ""
