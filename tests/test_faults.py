@@ -85,6 +85,24 @@ def test_full_disk_fails_clearly_and_publishes_nothing(tmp_path: Path, tiny_kit)
     assert run(small_cfg(tmp_path / "large", *FAST), ["generate"])["generate"].path.is_dir()
 
 
+def test_a_system_prompt_longer_than_the_budget_leaves_the_template_intact(tiny_kit) -> None:
+    """When a system turn and the template's overhead fill evaluate.max_prompt_tokens, the user turn was cut to one
+    token and the prompt then cut from the left: it lost BOS and the system header, a prompt the served target never
+    sees. The system turn is dropped instead: the prompt is the user's turn (cut) under the whole template."""
+    from pipeline.data.calibration import encode_prompt
+    from pipeline.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny:test/target")
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+    user = {"role": "user", "content": "Write a function that adds two numbers. " * 10}
+    ids = encode_prompt(tokenizer, [system, user], 64)
+    assert len(ids) <= 64
+    assert ids == encode_prompt(tokenizer, [user], 64)
+    full = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=True)
+    full = full["input_ids"] if isinstance(full, dict) or hasattr(full, "input_ids") else full
+    assert ids[0] == full[0]  # the template's opening (BOS) is there
+
+
 def test_long_empty_and_non_utf8_prompts(tmp_path: Path, tiny_kit) -> None:
     """A prompt far longer than the context is cut to generate.max_prompt_tokens (left kept), empty turns are
     dropped and counted, and a file that is not UTF-8 is refused naming the byte offset and the fix."""

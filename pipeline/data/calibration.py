@@ -43,7 +43,8 @@ def first_prompt(conv: Conversation) -> list[dict[str, str]] | None:
 
 def encode_prompt(tokenizer: Any, messages: list[dict[str, str]], max_tokens: int) -> list[int]:
     """Token ids of ``messages`` under the chat template with the generation prompt, at most
-    ``max_tokens`` long: an overlong user turn is cut (its start kept) so the template stays intact."""
+    ``max_tokens`` long: an overlong user turn is cut (its start kept) so the template stays intact, and where the
+    turns before it (a system prompt) leave no room, they are dropped."""
     ids = _template(tokenizer, messages, add_generation_prompt=True)
     if len(ids) <= max_tokens:
         return ids
@@ -52,6 +53,10 @@ def encode_prompt(tokenizer: Any, messages: list[dict[str, str]], max_tokens: in
     content_ids = tokenizer.encode(messages[-1]["content"], add_special_tokens=False)[:budget]
     cut = [*messages[:-1], {"role": "user", "content": tokenizer.decode(content_ids)}]
     ids = _template(tokenizer, cut, add_generation_prompt=True)
+    if len(ids) > max_tokens and len(messages) > 1:
+        # the turns before the user's (a system prompt) leave no room: the prompt keeps the user's turn under an
+        # intact template rather than lose its start (BOS, the system header) to a cut from the left
+        return encode_prompt(tokenizer, messages[-1:], max_tokens)
     return ids[-max_tokens:] if len(ids) > max_tokens else ids
 
 
