@@ -88,6 +88,8 @@ def test_a_hub_models_id_holds_the_commit_its_revision_resolves_to(tmp_path: Pat
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: the variable alone left the
+    # loaders asking the unreachable hub first (about 4 minutes of timeouts a test)
     (cache / "models--org--tiny-target" / "refs" / "main").write_text(old)
     assert hub.hub_commit("org/tiny-target", None) == old
     (cache / "models--org--tiny-target" / "refs" / "main").write_text(new)
@@ -111,6 +113,8 @@ def test_a_hub_model_loads_at_the_commit_its_ids_name_though_its_branch_moves_on
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: the variable alone left the
+    # loaders asking the unreachable hub first (about 4 minutes of timeouts a test)
     main = cache / "models--org--moving-target" / "refs" / "main"
     main.write_text(old)
     first = {name: tensor.clone() for name, tensor in loading.load_model(str(cache / "models--org--moving-target"
@@ -125,6 +129,31 @@ def test_a_hub_model_loads_at_the_commit_its_ids_name_though_its_branch_moves_on
     assert loading.fingerprint("org/moving-target")["weights"] == f"commit:{new}"
     moved = loading.load_model("org/moving-target").state_dict()
     assert not all(torch.equal(moved[name], first[name]) for name in first)
+
+
+def test_a_hub_tokenizer_of_its_own_names_its_commit_in_the_ids(tmp_path: Path, tiny_kit,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """target.tokenizer=org/tok (a repository of its own) with revision main: a corrected chat template pushed there
+    keeps the vocabulary, and the fingerprint held the model's commit and the vocabulary hash only, so generate was a
+    cache hit with prompts in the old template. The tokenizer's commit is in the ids now."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    old, new = "e" * 40, "f" * 40
+    _hub_cache(cache, "org/tok", {old: tiny_kit.path("target"), new: tiny_kit.path("target")})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: the variable alone left the
+    # loaders asking the unreachable hub first (about 4 minutes of timeouts a test)
+    target = _copy_model(tiny_kit.path("target"), tmp_path / "my-target")
+    (cache / "models--org--tok" / "refs" / "main").write_text(old)
+    before = loading.fingerprint(str(target), tokenizer="org/tok")
+    (cache / "models--org--tok" / "refs" / "main").write_text(new)  # the template fix lands on main
+    hub.pinned_commit.cache_clear()  # the next process resolves main afresh
+    loading._fingerprint_cached.cache_clear()
+    after = loading.fingerprint(str(target), tokenizer="org/tok")
+    assert before["vocab_hash"] == after["vocab_hash"] and before["files"] != after["files"]
 
 
 @pytest.mark.parametrize("edit", [

@@ -261,16 +261,17 @@ def holds_humaneval(source: str) -> bool:
 
 
 def unseen_humaneval(source: str, heldout_fraction: float, *, with_solutions: bool = False,
-                     revision: str | None = None) -> list[Conversation]:
+                     revision: str | None = None, read_source: bool = True) -> list[Conversation]:
     """The HumanEval problems a calibration set drawn from ``source`` (with ``heldout_fraction``) never saw, in order:
     all 164, only the held-out share when ``source`` is the packaged HumanEval, and for any other source (a local
     copy of HumanEval, a mix that holds some of it) those whose prompt opens no conversation on its calibration side.
     The evaluation's code task decodes the first ``evaluate.prompts_per_task`` of them; RDK's code analysis takes its
-    problems from the rest."""
+    problems from the rest. ``read_source=False`` (a plan, which must not load a dataset) leaves another source's
+    problems all in: an upper bound."""
     problems = load_humaneval(with_solutions=with_solutions)
     if holds_humaneval(source):
         return split_heldout(problems, heldout_fraction, heldout=True)
-    if source in PACKAGED_SOURCES:  # the packaged ShareGPT dump: no HumanEval problem in it
+    if source in PACKAGED_SOURCES or not read_source:  # the packaged ShareGPT dump holds no HumanEval problem
         return problems
     convs, _ = load_conversations(source, revision=revision)
     seen = {c.messages[0]["content"] for c in split_heldout(convs, heldout_fraction, heldout=False)

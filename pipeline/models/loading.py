@@ -215,12 +215,16 @@ def weights_identity(ref: ModelRef) -> str | None:
 
 def files_identity(model: ModelRef, tokenizer: ModelRef) -> str | None:
     """What names the loading files (:data:`LOADING_FILES`) of a model and of its tokenizer where either is a local
-    directory, by role and never by path (the same files at another path are the same target); None where neither
-    is (a hub commit names every file; a tiny kit's digests name its own)."""
+    directory, by role and never by path (the same files at another path are the same target), and the commit of a
+    hub tokenizer that is not the model's repository; None where there is none of these (a hub model's commit names
+    every file of its repository; a tiny kit's digests name its own)."""
     roles = {"model": model} if tokenizer.location == model.location else {"model": model, "tokenizer": tokenizer}
     digests = {role: digest for role, ref in roles.items()
                if ref.is_local and not ref.name.startswith(TINY_PREFIX)
                and (digest := local_files_digest(Path(ref.location))) is not None}
+    if "tokenizer" in roles and not tokenizer.is_local and not tokenizer.name.startswith(TINY_PREFIX):
+        # a tokenizer repository of its own: its commit names its chat template (the model's commit does not)
+        digests["tokenizer"] = "commit:" + pinned_commit(tokenizer.name, tokenizer.revision)
     return "sha256:" + tree_digest(digests) if digests else None
 
 
