@@ -78,18 +78,23 @@ def _hub_cache(root: Path, name: str, commits: dict[str, Path]) -> None:
     (repo / "refs").mkdir(parents=True)
 
 
-def test_a_hub_models_id_holds_the_commit_its_revision_resolves_to(tmp_path: Path, tiny_kit,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def _offline(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Hugging Face cache at ``cache``, offline. huggingface_hub reads HF_HUB_OFFLINE when it is imported: the
+    variable alone left the loaders asking the unreachable hub first (about 4 minutes of timeouts a test)."""
     from huggingface_hub import constants
 
-    cache = tmp_path / "hub"
-    old, new = "a" * 40, "b" * 40
-    _hub_cache(cache, "org/tiny-target", {old: tiny_kit.path("target"), new: tiny_kit.path("target")})
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: the variable alone left the
-    # loaders asking the unreachable hub first (about 4 minutes of timeouts a test)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_a_hub_models_id_holds_the_commit_its_revision_resolves_to(tmp_path: Path, tiny_kit,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "hub"
+    old, new = "a" * 40, "b" * 40
+    _hub_cache(cache, "org/tiny-target", {old: tiny_kit.path("target"), new: tiny_kit.path("target")})
+    _offline(cache, monkeypatch)
     (cache / "models--org--tiny-target" / "refs" / "main").write_text(old)
     assert hub.hub_commit("org/tiny-target", None) == old
     (cache / "models--org--tiny-target" / "refs" / "main").write_text(new)
@@ -104,17 +109,11 @@ def test_a_hub_model_loads_at_the_commit_its_ids_name_though_its_branch_moves_on
     """The id named the commit main resolved to at planning, but the loaders asked for main again: a download
     between planning and loading put other weights under the planned id, exit 0."""
     import torch
-    from huggingface_hub import constants
-
     cache = tmp_path / "hub"
     old, new = "c" * 40, "d" * 40
     _hub_cache(cache, "org/moving-target", {old: tiny_kit.path("target"), new: tiny_kit.path("target")})
     _perturb_in_place(cache / "models--org--moving-target" / "snapshots" / new)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: the variable alone left the
-    # loaders asking the unreachable hub first (about 4 minutes of timeouts a test)
+    _offline(cache, monkeypatch)
     main = cache / "models--org--moving-target" / "refs" / "main"
     main.write_text(old)
     first = {name: tensor.clone() for name, tensor in loading.load_model(str(cache / "models--org--moving-target"
@@ -136,16 +135,10 @@ def test_a_hub_tokenizer_of_its_own_names_its_commit_in_the_ids(tmp_path: Path, 
     """target.tokenizer=org/tok (a repository of its own) with revision main: a corrected chat template pushed there
     keeps the vocabulary, and the fingerprint held the model's commit and the vocabulary hash only, so generate was a
     cache hit with prompts in the old template. The tokenizer's commit is in the ids now."""
-    from huggingface_hub import constants
-
     cache = tmp_path / "hub"
     old, new = "e" * 40, "f" * 40
     _hub_cache(cache, "org/tok", {old: tiny_kit.path("target"), new: tiny_kit.path("target")})
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: the variable alone left the
-    # loaders asking the unreachable hub first (about 4 minutes of timeouts a test)
+    _offline(cache, monkeypatch)
     target = _copy_model(tiny_kit.path("target"), tmp_path / "my-target")
     (cache / "models--org--tok" / "refs" / "main").write_text(old)
     before = loading.fingerprint(str(target), tokenizer="org/tok")
