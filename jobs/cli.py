@@ -24,8 +24,9 @@ from pathlib import Path
 
 from jobs import STAGES, run
 from pipeline.artifacts import load_artifact
-from pipeline.config.schema import INPUT_OVERRIDE, describe, excluded_fields, to_dict
-from pipeline.config.sections import PipelineConfig, load_config
+from pipeline.config.reference import config_reference
+from pipeline.config.schema import to_dict
+from pipeline.config.sections import load_config
 from pipeline.errors import DrafterError
 from pipeline.models.loading import fingerprint
 from pipeline.orchestration import dag, slurm
@@ -38,7 +39,6 @@ from pipeline.tiny.spec import BUILD_MINUTES
 from pipeline.tracking import redact, tracking_uri
 
 DEFAULT_CONFIG = Path("configs/tiny.yaml")
-STAGE_SECTIONS = ("workdir", "target", "mlflow")
 
 
 @dataclass(frozen=True)
@@ -80,44 +80,6 @@ BENCHES: dict[str, Bench] = {
 """``drafter bench NAME``: what each benchmark measures and the function that runs it."""
 KEYS_EPILOG = ("config keys: `drafter config --keys STAGE` lists a stage's keys (type, default, meaning);\n"
                "`drafter config --keys` lists every key.")
-
-
-def config_reference(section: str | None = None) -> str:
-    """The config reference: every key (or those under ``section``) with type, built-in default, meaning.
-
-    ``section`` is a dotted key prefix (``count``, ``train_drafter.train``, ``mlflow``); a stage's section
-    comes with the shared ones every stage reads (``workdir``, ``target``, ``mlflow``). Keys that never
-    enter an artifact id are marked ``[run setting]``, upstream artifact paths ``[input: …]``.
-    """
-    from dataclasses import fields
-
-
-    every = describe(PipelineConfig)
-
-    def under(prefix: str) -> list[tuple[str, str, str, str]]:
-        return [r for r in every if r[0] == prefix or r[0].startswith(prefix + ".")]
-
-    groups = {"": every}
-    if section:
-        groups = {"": under(section)}
-        if not groups[""]:
-            top = [f.name for f in fields(PipelineConfig)]
-            raise DrafterError(f"No config key or section {section!r}.", expected=f"one of: {', '.join(top)}",
-                               found=repr(section), fix="Run `drafter config --keys` to see every key.")
-        if section in STAGES:
-            groups["shared by every stage:"] = [r for shared in STAGE_SECTIONS for r in under(shared)]
-    marks = {key: "  [input: its artifact id enters the id]" if why == INPUT_OVERRIDE else "  [run setting]"
-             for key, why in excluded_fields(PipelineConfig).items()}
-    width = max(len(r[0]) for rows in groups.values() for r in rows)
-    lines = ["config keys (set in the YAML or override as key=value; [run setting]: not part of any artifact id;",
-             "[input]: a path to an upstream artifact used instead of the stage's own):"]
-    for title, rows in groups.items():
-        lines += [title] if title else []
-        for key, tp, default, doc in rows:
-            lines.append(f"  {key:<{width}}  {tp} = {default}{marks.get(key, '')}")
-            if doc:
-                lines.append(f"  {'':<{width}}    {doc}")
-    return "\n".join(lines)
 
 
 def _stage_summary(stage: str) -> str:
@@ -355,7 +317,7 @@ def _run(args: argparse.Namespace, launch: Launch) -> int:
         return _slurm(args, cfg)
     if args.command in STAGES:
         if args.expect_id:
-            _check_submitted(cfg, args.command, args.expect_id)
+            slurm.check_submitted(cfg, args.command, args.expect_id)
         artifacts = run(cfg, [args.command], launch)
         if args.command in artifacts:
             print(_summary(cfg, {args.command: artifacts[args.command]}))
@@ -364,30 +326,6 @@ def _run(args: argparse.Namespace, launch: Launch) -> int:
     if artifacts:
         print(_summary(cfg, artifacts))
     return 0
-
-
-def _check_submitted(cfg, stage: str, submitted: str) -> None:  # noqa: ANN001 - a PipelineConfig
-    """A Slurm job plans again when it starts: refuse to run if the id moved since `drafter submit` (the YAML, a hub
-    branch's commit, the prompt file or the pipeline's code changed), or if an input is missing from the store
-    (the job would build it inside an allocation sized for its own stage)."""
-    the_plan = plan(cfg, [stage])
-    planned = the_plan[stage].id
-    if planned != submitted:
-        changed = [up for up in the_plan[stage].inputs if not the_plan[up].cached]
-        raise DrafterError(
-            f"This {stage} job was submitted for {submitted}, but its config now plans {planned}: something the id "
-            f"reads changed since `drafter submit`.",
-            expected=f"the config plans {submitted}",
-            found=f"{planned}" + (f" (inputs not built under the new ids: {', '.join(changed)})" if changed else ""),
-            fix="Check what changed (the config file, a hub revision that moved to a new commit, the prompt file, a "
-                "`git pull` of the pipeline), then `drafter submit` again: it plans the new ids and chains their jobs.")
-    missing = [up for up in the_plan.needed([stage]) if up != stage]
-    if missing:
-        raise DrafterError(
-            f"This {stage} job's inputs are not in the store: {', '.join(f'{up} {the_plan[up].id}' for up in missing)}.",
-            expected="every input published by the jobs this one waited for",
-            found="missing (deleted, or moved aside as damaged, after its job ended)",
-            fix="`drafter submit` again: it submits jobs for what is missing and chains this stage after them.")
 
 
 def _wanted(args: argparse.Namespace, cfg) -> tuple[str, ...]:

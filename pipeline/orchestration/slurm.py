@@ -344,6 +344,30 @@ def _log_tail(path: Path, lines: int = 3) -> str | None:
     return " | ".join(line.strip() for line in picked) or None
 
 
+def check_submitted(cfg: PipelineConfig, stage: str, submitted: str) -> None:
+    """A Slurm job plans again when it starts: refuse to run if the id moved since `drafter submit` (the YAML, a hub
+    branch's commit, the prompt file or the pipeline's code changed), or if an input is missing from the store
+    (the job would build it inside an allocation sized for its own stage)."""
+    the_plan = plan(cfg, [stage])
+    planned = the_plan[stage].id
+    if planned != submitted:
+        changed = [up for up in the_plan[stage].inputs if not the_plan[up].cached]
+        raise DrafterError(
+            f"This {stage} job was submitted for {submitted}, but its config now plans {planned}: something the id "
+            f"reads changed since `drafter submit`.",
+            expected=f"the config plans {submitted}",
+            found=f"{planned}" + (f" (inputs not built under the new ids: {', '.join(changed)})" if changed else ""),
+            fix="Check what changed (the config file, a hub revision that moved to a new commit, the prompt file, a "
+                "`git pull` of the pipeline), then `drafter submit` again: it plans the new ids and chains their jobs.")
+    missing = [up for up in the_plan.needed([stage]) if up != stage]
+    if missing:
+        raise DrafterError(
+            f"This {stage} job's inputs are not in the store: {', '.join(f'{up} {the_plan[up].id}' for up in missing)}.",
+            expected="every input published by the jobs this one waited for",
+            found="missing (deleted, or moved aside as damaged, after its job ended)",
+            fix="`drafter submit` again: it submits jobs for what is missing and chains this stage after them.")
+
+
 def unregistered(cfg: PipelineConfig, step: Any) -> list[str]:
     """A built evaluation's passing bundles that this config's store has no registration of (none for another
     stage, or one not built): its registration failed after it was published, or it was registered elsewhere.
