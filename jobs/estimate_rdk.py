@@ -187,7 +187,7 @@ def _code_rows(cfg: PipelineConfig, tokenizer) -> list:  # noqa: ANN001
 
     er, ev, gen = cfg.estimate_rdk, cfg.evaluate, cfg.generate
     unseen = unseen_humaneval(gen.source, gen.heldout_fraction, with_solutions=True, revision=gen.source_revision)
-    check_rdk_code_problems(cfg, read_source=True)
+    check_rdk_code_problems(cfg, unseen=len(unseen))
     contexts = [context_length(cfg.target.model, cfg.target.revision, cfg.target.trust_remote_code),
                 context_length(ev.drafter, None, cfg.target.trust_remote_code)]
     limit = min([er.max_length] + [c for c in contexts if c])

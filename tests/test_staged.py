@@ -87,7 +87,7 @@ def test_staged_work_from_an_input_rebuilt_with_other_bytes_is_started_over(tmp_
             seen.append(sorted(p.name for p in run.staging.iterdir()))
             (run.staging / f"sums-{len(seen)}.safetensors").write_bytes(calibration.file("rows.txt").read_bytes())
             if not finish:
-                raise KeyboardInterrupt  # killed after staging a shard
+                raise KeyboardInterrupt("killed after staging a shard")
             return BuildResult(lambda out: (out / "moments.json").write_text("{}"), {})
 
         row = spec("estimate_rdk")
@@ -98,9 +98,9 @@ def test_staged_work_from_an_input_rebuilt_with_other_bytes_is_started_over(tmp_
         return run_stage(cfg, step, [calibration], build=build)
 
     first = _input(tmp_path / "a", b"old rows")
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="killed after staging a shard"):
         stage(first, finish=False)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="killed after staging a shard"):
         stage(first, finish=False)  # the same input: the staged shard is kept
     assert seen[1] == ["inputs.json", "sums-1.safetensors"]
     rebuilt = _input(tmp_path / "b", b"new rows")

@@ -56,15 +56,16 @@ class SourceReport:
 Frozen = tuple[str, tuple[tuple[str, str], ...]]
 
 
-def normalise_record(record: Any, fallback_id: str, counters: Counter[str]) -> Frozen | None:
-    """Map one raw record to ``(id, ((role, content), ...))``, or None when it has nothing usable."""
+def normalise_record(record: Any, counters: Counter[str]) -> Frozen | None:
+    """Map one raw record to ``(id, ((role, content), ...))``, or None when it has nothing usable; the id is ``""``
+    for a record without one (:func:`normalise_all` names it by its content)."""
     if not isinstance(record, dict):
         counters["records that are not JSON objects"] += 1
         return None
     # JSON may escape a lone surrogate (\ud800), which no UTF-8 tokenizer, Arrow column or hash can take: an
     # id keeps it as the visible escape (still unique), a turn holding one is dropped and counted.
-    own = next((record[key] for key in ("id", "task_id") if record.get(key) not in (None, "")), fallback_id)
-    rec_id = printable(str(own)) if own else ""  # an empty or null id is no id: normalise_all names it
+    own = next((record[key] for key in ("id", "task_id") if record.get(key) not in (None, "")), None)
+    rec_id = "" if own is None else printable(str(own))  # an empty or null id is no id
     turns: list[tuple[str, str]] = []
     if isinstance(record.get("conversations"), list):
         raw = [(t.get("from"), t.get("value")) for t in record["conversations"] if isinstance(t, dict)]
@@ -116,14 +117,10 @@ chat is 89 parts of 17,395 records, 0.5 %)."""
 def thaw(frozen: Iterable[Frozen]) -> list[Conversation]:
     """Conversations from normalised records, the parts of one chat (``<base>_<n>``) in one split group."""
     frozen = list(frozen)
-    bases = Counter(_PART_SUFFIX.sub("", cid) for cid, _ in frozen if _PART_SUFFIX.search(cid))
-    most = max(1, int(len(frozen) * PART_GROUP_SHARE))
-    out = []
-    for cid, msgs in frozen:
-        base = _PART_SUFFIX.sub("", cid) if _PART_SUFFIX.search(cid) else ""
-        group = base if base and bases[base] <= most else ""
-        out.append(Conversation(cid, [{"role": r, "content": c} for r, c in msgs], group))
-    return out
+    bases = [_PART_SUFFIX.sub("", cid) if _PART_SUFFIX.search(cid) else "" for cid, _ in frozen]
+    parts, most = Counter(bases), max(1, int(len(frozen) * PART_GROUP_SHARE))
+    return [Conversation(cid, [{"role": r, "content": c} for r, c in msgs], base if base and parts[base] <= most else "")
+            for (cid, msgs), base in zip(frozen, bases)]
 
 
 def iter_json_array(text: str) -> Iterator[Any]:
@@ -189,7 +186,7 @@ def normalise_all(records: Iterable[Any], stem: str, counters: Counter[str]) -> 
     artifact built from the old file into the new file's held-out prompts."""
     kept, seen = [], Counter()
     for record in records:
-        frozen = normalise_record(record, "", counters)
+        frozen = normalise_record(record, counters)
         if frozen is None:
             continue
         cid, msgs = frozen

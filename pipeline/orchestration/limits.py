@@ -174,18 +174,18 @@ def _check_evaluate(cfg: PipelineConfig) -> None:
         )
 
 
-def check_rdk_code_problems(cfg: PipelineConfig, read_source: bool = False) -> None:
+def check_rdk_code_problems(cfg: PipelineConfig, unseen: int | None = None) -> None:
     """Refuse an RDK code analysis that would take HumanEval problems the evaluation decodes or the calibration set
     was drawn from: RDK takes the last ``estimate_rdk.code_problems`` of the problems no calibration row holds
     (:func:`~pipeline.data.sources.unseen_humaneval`), the evaluation the first ``evaluate.prompts_per_task``. Checked
     whenever a plan holds estimate_rdk, built or reused: the evaluation's settings are not in its id. A plan reads no
-    dataset (``read_source``: counted against every problem a source other than HumanEval may leave unseen); the
-    stage checks again with the source read."""
+    dataset: it counts every problem a source other than HumanEval may leave unseen; the stage checks again with
+    ``unseen``, the problems it found unseen with the source read."""
     er, ev, gen = cfg.estimate_rdk, cfg.evaluate, cfg.generate
     if not er.code_problems:
         return
-    unseen = len(unseen_humaneval(gen.source, gen.heldout_fraction, revision=gen.source_revision,
-                                  read_source=read_source))
+    if unseen is None:
+        unseen = len(unseen_humaneval(gen.source, gen.heldout_fraction, read_source=False))
     decoded = ev.prompts_per_task if "code" in ev.tasks else 0
     if er.code_problems + decoded > unseen:
         drew = "; the calibration set drew on the others" if holds_humaneval(gen.source) else ""

@@ -37,6 +37,7 @@ from pipeline.registry.store import (
     error_code,
     registry_errors,
     version_by_alias,
+    versions_of,
     versions_of_bundle,
 )
 from pipeline.tracking import ensure_experiment, git_sha, http_limits
@@ -312,10 +313,8 @@ def _champion_decision(
 
 def _replaced_by(client: Any, name: str, champion: Any, fingerprint: dict, keys: list[str]) -> str | None:
     """The newest version older than ``champion`` built for the target ``fingerprint`` names (on ``keys``), if any."""
-    escaped = name.replace("'", "\\'")
-    older = sorted((v for v in client.search_model_versions(f"name = '{escaped}'")
-                    if int(v.version) < int(champion.version)), key=lambda v: -int(v.version))
-    for version in older:
+    older = [v for v in versions_of(client, name) if int(v.version) < int(champion.version)]
+    for version in reversed(older):
         tagged = _tagged_fingerprint(version)
         if all(tagged.get(key) == fingerprint.get(key) for key in keys):
             return str(version.version)

@@ -117,8 +117,13 @@ def version_by_alias(client: Any, name: str, alias: str) -> Any | None:
         raise
 
 
+def versions_of(client: Any, name: str, where: str = "") -> list[Any]:
+    """Model versions of ``name`` (those ``where``, a search clause, also holds), oldest first."""
+    escaped = name.replace("'", "\\'")
+    found = client.search_model_versions(f"name = '{escaped}'" + (f" and {where}" if where else ""))
+    return sorted(found, key=lambda v: int(v.version))
+
+
 def versions_of_bundle(client: Any, name: str, sha256: str) -> list[Any]:
     """Model versions of ``name`` already made from the bundle with this sha256, oldest first."""
-    escaped = name.replace("'", "\\'")
-    found = client.search_model_versions(f"name = '{escaped}' and tags.`{BUNDLE_SHA}` = '{sha256}'")
-    return sorted(found, key=lambda v: int(v.version))
+    return versions_of(client, name, f"tags.`{BUNDLE_SHA}` = '{sha256}'")
