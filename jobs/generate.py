@@ -61,11 +61,19 @@ def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict]
     return train, {"source_records_read": report.records_read, "source_records_dropped": report.records_dropped}
 
 
+def answer_law(gen: GenerateConfig) -> dict:
+    """``generate``'s sampling arguments for the answers' law: greedy at temperature 0, else temperature then
+    nucleus ``top_p`` with top-k off (``top_k=0``; left unset, transformers filters to the 50 likeliest tokens)."""
+    if gen.temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": 0}
+
+
 def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pending: list[int], staging: Path):
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
-
+    from transformers import GenerationConfig
 
     gen = cfg.generate
     target = Target(cfg.target)
@@ -80,6 +88,12 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
             self.tokenizer = target.tokenizer()
             self.lm = target.model() if gen.kind != "drafter" else load_model(
                 gen.drafter, dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code)
+            self.stops = stop_ids(self.tokenizer, self.lm)
+            self.law = answer_law(gen)
+            # The answers follow generate.temperature / top_p and nothing else, the law evaluate decodes with: an
+            # emptied generation config leaves no room for transformers' top-k 50 default or for the processors a
+            # hub model's generation_config.json sets (top_k, repetition_penalty, min_p, ...).
+            self.lm.generation_config = GenerationConfig()
             self.generated_tokens = 0
             self.generate_seconds = 0.0
             self.progress: Progress | None = None
@@ -121,11 +135,9 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
             input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch], device=self.device)
             attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch],
                                      device=self.device)
-            sampling = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} \
-                if gen.temperature > 0 else {"do_sample": False}
-            stops = stop_ids(tok, self.lm)
+            stops = self.stops
             out = self.lm.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=gen.max_new_tokens,
-                                   pad_token_id=pad, eos_token_id=stops, **sampling)
+                                   pad_token_id=pad, eos_token_id=stops, **self.law)
             rows = []
             for (pid, ids), seq in zip(batch, out[:, width:].tolist()):
                 response, finished = [], False

@@ -157,6 +157,47 @@ def test_answers_end_at_the_generation_configs_end_of_turn_ids_too(tmp_path: Pat
     assert same["input_ids"][same["prompt_len"]:] == [opener] and same["finished"]
 
 
+@pytest.mark.parametrize("extras", [{}, {"top_k": 5, "repetition_penalty": 3.0}], ids=["plain", "hub-extras"])
+def test_sampled_answers_follow_temperature_and_top_p_alone(tmp_path: Path, tiny_kit, extras: dict) -> None:
+    """generate sampled with temperature and top_p, but transformers also filtered to its default 50 likeliest tokens
+    and applied whatever the model's generation_config.json set (a hub model's top_k, repetition_penalty), so the
+    calibration answers followed another law than the one configured and evaluated. Here 4,000 first answer tokens
+    to one prompt (temperature 1.5, top_p 0.98) are binned as the law ranks them (each of its 10 likeliest tokens,
+    ranks 11-50, the rest) and tested against that law by a chi-square test with 11 degrees of freedom at
+    p = 1e-6 (48.9). Under the old law the last bin, about a fifth of the mass here, was never drawn."""
+    import shutil
+
+    from scipy.stats import chi2
+
+    from pipeline.engine.sampling import SamplingParams, standardise
+    from pipeline.models.loading import resolve_ref
+
+    local = tmp_path / "target"
+    shutil.copytree(resolve_ref("tiny:test/target").location, local)
+    config = json.loads((local / "generation_config.json").read_text())
+    (local / "generation_config.json").write_text(json.dumps({**config, **extras}))
+    cfg = small_cfg(tmp_path, f"target.model={local}", "generate.temperature=1.5", "generate.top_p=0.98",
+                    "generate.max_new_tokens=1")
+    ids = encode_prompt(load_tokenizer(str(local)), [{"role": "user", "content": "Tell me about rivers."}],
+                        cfg.generate.max_prompt_tokens)
+    module = generate._make_module(cfg, [], [], tmp_path / "staging")
+    n = 4000
+    torch.manual_seed(0)
+    drawn = torch.tensor([row["input_ids"][-1] for row in module._answer([(str(i), ids) for i in range(n)])])
+    with torch.no_grad():
+        law = standardise(module.lm(torch.tensor([ids])).logits[0, -1], SamplingParams(1.5, 0, 0.98))
+    order = torch.argsort(law, descending=True, stable=True)
+    rank_of = torch.empty(law.numel(), dtype=torch.long).scatter_(0, order, torch.arange(law.numel()))
+    rank = rank_of[drawn]
+    ranked = law[order]
+    bins = [*[(r, r + 1) for r in range(10)], (10, 50), (50, law.numel())]
+    expected = torch.tensor([float(ranked[a:b].sum()) * n for a, b in bins])
+    observed = torch.tensor([float(((rank >= a) & (rank < b)).sum()) for a, b in bins])
+    assert expected.min() >= 5 and expected[-1] > 0.1 * n  # the test can see the top-k cut
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    assert statistic < chi2.isf(1e-6, len(bins) - 1), (statistic, observed.tolist(), expected.tolist())
+
+
 def test_counts_and_exports_match_the_calibration_set(pipeline_run) -> None:
     cfg, calibration, counts_art = pipeline_run
     counts = load_file(str(counts_art.file("counts.safetensors")))["counts"]

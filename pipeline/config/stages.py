@@ -45,7 +45,8 @@ class GenerateConfig:
     dataset's turns). max_prompt_tokens + max_new_tokens must fit the target's context (and the answering drafter's),
     checked at plan time, so no row is longer than it."""
     temperature: float = 0.8
-    """Sampling temperature (0 for greedy)."""
+    """Sampling temperature (0 for greedy). The answers' law is this temperature then ``top_p`` and nothing else
+    (no top-k, no processor from the model's generation_config.json), the law ``evaluate`` decodes with."""
     top_p: float = 0.95
     """Nucleus sampling mass."""
     batch_size: int = 16

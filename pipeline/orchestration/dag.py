@@ -141,10 +141,12 @@ EVALUATE_UPSTREAM = ("count", "train_drafter", "cluster", "train_router", "estim
 
 STAGES: tuple[StageSpec, ...] = (
     # 2: the parts of a chat share a side of the split for every source, not only the packaged one; a record without
-    # an id is named by its content, not its position; answers stop at the generation config's end-of-turn ids too
+    # an id is named by its content, not its position; answers stop at the generation config's end-of-turn ids too.
+    # 3: sampled answers follow temperature and top_p alone (transformers added its top-k 50 default and whatever
+    # the model's generation_config.json set)
     StageSpec("generate", "jobs.generate", "calibration",
               reads=(*TARGET_IDENTITY, "target.dtype", "generate"), models=_generate_models, data=_prompt_data,
-              version=2),
+              version=3),
     StageSpec("count", "jobs.count", "token_counts", upstream=("generate",),
               reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}),
     # evaluate's prompts come from generate.source / heldout_fraction (the held-out share), so those two
