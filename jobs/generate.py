@@ -69,7 +69,10 @@ def answer_law(gen: GenerateConfig) -> dict:
     return {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": 0}
 
 
-def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pending: list[int], staging: Path):
+def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pending: list[int], staging: Path,
+                 groups: dict[str, str] | None = None):
+    """The predict module answering ``prompts`` (id, token ids); ``groups`` maps an id to its chat's split group
+    (an id not in it is its own group)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -149,7 +152,7 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
                 self.generated_tokens += len(response)
                 rows.append({"input_ids": ids + response, "loss_mask": [0] * len(ids) + [1] * len(response),
                              "prompt_id": pid, "prompt_len": len(ids), "response_len": len(response),
-                             "finished": finished})
+                             "finished": finished, "group": (groups or {}).get(pid, pid)})
             return rows
 
     return GenerateModule()
@@ -176,7 +179,7 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
                     if (r := raw_row(tokenizer, c, gen.max_prompt_tokens + gen.max_new_tokens)) is not None]
             write_staged(run.staging / shard_name(shard), lambda tmp, rows=rows: write_shard(tmp, rows))
     elif pending:
-        module = _make_module(cfg, prompts, pending, run.staging)
+        module = _make_module(cfg, prompts, pending, run.staging, {c.id: c.split_key for c in convs})
         trainer = shard_trainer("generate", gen.accelerator, gen.devices, gen.num_nodes, gen.collective_timeout)
         ranks = predict_shards(trainer, module, "generate", gen.collective_timeout)
         generated, gen_seconds = module.generated_tokens, module.generate_seconds

@@ -350,6 +350,30 @@ def test_raw_calibration_kind(tmp_path: Path, tiny_kit) -> None:
     assert all(sum(r["loss_mask"]) > 0 and r["loss_mask"][0] == 0 for r in rows)
 
 
+@pytest.mark.parametrize("kind", ["target", "raw"])
+def test_the_trainers_held_out_rows_keep_a_chats_parts_together(tmp_path: Path, tiny_kit, kind: str) -> None:
+    """The trainers choose their kept checkpoint on held-out calibration rows, split by a hash of each row's
+    prompt_id. A long ShareGPT chat is several records (`<base>_0`, `<base>_1`, ...) and each one's first prompt is
+    a row, so parts of one chat landed on both sides and the held-out simulated tau scored rows from chats trained
+    on. Rows now carry their chat's group and split by it: here 150 three-part chats, each whole on one side."""
+    from pipeline.data.rows import CalibrationRows
+
+    chats = [{"id": f"chat{c}_{k}", "conversations": [
+        {"from": "human", "value": f"Tell me about river {c}, part {k}."},
+        {"from": "gpt", "value": f"River {c} is long and its part {k} flows north past many towns."}]}
+        for c in range(150) for k in range(3)]
+    source = tmp_path / "chats.json"
+    source.write_text(json.dumps(chats))
+    art = generate.main(small_cfg(tmp_path, f"generate.source={source}", f"generate.kind={kind}",
+                                  "generate.max_new_tokens=8", "generate.limit=null"))
+    chat_of = {tuple(r["input_ids"]): r["prompt_id"].rsplit("_", 1)[0] for r in iter_rows(art.path / "data")}
+    rows = CalibrationRows(art.path / "data", max_length=256, eval_fraction=0.3, eval_max_rows=1000, min_length=2)
+    held = {chat_of[tuple(r.input_ids)] for r in rows.heldout}
+    trained = {chat_of[tuple(r.input_ids)] for r in rows.train}
+    assert held and trained and held.isdisjoint(trained)
+    assert len(rows.heldout) + len(rows.train) > 2 * len(held | trained)  # chats with several parts were split
+
+
 def test_drafter_calibration_kind(tmp_path: Path, tiny_kit) -> None:
     art = generate.main(small_cfg(tmp_path, "generate.kind=drafter", "generate.drafter=tiny:test/drafter",
                                   "generate.limit=4"))

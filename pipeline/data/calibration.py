@@ -28,7 +28,11 @@ SCHEMA = pa.schema([
     ("prompt_len", pa.int32()),
     ("response_len", pa.int32()),
     ("finished", pa.bool_()),
+    ("group", pa.string()),
 ])
+"""A calibration row. ``group`` is the chat its prompt came from (the split group of :class:`Conversation`: the
+record's id unless it is one part of a longer chat), so the trainers' held-out rows keep a chat's parts together;
+shards written before it have no such column and group by ``prompt_id``."""
 
 
 def first_prompt(conv: Conversation) -> list[dict[str, str]] | None:
@@ -95,7 +99,7 @@ def raw_row(tokenizer: Any, conv: Conversation, max_tokens: int) -> dict | None:
         return None
     prompt_len = mask.index(1)
     return {"input_ids": ids, "loss_mask": mask, "prompt_id": conv.id, "prompt_len": prompt_len,
-            "response_len": len(ids) - prompt_len, "finished": True}
+            "response_len": len(ids) - prompt_len, "finished": True, "group": conv.split_key}
 
 
 def write_shard(path: Path, rows: list[dict]) -> None:

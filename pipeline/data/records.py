@@ -40,6 +40,11 @@ class Conversation:
     messages: list[dict[str, str]]
     group: str = ""
 
+    @property
+    def split_key(self) -> str:
+        """What the held-out splits hash: the chat's group, else the record's own id."""
+        return self.group or self.id
+
 
 @dataclass
 class SourceReport:

@@ -3,8 +3,9 @@ padded batches of them.
 
 :class:`CalibrationRows` turns a calibration artifact (the target's own answers, from ``generate``) into
 training and held-out rows: ``input_ids`` cut to ``max_length`` and the assistant ``loss_mask``; a
-conversation's rows go to the held-out side when the hash of its ``prompt_id`` falls under ``eval_fraction``
-(stable whatever the shard layout). The EAGLE-3 head, the DynaSpec router and RDK's estimation all read them.
+chat's rows go to the held-out side when the hash of its ``group`` (the chat a record is one part of; the row's
+``prompt_id`` in shards without that column) falls under ``eval_fraction`` (stable whatever the shard layout).
+The EAGLE-3 head, the DynaSpec router and RDK's estimation all read them.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ class Row:
     loss_mask: list[int]
 
 
-def heldout(prompt_id: str, fraction: float) -> bool:
-    """Whether conversation ``prompt_id`` is held out (a hash threshold: stable across shards and runs)."""
-    digest = hashlib.sha256(f"eagle3-eval:{prompt_id}".encode()).digest()
+def heldout(group: str, fraction: float) -> bool:
+    """Whether chat ``group`` is held out (a hash threshold: stable across shards and runs)."""
+    digest = hashlib.sha256(f"eagle3-eval:{group}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
@@ -65,7 +66,8 @@ class CalibrationRows:
                     expected="columns input_ids and loss_mask (1 on the assistant's tokens)",
                     found=f"columns {table.column_names}",
                     fix="Build the calibration set with `drafter generate` (it writes the loss mask).")
-            for row in table.select(["input_ids", "loss_mask", "prompt_id"]).to_pylist():
+            grouped = ["group"] if "group" in table.column_names else []
+            for row in table.select(["input_ids", "loss_mask", "prompt_id", *grouped]).to_pylist():
                 ids, mask = row["input_ids"][:max_length], row["loss_mask"][:max_length]
                 if not any(mask[2:]):
                     self.dropped["no_assistant_tokens"] += 1
@@ -73,7 +75,7 @@ class CalibrationRows:
                 if len(ids) < min_length:
                     self.dropped["too_short"] += 1
                     continue
-                side = self.heldout if heldout(row["prompt_id"], eval_fraction) else self.train
+                side = self.heldout if heldout(row.get("group") or row["prompt_id"], eval_fraction) else self.train
                 side.append(Row(len(self.train) + len(self.heldout), ids, mask))
         self.heldout = self.heldout[:eval_max_rows]
         if not self.train:

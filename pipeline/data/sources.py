@@ -407,4 +407,4 @@ def split_heldout(convs: list[Conversation], heldout_fraction: float, *, heldout
         raise DrafterError(
             "heldout_fraction must be a share.", expected="a number in [0, 1]", found=str(heldout_fraction)
         )
-    return [c for c in convs if (heldout_score(c.group or c.id) < heldout_fraction) == heldout]
+    return [c for c in convs if (heldout_score(c.split_key) < heldout_fraction) == heldout]

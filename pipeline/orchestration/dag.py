@@ -143,7 +143,8 @@ STAGES: tuple[StageSpec, ...] = (
     # 2: the parts of a chat share a side of the split for every source, not only the packaged one; a record without
     # an id is named by its content, not its position; answers stop at the generation config's end-of-turn ids too.
     # 3: sampled answers follow temperature and top_p alone (transformers added its top-k 50 default and whatever
-    # the model's generation_config.json set)
+    # the model's generation_config.json set); rows carry their chat's split group, which the trainers' held-out
+    # rows split by
     StageSpec("generate", "jobs.generate", "calibration",
               reads=(*TARGET_IDENTITY, "target.dtype", "generate"), models=_generate_models, data=_prompt_data,
               version=3),
