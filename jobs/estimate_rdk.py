@@ -65,6 +65,14 @@ def answer_distributions(model, rows: list, batch_size: int, device) -> object: 
     return torch.cat(out) if out else None
 
 
+def answer_chats(rows: list) -> list[int]:
+    """The chat each answer position of ``rows`` comes from, in :func:`answer_distributions`' order; chats are
+    numbered as they first appear (a row without a group is a chat of its own)."""
+    number: dict[str, int] = {}
+    return [number.setdefault(r.group or f"row {r.index}", len(number))
+            for r in rows for t in range(1, len(r.input_ids)) if r.loss_mask[t]]
+
+
 def _make_module(cfg: PipelineConfig, shards: list[list], pending: list[int], staging: Path, vocab: int):
     import lightning as L
     import torch
@@ -151,9 +159,10 @@ def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tu
 
 
 def _heldout_inputs(cfg: PipelineConfig, rows: list, target, drafter, kept_sets: dict, tokenizer,  # noqa: ANN001
-                    other: tuple | None, what: str) -> dict:
-    """Per kept set: (p, q_kept) at the answer positions of ``rows`` (temperature 1), at most heldout_max_positions.
-    ``other`` is the other-tokenizer drafter as (model, tokenizer, its T ∩ D ids) when ``intersection`` is kept."""
+                    other: tuple | None, what: str) -> tuple[dict, object]:
+    """Per kept set: (p, q_kept) at the answer positions of ``rows`` (temperature 1), at most heldout_max_positions,
+    and the chat each of those positions comes from (:func:`answer_chats`). ``other`` is the other-tokenizer drafter
+    as (model, tokenizer, its T ∩ D ids) when ``intersection`` is kept."""
     import torch
 
     from pipeline.rdk.prior import INTERSECTION  # deferred: pulls in torch
@@ -170,7 +179,7 @@ def _heldout_inputs(cfg: PipelineConfig, rows: list, target, drafter, kept_sets:
     out = {name: (p, torch.softmax(logq[:, kept], -1)) for name, kept in kept_sets.items() if name != INTERSECTION}
     if other is not None:
         out[INTERSECTION] = (p, _other_positions(other, rows, tokenizer, limit))
-    return out
+    return out, torch.tensor(answer_chats(rows)[:limit])
 
 
 def _code_rows(cfg: PipelineConfig, tokenizer) -> list:  # noqa: ANN001
@@ -280,15 +289,16 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
                            found="0", fix="Raise estimate_rdk.heldout_fraction or generate more rows.")
     started = time.perf_counter()
     drafter = load_model(ev.drafter, dtype="float32", device="cpu").eval()
-    inputs = _heldout_inputs(cfg, data.heldout, probe, drafter, kept_sets, tokenizer, other,
-                             "held-out calibration rows")
+    inputs, chats = _heldout_inputs(cfg, data.heldout, probe, drafter, kept_sets, tokenizer, other,
+                                    "held-out calibration rows")
     code = _heldout_inputs(cfg, code_rows, probe, drafter, kept_sets, tokenizer, other,
-                           "HumanEval solutions") if code_rows else {}
+                           "HumanEval solutions")[0] if code_rows else {}
     levels = {}
     for name, kept in kept_sets.items():
         required = () if name == INTERSECTION else special
         p, q_kept = inputs[name]
-        levels[name] = analyse(p[: q_kept.shape[0]], q_kept, kept, moments, er.taus, required)
+        levels[name] = analyse(p[: q_kept.shape[0]], q_kept, chats[: q_kept.shape[0]], kept, moments, er.taus,
+                               required)
         run.log(f"{name} ({kept.numel()} kept), chat: " + _alpha_line(levels[name].tau, levels[name].figures))
         if name in code:
             p, q_kept = code[name]

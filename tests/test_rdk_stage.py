@@ -125,6 +125,17 @@ def test_analysis_table_and_figures(estimated) -> None:
     assert artifact.metrics["contexts_per_s"] > 0 and artifact.metrics["positions"] == record["count"]
 
 
+def test_answer_positions_are_numbered_by_the_chat_they_come_from() -> None:
+    """RDK's analysis chooses on some held-out chats and scores on the others; a row's positions carry the number
+    of its chat (first appearance), parts of one chat share it, and a row without a group is a chat of its own."""
+    from jobs.estimate_rdk import answer_chats
+    from pipeline.data.rows import Row
+
+    rows = [Row(0, [5, 6, 7, 8], [0, 1, 1, 0], "a"), Row(1, [5, 6, 7], [0, 0, 1], "b"), Row(2, [5, 6], [0, 1], "a"),
+            Row(3, [5, 6, 7], [0, 1, 1]), Row(4, [5, 6], [0, 1])]
+    assert answer_chats(rows) == [0, 0, 1, 0, 2, 2, 3]
+
+
 def test_killed_estimation_resumes_to_the_same_bytes(estimated, tmp_path: Path) -> None:
     """kill -9 after the first shard's sums land; the rerun keeps the landed shards (resumed_shards > 0) and
     publishes moments byte-identical to an uninterrupted run."""

@@ -29,6 +29,8 @@ class Row:
     index: int
     input_ids: list[int]
     loss_mask: list[int]
+    group: str = ""
+    """The chat the row comes from (its split group); empty where the row is a chat of its own."""
 
 
 def heldout(group: str, fraction: float) -> bool:
@@ -75,8 +77,9 @@ class CalibrationRows:
                 if len(ids) < min_length:
                     self.dropped["too_short"] += 1
                     continue
-                side = self.heldout if heldout(row.get("group") or row["prompt_id"], eval_fraction) else self.train
-                side.append(Row(len(self.train) + len(self.heldout), ids, mask))
+                group = row.get("group") or row["prompt_id"]
+                side = self.heldout if heldout(group, eval_fraction) else self.train
+                side.append(Row(len(self.train) + len(self.heldout), ids, mask, group))
         self.heldout = self.heldout[:eval_max_rows]
         if not self.train:
             raise DrafterError(

@@ -180,7 +180,7 @@ STAGES: tuple[StageSpec, ...] = (
               reads=(*TARGET_IDENTITY, "target.dtype", "estimate_rdk", "evaluate.drafter", "evaluate.drafter_other",
                      "evaluate.max_prompt_tokens"),
               overrides={"generate": "estimate_rdk.calibration", "count": "estimate_rdk.counts"}, models=_rdk_models,
-              data=_rdk_data),
+              data=_rdk_data, version=2),  # 2: τ and the prior weight chosen on some held-out chats, α on the others
     StageSpec("evaluate", "jobs.evaluate", "evaluation",
               upstream=EVALUATE_UPSTREAM,
               reads=(*TARGET_IDENTITY, "target.dtype", "generate.source", "generate.source_revision",

@@ -86,26 +86,30 @@ class LevelFit:
         return {"size": int(self.kept.numel()), "tau": self.tau, "prior_weight": self.prior_weight, **self.figures}
 
 
-def analyse(p: Tensor, q_kept: Tensor, kept: Tensor, moments: Moments, taus: Sequence[float],
+def analyse(p: Tensor, q_kept: Tensor, chats: Tensor, kept: Tensor, moments: Moments, taus: Sequence[float],
             required: Sequence[int] = (), chunk: int = 256) -> LevelFit:
-    """Held-out α of every redistribution for one kept set; τ and the prior weight chosen on the even positions,
-    all α reported on the odd ones.
+    """Held-out α of every redistribution for one kept set; τ and the prior weight chosen on the positions of the
+    even-numbered chats, all α reported on the odd-numbered chats' positions. (Choosing on even positions and
+    reporting on the odd ones of the same answers scored each choice on the neighbours of the tokens it was
+    chosen on.)
 
     Args:
         p: ``(n, |T|)`` target distributions at held-out positions (temperature 1).
         q_kept: ``(n, |I|)`` the drafter's TLI distributions over ``kept`` at the same positions.
+        chats: ``(n,)`` the number of the chat each position comes from.
         kept: ``I``.
         moments: The calibration moments (prior ``μ``; RDK's ``S``).
         taus: The τ grid.
         required: Ids ``kept`` must hold (EOS).
     """
     kept = check_kept(kept, moments.vocab_size, required)
-    n = p.shape[0]
-    if n < 2:
-        raise DrafterError("RDK's held-out analysis needs at least two target positions.",
-                           expected=">= 2 held-out answer positions", found=str(n),
+    odd = chats.to(torch.long) % 2 == 1
+    fit, test = torch.nonzero(~odd).flatten(), torch.nonzero(odd).flatten()
+    if not (fit.numel() and test.numel()):
+        raise DrafterError("RDK's held-out analysis needs answer positions from at least two held-out chats.",
+                           expected="positions from two or more chats (one to choose τ on, one to score it)",
+                           found=f"{p.shape[0]} positions from {len(set(chats.tolist()))} chat(s)",
                            fix="Raise estimate_rdk.heldout_fraction or generate more calibration rows.")
-    fit, test = torch.arange(0, n, 2), torch.arange(1, n, 2)
     mu = moments.mu.to(torch.float64)
     curve = _tau_curve(p, q_kept, kept, moments, taus, required, {"alpha_fit": fit, "alpha": test}, chunk)
     best = max(curve, key=lambda c: c["alpha_fit"])

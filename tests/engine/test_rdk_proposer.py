@@ -89,7 +89,8 @@ def kit(tiny_kit) -> dict[str, Any]:
     prior = RDKPrior(moments, fits, {"required_ids": eos, "vocab_hash": "x"})
     return {"target": target, "drafter": load("drafter"), "other": load("drafter_other"), "tokenizer": tok,
             "other_tokenizer": other_tok, "prompts": prompts, "moments": moments, "prior": prior,
-            "vocab_map": vocab_map, "p_rows": torch.cat(rows), "sums": sums}
+            "vocab_map": vocab_map, "p_rows": torch.cat(rows), "sums": sums,
+            "chats": torch.cat([torch.full((r.shape[0],), i) for i, r in enumerate(rows)])}
 
 
 def _inputs(kit: dict[str, Any], method: str, level: str = "keep_0.025") -> Any:
@@ -198,10 +199,29 @@ def test_analysis_reports_every_method_and_a_tau_curve(kit) -> None:
     kept = kit["prior"].level("keep_0.1").kept
     q_kept = torch.softmax(torch.log(p[:, kept] + 1e-9) + 0.3 * torch.randn(p.shape[0], kept.numel(),
                                                                            dtype=torch.float64), -1)
-    fit = analyse(p, q_kept, kept, kit["moments"], [1e-1, 1e-2, 1e-3], [kit["tokenizer"].eos_token_id])
+    fit = analyse(p, q_kept, kit["chats"], kept, kit["moments"], [1e-1, 1e-2, 1e-3], [kit["tokenizer"].eos_token_id])
     assert [c["tau"] for c in fit.figures["tau_curve"]] == [1e-1, 1e-2, 1e-3] and fit.tau in (1e-1, 1e-2, 1e-3)
     assert all(0 <= a <= 1 for a in fit.figures["alpha"].values())
     assert fit.figures["positions"]["fit"] + fit.figures["positions"]["test"] == p.shape[0]
+
+
+def test_analysis_chooses_on_some_chats_and_scores_on_the_others(kit) -> None:
+    """τ and the prior weight were chosen on the even positions and every α reported on the odd positions of the
+    same answers, each scored next to the tokens it was chosen on. Now the chats split: here five answers of 48
+    positions, chats 0, 2 and 4 choose and chats 1 and 3 score, and TLI's α equals Σ min(p, q) recomputed over
+    the scoring chats' positions alone (1e-12)."""
+    p, chats = kit["p_rows"], kit["chats"]
+    kept = kit["prior"].level("keep_0.1").kept
+    q_kept = torch.softmax(torch.log(p[:, kept] + 1e-9) + 0.3 * torch.randn(p.shape[0], kept.numel(),
+                                                                           generator=torch.Generator().manual_seed(5),
+                                                                           dtype=torch.float64), -1)
+    fit = analyse(p, q_kept, chats, kept, kit["moments"], [1e-1, 1e-2, 1e-3], [kit["tokenizer"].eos_token_id])
+    assert fit.figures["positions"] == {"fit": 3 * 48, "test": 2 * 48}
+    scoring = chats % 2 == 1
+    tli = scatter_kept(q_kept[scoring], kept, kit["moments"].vocab_size)
+    assert abs(fit.figures["alpha"]["tli"] - float(torch.minimum(p[scoring], tli).sum(-1).mean())) < 1e-12
+    with pytest.raises(DrafterError, match=r"at least two held-out chats(.|\n)*from 1 chat"):
+        analyse(p[:48], q_kept[:48], chats[:48], kept, kit["moments"], [1e-2], [kit["tokenizer"].eos_token_id])
 
 
 def test_transfer_scores_the_fitted_choices_on_another_task_without_refitting(kit) -> None:
@@ -216,7 +236,7 @@ def test_transfer_scores_the_fitted_choices_on_another_task_without_refitting(ki
                                                                            dtype=torch.float64), -1)
     half = p.shape[0] // 2
     taus = [1e-1, 1e-2, 1e-3]
-    fit = analyse(p[:half], q_kept[:half], kept, kit["moments"], taus, eos)
+    fit = analyse(p[:half], q_kept[:half], kit["chats"][:half], kept, kit["moments"], taus, eos)
     out = transfer(fit, p[half:], q_kept[half:], kit["moments"], taus, eos)
     target, q = p[half:], q_kept[half:]
 
