@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 from pipeline.artifacts import Artifact
@@ -38,7 +39,7 @@ from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
-from pipeline.orchestration.staged import staged_ok, write_staged
+from pipeline.orchestration.staged import staged_about, staged_ok, write_staged
 from pipeline.progress import Progress
 from pipeline.training.harness import predict_shards, shard_trainer
 from pipeline.training.ranks import took_part
@@ -77,6 +78,8 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
     import torch
     from torch.utils.data import DataLoader
     from transformers import GenerationConfig
+
+    from pipeline.timing import device_name  # deferred: pulls in torch
 
     gen = cfg.generate
     target = Target(cfg.target)
@@ -128,7 +131,8 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
                     seconds = self.generate_seconds + time.perf_counter() - start
                     self.progress.update(len(batch), tokens_per_s=self.generated_tokens / max(seconds, 1e-9))
             self.generate_seconds += time.perf_counter() - start
-            write_staged(staging / shard_name(shard), lambda tmp: write_shard(tmp, rows))
+            write_staged(staging / shard_name(shard), lambda tmp: write_shard(tmp, rows),
+                         about={"device": device_name(self.device)})
             return len(rows)
 
         def _answer(self, batch: list[tuple[str, list[int]]]) -> list[dict]:
@@ -191,6 +195,7 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
         raise DrafterError(f"{len(unsound)} of {n_shards} calibration shards are missing or damaged after "
                            f"generation: {', '.join(unsound[:8])}{' …' if len(unsound) > 8 else ''}.",
                            fix="Rerun the same command: sound shards are kept and only these are redone.")
+    computed_on = _computed_on(files, run) if gen.kind != "raw" else {}
     tables = [read_shard(p) for p in files]
     rows = sum(t.num_rows for t in tables)
     assistant = sum(sum(m) for t in tables for m in t.column("loss_mask").to_pylist())
@@ -203,7 +208,7 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     metrics = {"rows": rows, "shards": n_shards, "resumed_shards": n_shards - len(pending),
                "assistant_tokens": assistant, "generated_tokens": generated,
                "tokens_per_s": round(generated / gen_seconds, 1) if gen_seconds else 0.0,
-               "build_seconds": round(elapsed, 2), **source_report, **took_part(ranks)}
+               "build_seconds": round(elapsed, 2), "computed_on": computed_on, **source_report, **took_part(ranks)}
     run.log(f"{rows} rows, {assistant} assistant tokens"
             + (f", {metrics['tokens_per_s']} generated tokens/s" if generated else ""))
 
@@ -217,6 +222,17 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
                 shutil.copy2(path, out / "data" / path.name)
 
     return BuildResult(write, metrics)
+
+
+def _computed_on(files: list[Path], run: StageRun) -> dict[str, int]:
+    """Shards by the device that answered them. A run resumed on another kind of device (a GPU job requeued on
+    the CPU, or on another GPU model) finishes with answers from both: each is the target's, but the set's bytes
+    match no single-device run, so the manifest says which shards came from where and the log says it too."""
+    devices = Counter(staged_about(path).get("device", "not recorded") for path in files)
+    if len(devices) > 1:
+        run.log("the calibration set mixes answers computed on several devices (sampling is not bit-reproducible "
+                "across them): " + "; ".join(f"{count} shard(s) on {name}" for name, count in devices.most_common()))
+    return dict(devices)
 
 
 def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:

@@ -155,6 +155,7 @@ def bench(cfg: PipelineConfig, steps: int = 10) -> str:
     Both are timed in this run on this device (CUDA when present); the result is a table of ratios."""
     import torch
 
+    from pipeline.timing import device_name  # deferred: pulls in torch
     from pipeline.training.eagle3_objective import target_features  # deferred: pulls in torch
     from pipeline.training.eagle3_task import Eagle3Task  # deferred: pulls in torch
 
@@ -191,8 +192,7 @@ def bench(cfg: PipelineConfig, steps: int = 10) -> str:
 
     target_s, step_s = timed(forward), timed(train_step)
     tokens = int(batch["attention_mask"].sum())
-    name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    lines = [f"EAGLE-3 training step vs target forward on {name}: micro-batch {micro} rows, {tokens} tokens, "
+    lines = [f"EAGLE-3 training step vs target forward on {device_name(device)}: micro-batch {micro} rows, {tokens} tokens, "
              f"ttt_steps {td.ttt_steps}, draft vocab {ready.config.draft_vocab_size}, {steps} timed repetitions",
              "| what | ms | tokens/s | vs target forward |", "|---|---|---|---|",
              f"| target forward (features + logits) | {target_s * 1e3:.1f} | {tokens / target_s:.0f} | 1.00× |",

@@ -11,6 +11,12 @@ import numpy as np
 import torch
 
 
+def device_name(device: torch.device | str) -> str:
+    """What a figure was measured (or a shard computed) on: the GPU's name, or ``cpu (<threads> threads)``."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+
+
 def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 3) -> float:
     """Median seconds of ``fn`` over ``repeats`` calls after ``warmup`` warm-up calls (CUDA synchronised)."""
     for _ in range(warmup):

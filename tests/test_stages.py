@@ -299,6 +299,37 @@ def test_damaged_staged_shards_are_redone_naming_each(tmp_path: Path, tiny_kit, 
     assert list(iter_rows(resumed.path / "data")) == list(iter_rows(reference.path / "data"))
 
 
+def test_a_run_resumed_on_another_device_says_which_shards_came_from_where(tmp_path: Path, tiny_kit, monkeypatch,
+                                                                           capsys) -> None:
+    """A GPU job requeued on the CPU (or on another GPU model) resumes the shards staged before it: the calibration
+    set then mixes answers from two devices, whose sampling is not bit-reproducible across them, and nothing said
+    so. Each staged shard now records the device that answered it; the published manifest counts shards by device
+    and the log names the mix. Here a stopped run's staged shards are relabelled as an H100 had staged them (a GPU
+    cannot run here) and half are deleted, so the rerun answers those on this CPU."""
+    from pipeline.orchestration.staged import sidecar
+    from pipeline.timing import device_name
+
+    extra = ["generate.limit=24", "generate.max_new_tokens=12"]  # 6 shards of 4 prompts
+    cfg = small_cfg(tmp_path, *extra)
+    with monkeypatch.context() as patch:
+        patch.setattr(ArtifactWriter, "commit", _stop_before_publishing)
+        with pytest.raises(RuntimeError, match="stopped before publishing"):
+            generate.main(cfg)
+    staged = sorted((tmp_path / "staging").glob("*/shard-*.arrow"))
+    here, gpu = device_name("cpu"), "NVIDIA H100 80GB HBM3"
+    assert len(staged) == 6 and all(json.loads(sidecar(p).read_text())["about"] == {"device": here} for p in staged)
+    for path in staged[:3]:
+        record = json.loads(sidecar(path).read_text())
+        sidecar(path).write_text(json.dumps({**record, "about": {"device": gpu}}))
+    for path in staged[3:]:
+        path.unlink()
+    capsys.readouterr()
+    resumed = generate.main(cfg)
+    assert resumed.metrics["computed_on"] == {gpu: 3, here: 3} and resumed.metrics["resumed_shards"] == 3
+    assert (f"mixes answers computed on several devices (sampling is not bit-reproducible across them): 3 shard(s) "
+            f"on {gpu}; 3 shard(s) on {here}") in capsys.readouterr().err
+
+
 def test_an_unreadable_shard_is_refused_naming_it(tmp_path: Path) -> None:
     """A truncated or missing calibration shard read anywhere is a DrafterError naming the file, not Arrow's
     message alone."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pipeline.timing import interleaved_medians, median_seconds
+from pipeline.timing import device_name, interleaved_medians, median_seconds
 
 
 class _Head(torch.nn.Module):
@@ -126,7 +126,7 @@ def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, s
     if "kernel" in paths and interpreted:  # no compilation to warm up
         ms["head_kernel"] = 1e3 * median_seconds(on("kernel", head_only), dev, interpreted_repeats, warmup=0)
         ms["routed_kernel"] = 1e3 * median_seconds(on("kernel", routed_step), dev, interpreted_repeats, warmup=0)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    name = device_name(dev)
     return {"device": name, "dtype": str(dt).replace("torch.", ""), "shape": [vocab, hidden], "clusters": clusters,
             "k": k, "rows": {"full": vocab, "static": static, "routed": rows, "capacity": routed.capacity(k)},
             "paths": paths, "interpreted": dev.type != "cuda", "ms": ms,

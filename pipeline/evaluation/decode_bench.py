@@ -53,7 +53,7 @@ from pipeline.engine.metrics import expected_tokens_per_round, summarize
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.session import TargetState
 from pipeline.engine.static import DecodeOptions, decode_capacity, session_for
-from pipeline.timing import CacheFlusher, interleaved_times, median_seconds
+from pipeline.timing import CacheFlusher, device_name, interleaved_times, median_seconds
 from pipeline.vocab.counting import eagle3_offset_maps
 
 GREEDY = SamplingParams()
@@ -288,7 +288,7 @@ def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prom
             round meets it after the other model's forward; else back to back, where small weights stay cached.
     """
     device = target.get_input_embeddings().weight.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    name = device_name(device)
     length, sized = _bare_context(prompts, new_tokens, max(gammas), options)
 
     def generate(proposer: Any, gamma: int, prompt: list[int]) -> GenerationResult:

@@ -25,6 +25,7 @@ from pipeline.errors import DrafterError
 from pipeline.evaluation.evaluator import Evaluator
 from pipeline.evaluation.results import EvaluationResults, decide_gates
 from pipeline.models.target import Target
+from pipeline.timing import device_name
 
 
 def eval_prompts(cfg: PipelineConfig, tokenizer: Any) -> dict[str, list[list[int]]]:
@@ -54,7 +55,6 @@ def eval_prompts(cfg: PipelineConfig, tokenizer: Any) -> dict[str, list[list[int
 
 
 def resolve_device(ev: EvaluateConfig) -> str:
-    import torch
 
     if ev.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,8 +100,7 @@ def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_
     eagle3_training = simulated_figures(artifacts["train_drafter"]) if "train_drafter" in artifacts else None
     dflash_training = simulated_figures(artifacts["train_dflash"]) if "train_dflash" in artifacts else None
     rdk_analysis = rdk_record(artifacts["estimate_rdk"]) if "estimate_rdk" in artifacts else None
-    device_name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    return EvaluationResults(rows=rows, checks=checks, device=device_name, target=target_fingerprint, inputs=inputs,
+    return EvaluationResults(rows=rows, checks=checks, device=device_name(device), target=target_fingerprint, inputs=inputs,
                              eagle3_training=eagle3_training, dynaspec_policy=evaluator.policy_record,
                              rdk_analysis=rdk_analysis, dflash_training=dflash_training,
                              decode_path=evaluator.options.path,

@@ -28,8 +28,9 @@ def sidecar(path: Path) -> Path:
     return path.with_name(path.name + SIDECAR_SUFFIX)
 
 
-def write_staged(path: Path, write: Callable[[Path], None]) -> None:
-    """Write a staged shard through ``write(temporary path)``, record its checksum, then publish it by rename."""
+def write_staged(path: Path, write: Callable[[Path], None], about: dict | None = None) -> None:
+    """Write a staged shard through ``write(temporary path)``, record its checksum (and ``about``: how it was
+    computed, read back by :func:`staged_about`), then publish it by rename."""
     path = Path(path)
     tmp = temp_sibling(path)
     try:
@@ -37,10 +38,16 @@ def write_staged(path: Path, write: Callable[[Path], None]) -> None:
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         write_json_atomic(sidecar(path), {"file": path.name, "sha256": sha256_file(tmp),
-                                          "bytes": tmp.stat().st_size})
+                                          "bytes": tmp.stat().st_size, **({"about": about} if about else {})})
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def staged_about(path: Path) -> dict:
+    """What :func:`write_staged` recorded of how sound staged shard ``path`` was computed (empty if nothing)."""
+    about = json.loads(sidecar(path).read_text()).get("about")
+    return about if isinstance(about, dict) else {}
 
 
 def staged_problem(path: Path) -> str | None:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from pipeline.timing import median_seconds
+from pipeline.timing import device_name, median_seconds
 
 
 def _zipf(vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -53,7 +53,7 @@ def bench_estimation(vocab: int = 128_256, top_k: int = 64, contexts: int = 2048
     sums.flush()
     seconds = time.perf_counter() - start
     moments = sums.moments()
-    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+    return {"device": device_name(device),
             "vocab": vocab, "top_k": top_k, "contexts": moments.count, "seconds": round(seconds, 3),
             "contexts_per_s": round(moments.count / seconds, 1), "nnz": moments.nnz,
             "sparse_mib": round(moments.sparse_bytes() / 2**20, 1), "dense_mib": round(moments.dense_bytes() / 2**20, 1),
@@ -91,7 +91,7 @@ def bench_redistribution(vocab: int = 128_256, kept: int = 32_768, hidden: int =
     }
     base = timings["tli"]
     heavy = int((affinity.scale > 0.5).sum())
-    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+    return {"device": device_name(device),
             "vocab": vocab, "kept": kept, "tau": tau, "heavy_tokens": heavy, "stored_pairs": int(affinity.correction.numel()),
             "affinity_build_s": round(build, 3),
             "ms": {k: round(1e3 * v, 3) for k, v in timings.items()},
