@@ -274,7 +274,7 @@ def verify_payloads(artifact: Artifact) -> None:
     """Recompute every payload's sha256 and refuse any change, addition or removal."""
     listed = artifact.manifest["files"]
     present = {str(p.relative_to(artifact.path)) for p in artifact.path.rglob("*")
-               if p.is_file() and p.name != MANIFEST}
+               if p.is_file() and p != artifact.path / MANIFEST}  # a manifest.json deeper down is a payload
     missing = sorted(set(listed) - present)
     extra = sorted(present - set(listed))
     if missing or extra:

@@ -75,6 +75,10 @@ def test_added_or_removed_payload_is_refused(tmp_path: Path) -> None:
     with pytest.raises(DrafterError, match="extra.json"):
         load_artifact(art.path)
     os.remove(art.path / "extra.json")
+    (art.path / "sub" / "manifest.json").write_text("{}")  # only the top-level manifest is not a payload
+    with pytest.raises(DrafterError, match=r"unlisted \['sub/manifest.json'\]"):
+        load_artifact(art.path)
+    os.remove(art.path / "sub" / "manifest.json")
     os.remove(art.path / "sub" / "x.txt")
     with pytest.raises(DrafterError, match="missing"):
         load_artifact(art.path)

@@ -114,6 +114,19 @@ def test_a_losslessness_gate_that_could_not_fail_is_refused(override: str) -> No
         GenerateConfig(temperature=math.inf)
 
 
+@pytest.mark.parametrize("uri", ["https://alice:s3cret@mlflow.example.com", "http://alice@127.0.0.1:5000/x"])
+def test_credentials_in_the_configs_tracking_uri_are_refused_without_printing_them(uri: str, tmp_path: Path) -> None:
+    """A tracking URI with user info was accepted from a config, printed by `drafter config` and copied into every
+    submitted job's directory. Credentials come from the environment only; the error does not repeat them."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"mlflow": {"tracking_uri": uri}}))
+    for attempt in (lambda: load_config(str(path)), lambda: load_config(None, [f"mlflow.tracking_uri={uri}"])):
+        with pytest.raises(DrafterError, match="holds credentials(.|\n)*MLFLOW_TRACKING_USERNAME") as err:
+            attempt()
+        assert "alice" not in str(err.value) and "s3cret" not in str(err.value)
+    assert load_config(None, ["mlflow.tracking_uri=https://mlflow.example.com:443/a@b"]).mlflow.tracking_uri
+
+
 def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DrafterError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

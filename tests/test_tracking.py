@@ -263,7 +263,6 @@ def test_any_tracking_uri_is_used_or_refused(tmp_path_factory: pytest.TempPathFa
     from pipeline.tracking import check_store
 
     here = tmp_path_factory.mktemp("cwd")
-    cfg = MlflowConfig(tracking_uri=uri or None, retries=1, timeout_s=0.1)
 
     def offline(*args: object, **kwargs: object) -> None:  # urllib still parses the URL, as it would online
         raise OSError("no network in this test")
@@ -272,8 +271,8 @@ def test_any_tracking_uri_is_used_or_refused(tmp_path_factory: pytest.TempPathFa
         patch.chdir(here)
         patch.delenv("MLFLOW_TRACKING_URI", raising=False)
         patch.setattr(socket, "create_connection", offline)
-        try:
-            check_store(cfg, here / "work")
+        try:  # refused when the config is built (credentials in the URI) or when the store is checked
+            check_store(MlflowConfig(tracking_uri=uri or None, retries=1, timeout_s=0.1), here / "work")
             # offline: a server URI is always probed, and the probe fails
             assert urllib.parse.urlsplit(uri).scheme.lower() not in ("http", "https"), "a server was not probed"
         except DrafterError as err:
