@@ -134,11 +134,14 @@ def trainer_arguments(cfg: TrainConfig, strategy: str, world_size: int = 1) -> d
     if strategy == "deepspeed":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
+        from pipeline.training.deepspeed_precision import OnceScaledDeepSpeedPrecision  # deferred: pulls in lightning
+
         ds = deepspeed_config(cfg, world_size)
         del ds["gradient_accumulation_steps"]  # Lightning refuses it in the dict and sets the same value
+        precision = OnceScaledDeepSpeedPrecision("bf16-mixed" if cfg.bf16 else "32-true")
         return {"accelerator": "gpu", "devices": cfg.devices, "num_nodes": cfg.num_nodes,
-                "strategy": DeepSpeedStrategy(config=ds, timeout=timedelta(seconds=cfg.collective_timeout)),
-                "precision": "bf16-mixed" if cfg.bf16 else "32-true"}
+                "strategy": DeepSpeedStrategy(config=ds, timeout=timedelta(seconds=cfg.collective_timeout),
+                                              precision_plugin=precision)}
     # CPU and plain-GPU paths train in float32 (bf16 is a DeepSpeed setting, and fp32 keeps CPU runs exact),
     # unless cpu_bf16 asks for autocast on the CPU.
     clip = cfg.gradient_clipping or None

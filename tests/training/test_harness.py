@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -377,6 +378,22 @@ def test_deepspeed_zero2_on_cpu_matches_harness_and_resumes(tmp_path: Path) -> N
     assert ds["resumed_bit_identical"] is True
 
 
+@pytest.mark.slow
+def test_lightnings_deepspeed_backward_divides_the_loss_by_the_accumulation_once(tmp_path: Path) -> None:
+    """Lightning divides each micro-batch's loss by the accumulation count and its DeepSpeed plugin's backward let
+    DeepSpeed divide it again, so ZeRO clipped (0.5) a gradient half the mean's here (accumulation 2) and the
+    weights depended on how many micro-batches a step took. Through the harness's plugin, the same engine and
+    batches give the single-process harness's losses (1e-4 relative, as above); through Lightning's stock plugin
+    they do not (the losses move by more than 1e-3)."""
+    model = TinyRegressor()
+    fit(model, dataset(), config(bf16=False), tmp_path / "harness")
+    runs = {how: run_script({"mode": "deepspeed", "cfg": {**BASE, "bf16": False}, "backward": how,
+                             "staging": str(tmp_path / how), "out": str(tmp_path / f"{how}-out")}, timeout=600)
+            for how in ("lightning", "lightning_stock")}
+    assert runs["lightning"]["losses"] == pytest.approx(model.losses, rel=1e-4)
+    assert max(abs(a - b) / abs(b) for a, b in zip(runs["lightning_stock"]["losses"], model.losses)) > 1e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_lightning_deepspeed_stage_2_end_to_end_on_gpu(tmp_path: Path) -> None:
@@ -437,12 +454,29 @@ def _deepspeed(args: dict, out: Path) -> None:
                                                lr_scheduler=scheduler, config=dict(ds_config))
         return eng, zero, scheduler
 
+    def backward(eng: object, loss: torch.Tensor) -> None:
+        if args.get("backward", "engine") == "engine":
+            eng.backward(loss)  # DeepSpeed divides by the accumulation count itself
+            return
+        # As Lightning's DeepSpeed strategy on a GPU: automatic optimisation divides the loss by the accumulation
+        # count, then the strategy's precision plugin runs the engine's backward. The Trainer cannot run DeepSpeed
+        # on a CPU, so a stand-in holds the one thing the plugin reads of it: the engine, as `trainer.model`.
+        import lightning as L
+        from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
+
+        from pipeline.training.deepspeed_precision import OnceScaledDeepSpeedPrecision
+
+        plugin = (OnceScaledDeepSpeedPrecision if args["backward"] == "lightning" else DeepSpeedPrecision)("32-true")
+        holder = L.LightningModule()
+        holder._trainer = types.SimpleNamespace(model=eng)
+        plugin.backward(loss / k, holder, None)
+
     def train(eng: object, steps: range) -> None:
         for step in steps:
             for micro in range(k):  # the harness's seed and batch for (step, micro)
                 torch.manual_seed(ckpt.derive_seed(cfg.seed, "micro", step, micro))
                 loss, _ = eng(default_collate([data[i] for i in sampler.indices(step, micro)]))
-                eng.backward(loss)
+                backward(eng, loss)
                 eng.step()
 
     model = TinyRegressor()
