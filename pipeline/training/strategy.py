@@ -134,7 +134,9 @@ def trainer_arguments(cfg: TrainConfig, strategy: str, world_size: int = 1) -> d
     if strategy == "deepspeed":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        from pipeline.training.deepspeed_precision import OnceScaledDeepSpeedPrecision  # deferred: pulls in lightning
+        from pipeline.training.deepspeed_precision import (  # deferred: pulls in lightning
+            OnceScaledDeepSpeedPrecision,
+        )
 
         ds = deepspeed_config(cfg, world_size)
         del ds["gradient_accumulation_steps"]  # Lightning refuses it in the dict and sets the same value
