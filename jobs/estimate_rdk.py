@@ -66,11 +66,11 @@ def answer_distributions(model, rows: list, batch_size: int, device) -> object: 
 
 
 def answer_chats(rows: list) -> list[int]:
-    """The chat each answer position of ``rows`` comes from, in :func:`answer_distributions`' order; chats are
-    numbered as they first appear (a row without a group is a chat of its own)."""
-    number: dict[str, int] = {}
-    return [number.setdefault(r.group or f"row {r.index}", len(number))
-            for r in rows for t in range(1, len(r.input_ids)) if r.loss_mask[t]]
+    """The chat each answer position of ``rows`` comes from (:func:`~pipeline.data.rows.chat_numbers`), in
+    :func:`answer_distributions`' order."""
+    from pipeline.data.rows import chat_numbers  # deferred: pulls in torch
+
+    return [n for n, r in zip(chat_numbers(rows), rows) for t in range(1, len(r.input_ids)) if r.loss_mask[t]]
 
 
 def _make_module(cfg: PipelineConfig, shards: list[list], pending: list[int], staging: Path, vocab: int):

@@ -6,9 +6,9 @@ answer position the frozen drafter (``cluster.drafter``) gives the router's inpu
 its full-vocabulary distribution, whose top-L tokens' clusters are the multi-hot label; the router (a
 2-layer ReLU MLP) learns them by binary cross-entropy under the shared harness
 (:mod:`pipeline.training.harness`: DeepSpeed ZeRO on GPUs, DDP or one process on CPU, resumable after a
-kill, per-step MLflow curves), keeping the checkpoint with the best held-out loss. Then, on held-out
-rows, it measures for every budget ``k`` what the routed shortlist keeps of the drafter's top-L mass and
-of the target's next-token mass, against an FR-Spec frequency shortlist of the same mean size. The
+kill, per-step MLflow curves), keeping the checkpoint with the best loss on half of the held-out chats. Then,
+on the other half, it measures for every budget ``k`` what the routed shortlist keeps of the drafter's top-L
+mass and of the target's next-token mass, against an FR-Spec frequency shortlist of the same mean size. The
 artifact holds ``router.safetensors`` + ``router_config.json`` (sizes, and the clustering, drafter head
 and inputs it was trained for), ``routing.json`` (those curves) and ``training.json``.
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 from pipeline.artifacts import Artifact
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
+from pipeline.errors import DrafterError
 from pipeline.models.loading import load_model
 from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
@@ -28,7 +29,7 @@ from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.tracking import tracking_uri
 from pipeline.training.harness import fit
-from pipeline.vocab.tokens import eos_ids
+from pipeline.vocab.tokens import stop_ids
 
 SUMMARY: tuple[str, ...] = ("train_steps", "train_seconds")
 """Metrics ``drafter run`` prints for this stage: steps and training time."""
@@ -38,7 +39,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
            clusters: Artifact) -> BuildResult | None:
     import torch
 
-    from pipeline.data.rows import CalibrationRows  # deferred: pulls in torch
+    from pipeline.data.rows import CalibrationRows, split_by_chat  # deferred: pulls in torch
     from pipeline.dynaspec.clusters import Clustering, head_sha256  # deferred: pulls in numpy
     from pipeline.dynaspec.router import (  # deferred: pulls in torch
         Router,
@@ -58,13 +59,21 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     data = CalibrationRows(calibration.path / "data", max_length=tr.max_length, eval_fraction=tr.eval_fraction,
                            eval_max_rows=tr.eval_max_rows, min_length=2, what="the DynaSpec router")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # the checkpoint is chosen on half of the held-out chats and the routing curves are measured on the others
+    choose, report = split_by_chat(data.heldout)
+    if not (choose and report):
+        raise DrafterError("The router's held-out rows come from fewer than two chats.",
+                           expected="held-out rows from two or more chats (one half chooses the checkpoint, the "
+                                    "other measures the routing curves)",
+                           found=f"{len(data.heldout)} held-out row(s) from one chat",
+                           fix="Raise train_router.eval_fraction or eval_max_rows, or generate more calibration data.")
     torch.manual_seed(tr.init_seed)
     hidden = int(head.shape[1])
     router = Router(2 * hidden, tr.hidden_size, clustering.num_clusters)
-    task = RouterTask(router, drafter, torch.from_numpy(clustering.assignment), data.heldout, top_l=tr.top_l,
-                      pad_id=pad)
-    run.log(f"{len(data.train)} training rows, {len(data.heldout)} held-out rows; router {2 * hidden} -> "
-            f"{tr.hidden_size} -> {clustering.num_clusters} clusters, labels from the drafter's top-{tr.top_l}")
+    task = RouterTask(router, drafter, torch.from_numpy(clustering.assignment), choose, top_l=tr.top_l, pad_id=pad)
+    run.log(f"{len(data.train)} training rows; held-out rows: {len(choose)} choose the checkpoint, {len(report)} "
+            f"measure the routing; router {2 * hidden} -> {tr.hidden_size} -> {clustering.num_clusters} clusters, "
+            f"labels from the drafter's top-{tr.top_l}")
     result = fit(task, data.train, tr.train, run.staging / "train",
                  tracking_uri=tracking_uri(cfg.mlflow, cfg.workdir_path), experiment=cfg.mlflow.experiment,
                  run_name=f"{run.artifact_id}/training", label="train_router",
@@ -74,11 +83,12 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
         return None
     router = task.router.float().cpu().eval()
     target = target_.model(device="cpu", dtype="float32").eval()
-    keep = eos_ids(tokenizer)
-    curves = routing_curves(router, drafter, target, data.heldout, clustering, frequency_ranking(counts),
+    keep = stop_ids(tokenizer, target)  # every id a turn ends at (an end-of-turn id may be the config's alone)
+    curves = routing_curves(router, drafter, target, report, clustering, frequency_ranking(counts),
                             top_l=tr.top_l, keep_ids=keep, pad_id=pad)
     best = result.best or {}
     metrics = {"train_steps": result.steps, "train_rows": len(data.train), "heldout_rows": len(data.heldout),
+               "choose_rows": len(choose), "report_rows": len(report),
                "train_seconds": round(result.seconds, 2), "heldout_positions": curves["positions"]}
     metrics.update({f"best.{k}": round(v, 6) for k, v in (best.get("metrics") or {}).items()})
     m = clustering.num_clusters

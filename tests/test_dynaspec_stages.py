@@ -144,6 +144,90 @@ def test_routing_curves_rank_a_padded_heads_extra_rows_last(routed) -> None:
     assert curves[0] == curves[1]
 
 
+def test_static_curves_equal_the_per_position_means_without_keeping_every_position(routed) -> None:
+    """The static shortlist's figures were means over positions of sums over its members, from every held-out
+    position's q, p and top-L distributions kept in memory (3 × V × 8 bytes a position: hundreds of GB for a 128k
+    vocabulary at the 8B config's held-out size). They are now sums over members of running per-token means; here
+    they equal the per-position computation from the drafter's and the target's own forwards (1e-12)."""
+    from pipeline.data.rows import CalibrationRows, pad_batch
+    from pipeline.dynaspec.router import load_router, predict_mask, router_features, routing_curves
+    from pipeline.models.loading import load_model
+    from pipeline.vocab.counting import frequency_ranking
+
+    cfg, artifacts = routed
+    clustering = Clustering.load(artifacts["cluster"].path)
+    drafter = load_model(cfg.cluster.drafter, dtype="float32", device="cpu").eval()
+    target = load_model(cfg.target.model, dtype="float32", device="cpu").eval()
+    router, _ = load_router(artifacts["train_router"].path, clustering, drafter.get_output_embeddings().weight)
+    rows = CalibrationRows(artifacts["generate"].path / "data", max_length=128, eval_fraction=0.2,
+                           eval_max_rows=6, min_length=2).heldout
+    ranking = frequency_ranking(artifacts["count"])
+    curves = routing_curves(router, drafter, target, rows, clustering, ranking, top_l=4, keep_ids=[0], batch_size=4)
+    vocab = clustering.vocab_size
+    with torch.no_grad():
+        batch = pad_batch(rows, 0)
+        _, logits = router_features(drafter, batch["input_ids"], batch["attention_mask"])
+        mask = predict_mask(batch["loss_mask"], batch["attention_mask"])
+        q = torch.softmax(logits[mask].double(), -1)[:, :vocab]
+        p = torch.softmax(target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[mask]
+                          .double(), -1)[:, :vocab]
+    top = torch.topk(q, 4, dim=-1).indices
+    topl = torch.zeros_like(q).scatter_(-1, top, q.gather(-1, top))
+    rank_of = torch.empty(vocab, dtype=torch.long)
+    rank_of[torch.as_tensor(ranking[:vocab])] = torch.arange(vocab)
+    assert curves["positions"] == q.shape[0]
+    for k, size in enumerate(curves["static_size"]):
+        members = rank_of < size - (0 if rank_of[0] < size else 1)
+        members[0] = True
+        assert int(members.sum()) == size
+        assert curves["static_drafter_mass"][k] == pytest.approx(float(q[:, members].sum(-1).mean()), abs=1e-12)
+        assert curves["static_target_mass"][k] == pytest.approx(float(p[:, members].sum(-1).mean()), abs=1e-12)
+        recall = float((topl[:, members].sum(-1) / topl.sum(-1)).mean())
+        assert curves["static_drafter_top_l_recall"][k] == pytest.approx(recall, abs=1e-12)
+
+
+def test_the_router_is_chosen_on_some_held_out_chats_and_measured_on_the_others(routed) -> None:
+    """The kept checkpoint was chosen by its loss on the held-out rows and the routing curves (and the `k*` figures
+    the bundle publishes) were then measured on those same rows. Now the held-out chats split: the even-numbered
+    ones choose, the odd-numbered ones' answer positions are exactly the curves' positions."""
+    from pipeline.data.rows import CalibrationRows, split_by_chat
+    from pipeline.dynaspec.router import predict_mask
+
+    cfg, artifacts = routed
+    art = artifacts["train_router"]
+    tr = cfg.train_router
+    heldout = CalibrationRows(artifacts["generate"].path / "data", max_length=tr.max_length,
+                              eval_fraction=tr.eval_fraction, eval_max_rows=tr.eval_max_rows, min_length=2).heldout
+    choose, report = split_by_chat(heldout)
+    assert choose and report and {r.group for r in choose}.isdisjoint(r.group for r in report)
+    assert (art.metrics["choose_rows"], art.metrics["report_rows"]) == (len(choose), len(report))
+    positions = sum(int(predict_mask(torch.tensor([r.loss_mask]), torch.ones(1, len(r.loss_mask))).sum())
+                    for r in report)
+    assert json.loads(art.file("routing.json").read_text())["positions"] == positions
+
+
+def test_routed_shortlists_keep_every_id_a_decode_stops_at(routed) -> None:
+    """An instruct target's end-of-turn token is often only in its generation config's eos_token_id list (Gemma's
+    <end_of_turn>); decodes stop there, but DynaSpec's and PA-FR's shortlists kept the tokenizer's EOS alone, so
+    the drafter could not propose the end of a turn (FR-Spec's lists keep every special token). Here the target
+    model lists a second end id: the policy's kept ids hold both."""
+    from pipeline.evaluation.configurations import Configurations
+    from pipeline.models.loading import load_model, load_tokenizer
+
+    cfg, artifacts = routed
+    cfg = ds_cfg(cfg.workdir_path, "evaluate.methods=[dynaspec,pa_fr]", "evaluate.dynaspec_match=top_k_64")
+    tokenizer = load_tokenizer(cfg.target.model)
+    target = load_model(cfg.target.model, dtype="float32", device="cpu").eval()
+    end_of_turn = 7
+    target.generation_config.eos_token_id = [tokenizer.eos_token_id, end_of_turn]
+    configurations = Configurations(cfg, target, tokenizer, {}, {k: artifacts[k] for k in ("count", "cluster",
+                                    "train_router")}, "cpu", lambda _line: None)
+    drafter = load_model(cfg.evaluate.drafter, dtype="float32", device="cpu").eval()
+    policy, _ = configurations._policy(drafter, ["dynaspec"])
+    record = configurations.policy_record
+    assert record["keep_ids"] == sorted({tokenizer.eos_token_id, end_of_turn}) == list(policy.keep_ids)
+
+
 def test_kill_minus_9_then_rerun_ends_bit_identical(routed, tmp_path: Path) -> None:
     cfg, artifacts = routed
     art = artifacts["train_router"]

@@ -108,6 +108,19 @@ class CalibrationRows:
                 "train_tokens": self.train_tokens}
 
 
+def chat_numbers(rows: Sequence[Row]) -> list[int]:
+    """The chat each row comes from, numbered as chats first appear (a row without a group is a chat of its own)."""
+    number: dict[str, int] = {}
+    return [number.setdefault(r.group or f"row {r.index}", len(number)) for r in rows]
+
+
+def split_by_chat(rows: Sequence[Row]) -> tuple[list[Row], list[Row]]:
+    """Held-out rows in two halves by chat: the even-numbered chats' rows (to choose on: a checkpoint, a τ) and the
+    odd-numbered chats' (to report the choice's figures on), so no figure is scored on what it was chosen on."""
+    odd = [n % 2 == 1 for n in chat_numbers(rows)]
+    return [r for r, o in zip(rows, odd) if not o], [r for r, o in zip(rows, odd) if o]
+
+
 def pad_batch(rows: Sequence[Row], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask``, ``loss_mask`` (0 on padding) and row ``index``."""
     length = max(len(r.input_ids) for r in rows)

@@ -243,7 +243,10 @@ def routing_curves(router: Router, drafter: nn.Module, target: nn.Module, rows: 
     rank_of[order] = torch.arange(vocab, device=device)
     totals = {key: torch.zeros(m, dtype=torch.float64) for key in
               ("size", "drafter_top_l_recall", "drafter_mass", "target_mass")}
-    parts: dict[str, list[Tensor]] = {"q": [], "p": [], "topl": []}
+    # The static shortlist's figures are sums over its members of per-token means over positions, so running sums
+    # over positions of q, p and the top-L share (each a vocabulary-long vector) give them exactly; keeping every
+    # position's distributions took 3 × V × 8 bytes a position (~3 MB at 128k: hundreds of GB at scale).
+    columns = {key: torch.zeros(vocab, dtype=torch.float64) for key in ("q", "p", "topl")}
     positions = 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
@@ -276,16 +279,16 @@ def routing_curves(router: Router, drafter: nn.Module, target: nn.Module, rows: 
         totals["target_mass"] += pc.sum(0).cpu()
         totals["drafter_top_l_recall"] += (lc / topl.sum(-1, keepdim=True)).sum(0).cpu()
         positions += int(q.shape[0])
-        parts["q"].append(q.cpu())
-        parts["p"].append(p.cpu())
-        parts["topl"].append(topl.cpu())
+        columns["q"] += q.sum(0).cpu()
+        columns["p"] += p.sum(0).cpu()
+        columns["topl"] += (topl / topl.sum(-1, keepdim=True)).sum(0).cpu()
     if positions == 0:
         raise DrafterError("No held-out position to measure routing on.",
                            expected="held-out rows with assistant tokens", found="none",
                            fix="Raise train_router.eval_fraction or generate more calibration data.")
     curves = {key: (value / positions).tolist() for key, value in totals.items()}
     # The static frequency shortlist of the same mean size, for each k.
-    q_all, p_all, l_all = (torch.cat(parts[k]) for k in ("q", "p", "topl"))
+    q_mean, p_mean, l_mean = (columns[k] / positions for k in ("q", "p", "topl"))
     static = {"static_size": [], "static_drafter_top_l_recall": [], "static_drafter_mass": [], "static_target_mass": []}
     rank_cpu = rank_of.cpu()
     keep_cpu = keep.cpu()
@@ -293,7 +296,7 @@ def routing_curves(router: Router, drafter: nn.Module, target: nn.Module, rows: 
         members = rank_cpu < max(1, round(size) - int((rank_cpu[keep_cpu] >= round(size)).sum()))
         members[keep_cpu] = True
         static["static_size"].append(int(members.sum()))
-        static["static_drafter_mass"].append(float(q_all[:, members].sum(-1).mean()))
-        static["static_target_mass"].append(float(p_all[:, members].sum(-1).mean()))
-        static["static_drafter_top_l_recall"].append(float((l_all[:, members].sum(-1) / l_all.sum(-1)).mean()))
+        static["static_drafter_mass"].append(float(q_mean[members].sum()))
+        static["static_target_mass"].append(float(p_mean[members].sum()))
+        static["static_drafter_top_l_recall"].append(float(l_mean[members].sum()))
     return {"positions": positions, "top_l": top_l, "k": list(range(1, m + 1)), **curves, **static}

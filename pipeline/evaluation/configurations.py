@@ -40,7 +40,7 @@ from pipeline.errors import DrafterError
 from pipeline.models.loading import load_model, load_tokenizer
 from pipeline.rdk.prior import PRUNED
 from pipeline.vocab.counting import load_shortlists
-from pipeline.vocab.tokens import eos_ids, vocab_hash
+from pipeline.vocab.tokens import stop_ids, vocab_hash
 
 
 def shortlist_param_ratio(drafter: torch.nn.Module, target: torch.nn.Module, k: int) -> float:
@@ -295,7 +295,7 @@ class Configurations:
                                f"artifact {self.counts.id} does not have.", expected=f"one of {sorted(lists)}",
                                found=ev.dynaspec_match, fix="Set evaluate.dynaspec_match to one of them.")
         size = float(lists[ev.dynaspec_match].size)
-        keep = tuple(eos_ids(self.tokenizer))
+        keep = tuple(stop_ids(self.tokenizer, self.target))  # every id a turn ends at, as the decodes stop
         ranking = frequency_ranking(self.counts)
         fields: dict[str, Any] = {"pa_fr_kmax": {g: match_pa_fr(ranking.size, size, g, ev.dynaspec_k_min)
                                                  for g in ev.gammas}}

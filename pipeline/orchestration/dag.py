@@ -169,10 +169,12 @@ STAGES: tuple[StageSpec, ...] = (
     # the calibration set with the clustering, and compares itself with count's frequency shortlists.
     StageSpec("cluster", "jobs.cluster", "token_clusters", reads=(*TARGET_IDENTITY, "cluster"),
               models=_cluster_models),
+    # 2: the checkpoint chosen on half of the held-out chats, the routing curves measured on the others; shortlists
+    # keep every id a decode stops at
     StageSpec("train_router", "jobs.train_router", "cluster_router", upstream=("generate", "count", "cluster"),
               reads=(*TARGET_IDENTITY, "train_router"), models=_cluster_models,
               overrides={"generate": "train_router.calibration", "count": "train_router.counts",
-                         "cluster": "train_router.clusters"}),
+                         "cluster": "train_router.clusters"}, version=2),
     # RDK: the target's moments on the calibration set, pruning levels from count's ranking; the held-out
     # analysis that picks tau runs evaluate's drafters, so they (and nothing else of evaluate) enter its id.
     StageSpec("estimate_rdk", "jobs.estimate_rdk", "rdk_affinity", upstream=("generate", "count"),
@@ -192,8 +194,9 @@ STAGES: tuple[StageSpec, ...] = (
               # count always (its shortlists, the draft-vocabulary bundle); the others only for the methods that read them
               when={stage: _read_by_methods(stage) for stage in EVALUATE_UPSTREAM if stage != "count"},
               # 2: the split as generate 2 draws it, no chat prompt also posted on the calibration side, the generation
-              # config's end-of-turn ids end a decode, drafts after an accepted end of sequence not counted as accepted
-              version=2),
+              # config's end-of-turn ids end a decode, drafts after an accepted end of sequence not counted as accepted.
+              # 3: DynaSpec's and PA-FR's shortlists keep every id a decode stops at; the eager path's warm-up
+              version=3),
 )
 if tuple(s.name for s in STAGES) != STAGE_NAMES:  # the leaf list the config layer validates against
     raise RuntimeError(f"the DAG table's stages {[s.name for s in STAGES]} differ from {list(STAGE_NAMES)}")
