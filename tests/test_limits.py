@@ -64,6 +64,23 @@ def test_train_drafter_max_length_beyond_the_target_context_is_refused(tmp_path:
     plan(small_cfg(tmp_path, "train_drafter.max_length=128"), ["train_drafter"])
 
 
+@pytest.mark.parametrize("stage", ["train_router", "estimate_rdk"])
+def test_the_drafters_reading_calibration_rows_are_held_to_their_context(stage: str, tmp_path: Path,
+                                                                        tiny_kit) -> None:
+    """train_router runs cluster.drafter and estimate_rdk runs evaluate.drafter over calibration rows; nothing held
+    those rows to the drafter's context (which can be shorter than the target's), so positions past it were
+    extrapolated without a word. The rows are as long as generate makes them (48 + 12 = 60 here) or max_length."""
+    short = _short_context_copy(tiny_kit, "drafter", tmp_path / "short-drafter", 40)
+    key = "cluster.drafter" if stage == "train_router" else "evaluate.drafter"
+    with pytest.raises(DrafterError, match=r"the calibration rows \(generate.max_prompt_tokens \+ generate.max_new_"
+                                           rf"tokens\) \(60\) is longer than the context of the drafter .*\({key}\)"):
+        plan(small_cfg(tmp_path, f"{key}={short}"), [stage])
+    with pytest.raises(DrafterError, match=rf"{stage}.max_length \(32\) is longer(.|\n)*32 tokens"):
+        plan(small_cfg(tmp_path, f"{key}={_short_context_copy(tiny_kit, 'drafter', tmp_path / 'd2', 30)}",
+                       f"{stage}.max_length=32"), [stage])
+    plan(small_cfg(tmp_path, f"{key}={short}", f"{stage}.max_length=40"), [stage])
+
+
 def test_evaluate_needs_room_for_a_verify_forward(tmp_path: Path) -> None:
     base = ["evaluate.methods=[full]", "evaluate.max_new_tokens=24", "evaluate.gammas=[2,4]"]
     with pytest.raises(DrafterError, match=r"evaluate\.max_prompt_tokens \+ evaluate\.max_new_tokens \+ "

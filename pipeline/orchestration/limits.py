@@ -16,6 +16,10 @@ What each stage must fit, in positions of the model that reads them:
   the answering drafter for ``kind: drafter``. No row is then longer than the target's context.
 * ``train_drafter`` and ``train_dflash``: ``max_length`` must fit the target, which computes the features of every
   kept position.
+* ``train_router`` and ``estimate_rdk``: the rows they read (``max_length``, or generate's ``max_prompt_tokens +
+  max_new_tokens`` where rows are shorter) must fit the drafter that reads them (``cluster.drafter``,
+  ``evaluate.drafter``): a drafter's context can be shorter than the target's, and positions past it would be
+  extrapolated without a word.
 * ``evaluate``: a verify forward scores up to γ drafts and the position after them past the tokens kept,
   so the target and the same-tokenizer drafter must fit ``max_prompt_tokens + max_new_tokens +
   max(gammas) + 1``. (The loop drafts no further than ``max_new_tokens`` and so stays below this; the
@@ -93,6 +97,41 @@ def _check_train_dflash(cfg: PipelineConfig) -> None:
     limit = _context(cfg, cfg.target.model)
     _fit("train_dflash.max_length", [tc.max_length], tc.max_length, limit, f"the target {cfg.target.model}",
          "tokens", f"Set train_dflash.max_length to {limit} or less.")
+
+
+def _rows_read(cfg: PipelineConfig, key: str, max_length: int, override: str | None) -> tuple[str, int]:
+    """What a stage that cuts calibration rows to ``max_length`` (config key ``key``) reads at most, and which keys
+    say so: ``max_length``, or generate's ``max_prompt_tokens + max_new_tokens`` where rows are no longer than that
+    (those of the artifact ``override`` names, when set; its manifest holds its generate section)."""
+    gen = cfg.generate.__dict__
+    if override:
+        gen = read_manifest(Path(override).expanduser().resolve(), kind="calibration").get("config", {}).get(
+            "generate", {})
+    try:
+        bound = int(gen["max_prompt_tokens"]) + int(gen["max_new_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return key, max_length
+    if bound < max_length:
+        return "the calibration rows (generate.max_prompt_tokens + generate.max_new_tokens)", bound
+    return key, max_length
+
+
+def _check_train_router(cfg: PipelineConfig) -> None:
+    tr, name = cfg.train_router, cfg.cluster.drafter
+    keys, needed = _rows_read(cfg, "train_router.max_length", tr.max_length, tr.calibration)
+    limit = _context(cfg, name)
+    _fit(keys, [needed], needed, limit, f"the drafter {name} (cluster.drafter), which reads every row", "tokens",
+         f"Set train_router.max_length to {limit} or less, or pick a cluster.drafter with a longer context.")
+
+
+def _check_estimate_rdk(cfg: PipelineConfig) -> None:
+    er, name = cfg.estimate_rdk, cfg.evaluate.drafter
+    keys, needed = _rows_read(cfg, "estimate_rdk.max_length", er.max_length, er.calibration)
+    limit = _context(cfg, name)
+    _fit(keys, [needed], needed, limit, f"the drafter {name} (evaluate.drafter), which reads the held-out rows",
+         "tokens", f"Set estimate_rdk.max_length to {limit} or less, or pick an evaluate.drafter with a longer "
+                   "context.")
+    check_rdk_code_problems(cfg)
 
 
 def _block_size(cfg: PipelineConfig) -> int | None:
@@ -199,7 +238,7 @@ def check_rdk_code_problems(cfg: PipelineConfig, unseen: int | None = None) -> N
 
 
 _CHECKS = {"generate": _check_generate, "train_drafter": _check_train_drafter, "train_dflash": _check_train_dflash,
-           "evaluate": _check_evaluate, "estimate_rdk": check_rdk_code_problems}
+           "train_router": _check_train_router, "evaluate": _check_evaluate, "estimate_rdk": _check_estimate_rdk}
 
 
 def check_settings(cfg: PipelineConfig, stages: Collection[str]) -> None:
