@@ -273,7 +273,13 @@ def _pull(args: argparse.Namespace, cfg) -> int:
 
         expect = fingerprint(args.expect_target, args.expect_revision)
     path = pull(args.ref, args.to, cfg.mlflow, cfg.workdir_path, expect_fingerprint=expect)
-    print(f"pulled {args.ref} -> {path} (every sha256 and fingerprint verified)")
+    if expect is not None:
+        print(f"pulled {args.ref} -> {path} (every sha256 verified; built for your target {args.expect_target})")
+        return 0
+    built_for = json.loads((path / "bundle.json").read_text())["fingerprint"]
+    print(f"pulled {args.ref} -> {path} (every sha256 verified; built for target {built_for.get('model')} at "
+          f"revision {built_for.get('revision')}, not checked against yours: pass --expect-target MODEL to refuse "
+          "a bundle built for another)")
     return 0
 
 

@@ -227,6 +227,24 @@ def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server
     assert not to.exists()
 
 
+def test_a_name_holds_one_target_model_however_its_spellings_collide(tmp_path: Path,
+                                                                     mlflow_server: MlflowServer) -> None:
+    """`Qwen/Qwen3-8B` on the hub and a local `./Qwen/Qwen3-8B` spell the same registered name. The second target's
+    bundle was registered there and, built for "another target", took @champion whatever its metric: serving
+    pulled a drafter for the other model. Now it is refused before anything is written, naming both."""
+    cfg = registry_cfg(mlflow_server.uri)
+    hub, local = {**FP, "model": "Qwen/Qwen3-8B"}, {**FP, "model": "./Qwen/Qwen3-8B", "weights": "sha256:" + "a" * 64}
+    name = registered_name(hub["model"], "collide")
+    assert registered_name(local["model"], "collide") == name
+    register(make_bundle(name, make_components(tmp_path / "hub", hub), 2.0, fingerprint=hub), cfg, tmp_path / "work")
+    with pytest.raises(DrafterError, match=r"version 1 was built for 'Qwen/Qwen3-8B', this bundle for "
+                                           r"'\./Qwen/Qwen3-8B'(.|\n)*Nothing was registered"):
+        register(make_bundle(name, make_components(tmp_path / "local", local), 1.0, fingerprint=local), cfg,
+                 tmp_path / "work")
+    assert [v.version for v in _client(mlflow_server).search_model_versions(f"name = '{name}'")] == ["1"]
+    assert _aliases(mlflow_server, name) == {"candidate": "1", "champion": "1"}
+
+
 def test_pull_refuses_another_target(tmp_path: Path, mlflow_server: MlflowServer) -> None:
     cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-fingerprint", "drafter")
     register(make_bundle(name, make_components(tmp_path), 2.0), cfg, tmp_path / "work")
@@ -464,11 +482,19 @@ def test_readme_pull_in_a_fresh_shell_reads_the_server_it_is_given(
     done = _readme_pull(elsewhere, name, "./bundle", f"mlflow.tracking_uri={mlflow_server.uri}")
     assert done.returncode == 0, done.stderr
     assert bundle_sha256(read_bundle_json(elsewhere / "bundle")) == result.bundle_sha256
+    assert f"built for your target {TARGET}" in done.stdout, done.stdout
+    # Without --expect-target nothing compares the bundle with the caller's target: the line says so (it said
+    # "every sha256 and fingerprint verified") and names the target the bundle was built for.
+    done = _fresh_shell(elsewhere, "pull", f"{name}@champion", "--to", "./unchecked",
+                        f"mlflow.tracking_uri={mlflow_server.uri}")
+    assert done.returncode == 0, done.stderr
+    assert f"built for target {fp['model']}" in done.stdout and "not checked against yours" in done.stdout, done.stdout
+    assert "fingerprint verified" not in done.stdout
 
     _tamper(_stored_copy(mlflow_server, result.source) / "components" / components[1].id / "weights.safetensors")
     done = _readme_pull(elsewhere, name, "./tampered", f"mlflow.tracking_uri={mlflow_server.uri}")
     assert done.returncode == 2 and "weights.safetensors" in done.stderr, done.stderr
-    assert [p.name for p in elsewhere.iterdir()] == ["bundle"]
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["bundle", "unchecked"]
 
 
 def test_pull_from_a_missing_local_store_says_so_and_creates_nothing(

@@ -21,6 +21,7 @@ from typing import Any
 
 from pipeline.artifacts import canonical_json, fingerprint_mismatch
 from pipeline.config.sections import MlflowConfig
+from pipeline.errors import DrafterError
 from pipeline.registry.bundle import Bundle, bundle_sha256, check_registrable, read_bundle_json, write_bundle
 from pipeline.registry.store import (
     BUNDLE_SHA,
@@ -145,6 +146,18 @@ def _register(
         name = bundle.name
         with registry_errors(uri, f"Looking up {name}"):
             earlier = versions_of_bundle(client, name, sha)
+            holder = _held_for_another_model(client, name, bundle.fingerprint)
+        if holder is not None:
+            number, model = holder
+            raise DrafterError(
+                f"{name} holds drafters for another target model: version {number} was built for {model!r}, this "
+                f"bundle for {bundle.fingerprint.get('model')!r}. Both spell the same registered name, and a name "
+                "holds one target (its @champion is what serving pulls for it). Nothing was registered.",
+                expected=f"target.model spelt {model!r}, as the versions of {name} are",
+                found=repr(bundle.fingerprint.get("model")),
+                fix=f"Spell target.model as {model!r} if it is the same model (a different path to the same "
+                    f"directory counts as another model), or delete the registered model {name} if its versions "
+                    "are stale.")
         reused = bool(earlier)
         if earlier:
             # Prefer a finished version; otherwise finish the oldest incomplete one.
@@ -309,6 +322,20 @@ def _champion_decision(
         False,
         f"{metric} {ours:.6g} does not beat champion version {current.version} ({float(theirs):.6g}){note}",
     )
+
+
+def _held_for_another_model(client: Any, name: str, fingerprint: dict) -> tuple[str, str] | None:
+    """(version, model) of the newest version of ``name`` built for another target model than ``fingerprint``'s.
+
+    :func:`~pipeline.registry.bundle.registered_name` maps several spellings to one name (``Qwen/Qwen3-8B`` on the
+    hub and a local ``./Qwen/Qwen3-8B`` both become ``drafter-Qwen-Qwen3-8B-…``). New weights or a new revision of
+    the same model are that model's next versions; another model under its name would take @champion from it."""
+    ours = fingerprint.get("model")
+    for version in reversed(versions_of(client, name)):
+        theirs = _tagged_fingerprint(version).get("model")
+        if ours and theirs and theirs != ours:
+            return str(version.version), theirs
+    return None
 
 
 def _replaced_by(client: Any, name: str, champion: Any, fingerprint: dict, keys: list[str]) -> str | None:
