@@ -113,11 +113,7 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact | None 
 
 
 def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Artifact | None) -> BuildResult | None:
-    from pipeline.drafters.dflash_export import (  # deferred: pulls in torch
-        export_reference,
-        export_speculators,
-        save_dflash,
-    )
+    from pipeline.drafters.dflash_export import export_layouts, save_dflash  # deferred: pulls in torch
     from pipeline.training.dflash_task import DFlashTask  # deferred: pulls in torch
 
     tc = cfg.train_dflash
@@ -146,10 +142,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
 
     def write(out: Path) -> None:
         save_dflash(drafter, out)
-        exports = out / "exports"
-        export_reference(drafter, exports / "dflash", target_model=cfg.target.model, target_config=target.config)
-        export_speculators(drafter, exports / "speculators", target_model=cfg.target.model,
-                           target_config=target.config)
+        export_layouts(drafter, out / "exports", target_model=cfg.target.model, target_config=target.config)
         (out / "training.json").write_text(json.dumps(report, indent=2))
 
     return BuildResult(write, metrics)

@@ -13,7 +13,7 @@ reference keys — nothing else, because SGLang drops keys it does not know with
 draft-vocabulary head adds ``draft_vocab_size`` to the config and ``lm_head.weight``, ``d2t`` (vLLM's
 ``draft_id_to_target_id``, used as ``arange + d2t``) and ``t2d`` (skipped by vLLM) to the weights: vLLM serves it;
 SGLang 0.5.23's DFlash model has no LM head of its own, so serve such a drafter there only after retraining it with
-``train_dflash.head: target``.
+``train_dflash.head: target`` (:func:`export_layouts` names that export ``dflash-vllm/``).
 
 **speculators layout** (:func:`export_speculators`), what ``speculators.models.dflash`` (0.9.0:
 ``DFlashSpeculatorConfig``, ``DFlashDraftModel``) loads and vLLM auto-detects by ``speculators_model_type``:
@@ -233,6 +233,23 @@ def export_reference(drafter: DFlashDrafter, out_dir: str | Path, *, target_mode
     doc = reference_config_dict(config, target_model=target_model, target_config=target_config,
                                 dtype=tensors["fc.weight"].dtype)
     return _publish(Path(out_dir), doc, tensors)
+
+
+def export_layouts(drafter: DFlashDrafter, exports: Path, *, target_model: str, target_config: Any) -> dict[str, Path]:
+    """Both serving layouts under ``exports``: ``speculators/``, and the reference layout as ``dflash/`` or, for a
+    draft-vocabulary head, ``dflash-vllm/``. SGLang 0.5.23 loads a reference checkpoint without a head of its own
+    and drops ``lm_head.weight``, ``d2t`` and ``t2d`` without a word, drafting through the target's head, which such
+    a drafter never trained for: a folder named for the engine that serves it keeps it from being mistaken for the
+    layout both engines load.
+
+    Returns:
+        The written directories, by layout (``reference``, ``speculators``).
+    """
+    name = "dflash" if drafter.config.draft_vocab_size is None else "dflash-vllm"
+    return {"reference": export_reference(drafter, exports / name, target_model=target_model,
+                                          target_config=target_config),
+            "speculators": export_speculators(drafter, exports / "speculators", target_model=target_model,
+                                              target_config=target_config)}
 
 
 def speculators_keys(config: DFlashConfig) -> tuple[str, ...]:

@@ -164,7 +164,8 @@ STAGES: tuple[StageSpec, ...] = (
               overrides={"generate": "train_dflash.calibration", "count": "train_dflash.counts"},
               when={"count": lambda cfg: cfg.train_dflash.head == "draft"},
               opt_in=_read_by_methods("train_dflash"),
-              version=2),  # 2: each row's anchors seeded by its own index, not by its micro-batch (a run setting)
+              version=3),  # 2: each row's anchors seeded by its own index, not by its micro-batch (a run setting)
+              # 3: a draft-vocabulary head's reference export is exports/dflash-vllm (SGLang drops its head)
     # DynaSpec: the drafter's head is clustered (no upstream: it reads only a model), the router learns from
     # the calibration set with the clustering, and compares itself with count's frequency shortlists.
     StageSpec("cluster", "jobs.cluster", "token_clusters", reads=(*TARGET_IDENTITY, "cluster"),

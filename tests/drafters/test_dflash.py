@@ -362,6 +362,22 @@ def test_a_draft_vocabulary_head_is_saved_exported_and_loaded_with_its_maps(targ
                                  draft_vocab_size=97)
 
 
+def test_a_draft_vocabulary_heads_reference_export_is_named_for_the_engine_that_serves_it(target,
+                                                                                         tmp_path: Path) -> None:
+    """SGLang 0.5.23 loads the reference layout without a head of its own, dropping ``lm_head.weight``, ``d2t`` and
+    ``t2d`` without a word, so a draft-vocabulary drafter exported as ``exports/dflash`` (the layout both engines
+    load) drafted there through the target's head. Its reference export is ``exports/dflash-vllm``; a drafter on
+    the target's head keeps ``exports/dflash``."""
+    from pipeline.drafters.dflash_export import export_layouts
+
+    for draft_ids, name in ((None, "dflash"), (DRAFT_IDS, "dflash-vllm")):
+        exports = tmp_path / name / "exports"
+        written = export_layouts(_drafter(target, draft_ids=draft_ids), exports, target_model="t",
+                                 target_config=target.config)
+        assert written == {"reference": exports / name, "speculators": exports / "speculators"}
+        assert sorted(p.name for p in exports.iterdir()) == sorted([name, "speculators"])
+
+
 def test_block_loss_with_a_draft_vocabulary_head_learns_only_rows_it_can_draft(target) -> None:
     """``ce`` with a draft-vocabulary head: the cross-entropy over the head's 15 ids to the row's token, at the rows
     whose token is one of them (weights renormalised over those); agreement maps the head's argmax to its target id
