@@ -22,7 +22,7 @@ from pipeline.artifacts import Artifact
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.models.loading import load_model
+from pipeline.models.loading import fingerprint, load_model
 from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
@@ -104,7 +104,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
             f"target mass {curves['target_mass'][max(1, m // 4) - 1]:.3f} (static "
             f"{curves['static_target_mass'][max(1, m // 4) - 1]:.3f})")
     meta = {"clustering_sha256": clustering.content_sha256(), "clusters": clusters.id,
-            "drafter": cfg.cluster.drafter, "drafter_head_sha256": head_sha256(head), "top_l": tr.top_l,
+            "drafter": cfg.cluster.drafter, "drafter_head_sha256": head_sha256(head),
+            "drafter_weights": fingerprint(cfg.cluster.drafter).get("weights"), "top_l": tr.top_l,
             "keep_ids": keep, "calibration": calibration.id, "counts": counts.id}
     report = {**result.record(),
               "rows": {"train": len(data.train), "heldout": len(data.heldout), "dropped": data.dropped}}

@@ -228,6 +228,40 @@ def test_routed_shortlists_keep_every_id_a_decode_stops_at(routed) -> None:
     assert record["keep_ids"] == sorted({tokenizer.eos_token_id, end_of_turn}) == list(policy.keep_ids)
 
 
+def test_a_router_is_refused_for_a_drafter_with_its_head_and_another_body(routed, tmp_path: Path) -> None:
+    """The router reads the drafter's hidden states, but evaluate checked only the LM head's hash: a fine-tune of
+    cluster.drafter with its head frozen passed, and its DynaSpec rows and bundle came from a router trained on
+    another drafter's states. Here a copy of the drafter with one attention weight changed (head untouched) is
+    refused by name; the drafter the router was trained on is not."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pipeline.evaluation.configurations import Configurations
+    from pipeline.models.loading import load_model, load_tokenizer, resolve_ref
+
+    cfg, artifacts = routed
+    body = tmp_path / "finetuned-drafter"
+    shutil.copytree(resolve_ref(cfg.cluster.drafter).location, body)
+    weights = load_file(str(body / "model.safetensors"))
+    name = next(k for k in weights if "q_proj" in k)
+    weights[name] = weights[name] + 0.01
+    save_file(weights, str(body / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = load_tokenizer(cfg.target.model)
+    target = load_model(cfg.target.model, dtype="float32", device="cpu").eval()
+    inputs = {k: artifacts[k] for k in ("count", "cluster", "train_router")}
+    for drafter_ref, refused in ((cfg.cluster.drafter, False), (str(body), True)):
+        run_cfg = ds_cfg(cfg.workdir_path, "evaluate.methods=[dynaspec]", "evaluate.dynaspec_match=top_k_64",
+                         f"evaluate.drafter={drafter_ref}")
+        configurations = Configurations(run_cfg, target, tokenizer, {}, inputs, "cpu", lambda _line: None)
+        drafter = load_model(drafter_ref, dtype="float32", device="cpu").eval()
+        if not refused:
+            configurations._policy(drafter, ["dynaspec"])
+            continue
+        with pytest.raises(DrafterError, match=r"hidden states of another drafter(.|\n)*tiny:test/drafter"):
+            configurations._policy(drafter, ["dynaspec"])
+
+
 def test_kill_minus_9_then_rerun_ends_bit_identical(routed, tmp_path: Path) -> None:
     cfg, artifacts = routed
     art = artifacts["train_router"]

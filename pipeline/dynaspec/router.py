@@ -165,16 +165,20 @@ def save_router(router: Router, out: str | Path, meta: dict) -> None:
     (out / ROUTER_CONFIG).write_text(json.dumps(config, indent=2))
 
 
-def load_router(directory: str | Path, clustering: Any, drafter_head: Tensor | None = None) -> tuple[Router, dict]:
+def load_router(directory: str | Path, clustering: Any, drafter_head: Tensor | None = None,
+                drafter_weights: str | None = None) -> tuple[Router, dict]:
     """Load a ``train_router`` artifact's router and refuse it for another clustering or drafter.
 
     Args:
         directory: The artifact directory.
         clustering: The :class:`~pipeline.dynaspec.clusters.Clustering` it will route over.
         drafter_head: The drafter's LM-head weight, checked against the head the router was trained on.
+        drafter_weights: What names the drafter's weights (its fingerprint's ``weights``), checked against the
+            drafter the router was trained on: the router reads the drafter's hidden states, so a drafter with the
+            same head and another body (a fine-tune with its head frozen) is another drafter to it.
 
     Raises:
-        DrafterError: Missing files, another clustering (content hash), another drafter head.
+        DrafterError: Missing files, another clustering (content hash), another drafter head or drafter.
     """
     from safetensors.torch import load_file
 
@@ -201,6 +205,13 @@ def load_router(directory: str | Path, clustering: Any, drafter_head: Tensor | N
                                expected=f"drafter head {found[:16]}…",
                                found=f"router trained with head {str(config.get('drafter_head_sha256'))[:16]}…",
                                fix="Use the drafter the router and clustering were made for.")
+    trained_on = config.get("drafter_weights")
+    if drafter_weights is not None and trained_on is not None and trained_on != drafter_weights:
+        raise DrafterError("The DynaSpec router was trained on the hidden states of another drafter (same LM head, "
+                           "other weights).", expected=f"a router trained on drafter weights {drafter_weights}",
+                           found=f"router trained on {config.get('drafter')!r}, weights {trained_on}",
+                           fix="Train the router with cluster.drafter set to this drafter (`drafter train_router`), "
+                               "or evaluate the drafter it was trained on.")
     router = Router(config["input_size"], config["hidden_size"], config["num_clusters"])
     router.load_state_dict(load_file(str(directory / ROUTER_WEIGHTS)), strict=True)
     return router.eval(), config

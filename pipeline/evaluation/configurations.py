@@ -37,7 +37,7 @@ from pipeline.engine.methods import METHODS, MethodSpec, build_proposer, specs_o
 from pipeline.engine.metrics import parameter_ratio
 from pipeline.engine.proposers import ShortlistProposer
 from pipeline.errors import DrafterError
-from pipeline.models.loading import load_model, load_tokenizer
+from pipeline.models.loading import fingerprint, load_model, load_tokenizer
 from pipeline.rdk.prior import PRUNED
 from pipeline.vocab.counting import load_shortlists
 from pipeline.vocab.tokens import stop_ids, vocab_hash
@@ -314,7 +314,8 @@ class Configurations:
             clustering = Clustering.load(clusters.path)
             head = drafter.get_output_embeddings().weight
             clustering.check_head(head, f"evaluate.drafter {ev.drafter!r}")
-            router, meta = load_router(router_art.path, clustering, head)
+            router, meta = load_router(router_art.path, clustering, head,
+                                       fingerprint(ev.drafter).get("weights"))
             curve = json.loads(router_art.file("routing.json").read_text())["size"]
             budgets = {g: match_budgets(curve, size, g, ev.dynaspec_k_min) for g in ev.gammas}
             fields["fixed"] = {g: b[0] for g, b in budgets.items()}
