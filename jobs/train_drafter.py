@@ -192,7 +192,8 @@ def bench(cfg: PipelineConfig, steps: int = 10) -> str:
 
     target_s, step_s = timed(forward), timed(train_step)
     tokens = int(batch["attention_mask"].sum())
-    lines = [f"EAGLE-3 training step vs target forward on {device_name(device)}: micro-batch {micro} rows, {tokens} tokens, "
+    lines = [f"EAGLE-3 training step vs target forward on {device_name(device)}: micro-batch {micro} rows, "
+             f"{tokens} tokens, "
              f"ttt_steps {td.ttt_steps}, draft vocab {ready.config.draft_vocab_size}, {steps} timed repetitions",
              "| what | ms | tokens/s | vs target forward |", "|---|---|---|---|",
              f"| target forward (features + logits) | {target_s * 1e3:.1f} | {tokens / target_s:.0f} | 1.00× |",

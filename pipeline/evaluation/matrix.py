@@ -100,7 +100,8 @@ def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_
     eagle3_training = simulated_figures(artifacts["train_drafter"]) if "train_drafter" in artifacts else None
     dflash_training = simulated_figures(artifacts["train_dflash"]) if "train_dflash" in artifacts else None
     rdk_analysis = rdk_record(artifacts["estimate_rdk"]) if "estimate_rdk" in artifacts else None
-    return EvaluationResults(rows=rows, checks=checks, device=device_name(device), target=target_fingerprint, inputs=inputs,
+    return EvaluationResults(rows=rows, checks=checks, device=device_name(device), target=target_fingerprint,
+                             inputs=inputs,
                              eagle3_training=eagle3_training, dynaspec_policy=evaluator.policy_record,
                              rdk_analysis=rdk_analysis, dflash_training=dflash_training,
                              decode_path=evaluator.options.path,

@@ -45,7 +45,7 @@ def write_staged(path: Path, write: Callable[[Path], None], about: dict | None =
 
 
 def staged_about(path: Path) -> dict:
-    """What :func:`write_staged` recorded of how sound staged shard ``path`` was computed (empty if nothing)."""
+    """What :func:`write_staged` recorded of how the sound staged shard ``path`` was computed (empty if nothing)."""
     about = json.loads(sidecar(path).read_text()).get("about")
     return about if isinstance(about, dict) else {}
 

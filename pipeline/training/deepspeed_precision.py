@@ -5,8 +5,8 @@ backward pass, and its DeepSpeed plugin then calls ``engine.backward(loss)``, wh
 ``gradient_accumulation_steps`` (the same number: Lightning sets it from the Trainer). The gradient ZeRO clips and
 steps with was the mean's over that count, so ``gradient_clipping`` acted as ``clip × accumulation``, and a job on
 one node (accumulation 8) trained other weights than the same config on two (accumulation 4) under one artifact id.
-This plugin asks DeepSpeed not to scale (``scale_wrt_gas=False``): the gradient is the global batch's mean loss's,
-as on the DDP and single-device paths.
+This plugin asks DeepSpeed not to scale (``scale_wrt_gas=False``): the gradient is that of the global batch's mean
+loss, as on the DDP and single-device paths.
 """
 
 from __future__ import annotations
