@@ -119,8 +119,11 @@ def fingerprint_error(message: str, expected: dict, found: dict | None, keys: li
 
 
 def check_fingerprint(artifact: Artifact, expected: dict, what: str) -> None:
-    """Refuse an artifact built for another target/tokenizer than ``expected``."""
-    bad = fingerprint_mismatch(expected, artifact.fingerprint)
+    """Refuse an artifact built for another target/tokenizer than ``expected``, or for none it names (a manifest
+    without a fingerprint says nothing of what it was built for)."""
+    found = artifact.fingerprint
+    bad = [k for k in FINGERPRINT_KEYS if k in expected] if expected and not found else \
+        fingerprint_mismatch(expected, found)
     if bad:
         raise fingerprint_error(f"{what} {artifact.id} was built for a different target than this run.",
                                 expected, artifact.fingerprint, bad,

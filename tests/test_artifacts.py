@@ -94,6 +94,11 @@ def test_fingerprint_mismatch_names_both_sides(tmp_path: Path) -> None:
         load_artifact(art.path, kind="calibration")
     assert "what to do: Pass a calibration artifact here" in str(err.value)
     check_fingerprint(art, FP, "x")  # same target: no error
+    # A manifest without a fingerprint (hand-made, or written by a tool that records none) says nothing of the
+    # target it was built for; it passed every check as if it matched.
+    unnamed = _make(ArtifactStore(tmp_path / "unnamed"), fingerprint=None)
+    with pytest.raises(DrafterError, match=r"built for a different target(.|\n)*model=None"):
+        check_fingerprint(unnamed, FP, "x")
 
 
 def test_pickle_payloads_are_refused_and_nothing_is_published(tmp_path: Path) -> None:
