@@ -120,6 +120,8 @@ class TrainResult:
     """The last step's metrics (averaged over ranks)."""
     mlflow_run_id: str | None
     seconds: float
+    """Seconds trained, over every process of the run (a kill and a resume included; a finished run's rerun
+    reports the run's own)."""
     best: dict | None = None
     """With ``eval_every``: the best evaluation (``step``, ``score``, ``metric``, all ``metrics``, weights'
     ``sha256``); the module then holds those weights. None without evaluation (the last weights)."""
@@ -233,13 +235,14 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
     plan = RunPlan(cfg=cfg, staging=staging, strategy=strategy, world_size=world, micro_batch_size=micro,
                    accumulation=accumulation, total_steps=total,
                    start_step=start, expected=expected, resume=resume, tracking_uri=tracking_uri,
-                   experiment=experiment, run_name=run_name or staging.name, label=label)
+                   experiment=experiment, run_name=run_name or staging.name, label=label,
+                   seconds_before=float(resume[1].get("train_seconds", 0.0)) if resume else 0.0, started=started)
     if start >= total:
         state = resume[1] if resume else {}
         return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world, batch_layout=layout,
                            global_rank=trainer.global_rank, deepspeed_config=ds_config,
                            metrics=state.get("metrics", {}), mlflow_run_id=state.get("mlflow_run_id"),
-                           seconds=time.perf_counter() - started, best=_take_best(module, staging, state),
+                           seconds=plan.seconds_before, best=_take_best(module, staging, state),
                            ranks=participants(trainer))
     # The Trainer exists before the checkpoint is read (its rank decides who cleans up), so the steps left
     # are set here; Lightning's own step counter starts at 0, ours at `start`.
@@ -252,7 +255,7 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
     return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world, batch_layout=layout,
                        global_rank=trainer.global_rank, deepspeed_config=ds_config,
                        metrics=lightning_module.last_metrics, mlflow_run_id=lightning_module.mlflow_run_id,
-                       seconds=time.perf_counter() - started, best=_take_best(module, staging, final), ranks=ranks)
+                       seconds=plan.seconds_so_far(), best=_take_best(module, staging, final), ranks=ranks)
 
 
 def _take_best(module: Any, staging: Path, state: dict) -> dict | None:

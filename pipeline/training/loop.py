@@ -130,7 +130,7 @@ class HarnessModule(L.LightningModule):
                 self.plan.staging, step, rank=self.global_rank, world_size=self.trainer.world_size,
                 weights=trainable_parameters(self.inner), optimizer=self.trainer.strategy.optimizers[0],
                 state={**self.plan.expected, "mlflow_run_id": self.mlflow_run_id, "metrics": self.last_metrics,
-                       "best": self.best},
+                       "best": self.best, "train_seconds": round(self.plan.seconds_so_far(), 3)},
                 barrier=self.trainer.strategy.barrier, keep=self.plan.cfg.keep_checkpoints)
             if self.trainer.is_global_zero and self.best is not None:
                 ckpt.prune_best(self.plan.staging, {self.best["step"]})

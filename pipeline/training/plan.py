@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,14 @@ class RunPlan:
     run_name: str
     label: str = "training"
     """What progress lines call the run (the stage's name)."""
+    seconds_before: float = 0.0
+    """Seconds the run had trained before this process (the resumed checkpoint's ``train_seconds``)."""
+    started: float = 0.0
+    """``time.perf_counter()`` when this process's part of the run began."""
+
+    def seconds_so_far(self) -> float:
+        """Seconds the run has trained, over every process that resumed it."""
+        return self.seconds_before + time.perf_counter() - self.started
 
 
 def trainable_parameters(module: Any) -> dict[str, Any]:

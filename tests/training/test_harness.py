@@ -121,6 +121,23 @@ def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 # --- fast, in-process --------------------------------------------------------------------------------
 
+def test_training_seconds_add_up_over_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train_seconds (training.json, the stage's summary) counted only the last process: a run resumed after a kill
+    reported the time since the resume, and a rerun of a finished run about nothing. Each checkpoint now carries the
+    seconds trained so far. Every micro-batch here sleeps 0.1 s: 12 steps x 2 micro-batches before the crash (2.4 s)
+    and 4 x 2 after it (0.8 s); the resumed run and the finished run's rerun report at least the 3.2 s slept."""
+    crash_after_checkpoint(monkeypatch, 12)
+    monkeypatch.setenv("HARNESS_TEST_STEP_SLEEP", "0.1")
+    with pytest.raises(SimulatedCrash, match="after the step-12 checkpoint"):
+        fit(TinyRegressor(), dataset(), config(), tmp_path / "run")
+    monkeypatch.undo()
+    monkeypatch.setenv("HARNESS_TEST_STEP_SLEEP", "0.1")
+    resumed = fit(TinyRegressor(), dataset(), config(), tmp_path / "run")
+    assert resumed.start_step == 12 and resumed.seconds >= 3.2, resumed.seconds
+    rerun = fit(TinyRegressor(), dataset(), config(), tmp_path / "run")
+    assert rerun.start_step == 16 and 3.2 <= rerun.seconds <= resumed.seconds, (rerun.seconds, resumed.seconds)
+
+
 def test_config_checks_raise_drafter_error() -> None:
     with pytest.raises(DrafterError, match="train.schedule"):
         TrainConfig(schedule="linear")
