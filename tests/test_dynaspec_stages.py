@@ -120,12 +120,11 @@ def test_router_artifact_and_routing_curves(routed) -> None:
     assert training["best"]["metric"] == "neg_loss" and training["steps"] == 24
 
 
-def test_routing_curves_rank_a_padded_heads_extra_rows_last(routed) -> None:
-    """A drafter head with more rows than its tokenizer has tokens (Qwen2.5: 151,936 against 151,665): the count's
-    ranking covers the tokens only. The extra rows rank last, so the static shortlists are those of a ranking that
-    lists them at its end (before, a ranking shorter than the head failed here, or read uninitialised ranks)."""
+def _routing_inputs(routed: tuple, eval_max_rows: int) -> tuple:
+    """What routing_curves reads, from the routed fixture's artifacts: the clustering, the drafter and the target
+    (float32), the trained router, ``eval_max_rows`` held-out rows and count's frequency ranking."""
     from pipeline.data.rows import CalibrationRows
-    from pipeline.dynaspec.router import load_router, routing_curves
+    from pipeline.dynaspec.router import load_router
     from pipeline.models.loading import load_model
     from pipeline.vocab.counting import frequency_ranking
 
@@ -135,8 +134,17 @@ def test_routing_curves_rank_a_padded_heads_extra_rows_last(routed) -> None:
     target = load_model(cfg.target.model, dtype="float32", device="cpu").eval()
     router, _ = load_router(artifacts["train_router"].path, clustering, drafter.get_output_embeddings().weight)
     rows = CalibrationRows(artifacts["generate"].path / "data", max_length=128, eval_fraction=0.2,
-                           eval_max_rows=4, min_length=2).heldout
-    ranking = frequency_ranking(artifacts["count"])
+                           eval_max_rows=eval_max_rows, min_length=2).heldout
+    return clustering, drafter, target, router, rows, frequency_ranking(artifacts["count"])
+
+
+def test_routing_curves_rank_a_padded_heads_extra_rows_last(routed) -> None:
+    """A drafter head with more rows than its tokenizer has tokens (Qwen2.5: 151,936 against 151,665): the count's
+    ranking covers the tokens only. The extra rows rank last, so the static shortlists are those of a ranking that
+    lists them at its end (before, a ranking shorter than the head failed here, or read uninitialised ranks)."""
+    from pipeline.dynaspec.router import routing_curves
+
+    clustering, drafter, target, router, rows, ranking = _routing_inputs(routed, eval_max_rows=4)
     padding = ranking[ranking >= clustering.vocab_size - 5]  # the ids a 5-row-padded head would have no token for
     short = ranking[ranking < clustering.vocab_size - 5]
     curves = [routing_curves(router, drafter, target, rows, clustering, r, top_l=4, keep_ids=[0])
@@ -149,19 +157,10 @@ def test_static_curves_equal_the_per_position_means_without_keeping_every_positi
     position's q, p and top-L distributions kept in memory (3 × V × 8 bytes a position: hundreds of GB for a 128k
     vocabulary at the 8B config's held-out size). They are now sums over members of running per-token means; here
     they equal the per-position computation from the drafter's and the target's own forwards (1e-12)."""
-    from pipeline.data.rows import CalibrationRows, pad_batch
-    from pipeline.dynaspec.router import load_router, predict_mask, router_features, routing_curves
-    from pipeline.models.loading import load_model
-    from pipeline.vocab.counting import frequency_ranking
+    from pipeline.data.rows import pad_batch
+    from pipeline.dynaspec.router import predict_mask, router_features, routing_curves
 
-    cfg, artifacts = routed
-    clustering = Clustering.load(artifacts["cluster"].path)
-    drafter = load_model(cfg.cluster.drafter, dtype="float32", device="cpu").eval()
-    target = load_model(cfg.target.model, dtype="float32", device="cpu").eval()
-    router, _ = load_router(artifacts["train_router"].path, clustering, drafter.get_output_embeddings().weight)
-    rows = CalibrationRows(artifacts["generate"].path / "data", max_length=128, eval_fraction=0.2,
-                           eval_max_rows=6, min_length=2).heldout
-    ranking = frequency_ranking(artifacts["count"])
+    clustering, drafter, target, router, rows, ranking = _routing_inputs(routed, eval_max_rows=6)
     curves = routing_curves(router, drafter, target, rows, clustering, ranking, top_l=4, keep_ids=[0], batch_size=4)
     vocab = clustering.vocab_size
     with torch.no_grad():
