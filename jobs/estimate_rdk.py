@@ -41,15 +41,22 @@ SUMMARY: tuple[str, ...] = ("rows",)
 SHARD = "sums-{:05d}.safetensors"
 
 
-def answer_distributions(model, rows: list, batch_size: int, device) -> object:  # noqa: ANN001
+def answer_distributions(model, rows: list, batch_size: int, device,  # noqa: ANN001
+                         picked: set[int] | None = None) -> object:
     """``(n, |T|)`` float32 next-token distributions of ``model`` at every answer position of ``rows``
-    (position ``t`` with ``loss_mask[t] = 1``, predicted from ``input_ids[:t]``), in row order."""
+    (position ``t`` with ``loss_mask[t] = 1``, predicted from ``input_ids[:t]``), in row order; only the answer
+    positions numbered in ``picked`` (their order among all of them) when given."""
     import torch
 
     from pipeline.data.calibration import chunks  # deferred: pulls in pyarrow
 
-    out = []
+    out, seen = [], 0
     for _, batch in chunks(rows, batch_size):
+        if picked is not None:
+            answers = sum(sum(r.loss_mask[1:]) for r in batch)
+            if not any(seen <= i < seen + answers for i in picked):
+                seen += answers  # no position picked in this batch: no forward
+                continue
         width = max(len(r.input_ids) for r in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         attention = torch.zeros(len(batch), width, dtype=torch.long)
@@ -60,9 +67,17 @@ def answer_distributions(model, rows: list, batch_size: int, device) -> object: 
             logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
         for i, r in enumerate(batch):
             at = [t - 1 for t in range(1, len(r.input_ids)) if r.loss_mask[t]]
+            if picked is not None:
+                seen, at = seen + len(at), [t for k, t in enumerate(at, seen) if k in picked]
             if at:
                 out.append(torch.softmax(logits[i, at].float(), -1))
     return torch.cat(out) if out else None
+
+
+def spread(n: int, limit: int) -> list[int]:
+    """``min(n, limit)`` of the indices ``0 … n-1``, evenly spread (all of them when ``n <= limit``): a cap on the
+    positions analysed that keeps every chat's share, where the first ``limit`` positions were a few chats' answers."""
+    return list(range(n)) if n <= limit else [i * n // limit for i in range(limit)]
 
 
 def answer_chats(rows: list) -> list[int]:
@@ -168,18 +183,19 @@ def _heldout_inputs(cfg: PipelineConfig, rows: list, target, drafter, kept_sets:
     from pipeline.rdk.prior import INTERSECTION  # deferred: pulls in torch
 
     er = cfg.estimate_rdk
-    p = answer_distributions(target, rows, er.batch_size, "cpu")
-    if p is None:
+    chats = answer_chats(rows)
+    if not chats:
         raise DrafterError(f"The {what} have no answer positions for RDK's analysis.",
                            fix="Raise estimate_rdk.heldout_fraction or generate more rows.")
-    limit = er.heldout_max_positions
-    p = p[:limit].double()
-    q_full = answer_distributions(drafter, rows, er.batch_size, "cpu")[:limit].double()
+    order = spread(len(chats), er.heldout_max_positions)  # only these positions' distributions are computed
+    picked = set(order)
+    p = answer_distributions(target, rows, er.batch_size, "cpu", picked).double()
+    q_full = answer_distributions(drafter, rows, er.batch_size, "cpu", picked).double()
     logq = torch.log(q_full.clamp_min(1e-300))
     out = {name: (p, torch.softmax(logq[:, kept], -1)) for name, kept in kept_sets.items() if name != INTERSECTION}
     if other is not None:
-        out[INTERSECTION] = (p, _other_positions(other, rows, tokenizer, limit))
-    return out, torch.tensor(answer_chats(rows)[:limit])
+        out[INTERSECTION] = (p, _other_positions(other, rows, tokenizer, picked))
+    return out, torch.tensor([chats[i] for i in order])
 
 
 def _code_rows(cfg: PipelineConfig, tokenizer) -> list:  # noqa: ANN001
@@ -211,21 +227,23 @@ def _code_rows(cfg: PipelineConfig, tokenizer) -> list:  # noqa: ANN001
     return rows
 
 
-def _other_positions(other: tuple, heldout: list, tokenizer, limit: int):  # noqa: ANN001
-    """The other-tokenizer drafter's TLI distributions at the same positions: the target prefix as text,
-    re-encoded by the drafter, its last logits restricted to T ∩ D (one uncached forward per position)."""
+def _other_positions(other: tuple, heldout: list, tokenizer, picked: set[int]):  # noqa: ANN001
+    """The other-tokenizer drafter's TLI distributions at the same positions (the answer positions numbered in
+    ``picked``): the target prefix as text, re-encoded by the drafter, its last logits restricted to T ∩ D (one
+    uncached forward per position)."""
     import torch
 
     from pipeline.vocab.maps import decode_ids, encode_text  # deferred: pulls in torch
 
     model, other_tok, inter_d = other
-    rows = []
+    rows, seen = [], -1
     for r in heldout:
         for t in range(1, len(r.input_ids)):
             if not r.loss_mask[t]:
                 continue
-            if len(rows) == limit:
-                return torch.stack(rows)
+            seen += 1
+            if seen not in picked:
+                continue
             ids = encode_text(other_tok, decode_ids(tokenizer, r.input_ids[:t]), add_special_tokens=True)
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, -1].double()

@@ -136,6 +136,31 @@ def test_answer_positions_are_numbered_by_the_chat_they_come_from() -> None:
     assert answer_chats(rows) == [0, 0, 1, 0, 2, 2, 3]
 
 
+def test_the_analysed_positions_spread_over_every_held_out_chat(estimated) -> None:
+    """heldout_max_positions kept the first positions, a few chats' answers (one chat's at the 8B config's 1,024-token
+    answers), and every held-out row's full-vocabulary distributions were computed before the cut. The cap now
+    spreads evenly over all positions, and only the picked positions' distributions are computed: they equal the
+    full computation's rows at those positions."""
+    from jobs.estimate_rdk import answer_chats, answer_distributions, spread
+    from pipeline.data.rows import CalibrationRows
+    from pipeline.models.loading import load_model
+
+    cfg, artifact = estimated
+    calibration = artifact.path.parent / json.loads(artifact.file("rdk.json").read_text())["calibration"]
+    rows = CalibrationRows(calibration / "data", max_length=cfg.estimate_rdk.max_length,
+                           eval_fraction=cfg.estimate_rdk.heldout_fraction, eval_max_rows=10**9, min_length=2).heldout
+    chats = answer_chats(rows)
+    order = spread(len(chats), 32)
+    assert len(order) == 32 == len(set(order)) and order == sorted(order) and len(chats) > 64
+    assert {chats[i] for i in order} == set(chats)  # every held-out chat keeps a share (the first 32: only a few)
+    assert len({chats[i] for i in range(32)}) < len(set(chats))
+    assert spread(5, 8) == [0, 1, 2, 3, 4]
+    model = load_model(cfg.target.model, dtype="float32", device="cpu").eval()
+    full = answer_distributions(model, rows, 3, "cpu")
+    picked = answer_distributions(model, rows, 3, "cpu", set(order))
+    torch.testing.assert_close(picked, full[order], rtol=0, atol=0)
+
+
 def test_killed_estimation_resumes_to_the_same_bytes(estimated, tmp_path: Path) -> None:
     """kill -9 after the first shard's sums land; the rerun keeps the landed shards (resumed_shards > 0) and
     publishes moments byte-identical to an uninterrupted run."""

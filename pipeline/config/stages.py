@@ -260,7 +260,8 @@ class EstimateRdkConfig:
     heldout_fraction: float = 0.05
     """Share of calibration conversations (by id hash) held out for the τ grid and the α table, never estimated on."""
     heldout_max_positions: int = 1024
-    """Most held-out answer positions analysed (τ and the prior weight chosen on half, α reported on the other)."""
+    """Most held-out answer positions analysed, evenly spread over the held-out rows (τ and the prior weight chosen
+    on the even-numbered chats' positions, α reported on the odd-numbered chats')."""
     code_problems: int = 16
     """HumanEval problems, taken from the end of the set (evaluate decodes the first ``evaluate.prompts_per_task``),
     whose canonical solutions as the assistant's answers give the code half of the α table: every kept set's
