@@ -110,6 +110,39 @@ def test_a_sampled_evaluation_checks_the_law_it_decodes_with(tmp_path: Path, tin
     assert all("temperature 0.7, top-p 0.9" in c["detail"] for c in checks), checks
 
 
+def test_a_greedy_divergence_is_a_tie_only_near_the_top_logit(tmp_path: Path, tiny_kit) -> None:
+    """A greedy mismatch passes the losslessness check as a floating-point tie when the two logits differ by at most
+    tie_tolerance relative to the largest logit. The bound was scaled by the largest *absolute* logit: a target that
+    masks a padded vocabulary row (-inf) made every divergence a tie, even to the least likely token. Here that
+    divergence is no tie, with the masked row or without it."""
+    import torch
+
+    from tests.helpers import kit_evaluator
+
+    prompt = [5, 6, 7]
+    evaluator = kit_evaluator(tmp_path, "eager", "evaluate.max_new_tokens=6", "evaluate.tie_tolerance=1e-4")(
+        {"chat": [prompt]})
+    with torch.no_grad():
+        logits = evaluator.target(torch.tensor([prompt])).logits[0, -1]
+    top, far = int(logits.argmax()), int(logits[:-1].argmin())
+    assert not evaluator._is_tie(prompt, [top], [far])
+
+    class MaskedPadding(torch.nn.Module):
+        """The same target with its last vocabulary row masked, as a target with a padded head masks it."""
+
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args: object, **kwargs: object) -> object:
+            out = self.inner(*args, **kwargs)
+            out.logits[..., -1] = float("-inf")
+            return out
+
+    evaluator.target = MaskedPadding(evaluator.target)
+    assert not evaluator._is_tie(prompt, [top], [far])
+
+
 def test_metrics_are_sane(evaluated) -> None:
     _, artifact, results = evaluated
     for row in results["rows"]:

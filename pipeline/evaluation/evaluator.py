@@ -220,7 +220,9 @@ class Evaluator:
             return False  # one stopped where the other went on without a differing token: not a tie
         logits = self.target(torch.tensor([prompt + ar[:i]], device=self.device)).logits[0, -1].double()
         gap = abs(float(logits[ar[i]] - logits[spec[i]]))
-        return gap <= self.ev.tie_tolerance * max(1.0, float(logits.abs().max()))
+        # relative to the largest logit, the one greedy decoding picked: the largest *absolute* logit is a masked
+        # row's (-1e4, -inf) in a target that masks padded vocabulary rows, and made every divergence a "tie"
+        return gap <= self.ev.tie_tolerance * max(1.0, abs(float(logits.max())))
 
     def sampling_check(self, method: str, shortlist: str | None, proposer: Any,
                        progress: Progress | None = None) -> LosslessCheck:
