@@ -25,6 +25,7 @@ from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.vocab import counting
+from pipeline.vocab.tokens import stop_ids
 
 SUMMARY: tuple[str, ...] = ("tokens_per_s", "tokens_counted", "distinct_tokens")
 """Metrics ``drafter run`` prints for this stage: counting throughput, tokens counted and distinct tokens."""
@@ -34,7 +35,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
     import torch
     from safetensors.numpy import save_file
 
-    tokenizer = Target(cfg.target).tokenizer()
+    target = Target(cfg.target)
+    tokenizer = target.tokenizer()
     vocab_size = len(tokenizer)
     files = shard_files(calibration.path / "data")
     if not files:
@@ -48,7 +50,9 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact) -> BuildRe
         raise DrafterError(f"The calibration set {calibration.id} has no assistant (loss-masked) tokens to count.",
                            expected="rows whose loss_mask marks the assistant's tokens",
                            fix="Regenerate it: with generate.kind=raw the dataset needs assistant turns.")
-    specials = sorted(set(tokenizer.all_special_ids))
+    # every special token and every id an answer ends at (an end-of-turn id can be the generation config's alone,
+    # e.g. Llama-3.1's <|eom_id|>): rarely counted, so a frequency cut would drop them
+    specials = sorted(set(tokenizer.all_special_ids) | set(stop_ids(tokenizer, target)))
     lists = counting.shortlists(counts, cfg.count, specials)
     draft_ids = counting.top_k(counts, cfg.count.draft_vocab_size)
     if cfg.count.always_include_special:

@@ -60,10 +60,11 @@ def test_a_stages_version_rebuilds_it_and_everything_downstream(tmp_path: Path, 
     from the same calibration set found the old ones cached and registered them under the new commit."""
     cfg = small_cfg(tmp_path)
     before = {name: step.id for name, step in plan(cfg).stages.items()}
-    bumped = tuple(dataclasses.replace(row, version=2) if row.name == "count" else row for row in dag.STAGES)
+    version = next(row.version for row in dag.STAGES if row.name == "count") + 1
+    bumped = tuple(dataclasses.replace(row, version=version) if row.name == "count" else row for row in dag.STAGES)
     monkeypatch.setattr(dag, "STAGES", bumped)
     after = plan(cfg).stages
-    assert after["count"].config["stage_version"] == 2
+    assert after["count"].config["stage_version"] == version
     downstream = {"count", "train_drafter", "train_router", "estimate_rdk", "evaluate"}
     assert {name for name in before if before[name] != after[name].id} == downstream
 

@@ -157,6 +157,36 @@ def test_answers_end_at_the_generation_configs_end_of_turn_ids_too(tmp_path: Pat
     assert same["input_ids"][same["prompt_len"]:] == [opener] and same["finished"]
 
 
+def test_shortlists_keep_the_generation_configs_end_of_turn_ids(tmp_path: Path, tiny_kit) -> None:
+    """FR-Spec's shortlists and EAGLE-3's draft vocabulary added the tokenizer's special tokens, not the ids an answer
+    ends at: Llama-3.1-Instruct's <|eom_id|> is only in its generation config, rarely counted, and fell out of every
+    frequency cut, so no shortlist drafter could end such a turn. Here a copy of the test target lists a token no
+    answer used beside its EOS: every shortlist and the draft vocabulary hold it."""
+    import shutil
+
+    from safetensors.numpy import load_file as load_numpy
+
+    from jobs import run as run_stages
+    from pipeline.models.loading import resolve_ref
+
+    plain = run_stages(small_cfg(tmp_path / "plain", "generate.limit=8"), ["count"])["count"]
+    counts = load_numpy(str(plain.file("counts.safetensors")))["counts"]
+    local = tmp_path / "target"
+    shutil.copytree(resolve_ref("tiny:test/target").location, local)
+    tokenizer = load_tokenizer(str(local))
+    unused = next(t for t in range(len(counts) - 1, 0, -1)
+                  if counts[t] == 0 and t not in tokenizer.all_special_ids)
+    config = json.loads((local / "generation_config.json").read_text())
+    config["eos_token_id"] = [tokenizer.eos_token_id, unused]
+    (local / "generation_config.json").write_text(json.dumps(config))
+    art = run_stages(small_cfg(tmp_path / "local", "generate.limit=8", f"target.model={local}"), ["count"])["count"]
+    assert load_numpy(str(art.file("counts.safetensors")))["counts"][unused] == 0
+    lists = load_numpy(str(art.file("shortlists.safetensors")))
+    assert lists and all(unused in ids for ids in lists.values()), {k: v.size for k, v in lists.items()}
+    maps = load_numpy(str(art.file("eagle3_maps.safetensors")))
+    assert unused in (np.arange(maps["d2t"].size) + maps["d2t"]).tolist() and bool(maps["t2d"][unused])
+
+
 @pytest.mark.parametrize("extras", [{}, {"top_k": 5, "repetition_penalty": 3.0}], ids=["plain", "hub-extras"])
 def test_sampled_answers_follow_temperature_and_top_p_alone(tmp_path: Path, tiny_kit, extras: dict) -> None:
     """generate sampled with temperature and top_p, but transformers also filtered to its default 50 likeliest tokens

@@ -99,8 +99,8 @@ class CountConfig:
     draft_vocab_size: int = 1024
     """Size of the EAGLE-3 draft vocabulary written as d2t/t2d and as the SGLang token map."""
     always_include_special: bool = True
-    """Add the tokenizer's special tokens (EOS above all) to every shortlist: a drafter that can never
-    propose EOS never lets a sequence end early."""
+    """Add the tokenizer's special tokens (EOS above all) and every id an answer ends at (the generation config's
+    end-of-turn ids too) to every shortlist: a drafter that can never propose EOS never lets a sequence end early."""
     workers: int = run_setting(2)
     """Processes for the map step over shards (1 = in-process). A run setting: counts are exact."""
 

@@ -100,6 +100,19 @@ def load_tokenizer(name: str, revision: str | None = None, *, trust_remote_code:
         raise _hub_error(ref, err) from err
 
 
+def load_generation_config(name: str, revision: str | None = None) -> Any:
+    """The model's ``generation_config.json`` as a ``GenerationConfig`` (None where it has none), without loading its
+    weights: what a stage that never runs the model reads of where answers end (:func:`pipeline.vocab.tokens.stop_ids`
+    takes any object with a ``generation_config``)."""
+    from transformers import GenerationConfig
+
+    ref = resolve_ref(name, revision)
+    try:
+        return GenerationConfig.from_pretrained(ref.location, revision=_load_revision(ref))
+    except OSError:  # no generation_config.json: the tokenizer's end-of-sequence id is the only stop
+        return None
+
+
 def load_model(name: str, revision: str | None = None, *, dtype: str = "float32",
                trust_remote_code: bool = False, device: str | None = None) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` in eval mode (safetensors only)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config.sections import TargetConfig
-from pipeline.models.loading import fingerprint, load_model, load_tokenizer
+from pipeline.models.loading import fingerprint, load_generation_config, load_model, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,12 @@ class Target:
         """The target model in ``dtype`` (default ``target.dtype``), eval mode, on ``device`` if given."""
         return load_model(self.cfg.model, self.cfg.revision, dtype=dtype or self.cfg.dtype, device=device,
                           trust_remote_code=self.cfg.trust_remote_code)
+
+    @property
+    def generation_config(self) -> Any:
+        """The model's generation config (None without one), read without its weights: ``stop_ids(tokenizer,
+        target)`` gives where its answers end for a stage that never loads the model."""
+        return load_generation_config(self.cfg.model, self.cfg.revision)
 
     @property
     def fingerprint(self) -> dict:

@@ -148,8 +148,9 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("generate", "jobs.generate", "calibration",
               reads=(*TARGET_IDENTITY, "target.dtype", "generate"), models=_generate_models, data=_prompt_data,
               version=3),
+    # 2: shortlists and the draft vocabulary keep the generation config's end-of-turn ids too
     StageSpec("count", "jobs.count", "token_counts", upstream=("generate",),
-              reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}),
+              reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}, version=2),
     # evaluate's prompts come from generate.source / heldout_fraction (the held-out share), so those two
     # fields enter its id even when evaluate.counts names the count artifact directly.
     # The EAGLE-3 drafter learns from the calibration set with the draft vocabulary of count; the target
