@@ -58,6 +58,21 @@ def test_report_header_shows_when_the_results_were_created(tmp_path: Path) -> No
     assert "Registration" not in page
 
 
+def test_a_budgeted_shortlists_chosen_size_is_the_mean_over_tasks() -> None:
+    """DynaSpec's and PA-FR's rows carry each task's measured mean head size; the chosen configuration's size (the
+    `dynaspec.shortlist_size` metric, the bundle, report.json) was the first task's alone while τ and the speed
+    figures were means over tasks."""
+    from pipeline.engine.methods import GATE_SETS
+    from tests.helpers import report_row
+
+    rows = [EvalRow(**report_row(task, "dynaspec_pa", 2.0, 0.5, shortlist=("k0_30-k1_12", size)))
+            for task, size in (("chat", 120), ("code", 181))]
+    checks = [LosslessCheck("greedy_equal[chat/dynaspec_pa/γ=3]", True, "8/8 prompts")]
+    gates = decide_gates(rows, checks, gate=GATE_SETS["dynaspec"], evaluated=["dynaspec_pa"], speed_metric="mbsu",
+                         tau_min=1.0, speed_min=0.0)
+    assert gates.chosen.shortlist_size == 150  # round(150.5): banker's rounding of the mean
+
+
 def test_each_bundle_chooses_among_its_own_methods() -> None:
     """The bundles of the method registry's GATE_SETS: DynaSpec gates PA (F only when PA is not evaluated),
     RDK every redistributed method by method × kept set (not its pruned baseline), EAGLE-3 its γ."""

@@ -260,7 +260,9 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
     if candidates:
         (name, gamma), best = max(candidates.items(),
                                   key=lambda kv: (_mean(kv[1], speed_metric), _mean(kv[1], "tau")))
-        chosen = Chosen(shortlist=name, gamma=gamma, shortlist_size=best[0].shortlist_size,
+        sizes = [r.shortlist_size for r in best if r.shortlist_size is not None]
+        # a budgeted shortlist's size is measured per task (its mean head rows): the mean over tasks, as every figure
+        chosen = Chosen(shortlist=name, gamma=gamma, shortlist_size=round(float(np.mean(sizes))) if sizes else None,
                         **{k: _mean(best, k) for k in ("tau", "speedup", "mbsu", "acceptance_rate",
                                                        "predicted_speedup")})
         where = f"{name or method}, γ={gamma} over tasks"
