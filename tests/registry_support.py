@@ -1,5 +1,6 @@
-"""Registry test fixtures shared by tests/test_registry.py and tests/test_registry_refs.py: a target fingerprint,
-passing gates, a tracking config, small real component artifacts and a bundle of them."""
+"""Registry test fixtures shared by tests/test_registry.py, tests/test_registry_refs.py and
+tests/test_registry_pull.py: a target fingerprint, passing gates, a tracking config, small real component
+artifacts, a bundle of them, and where a server stores a version's bundle."""
 
 from __future__ import annotations
 
@@ -54,3 +55,9 @@ def make_bundle(name: str, components: list[Artifact], tau: float, **extra) -> B
         **extra,
     }
     return Bundle(name=name, artifacts=components, **fields)
+
+
+def stored_copy(server: object, source: str) -> Path:
+    """Where the test server keeps a version's bundle: mlflow-artifacts:/<path> lives under its root/artifacts."""
+    assert source.startswith("mlflow-artifacts:/")
+    return server.root / "artifacts" / source.removeprefix("mlflow-artifacts:/")
