@@ -41,6 +41,13 @@ SUMMARY: tuple[str, ...] = ("rows",)
 SHARD = "sums-{:05d}.safetensors"
 
 
+def answer_steps(row: object) -> list[int]:
+    """A row's answer positions ``t`` (``loss_mask[t] = 1``, predicted from ``input_ids[:t]``): the one numbering of
+    answer positions that :func:`answer_distributions`, :func:`answer_chats` and the other-tokenizer drafter's
+    positions share, so a picked position means the same one in each."""
+    return [t for t in range(1, len(row.input_ids)) if row.loss_mask[t]]
+
+
 def answer_distributions(model, rows: list, batch_size: int, device,  # noqa: ANN001
                          picked: set[int] | None = None) -> object:
     """``(n, |T|)`` float32 next-token distributions of ``model`` at every answer position of ``rows``
@@ -53,7 +60,7 @@ def answer_distributions(model, rows: list, batch_size: int, device,  # noqa: AN
     out, seen = [], 0
     for _, batch in chunks(rows, batch_size):
         if picked is not None:
-            answers = sum(sum(r.loss_mask[1:]) for r in batch)
+            answers = sum(len(answer_steps(r)) for r in batch)
             if not any(seen <= i < seen + answers for i in picked):
                 seen += answers  # no position picked in this batch: no forward
                 continue
@@ -66,7 +73,7 @@ def answer_distributions(model, rows: list, batch_size: int, device,  # noqa: AN
         with torch.no_grad():
             logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
         for i, r in enumerate(batch):
-            at = [t - 1 for t in range(1, len(r.input_ids)) if r.loss_mask[t]]
+            at = [t - 1 for t in answer_steps(r)]
             if picked is not None:
                 seen, at = seen + len(at), [t for k, t in enumerate(at, seen) if k in picked]
             if at:
@@ -85,7 +92,7 @@ def answer_chats(rows: list) -> list[int]:
     :func:`answer_distributions`' order."""
     from pipeline.data.rows import chat_numbers  # deferred: pulls in torch
 
-    return [n for n, r in zip(chat_numbers(rows), rows) for t in range(1, len(r.input_ids)) if r.loss_mask[t]]
+    return [n for n, r in zip(chat_numbers(rows), rows) for _ in answer_steps(r)]
 
 
 def _make_module(cfg: PipelineConfig, shards: list[list], pending: list[int], staging: Path, vocab: int):
@@ -238,9 +245,7 @@ def _other_positions(other: tuple, heldout: list, tokenizer, picked: set[int]): 
     model, other_tok, inter_d = other
     rows, seen = [], -1
     for r in heldout:
-        for t in range(1, len(r.input_ids)):
-            if not r.loss_mask[t]:
-                continue
+        for t in answer_steps(r):
             seen += 1
             if seen not in picked:
                 continue
