@@ -165,7 +165,8 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
 def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     gen = cfg.generate
     convs, source_report = select_conversations(gen)
-    tokenizer = Target(cfg.target).tokenizer()
+    target = Target(cfg.target)
+    tokenizer = target.tokenizer()
     if gen.kind == "raw":
         prompts = [(c.id, c) for c in convs]
     else:
@@ -178,9 +179,10 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     started = time.perf_counter()
     generated, gen_seconds, ranks = 0, 0.0, []
     if gen.kind == "raw":
+        stops = set(stop_ids(tokenizer, target))  # a turn's mask ends at its end-of-turn id, as a generated answer
         for shard in pending:
             rows = [r for _, c in prompts[shard * gen.shard_size : (shard + 1) * gen.shard_size]
-                    if (r := raw_row(tokenizer, c, gen.max_prompt_tokens + gen.max_new_tokens)) is not None]
+                    if (r := raw_row(tokenizer, c, gen.max_prompt_tokens + gen.max_new_tokens, stops)) is not None]
             write_staged(run.staging / shard_name(shard), lambda tmp, rows=rows: write_shard(tmp, rows))
     elif pending:
         module = _make_module(cfg, prompts, pending, run.staging, {c.id: c.split_key for c in convs})

@@ -105,6 +105,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
             f"{curves['static_target_mass'][max(1, m // 4) - 1]:.3f})")
     meta = {"clustering_sha256": clustering.content_sha256(), "clusters": clusters.id,
             "drafter": cfg.cluster.drafter, "drafter_head_sha256": head_sha256(head),
+            "drafter_head_sha256_float16": head_sha256(head, "float16"),
             "drafter_weights": fingerprint(cfg.cluster.drafter).get("weights"), "top_l": tr.top_l,
             "keep_ids": keep, "calibration": calibration.id, "counts": counts.id}
     report = {**result.record(),

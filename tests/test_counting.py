@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.config.stages import CountConfig
 from pipeline.data.calibration import read_shard, shard_files, shard_name, write_shard
 from pipeline.errors import DrafterError
 from pipeline.evaluation.bench import bench_count, synthetic_calibration
@@ -53,6 +54,17 @@ def test_shortlists() -> None:
     assert counting.min_count(counts, 3).tolist() == [0, 2, 4, 5]
     assert counting.with_specials(np.array([2, 4]), [7, 2]).tolist() == [2, 4, 7]
     assert counting.coverage(counts, np.array([2, 4])) == pytest.approx(18 / 29)
+
+
+def test_every_top_p_mass_names_its_own_shortlist() -> None:
+    """Shortlists were named ``top_p_{p:g}`` (6 significant digits): ``count.top_p=[0.9999991, 0.9999992]`` made one
+    name, the second mass's shortlist silently replacing the first's. Masses 6 digits can tell apart keep their
+    names (the configs and ``evaluate.shortlists`` spell them)."""
+    counts = np.arange(10_000_000, 0, -1_000) ** 2  # a long tail: the last two masses need different tokens
+    rules = CountConfig(top_k=[], top_p=[0.95, 1.0, 0.9999991, 0.9999992], min_count=[], always_include_special=False)
+    found = counting.shortlists(counts, rules, specials=[])
+    assert list(found) == ["top_p_0.95", "top_p_1", "top_p_0.9999991", "top_p_0.9999992"]
+    assert found["top_p_0.9999991"].size < found["top_p_0.9999992"].size
 
 
 def test_eagle3_d2t_holds_offsets_and_t2d_a_mask() -> None:

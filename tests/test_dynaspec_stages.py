@@ -261,6 +261,36 @@ def test_a_router_is_refused_for_a_drafter_with_its_head_and_another_body(routed
             configurations._policy(drafter, ["dynaspec"])
 
 
+def test_a_head_loaded_in_float16_matches_the_clustering_and_router_of_its_checkpoint(routed) -> None:
+    """Heads were compared by their digest rounded to bfloat16. A drafter loaded in float16 (``target.dtype:
+    float16``: evaluate loads its drafters in the target's dtype) rounds to bfloat16 through float16, so its digest
+    differed and evaluate refused the right drafter's clustering. A float16 head is now compared with the float16
+    digest the cluster and train_router stages record; another head is still refused."""
+    from pipeline.dynaspec.router import load_router
+    from pipeline.evaluation.configurations import Configurations
+    from pipeline.models.loading import load_model, load_tokenizer
+
+    cfg, artifacts = routed
+    clustering = Clustering.load(artifacts["cluster"].path)
+    drafter = load_model(cfg.cluster.drafter, dtype="float16", device="cpu").eval()
+    head = drafter.get_output_embeddings().weight
+    assert head.dtype == torch.float16 and head_sha256(head) != clustering.head_sha256  # what the old check compared
+    clustering.check_head(head)
+    load_router(artifacts["train_router"].path, clustering, head)
+    run_cfg = ds_cfg(cfg.workdir_path, "evaluate.methods=[dynaspec]", "evaluate.dynaspec_match=top_k_64",
+                     "target.dtype=float16")
+    inputs = {k: artifacts[k] for k in ("count", "cluster", "train_router")}
+    target = load_model(cfg.target.model, dtype="float16", device="cpu").eval()
+    Configurations(run_cfg, target, load_tokenizer(cfg.target.model), {}, inputs, "cpu",
+                   lambda _line: None)._policy(drafter, ["dynaspec"])
+    other = head.clone()
+    other[0, 0] += 0.5
+    with pytest.raises(DrafterError, match=r"another LM head(.|\n)*\(float16\)"):
+        clustering.check_head(other)
+    with pytest.raises(DrafterError, match=r"trained on another drafter(.|\n)*\(float16\)"):
+        load_router(artifacts["train_router"].path, clustering, other)
+
+
 def test_kill_minus_9_then_rerun_ends_bit_identical(routed, tmp_path: Path) -> None:
     cfg, artifacts = routed
     art = artifacts["train_router"]

@@ -157,6 +157,34 @@ def test_a_champion_ranked_on_another_devices_speed_metric_is_compared_by_tau(
     assert better.promoted and better.reason.startswith("tau 2.2 beats champion version 1 (2); ranked by tau")
 
 
+def test_a_speedup_ranks_against_a_champion_only_when_both_were_timed_on_the_same_device(
+    tmp_path: Path, mlflow_server: MlflowServer
+) -> None:
+    """With an explicit ``evaluate.primary_metric: speedup`` both versions are ranked by speedup, so the check above
+    (different metrics) let a CPU version's wall-clock speedup be ranked against a GPU champion's. Each bundle now
+    records the device its speed was timed on (``measured_on``, also the version's ``drafter.measured_on`` tag):
+    a speedup ranks only against one timed on the same device, else τ decides and the decision says why."""
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-measured-on", "drafter")
+    components = make_components(tmp_path)
+    gpu = register(make_bundle(name, components, 2.0, metrics={"tau": 2.0, "speedup": 1.3}, primary_metric="speedup",
+                               measured_on="NVIDIA H100 80GB HBM3"), cfg, tmp_path / "work")
+    assert gpu.tags["drafter.measured_on"] == "NVIDIA H100 80GB HBM3"
+    assert read_bundle_json(stored_copy(mlflow_server, gpu.source))["measured_on"] == "NVIDIA H100 80GB HBM3"
+    cpu = register(make_bundle(name, components, 1.8, metrics={"tau": 1.8, "speedup": 1.6}, primary_metric="speedup",
+                               measured_on="cpu (2 threads)"), cfg, tmp_path / "work")
+    assert (cpu.promoted, cpu.reason) == (
+        False, "tau 1.8 does not beat champion version 1 (2); ranked by tau: champion version 1's speedup was "
+               "measured on NVIDIA H100 80GB HBM3, this version's on cpu (2 threads)")
+    same = register(make_bundle(name, components, 1.9, metrics={"tau": 1.9, "speedup": 1.4}, primary_metric="speedup",
+                                measured_on="NVIDIA H100 80GB HBM3"), cfg, tmp_path / "work")
+    assert (same.promoted, same.reason) == (True, "speedup 1.4 beats champion version 1 (1.3)")
+    unknown = register(make_bundle(name, components, 2.1, metrics={"tau": 2.1, "speedup": 9.0},
+                                   primary_metric="speedup"), cfg, tmp_path / "work")
+    assert (unknown.promoted, unknown.reason) == (
+        True, "tau 2.1 beats champion version 3 (1.9); ranked by tau: champion version 3's speedup was measured on "
+              "NVIDIA H100 80GB HBM3, this version's on a device it does not record")
+
+
 def test_pull_round_trip_is_verified_and_identical(tmp_path: Path, mlflow_server: MlflowServer) -> None:
     cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-pull", "drafter")
     report = tmp_path / "report"

@@ -100,3 +100,24 @@ def test_each_bundle_chooses_among_its_own_methods() -> None:
     assert (eagle3.chosen.shortlist, eagle3.chosen.tau) == (None, 2.8)
     draft_vocab = decide_gates(rows, checks, **thresholds)  # the default bundle: the count artifact's shortlists
     assert (draft_vocab.chosen.shortlist, draft_vocab.chosen.tau) == ("top_k_8", 1.8)
+
+
+def test_a_figure_no_row_measured_is_missing_from_the_chosen_metrics_not_zero() -> None:
+    """``_mean`` over rows that all lack a figure returned 0.0: an EAGLE-3 bundle (no predicted speedup: its drafter
+    has no per-token cost model) was registered with ``predicted_speedup = 0.0``, and a configuration whose speed
+    metric was never measured failed its speed gate as "0.0 < 1.0" instead of saying it was not measured."""
+    from pipeline.engine.methods import GATE_SETS
+    from tests.helpers import report_row
+
+    rows = [EvalRow(**report_row(task, "eagle3", 2.8, 0.6)) for task in ("chat", "code")]
+    checks = [LosslessCheck("greedy_equal[chat/eagle3/γ=3]", True, "8/8 prompts")]
+    gates = decide_gates(rows, checks, gate=GATE_SETS["eagle3"], speed_metric="mbsu", tau_min=1.0, speed_min=1.0)
+    assert gates.passed and gates.chosen.predicted_speedup is None
+    assert set(gates.chosen.metrics()) == {"gamma", "tau", "speedup", "mbsu", "acceptance_rate"}
+    for row in rows:
+        row.mbsu = None
+    unmeasured = decide_gates(rows, checks, gate=GATE_SETS["eagle3"], speed_metric="mbsu", tau_min=1.0,
+                              speed_min=1.0)
+    check = unmeasured.checks["mbsu_min"]
+    assert not unmeasured.passed and (check.passed, check.value) == (False, None)
+    assert check.detail == "no mbsu was measured for eagle3, γ=3 over tasks"

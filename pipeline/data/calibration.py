@@ -10,7 +10,7 @@ published by rename, so a shard on disk is always complete.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +75,14 @@ def _template(tokenizer: Any, messages: list[dict[str, str]], add_generation_pro
     return [int(t) for t in out]
 
 
-def raw_row(tokenizer: Any, conv: Conversation, max_tokens: int) -> dict | None:
+def raw_row(tokenizer: Any, conv: Conversation, max_tokens: int, stops: Collection[int] = ()) -> dict | None:
     """A row from the conversation's own turns: loss mask on every assistant turn's tokens.
 
     The mask is found by templating growing prefixes, which works for any chat template whose
-    rendering of a prefix is a prefix of the rendering of the whole (true of all common templates).
+    rendering of a prefix is a prefix of the rendering of the whole (true of all common templates). A turn's mask
+    ends at its last end-of-turn id in ``stops``: what the template writes after it (ChatML's ``\n`` after
+    ``<|im_end|>``) is the template's, never generated (a generated answer stops at that id), so it is not learnt
+    or counted.
     """
     ids: list[int] = []
     mask: list[int] = []
@@ -90,7 +93,10 @@ def raw_row(tokenizer: Any, conv: Conversation, max_tokens: int) -> dict | None:
         after = _template(tokenizer, conv.messages[: i + 1], add_generation_prompt=False)
         if after[: len(before)] != before or before[: len(ids)] != ids:
             break  # the template does not render prefixes as prefixes from here on; stop honestly
-        mask += [0] * (len(before) - len(ids)) + [1] * (len(after) - len(before))
+        turn = after[len(before):]
+        ends = [j for j, t in enumerate(turn) if t in stops]
+        learnt = ends[-1] + 1 if ends else len(turn)
+        mask += [0] * (len(before) - len(ids)) + [1] * learnt + [0] * (len(turn) - learnt)
         ids = after
         if len(ids) >= max_tokens:
             break

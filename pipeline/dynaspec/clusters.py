@@ -28,17 +28,32 @@ CLUSTERS_FILE = "clusters.safetensors"
 SUMMARY_FILE = "clusters.json"
 
 
-def head_sha256(weight: Any) -> str:
+def head_sha256(weight: Any, rounded_to: str = "bfloat16") -> str:
     """SHA-256 of an LM head's weight rounded to bfloat16 (and its shape): the identity a clustering and a
     router are tied to. Rounding first makes the same checkpoint match whether it was loaded in float32,
-    float64 or bfloat16 (the cluster stage reads float32, evaluate the target's dtype); another head differs."""
+    float64 or bfloat16 (the cluster stage reads float32, evaluate the target's dtype); another head differs.
+
+    A head loaded in float16 rounds to bfloat16 differently (twice, and float16's small numbers are coarser), so
+    clusterings and routers also record the digest rounded to float16 (``rounded_to="float16"``), which a float16
+    load of the same checkpoint reproduces: :func:`head_dtype` says which digest a loaded head is compared with."""
     import torch
 
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[rounded_to]
     tensor = weight.detach() if isinstance(weight, torch.Tensor) else torch.as_tensor(np.asarray(weight))
-    tensor = tensor.to("cpu", torch.bfloat16).contiguous()
-    digest = hashlib.sha256(f"{tuple(tensor.shape)}|bfloat16|".encode())
+    tensor = tensor.to("cpu", dtype).contiguous()
+    digest = hashlib.sha256(f"{tuple(tensor.shape)}|{rounded_to}|".encode())
     digest.update(tensor.view(torch.int16).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
+
+
+def head_dtype(weight: Any) -> str:
+    """The rounding a loaded head's digest is taken at: ``float16`` for a head held in float16, else ``bfloat16``."""
+    return "float16" if str(getattr(weight, "dtype", "")) in ("torch.float16", "float16") else "bfloat16"
+
+
+def head_digests(weight: Any) -> dict[str, str]:
+    """The head's digest at each rounding :func:`head_dtype` may ask for."""
+    return {dtype: head_sha256(weight, dtype) for dtype in ("bfloat16", "float16")}
 
 
 def normalised_rows(weight: Any) -> np.ndarray:
@@ -60,12 +75,15 @@ class Clustering:
         centroids: ``(M, d)`` float32 unit centroids.
         head_sha256: :func:`head_sha256` of the head clustered.
         meta: How it was computed (backend, seconds, iterations, objective).
+        head_sha256_float16: the head's digest rounded to float16, which a float16 load of it is compared with;
+            empty for a clustering made before it was recorded.
     """
 
     assignment: np.ndarray
     centroids: np.ndarray
     head_sha256: str
     meta: dict = field(default_factory=dict)
+    head_sha256_float16: str = ""
 
     def __post_init__(self) -> None:
         self.assignment = np.asarray(self.assignment, dtype=np.int64)
@@ -118,7 +136,8 @@ class Clustering:
                # exp(entropy) / M: 1.0 for equal sizes, -> 1/M when one cluster holds everything
                "effective_clusters_share": float(np.exp(entropy) / self.num_clusters),
                "largest_10_share": float(np.sort(share)[::-1][:10].sum()),
-               "nonempty_clusters": int(nonzero.size), "head_sha256": self.head_sha256, **self.meta}
+               "nonempty_clusters": int(nonzero.size), "head_sha256": self.head_sha256,
+               "head_sha256_float16": self.head_sha256_float16, **self.meta}
         if special_ids:
             out["special_token_clusters"] = {int(t): int(self.assignment[t]) for t in special_ids
                                              if 0 <= t < self.vocab_size}
@@ -131,10 +150,19 @@ class Clustering:
             raise DrafterError(f"The token clustering is for an LM head of another size than {what}.",
                                expected=f"{rows} rows (tokens)", found=f"a clustering of {self.vocab_size} tokens",
                                fix="Cluster this drafter's head (`drafter cluster` with cluster.drafter set to it).")
-        found = head_sha256(weight)
-        if found != self.head_sha256:
+        rounding = head_dtype(weight)
+        recorded = self.head_sha256_float16 if rounding == "float16" else self.head_sha256
+        if not recorded:
+            raise DrafterError(f"The token clustering does not record the float16 digest of its head, and {what} is "
+                               "held in float16.", expected="a clustering made since 2026-11-28 (cluster stage 2)",
+                               found="a clustering with the bfloat16 digest alone",
+                               fix="Rerun `drafter cluster` (the current stage version rebuilds it), or load the "
+                                   "drafter in bfloat16 or float32.")
+        found = head_sha256(weight, rounding)
+        if found != recorded:
             raise DrafterError(f"The token clustering was computed from another LM head than {what}.",
-                               expected=f"head sha256 {found[:16]}…", found=f"clustering of head {self.head_sha256[:16]}…",
+                               expected=f"head sha256 {found[:16]}… ({rounding})",
+                               found=f"clustering of head {recorded[:16]}…",
                                fix="Cluster this drafter's head (`drafter cluster` with cluster.drafter set to it), "
                                    "or evaluate with the drafter the clustering was made for.")
 
@@ -143,7 +171,7 @@ class Clustering:
 
         directory = Path(directory)
         save_file({"assignment": self.assignment, "centroids": self.centroids}, str(directory / CLUSTERS_FILE),
-                  metadata={"head_sha256": self.head_sha256})
+                  metadata={"head_sha256": self.head_sha256, "head_sha256_float16": self.head_sha256_float16})
         (directory / SUMMARY_FILE).write_text(json.dumps(self.summary(special_ids), indent=2))
 
     @classmethod
@@ -158,10 +186,11 @@ class Clustering:
                                found="no such file", fix="Point at a `drafter cluster` artifact directory.")
         tensors = load_file(str(path))
         with safe_open(str(path), framework="numpy") as handle:
-            head = (handle.metadata() or {}).get("head_sha256", "")
+            recorded = handle.metadata() or {}
+        head, head16 = recorded.get("head_sha256", ""), recorded.get("head_sha256_float16", "")
         meta = json.loads((Path(directory) / SUMMARY_FILE).read_text()) if (Path(directory) / SUMMARY_FILE).is_file() else {}
         keep = {k: meta[k] for k in ("backend", "seconds", "niter", "redo", "seed", "objective", "cpu_reason") if k in meta}
-        return cls(tensors["assignment"], tensors["centroids"], head, keep)
+        return cls(tensors["assignment"], tensors["centroids"], head, keep, head16)
 
 
 def faiss_gpu_status(faiss: Any) -> tuple[int, str]:
@@ -231,7 +260,7 @@ def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int =
             "objective": objective}
     if not on_gpu:
         meta["cpu_reason"] = cpu_reason
-    return Clustering(nearest, centroids, head_sha256(weight), meta)
+    return Clustering(nearest, centroids, head_sha256(weight), meta, head_sha256(weight, "float16"))
 
 
 def _kmeans(faiss: Any, x: np.ndarray, clusters: int, niter: int, redo: int, seed: int,

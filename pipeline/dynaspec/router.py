@@ -123,9 +123,12 @@ class RouterTask(nn.Module):
 
     def training_step(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Any]]:
         loss, scores, labels, mask = self._loss(batch)
-        with torch.no_grad():
-            positives = float(labels[mask].sum(-1).mean()) if mask.any() else 0.0
-        return loss, {"positive_clusters": positives}
+        with torch.no_grad():  # counts, summed over the step by the harness: no host read per micro-batch
+            return loss, {"count.positives": labels[mask].sum(), "count.positions": mask.sum()}
+
+    def step_figures(self, counts: dict[str, float]) -> dict[str, float]:
+        """The mean number of positive clusters a predicted position has, over the step's positions."""
+        return {"positive_clusters": counts["positives"] / max(1.0, counts["positions"])}
 
     forward = training_step
 
@@ -197,13 +200,18 @@ def load_router(directory: str | Path, clustering: Any, drafter_head: Tensor | N
                            fix="Train the router on this clustering (`drafter train_router`), or use the cluster "
                                "artifact it names.")
     if drafter_head is not None:
-        from pipeline.dynaspec.clusters import head_sha256  # deferred: pulls in numpy
+        from pipeline.dynaspec.clusters import head_dtype, head_sha256  # deferred: pulls in numpy
 
-        found = head_sha256(drafter_head)
-        if config.get("drafter_head_sha256") != found:
-            raise DrafterError("The DynaSpec router was trained on another drafter.",
-                               expected=f"drafter head {found[:16]}…",
-                               found=f"router trained with head {str(config.get('drafter_head_sha256'))[:16]}…",
+        rounding = head_dtype(drafter_head)  # a float16 load is compared with the float16 digest
+        key = "drafter_head_sha256_float16" if rounding == "float16" else "drafter_head_sha256"
+        found = head_sha256(drafter_head, rounding)
+        if config.get(key) != found:
+            raise DrafterError("The DynaSpec router was trained on another drafter." + (
+                                   " It records no float16 digest of its drafter's head (trained before "
+                                   "2026-11-28): retrain it, or load the drafter in bfloat16 or float32."
+                                   if key not in config else ""),
+                               expected=f"drafter head {found[:16]}… ({rounding})",
+                               found=f"router trained with head {str(config.get(key))[:16]}…",
                                fix="Use the drafter the router and clustering were made for.")
     trained_on = config.get("drafter_weights")
     if drafter_weights is not None and trained_on is not None and trained_on != drafter_weights:

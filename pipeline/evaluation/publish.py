@@ -77,7 +77,7 @@ def _register_one(cfg: PipelineConfig, results: EvaluationResults, gates: Any, k
     primary = cfg.evaluate.primary_metric if cfg.evaluate.primary_metric != "auto" else gates.speed_metric
     bundle = Bundle(name=registered_name(cfg.target.model, kind), artifacts=artifacts,
                     metrics=gates.chosen.metrics(), primary_metric=primary, gates=dataclasses.asdict(gates),
-                    fingerprint=results.target)
+                    fingerprint=results.target, measured_on=results.device)
     result = register(bundle, cfg.mlflow, cfg.workdir_path, promote=cfg.evaluate.promote)
     record = {"name": result.name, "version": result.version, "aliases": result.aliases,
               "promoted": result.promoted, "reason": result.reason, "uri": result.uri,

@@ -10,6 +10,7 @@ verdict, and a test can exercise the gates without decoding anything. ``report.j
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -109,10 +110,11 @@ class Chosen:
     gamma: int
     shortlist_size: int | None
     tau: float
-    speedup: float
-    mbsu: float
-    acceptance_rate: float
-    predicted_speedup: float
+    speedup: float | None
+    mbsu: float | None
+    acceptance_rate: float | None
+    predicted_speedup: float | None
+    """Each None where no row of the configuration has the figure (it is then not registered as a metric)."""
 
     def metrics(self) -> dict[str, float]:
         """The numeric figures (for the registry's version tags and the primary metric)."""
@@ -217,9 +219,15 @@ class EvaluationResults:
             first_token=data.get("first_token"), other_devices=data.get("other_devices"))
 
 
-def _mean(rows: list[EvalRow], key: str) -> float:
+def _mean(rows: list[EvalRow], key: str) -> float | None:
+    """The mean of a figure over ``rows`` (tasks), None where no row has it: a figure nobody measured is missing,
+    not 0."""
     values = [getattr(r, key) for r in rows if getattr(r, key) is not None]
-    return float(np.mean(values)) if values else 0.0
+    return float(np.mean(values)) if values else None
+
+
+def _ranked(value: float | None) -> float:
+    return -math.inf if value is None else value
 
 
 def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metric: str, tau_min: float,
@@ -259,7 +267,7 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
     chosen = None
     if candidates:
         (name, gamma), best = max(candidates.items(),
-                                  key=lambda kv: (_mean(kv[1], speed_metric), _mean(kv[1], "tau")))
+                                  key=lambda kv: (_ranked(_mean(kv[1], speed_metric)), _ranked(_mean(kv[1], "tau"))))
         sizes = [r.shortlist_size for r in best if r.shortlist_size is not None]
         # a budgeted shortlist's size is measured per task (its mean head rows): the mean over tasks, as every figure
         chosen = Chosen(shortlist=name, gamma=gamma, shortlist_size=round(float(np.mean(sizes))) if sizes else None,
@@ -268,8 +276,9 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
         where = f"{name or method}, γ={gamma} over tasks"
         gate_checks["tau_min"] = GateCheck(chosen.tau >= tau_min, chosen.tau, tau_min, f"mean τ of {where}")
         value = getattr(chosen, speed_metric)
-        gate_checks[f"{speed_metric}_min"] = GateCheck(value >= speed_min, value, speed_min,
-                                                       f"mean {speed_metric} of {where}")
+        gate_checks[f"{speed_metric}_min"] = GateCheck(
+            value is not None and value >= speed_min, value, speed_min,
+            f"mean {speed_metric} of {where}" if value is not None else f"no {speed_metric} was measured for {where}")
     else:
         gate_checks[f"{label}_evaluated"] = GateCheck(
             False, False, True, f"no {label} configuration was evaluated: nothing to register")

@@ -144,20 +144,22 @@ STAGES: tuple[StageSpec, ...] = (
     # an id is named by its content, not its position; answers stop at the generation config's end-of-turn ids too.
     # 3: sampled answers follow temperature and top_p alone (transformers added its top-k 50 default and whatever
     # the model's generation_config.json set); rows carry their chat's split group, which the trainers' held-out
-    # rows split by
+    # rows split by. 4: a raw row's turns are learnt up to their end-of-turn id (not the template's text after it)
     StageSpec("generate", "jobs.generate", "calibration",
               reads=(*TARGET_IDENTITY, "target.dtype", "generate"), models=_generate_models, data=_prompt_data,
-              version=3),
+              version=4),
     # 2: shortlists and the draft vocabulary keep the generation config's end-of-turn ids too
+    # 3: top-p masses alike to 6 significant digits name a shortlist each
     StageSpec("count", "jobs.count", "token_counts", upstream=("generate",),
-              reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}, version=2),
+              reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}, version=3),
     # evaluate's prompts come from generate.source / heldout_fraction (the held-out share), so those two
     # fields enter its id even when evaluate.counts names the count artifact directly.
     # The EAGLE-3 drafter learns from the calibration set with the draft vocabulary of count; the target
     # runs in float32 (CPU, DDP) or as DeepSpeed casts it, so target.dtype does not enter its id.
+    # 2: the last step's training figures (final.acc_*, final.train_simulated_tau) pool its micro-batches' rows
     StageSpec("train_drafter", "jobs.train_drafter", "eagle3_drafter", upstream=("generate", "count"),
               reads=(*TARGET_IDENTITY, "train_drafter"),
-              overrides={"generate": "train_drafter.calibration", "count": "train_drafter.counts"}),
+              overrides={"generate": "train_drafter.calibration", "count": "train_drafter.counts"}, version=2),
     # DFlash learns from the calibration set (and, with its own draft-vocabulary head, count's draft vocabulary).
     # Outside the default run unless evaluate decodes it: its training would lengthen the embedded default's `make run`.
     StageSpec("train_dflash", "jobs.train_dflash", "dflash_drafter", upstream=("generate", "count"),
@@ -165,18 +167,20 @@ STAGES: tuple[StageSpec, ...] = (
               overrides={"generate": "train_dflash.calibration", "count": "train_dflash.counts"},
               when={"count": lambda cfg: cfg.train_dflash.head == "draft"},
               opt_in=_read_by_methods("train_dflash"),
-              version=3),  # 2: each row's anchors seeded by its own index, not by its micro-batch (a run setting)
+              version=4),  # 2: each row's anchors seeded by its own index, not by its micro-batch (a run setting)
               # 3: a draft-vocabulary head's reference export is exports/dflash-vllm (SGLang drops its head)
+              # 4: the last step's training figures pool its micro-batches' blocks
     # DynaSpec: the drafter's head is clustered (no upstream: it reads only a model), the router learns from
     # the calibration set with the clustering, and compares itself with count's frequency shortlists.
+    # 2: the clustering also records its head's digest rounded to float16 (a float16 load is compared with it)
     StageSpec("cluster", "jobs.cluster", "token_clusters", reads=(*TARGET_IDENTITY, "cluster"),
-              models=_cluster_models),
+              models=_cluster_models, version=2),
     # 2: the checkpoint chosen on half of the held-out chats, the routing curves measured on the others; shortlists
-    # keep every id a decode stops at
+    # keep every id a decode stops at. 3: the last step's positive_clusters pools its micro-batches' positions
     StageSpec("train_router", "jobs.train_router", "cluster_router", upstream=("generate", "count", "cluster"),
               reads=(*TARGET_IDENTITY, "train_router"), models=_cluster_models,
               overrides={"generate": "train_router.calibration", "count": "train_router.counts",
-                         "cluster": "train_router.clusters"}, version=2),
+                         "cluster": "train_router.clusters"}, version=3),
     # RDK: the target's moments on the calibration set, pruning levels from count's ranking; the held-out
     # analysis that picks tau runs evaluate's drafters, so they (and nothing else of evaluate) enter its id.
     StageSpec("estimate_rdk", "jobs.estimate_rdk", "rdk_affinity", upstream=("generate", "count"),
@@ -184,7 +188,8 @@ STAGES: tuple[StageSpec, ...] = (
               reads=(*TARGET_IDENTITY, "target.dtype", "estimate_rdk", "evaluate.drafter", "evaluate.drafter_other",
                      "evaluate.max_prompt_tokens"),
               overrides={"generate": "estimate_rdk.calibration", "count": "estimate_rdk.counts"}, models=_rdk_models,
-              data=_rdk_data, version=2),  # 2: τ and the prior weight chosen on some held-out chats, α on the others
+              data=_rdk_data, version=3),  # 2: τ and the prior weight chosen on some held-out chats, α on the others
+              # 3: the vocabulary map takes the added token a tokenizer emits over a regular one with its bytes
     StageSpec("evaluate", "jobs.evaluate", "evaluation",
               upstream=EVALUATE_UPSTREAM,
               reads=(*TARGET_IDENTITY, "target.dtype", "generate.source", "generate.source_revision",
@@ -198,7 +203,8 @@ STAGES: tuple[StageSpec, ...] = (
               # 2: the split as generate 2 draws it, no chat prompt also posted on the calibration side, the generation
               # config's end-of-turn ids end a decode, drafts after an accepted end of sequence not counted as accepted.
               # 3: DynaSpec's and PA-FR's shortlists keep every id a decode stops at; the eager path's warm-up
-              version=3),
+              # 4: a figure no row measured is missing, not 0.0; the bundle records the device its speed was timed on
+              version=4),
 )
 if tuple(s.name for s in STAGES) != STAGE_NAMES:  # the leaf list the config layer validates against
     raise RuntimeError(f"the DAG table's stages {[s.name for s in STAGES]} differ from {list(STAGE_NAMES)}")

@@ -62,6 +62,9 @@ class Bundle:
     """The target fingerprint every component must share."""
     report: Path | None = None
     """Optional report directory (JSON/HTML) shipped inside the bundle under ``report/``."""
+    measured_on: str | None = None
+    """The device the wall-clock metrics were measured on (``NVIDIA H100 80GB HBM3``, ``cpu (2 threads)``): a
+    speedup ranks against a champion's only when both were measured on the same device."""
 
     def __post_init__(self) -> None:
         if not self.artifacts:
@@ -181,6 +184,7 @@ def write_bundle(bundle: Bundle, directory: Path) -> Path:
             "fingerprint": bundle.fingerprint,
             "components": components,
             "files": files,
+            **({"measured_on": bundle.measured_on} if bundle.measured_on is not None else {}),
         }
         write_json_atomic(tmp / BUNDLE_JSON, document)
         publish_dir(tmp, directory)

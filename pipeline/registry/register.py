@@ -30,10 +30,12 @@ from pipeline.registry.store import (
     DECISION,
     FINGERPRINT,
     INCOMPLETE,
+    MEASURED_ON,
     METRIC_PREFIX,
     PRIMARY_METRIC,
     READY,
     STATUS,
+    WALL_CLOCK_METRICS,
     connect,
     error_code,
     registry_errors,
@@ -93,6 +95,7 @@ def version_tags(document: dict, sha256: str) -> dict[str, str]:
         "git.sha": str(document.get("git_sha") or git_sha()),  # the registering commit; bundles since 2026-11-28 omit it
         "drafter.gates.passed": str(document["gates"].get("passed")).lower(),
         "drafter.gates": canonical_json(document["gates"])[:100_000],
+        **({MEASURED_ON: str(document["measured_on"])} if document.get("measured_on") is not None else {}),
     }
     return tags
 
@@ -304,12 +307,20 @@ def _champion_decision(
         return True, (f"champion version {current.version} was built for another target "
                       f"({', '.join(moved)} differ): the metrics do not compare")
     note = ""
-    if (ranked := current.tags.get(PRIMARY_METRIC)) not in (None, metric) and f"{METRIC_PREFIX}tau" in current.tags \
-            and "tau" in bundle.metrics:
-        # evaluate.primary_metric=auto is the speed metric of the device (speedup on CUDA, MBSU on a CPU): a GPU
-        # version's wall-clock speedup against a CPU champion's says which device is faster, not which drafter
-        note = f"; ranked by tau: champion version {current.version} was ranked by {ranked}, this version by {metric}"
-        metric, ours = "tau", float(bundle.metrics["tau"])
+    if metric != "tau" and f"{METRIC_PREFIX}tau" in current.tags and "tau" in bundle.metrics:
+        ranked, theirs_on = current.tags.get(PRIMARY_METRIC), current.tags.get(MEASURED_ON)
+        if ranked not in (None, metric):
+            # evaluate.primary_metric=auto is the speed metric of the device (speedup on CUDA, MBSU on a CPU): a GPU
+            # version's wall-clock speedup against a CPU champion's says which device is faster, not which drafter
+            note = f"; ranked by tau: champion version {current.version} was ranked by {ranked}, this version by {metric}"
+        elif metric in WALL_CLOCK_METRICS and (theirs_on is None or theirs_on != bundle.measured_on):
+            # the same holds for an explicit primary_metric=speedup: a speedup ranks only against one timed on the
+            # same device (a version that does not record its device was registered before that was recorded)
+            note = (f"; ranked by tau: champion version {current.version}'s {metric} was measured on "
+                    f"{theirs_on or 'a device it does not record'}, this version's on "
+                    f"{bundle.measured_on or 'a device it does not record'}")
+        if note:
+            metric, ours = "tau", float(bundle.metrics["tau"])
     theirs = current.tags.get(f"{METRIC_PREFIX}{metric}")
     if theirs is None:
         return False, (

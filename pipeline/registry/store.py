@@ -32,6 +32,11 @@ BUNDLE_SHA = "drafter.bundle_sha256"
 FINGERPRINT = "drafter.fingerprint"
 PRIMARY_METRIC = "drafter.primary_metric"
 METRIC_PREFIX = "drafter.metric."
+MEASURED_ON = "drafter.measured_on"
+"""The device a version's wall-clock metrics were measured on (absent on versions registered before 2026-11-28)."""
+WALL_CLOCK_METRICS = ("speedup",)
+"""Metrics timed on the device, which rank two versions only when both were measured on the same one (τ and MBSU
+are counts and parameter ratios: the same on any device)."""
 DECISION = "drafter.champion_decision"
 """Why alias champion moved to this version or stayed where it was (``promoted: ...`` / ``kept: ...``)."""
 CANDIDATE, CHAMPION = "candidate", "champion"

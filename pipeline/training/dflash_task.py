@@ -257,10 +257,19 @@ class DFlashTask(DrafterTask):
     def training_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         # each row's anchors from the harness's seed of this optimizer step and the row's own index
         result = self._blocks(batch, row_generators(self.step_seed, batch["index"]), self.next_round_anchors)
-        acc = result.per_position_correct.float() / result.per_position_tokens.clamp(min=1).float()
-        metrics = {f"acc_{k + 1}": acc[k] for k in range(acc.numel())}
-        metrics["train_simulated_tau"] = 1 + float(result.accepted) / max(1, result.blocks)
+        width = result.per_position_correct.numel()
+        metrics = {f"count.correct_{k + 1}": result.per_position_correct[k] for k in range(width)}
+        metrics.update({f"count.tokens_{k + 1}": result.per_position_tokens[k] for k in range(width)})
+        metrics.update({"count.accepted": result.accepted, "count.blocks": result.blocks})
         return result.loss, metrics
+
+    def step_figures(self, counts: dict[str, float]) -> dict[str, float]:
+        """A step's per-position agreement and simulated τ over all its micro-batches' blocks (the harness sums the
+        counts over micro-batches and ranks)."""
+        width = self.drafter.config.block_size - 1
+        out = {f"acc_{k}": counts[f"correct_{k}"] / max(1.0, counts[f"tokens_{k}"]) for k in range(1, width + 1)}
+        out["train_simulated_tau"] = 1 + counts["accepted"] / max(1.0, counts["blocks"])
+        return out
 
     forward = training_step
 

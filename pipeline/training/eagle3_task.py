@@ -160,9 +160,16 @@ class Eagle3Task(DrafterTask):
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         result = self._ttt(batch, cached=self.cache is not None)
-        metrics = {f"acc_{s}": result.per_step_acc[s] for s in range(self.ttt_steps)}
-        metrics["train_simulated_tau"] = result.simulated_tau
+        metrics = {f"count.correct_{s}": result.per_step_correct[s] for s in range(self.ttt_steps)}
+        metrics.update({f"count.tokens_{s}": result.per_step_tokens[s] for s in range(self.ttt_steps)})
         return result.loss, metrics
+
+    def step_figures(self, counts: dict[str, float]) -> dict[str, float]:
+        """A step's per-step agreement and simulated τ over all its micro-batches' rows (the harness sums the
+        counts over micro-batches and ranks)."""
+        acc = torch.tensor([counts[f"correct_{s}"] / max(1.0, counts[f"tokens_{s}"]) for s in range(self.ttt_steps)],
+                           dtype=torch.float64)
+        return {**{f"acc_{s}": float(a) for s, a in enumerate(acc)}, "train_simulated_tau": float(simulated_tau(acc))}
 
     forward = training_step
 

@@ -7,7 +7,8 @@ micro-batches) on a map-style dataset with AdamW and a warmup + cosine/constant 
 strategy :mod:`pipeline.training.strategy` picks (DeepSpeed ZeRO on GPUs, DDP or one process on CPU).
 Every parameter with ``requires_grad`` is trained and saved; the module may also define
 ``collate(examples) -> batch`` (default: torch's ``default_collate``) and ``count_tokens(batch) -> int``
-(for tokens/s), and ``evaluate() -> dict`` with a ``selection_metric`` name (higher is better): with
+(for tokens/s), ``step_figures(counts) -> dict`` (a step's figures from the metrics it names ``count.*``,
+summed over the step's micro-batches and ranks: :data:`pipeline.training.loop.COUNT`), and ``evaluate() -> dict`` with a ``selection_metric`` name (higher is better): with
 ``eval_every`` set, the weights that score best are the ones :func:`fit` leaves in the module (checkpoint
 choice by the metric that matters, not by the loss). Checkpoints land every ``checkpoint_every`` steps under the caller's staging directory
 and a rerun resumes from the newest (see :mod:`pipeline.training.checkpoints`); on CPU the resumed run

@@ -28,6 +28,11 @@ from pipeline.training import checkpoints as ckpt
 from pipeline.training.plan import RunPlan, trainable_parameters
 from pipeline.training.strategy import build_optimizer, build_scheduler, lr_factor, position_scheduler
 
+COUNT = "count."
+"""A ``training_step`` metric named ``count.<name>`` is a count: summed over a step's micro-batches and ranks and
+handed to the module's ``step_figures(counts) -> dict`` (``counts`` keyed by ``<name>``), which makes the step's
+figures from them. Every other metric is the mean of its micro-batch values."""
+
 
 def split_output(output: Any) -> tuple[Any, dict[str, Any]]:
     """``training_step``'s result as (loss, metrics): a loss, ``(loss, metrics)`` or ``{"loss": ..., **metrics}``."""
@@ -107,7 +112,7 @@ class HarnessModule(L.LightningModule):
         loss, metrics = split_output(self.inner.training_step(batch))
         self._sums["loss"] += loss.detach().float()
         for key, value in metrics.items():
-            self._sums[key] += value.detach().float() if torch.is_tensor(value) else float(value)
+            self._sums[key] += value.detach().double() if torch.is_tensor(value) else float(value)
         if hasattr(self.inner, "count_tokens"):
             self._tokens += int(self.inner.count_tokens(batch))
         self.log("loss", loss.detach(), prog_bar=True, logger=False)
@@ -174,18 +179,24 @@ class HarnessModule(L.LightningModule):
     def _step_metrics(self, step: int) -> dict[str, float]:
         """This step's metrics averaged over micro-batches and ranks (one all-reduce)."""
         keys = sorted(self._sums)
-        values = torch.stack([torch.as_tensor(self._sums[k], dtype=torch.float32, device=self.device)
-                              for k in keys] + [torch.tensor(float(self._tokens), device=self.device)])
-        values = self.trainer.strategy.reduce(values / self.plan.accumulation, reduce_op="mean")
+        values = torch.stack([torch.as_tensor(self._sums[k], dtype=torch.float64, device=self.device)
+                              for k in keys] + [torch.tensor(float(self._tokens), dtype=torch.float64,
+                                                             device=self.device)])
         world = self.trainer.world_size
+        values = self.trainer.strategy.reduce(values, reduce_op="sum")  # over ranks; then per micro-batch below
         now = time.perf_counter()
         seconds, self._clock = max(now - self._clock, 1e-9), now
-        out = {k: float(v) for k, v in zip(keys, values[:-1].tolist())}
+        summed = dict(zip(keys, values[:-1].tolist(), strict=True))
+        out = {k: v / (self.plan.accumulation * world) for k, v in summed.items() if not k.startswith(COUNT)}
+        counts = {k.removeprefix(COUNT): v for k, v in summed.items() if k.startswith(COUNT)}
+        if counts:  # pooled over the step's micro-batches and ranks: a ratio of sums, not a mean of ratios
+            figures = getattr(self.inner, "step_figures", None)
+            out.update(figures(counts) if figures is not None else counts)
         out["lr"] = self.plan.cfg.lr * lr_factor(step - 1, total_steps=self.plan.total_steps, warmup_steps=self.plan.cfg.warmup_steps,
                                        schedule=self.plan.cfg.schedule, min_lr_ratio=self.plan.cfg.min_lr_ratio)
         out["examples_per_s"] = self.plan.cfg.global_batch_size / seconds
         if hasattr(self.inner, "count_tokens"):
-            out["tokens_per_s"] = float(values[-1]) * self.plan.accumulation * world / seconds
+            out["tokens_per_s"] = float(values[-1]) / seconds
         self._sums.clear()
         self._tokens = 0
         return out

@@ -141,6 +141,13 @@ def draft_vocab_maps(counts: Any, target_vocab_size: int) -> tuple[np.ndarray, n
     return d2t, np.pad(t2d, (0, target_vocab_size - t2d.size))
 
 
+def top_p_name(p: float) -> str:
+    """``top_p_<p>``: ``p`` in 6 significant digits (``top_p_0.95``), or in full where those would name another
+    mass (``top_p_0.9999991`` and ``top_p_0.9999992`` were one shortlist, the second overwriting the first)."""
+    short = f"{p:g}"
+    return f"top_p_{short if float(short) == p else repr(float(p))}"
+
+
 def shortlists(counts: np.ndarray, rules: CountConfig, specials: list[int]) -> dict[str, np.ndarray]:
     """Every shortlist ``rules`` asks for, keyed ``top_k_<k>``, ``top_p_<p>``, ``min_count_<c>``
     (FR-Spec top-k; VocabTrim Alg. 1 mass and count thresholds), specials added when asked."""
@@ -148,7 +155,7 @@ def shortlists(counts: np.ndarray, rules: CountConfig, specials: list[int]) -> d
     for k in rules.top_k:
         out[f"top_k_{k}"] = top_k(counts, k)
     for p in rules.top_p:
-        out[f"top_p_{p:g}"] = top_p(counts, p)
+        out[top_p_name(p)] = top_p(counts, p)
     for m in rules.min_count:
         out[f"min_count_{m}"] = min_count(counts, m)
     if rules.always_include_special:

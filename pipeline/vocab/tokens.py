@@ -25,9 +25,10 @@ from pipeline.errors import DrafterError
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 # When several tokens of one tokenizer mean the same bytes (a byte-fallback '<0x41>' and a regular 'A'),
-# the one the tokenizer really emits for that text represents it: regular tokens before added ones
+# the one the tokenizer really emits for that text represents it: added tokens (split out of the text before the
+# model sees it, so their content never reaches a regular token: Phi-2's whitespace runs) before regular ones
 # before byte-fallback ones, then the lowest id.
-_RANK_REGULAR, _RANK_ADDED, _RANK_BYTE = 0, 1, 2
+_RANK_ADDED, _RANK_REGULAR, _RANK_BYTE = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -227,8 +228,9 @@ def token_meanings(tokenizer: Any) -> dict[int, Meaning]:
 def representatives(tokenizer: Any) -> dict[Meaning, int]:
     """One token id per meaning: the token the tokenizer emits for that text.
 
-    Several tokens can mean the same bytes (byte-fallback '<0x41>' and a learnt 'A'); regular tokens
-    win over added ones, added over byte-fallback ones, then the lowest id wins.
+    Several tokens can mean the same bytes (byte-fallback '<0x41>' and a learnt 'A'; a non-special added token
+    and a regular one); added tokens win over regular ones (the tokenizer splits them out of the text first),
+    regular over byte-fallback ones, then the lowest id wins.
 
     Args:
         tokenizer: a ``tokenizers.Tokenizer`` or a Hugging Face fast tokenizer.

@@ -89,6 +89,25 @@ def test_representative_of_a_byte_is_the_learnt_token_not_the_byte_fallback() ->
     assert representatives(tokenizer)[Meaning("text", b"e")] == 7  # 'e', not '<0x65>'
 
 
+def test_representative_of_an_added_tokens_text_is_the_added_token_the_tokenizer_emits() -> None:
+    """A non-special added token whose content a regular token also spells (Phi-2 adds whitespace runs that GPT-2's
+    byte-level vocabulary has): the tokenizer splits the added token out of the text before the model sees it, so
+    it emits the added id for that text and never the regular one. The map chose the regular id, so a drafter's
+    proposal of that text mapped to a target id the target never produces (lower acceptance, still lossless)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "Ġ": 2, "ĠĠ": 3, "Ġb": 4},
+                                     merges=[("Ġ", "Ġ"), ("Ġ", "b")]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    assert tokenizer.encode("  ").ids == [3]  # before the added token: the regular 'ĠĠ'
+    tokenizer.add_tokens([AddedToken("  ", normalized=False)])
+    assert token_meanings(tokenizer)[3] == token_meanings(tokenizer)[5] == Meaning("text", b"  ")
+    emitted = tokenizer.encode("  ").ids
+    assert emitted == [5] and tokenizer.encode("a  b").ids == [0, 5, 1]
+    assert representatives(tokenizer)[Meaning("text", b"  ")] == emitted[0]
+
+
 def test_known_tokens_map_to_their_exact_ids() -> None:
     vocab_map = VocabMap.build(hand_byte_level(), hand_metaspace())
     assert vocab_map.drafter_to_target.tolist() == HAND_DRAFTER_TO_TARGET

@@ -48,6 +48,7 @@ class TinyRegressor(torch.nn.Module):
                                        torch.nn.Linear(32, 1))
         self.seen: list[int] = []
         self.losses: list[float] = []
+        self.counted: list[tuple[int, int]] = []
 
     def training_step(self, batch: dict) -> tuple[torch.Tensor, dict]:
         if delay := float(os.environ.get("HARNESS_TEST_STEP_SLEEP", 0)):
@@ -56,7 +57,13 @@ class TinyRegressor(torch.nn.Module):
         pred = self.net(batch["x"] + self.frozen(batch["x"]))
         loss = torch.nn.functional.mse_loss(pred, batch["y"])
         self.losses.append(loss.item())
-        return loss, {"mae": (pred - batch["y"]).abs().mean()}
+        thirds = batch["id"] % 3 == 0  # a count whose denominator differs from micro-batch to micro-batch
+        self.counted.append((int((thirds & (batch["id"] % 2 == 0)).sum()), int(thirds.sum())))
+        return loss, {"mae": (pred - batch["y"]).abs().mean(), "count.even": (thirds & (batch["id"] % 2 == 0)).sum(),
+                      "count.thirds": thirds.sum()}
+
+    def step_figures(self, counts: dict[str, float]) -> dict[str, float]:
+        return {"even_share": counts["even"] / max(1.0, counts["thirds"])}
 
     forward = training_step  # deepspeed.initialize's engine calls forward
 
@@ -223,6 +230,20 @@ def test_global_batch_splits_over_ranks_and_micro_batches() -> None:
     assert identity(TrainConfig(global_batch_size=16)) != identity(TrainConfig())
 
 
+def test_a_steps_counted_figures_pool_its_micro_batches(tmp_path: Path) -> None:
+    """Figures such as a drafter's training agreement (``final.acc_*``) were the mean of each micro-batch's ratio:
+    a micro-batch with 1 learnable row weighed as much as one with 40. Metrics a module names ``count.*`` are summed
+    over the step's micro-batches (and ranks: the DDP test below) and its ``step_figures`` makes the ratio."""
+    model = TinyRegressor()
+    result = fit(model, dataset(), config(max_steps=3, micro_batch_size=2), tmp_path / "s")  # 4 micro-batches a step
+    last = model.counted[-4:]
+    pooled = sum(n for n, _ in last) / sum(d for _, d in last)
+    mean_of_ratios = sum(n / max(1, d) for n, d in last) / len(last)
+    assert pooled != pytest.approx(mean_of_ratios)  # the draw tells the two apart
+    assert result.metrics["even_share"] == pytest.approx(pooled, rel=1e-12)
+    assert not any(key.startswith("count.") for key in result.metrics)
+
+
 def test_micro_batching_does_not_change_the_result(tmp_path: Path) -> None:
     """1 micro-batch of 8 vs 4 of 2 per step (no dropout): the same gradients up to float summation order
     (bound 1e-5 relative on every weight after 16 steps)."""
@@ -362,6 +383,9 @@ def test_two_process_cpu_ddp_trains_on_disjoint_shards(tmp_path: Path) -> None:
     interleaved = [loss for pair in zip(ranks[0]["losses"], ranks[1]["losses"]) for loss in pair]
     assert interleaved == pytest.approx(single["losses"], rel=1e-5)
     assert ranks[0]["metrics"]["loss"] < ranks[0]["losses"][0]
+    both = [ranks[0]["counted"][-1], ranks[1]["counted"][-1]]  # the last step's micro-batch on each rank
+    pooled = sum(n for n, _ in both) / max(1, sum(d for _, d in both))
+    assert ranks[0]["metrics"]["even_share"] == ranks[1]["metrics"]["even_share"] == pytest.approx(pooled, rel=1e-12)
     assert (tmp_path / "ddp-out" / "model.safetensors").exists()
 
 
@@ -383,7 +407,8 @@ def _train(args: dict, out: Path) -> None:
     result = fit(model, dataset(), cfg, args["staging"])
     record = {"steps": result.steps, "start_step": result.start_step, "world_size": result.world_size,
               "global_rank": result.global_rank, "strategy": result.strategy, "metrics": result.metrics,
-              "deepspeed_config": result.deepspeed_config, "seen": model.seen, "losses": model.losses}
+              "deepspeed_config": result.deepspeed_config, "seen": model.seen, "losses": model.losses,
+              "counted": model.counted}
     (out / f"result.rank{result.global_rank}.json").write_text(json.dumps(record))
     if result.is_global_zero:
         save_final(model, out)
