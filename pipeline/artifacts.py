@@ -41,6 +41,7 @@ MANIFEST = "manifest.json"
 MANIFEST_DIGEST = "manifest_sha256"  # sha256 of the manifest's canonical JSON without the two digest fields
 FIELD_DIGESTS = "field_sha256"  # sha256 of each other field's canonical JSON: says which one was edited
 DAMAGED = ".damaged"  # where the store moves a damaged artifact before rebuilding it
+STALE = ".stale"  # where it moves one built from other contents of its inputs than they hold now
 # Payload formats that cannot execute code when read. `.pt` is allowed only for the SGLang token map,
 # which SGLang itself reads with torch.load(weights_only=True); we never read it back with pickle.
 SAFE_SUFFIXES = (".safetensors", ".arrow", ".parquet", ".json", ".jsonl", ".txt", ".html", ".md", ".pt",
@@ -298,15 +299,34 @@ def verify_payloads(artifact: Artifact) -> None:
             )
 
 
+def content_digest(manifest: dict) -> str:
+    """An artifact's content: the sha256 of its payloads' sha256s. Its id names only what built it, and a stage
+    whose work is not bit-reproducible (sampling on a GPU) can publish other bytes under the same id when rebuilt."""
+    return hashlib.sha256(canonical_json(manifest["files"]).encode()).hexdigest()
+
+
+def input_contents(inputs: list[Artifact]) -> dict[str, str]:
+    """Each input's :func:`content_digest`, by id: what an artifact records it was built from."""
+    return {a.id: content_digest(a.manifest) for a in inputs}
+
+
+def stale_inputs(manifest: dict, now: dict[str, str]) -> list[str]:
+    """The inputs whose content differs from what ``manifest``'s artifact was built from (none where it does not
+    record it: published before 2026-11-28; an input ``now`` does not hold is not compared)."""
+    built_from = manifest.get("input_contents") or {}
+    return sorted(k for k, digest in built_from.items() if k in now and now[k] != digest)
+
+
 class ArtifactWriter:
     """Collects payload files in a temporary directory, then publishes them atomically under ``id``."""
 
     def __init__(self, store: Path, artifact_id_: str, *, kind: str, stage: str, config: Any,
-                 inputs: list[str], fingerprint: dict | None) -> None:
+                 inputs: list[str], fingerprint: dict | None, input_contents: dict[str, str] | None = None) -> None:
         self.store = Path(store)
         self.id = artifact_id_
         self.meta = {"kind": kind, "stage": stage, "config": config, "inputs": sorted(inputs),
-                     "fingerprint": fingerprint}
+                     "fingerprint": fingerprint,
+                     **({"input_contents": input_contents} if input_contents is not None else {})}
         self.store.mkdir(parents=True, exist_ok=True)
         self.tmp = self.store / temp_name(artifact_id_)
         self.tmp.mkdir()
@@ -320,6 +340,12 @@ class ArtifactWriter:
                 raise DrafterError(f"Refusing to store payload {rel!r}: not a safe format.",
                                    expected=f"a file ending in one of {SAFE_SUFFIXES}")
             files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        if not files:
+            raise DrafterError(f"Artifact {self.id} has no payload to publish: its temporary directory {self.tmp} "
+                               "holds nothing (removed while it was written?). Nothing was published.",
+                               expected="the files the stage wrote", found="no files",
+                               fix="Rerun the stage; if it happens again, check that no other process on another "
+                                   "machine with the same host name cleans this store's temporary directories.")
         manifest = {"id": self.id, "schema_version": SCHEMA_VERSION, **self.meta, "files": files,
                     "metrics": metrics or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     **(extra or {})}
@@ -361,28 +387,40 @@ class ArtifactStore:
         stored_manifest(path, artifact_id_)
         return load_artifact(path, **checks)
 
-    def reusable(self, artifact_id_: str, log: Callable[[str], None], *, move_aside: bool = True) -> Artifact | None:
+    def reusable(self, artifact_id_: str, log: Callable[[str], None], *, move_aside: bool = True,
+                 inputs: dict[str, str] | None = None) -> Artifact | None:
         """The artifact ``artifact_id_`` if the store holds it sound, else None: the caller builds it.
 
         A damaged entry is never used: it is moved to ``<store>/.damaged/`` with a log line saying what was
         wrong and where it went, so the rebuild can publish under the id (``move_aside=False``, for a rank or a
-        look before the build lock is held, leaves it where it is).
+        look before the build lock is held, leaves it where it is). Nor is one built from other contents of its
+        inputs than ``inputs`` (:func:`input_contents`: an input rebuilt under its id with other bytes since):
+        it is moved to ``<store>/.stale/`` the same way.
         """
         try:
-            return self.get(artifact_id_)
+            found = self.get(artifact_id_)
         except DrafterError as err:
-            if not move_aside:
-                return None
-            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-            aside = self.root / DAMAGED / f"{artifact_id_}-{stamp}-{uuid.uuid4().hex[:8]}"
-            aside.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.rename(self.path(artifact_id_), aside)
-            except FileNotFoundError:
-                return None  # another process moved it first
-            log(f"{artifact_id_} in the store is damaged and will be rebuilt: {err.problem} "
-                f"Moved it to {aside} (delete that once inspected).")
+            return self._aside(artifact_id_, DAMAGED, move_aside, log,
+                               f"{artifact_id_} in the store is damaged and will be rebuilt: {err.problem}")
+        if found is not None and inputs is not None and (changed := stale_inputs(found.manifest, inputs)):
+            return self._aside(artifact_id_, STALE, move_aside, log,
+                               f"{artifact_id_} was built from other contents of {', '.join(changed)} (rebuilt "
+                               "under the same id since) and will be rebuilt from them as they are now.")
+        return found
+
+    def _aside(self, artifact_id_: str, where: str, move_aside: bool, log: Callable[[str], None],
+               why: str) -> None:
+        if not move_aside:
             return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = self.root / where / f"{artifact_id_}-{stamp}-{uuid.uuid4().hex[:8]}"
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(self.path(artifact_id_), aside)
+        except FileNotFoundError:
+            return None  # another process moved it first
+        log(f"{why} Moved it to {aside} (delete that once inspected).")
+        return None
 
     def writer(self, artifact_id_: str, **meta: Any) -> ArtifactWriter:
         return ArtifactWriter(self.root, artifact_id_, **meta)

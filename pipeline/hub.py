@@ -15,7 +15,8 @@ from pathlib import Path
 from pipeline.errors import DrafterError
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
-PIN = {"model": "target.revision (or the drafter's)", "dataset": "generate.source_revision"}
+PIN = {"model": "target.revision (the target's; a drafter has no revision setting: download it or pass its path)",
+       "dataset": "generate.source_revision"}
 """The setting that pins each kind of hub repository, for the error that asks for it."""
 
 

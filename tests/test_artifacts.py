@@ -111,6 +111,22 @@ def test_pickle_payloads_are_refused_and_nothing_is_published(tmp_path: Path) ->
     assert store.get("count-x") is None and not list(tmp_path.glob(".tmp-*"))
 
 
+def test_a_write_whose_files_vanished_publishes_nothing(tmp_path: Path) -> None:
+    """A writer's temporary directory removed while it wrote (a sweep from another container with this host name
+    and its own process ids): commit hashed no files, recreated the directory for the manifest and published an
+    artifact with no payload, which verified and stayed a cache hit. It is refused and nothing is published."""
+    import shutil
+
+    store = ArtifactStore(tmp_path)
+    writer = store.writer("count-x", kind="k", stage="count", config={}, inputs=[], fingerprint=FP)
+    (writer.tmp / "info.json").write_text("{}")
+    shutil.rmtree(writer.tmp)
+    with pytest.raises(DrafterError, match="has no payload to publish"):
+        writer.commit()
+    writer.abort()
+    assert store.get("count-x") is None and not list(tmp_path.glob(".tmp-*"))
+
+
 def test_a_killed_write_leaves_no_artifact_and_is_swept(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path)
     here = socket.gethostname()

@@ -100,8 +100,10 @@ def test_a_hub_models_id_holds_the_commit_its_revision_resolves_to(tmp_path: Pat
     (cache / "models--org--tiny-target" / "refs" / "main").write_text(new)
     assert hub.hub_commit("org/tiny-target", None) == new  # main moved on: another commit, another id
     assert hub.hub_commit("org/tiny-target", old) == old  # a pinned commit needs no lookup
-    with pytest.raises(DrafterError, match="Pin target.revision"):
+    with pytest.raises(DrafterError, match="Pin target.revision") as err:
         hub.hub_commit("org/never-downloaded", "v1.0")
+    # the message named "the drafter's" revision, a setting that does not exist (a drafter resolves main)
+    assert "a drafter has no revision setting: download it or pass its path" in str(err.value)
 
 
 def test_a_hub_model_loads_at_the_commit_its_ids_name_though_its_branch_moves_on(

@@ -22,6 +22,7 @@ from jobs import run
 from jobs.cli import main as cli_main
 from pipeline.artifacts import load_artifact
 from pipeline.config.sections import load_config
+from pipeline.errors import DrafterError
 from pipeline.orchestration import slurm
 from pipeline.orchestration.dag import STAGE_NAMES, plan
 from tests.helpers import SMALL, small_cfg
@@ -69,6 +70,25 @@ def test_every_stage_run_settings_keep_every_id(tmp_path: Path, tiny_kit) -> Non
     assert slurm.run_settings("evaluate", GPU_ALLOCATION) == []  # evaluate.device is part of its id
 
 
+def test_the_stages_that_run_as_one_process_get_one_task_whatever_the_sections_defaults(tmp_path: Path) -> None:
+    """The README's multi-node section sets ``ntasks_per_node: 8`` and ``gpus_per_node: 8`` at the top level and
+    sizes generate and train_drafter. count, cluster and evaluate inherited the 8 tasks, so srun started 8 copies of
+    ``drafter evaluate`` decoding on one GPU (the published speedups timed under that contention) and registering
+    beside each other. They now take one node, one task and at most one GPU; asking one of them for more is
+    refused."""
+    readme = ["slurm.ntasks_per_node=8", "slurm.gpus_per_node=8",
+              "slurm.stages={generate: {nodes: 4}, train_drafter: {nodes: 2}}"]
+    cfg = small_cfg(tmp_path, *readme)
+    for stage in ("count", "cluster", "evaluate"):
+        res = slurm.Resources.of(cfg, stage)
+        assert (res.nodes, res.ntasks_per_node, res.gpus_per_node) == (1, 1, 1), stage
+    assert (slurm.Resources.of(cfg, "generate").nodes, slurm.Resources.of(cfg, "generate").ntasks_per_node) == (4, 8)
+    assert slurm.Resources.of(cfg, "train_drafter").ntasks_per_node == 8
+    wider = small_cfg(tmp_path, "slurm.stages={evaluate: {ntasks_per_node: 2}}")
+    with pytest.raises(DrafterError, match=r"evaluate runs as one process(.|\n)*ntasks_per_node: 2"):
+        slurm.Resources.of(wider, "evaluate")
+
+
 def test_dry_run_prints_each_script_with_its_resources(tmp_path: Path, tiny_kit, capsys) -> None:
     overrides = [f"workdir={tmp_path}", *SMALL, "slurm.partition=gpu", "slurm.account=ml", "slurm.qos=high",
                  "slurm.time=02:00:00", "slurm.stages={generate: {gpus_per_node: 8, ntasks_per_node: 8, "
@@ -107,6 +127,11 @@ def test_a_job_whose_id_moved_since_submit_or_whose_inputs_are_gone_refuses_to_r
     assert "inputs are not in the store: generate generate-" in capsys.readouterr().err
     assert not list((tmp_path / "artifacts").glob("*-*"))
     assert cli_main(["generate", *overrides]) == 0
+    # an input named by path is not planned: a moved id said KeyError: 'generate' instead of the message
+    built = tmp_path / "artifacts" / plan(small_cfg(tmp_path), ["generate"])["generate"].id
+    named = small_cfg(tmp_path, f"count.calibration={built}")
+    with pytest.raises(DrafterError, match=r"submitted for count-0000000000000000, but its config now plans count-"):
+        slurm.check_submitted(named, "count", "count-0000000000000000")
     assert cli_main(["count", "--expect-id", submitted, *overrides, "count.top_k=[8]"]) == 2
     err = capsys.readouterr().err
     assert f"submitted for {submitted}, but its config now plans count-" in err and "drafter submit" in err

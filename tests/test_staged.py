@@ -109,3 +109,78 @@ def test_staged_work_from_an_input_rebuilt_with_other_bytes_is_started_over(tmp_
     assert seen[2] == ["inputs.json"]  # sums-1 and sums-2 held the old rows
     assert f"the staged work was computed from other contents of {first.id} (rebuilt since): starting over" in \
         capsys.readouterr().err
+
+
+def test_an_artifact_built_from_an_input_since_rebuilt_with_other_bytes_is_rebuilt(tmp_path: Path, capsys) -> None:
+    """count built from a calibration set that was then rebuilt under its id with other bytes (moved aside as
+    damaged, or deleted as an error advised, and generated again on a GPU): count stayed a cache hit, and a trainer
+    rebuilt later read the new rows with the old rows' draft vocabulary. An artifact records its inputs' contents;
+    the plan no longer calls it cached, and the run moves it to .stale/ with a line saying why and rebuilds it. The
+    same input keeps it a cache hit."""
+    from pipeline.config.sections import load_config
+    from pipeline.orchestration.dag import StagePlan, spec, stage_identity
+    from pipeline.orchestration.stage import run_stage
+
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}"])
+    built: list[bytes] = []
+
+    def step_and_run(calibration):  # noqa: ANN001, ANN202
+        def build(run):  # noqa: ANN001, ANN202
+            rows = calibration.file("rows.txt").read_bytes()
+            built.append(rows)
+            return BuildResult(lambda out: (out / "counts.json").write_text(f'"{rows.decode()}"'), {})
+
+        row = spec("count")
+        config = stage_identity(cfg, row)
+        aid = artifact_id("count", config, [calibration.id], FP)
+        step = StagePlan(row, aid, config, FP, inputs={"generate": (calibration.id, calibration.path)},
+                         explicit=frozenset(), path=cfg.workdir_path / "artifacts" / aid)
+        return step, lambda: run_stage(cfg, step, [calibration], build=build)
+
+    first = _input(tmp_path / "a", b"old rows")
+    step, run = step_and_run(first)
+    published = run()
+    again_step, again = step_and_run(first)
+    assert again_step.cached and again().id == published.id and built == [b"old rows"]  # the same input: a hit
+    rebuilt = _input(tmp_path / "b", b"new rows")
+    assert rebuilt.id == first.id
+    step, run = step_and_run(rebuilt)
+    assert not step.cached
+    fresh = run()
+    assert fresh.id == published.id and built == [b"old rows", b"new rows"]
+    assert fresh.file("counts.json").read_text() == '"new rows"'
+    err = capsys.readouterr().err
+    assert f"{published.id} was built from other contents of {first.id} (rebuilt under the same id since)" in err
+    assert len(list((tmp_path / "work" / "artifacts" / ".stale").iterdir())) == 1
+    assert step_and_run(rebuilt)[0].cached
+
+
+def test_a_one_process_stage_launched_as_several_ranks_runs_on_the_first_alone(tmp_path: Path, capsys) -> None:
+    """count, cluster and evaluate run as one process. Launched as several ranks (srun of a job with more tasks),
+    every rank built the stage, and evaluate's ranks each decoded on the same GPU and registered the bundle. A rank
+    other than the first now stops at once: nothing built, nothing published, a line saying why."""
+    from pipeline.config.sections import load_config
+    from pipeline.orchestration.dag import StagePlan, spec, stage_identity
+    from pipeline.orchestration.lock import Launch
+    from pipeline.orchestration.stage import run_stage
+
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}"])
+    calibration = _input(tmp_path / "a", b"rows")
+    built: list[str] = []
+    row = spec("count")
+    config = stage_identity(cfg, row)
+    aid = artifact_id("count", config, [calibration.id], FP)
+    step = StagePlan(row, aid, config, FP, inputs={"generate": (calibration.id, calibration.path)},
+                     explicit=frozenset(), path=cfg.workdir_path / "artifacts" / aid)
+
+    def build(run):  # noqa: ANN001, ANN202
+        built.append(run.artifact_id)
+        return BuildResult(lambda out: (out / "counts.json").write_text("{}"), {})
+
+    second = Launch.from_environ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+    assert run_stage(cfg, step, [calibration], build=build, launch=second) is None
+    assert not built and not step.path.exists()
+    assert "runs as one process: the first rank of this launch runs it, this rank stops here" in capsys.readouterr().err
+    first = Launch.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    assert run_stage(cfg, step, [calibration], build=build, launch=first).id == aid and built == [aid]
+    assert run_stage(cfg, step, [calibration], build=build, launch=second) is None  # a cache hit stops there too

@@ -411,6 +411,21 @@ def test_raw_calibration_kind(tmp_path: Path, tiny_kit) -> None:
     assert all(sum(r["loss_mask"]) > 0 and r["loss_mask"][0] == 0 for r in rows)
 
 
+def test_a_tokenizer_without_a_chat_template_is_told_a_fix_that_works(tiny_kit) -> None:
+    """The error advised generate.kind=raw, which renders the dataset's turns with the same chat template and
+    fails the same way."""
+    from pipeline.data.calibration import raw_row
+    from pipeline.data.records import Conversation
+    from pipeline.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny:test/target")
+    tokenizer.chat_template = None
+    conv = Conversation("c", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
+    with pytest.raises(DrafterError, match="has no chat template") as err:
+        raw_row(tokenizer, conv, 64)
+    assert "give the tokenizer a chat template" in err.value.fix and "kind=raw renders" in err.value.fix
+
+
 def test_a_raw_rows_turns_are_learnt_up_to_their_end_of_turn_id(tmp_path: Path, tiny_kit) -> None:
     """A raw row's mask covered each assistant turn as the template renders it, so the kit's ChatML "\n" after
     <|im_end|> was learnt and counted: text a generated answer, which stops at the end-of-turn id, never holds.

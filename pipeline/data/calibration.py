@@ -68,7 +68,9 @@ def _template(tokenizer: Any, messages: list[dict[str, str]], add_generation_pro
     if not getattr(tokenizer, "chat_template", None):
         raise DrafterError("The tokenizer has no chat template.",
                            expected="a tokenizer with chat_template set (instruction-tuned checkpoints have one)",
-                           fix="Use the chat model's tokenizer (target.tokenizer) or generate.kind=raw on plain text.")
+                           fix="Use the chat model's tokenizer (target.tokenizer: its instruct checkpoint's), or give "
+                               "the tokenizer a chat template (its tokenizer_config.json's chat_template); "
+                               "generate.kind=raw renders the dataset's turns with it too.")
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]

@@ -51,11 +51,6 @@ def head_dtype(weight: Any) -> str:
     return "float16" if str(getattr(weight, "dtype", "")) in ("torch.float16", "float16") else "bfloat16"
 
 
-def head_digests(weight: Any) -> dict[str, str]:
-    """The head's digest at each rounding :func:`head_dtype` may ask for."""
-    return {dtype: head_sha256(weight, dtype) for dtype in ("bfloat16", "float16")}
-
-
 def normalised_rows(weight: Any) -> np.ndarray:
     """The head's rows as unit vectors, float32 C-contiguous (what FAISS takes). A zero row stays zero."""
     import torch
@@ -95,6 +90,11 @@ class Clustering:
                                expected=f"one cluster id in [0, {m}) per token",
                                found=f"ids in [{self.assignment.min()}, {self.assignment.max()}]",
                                fix="Rebuild it with `drafter cluster`.")
+
+    @classmethod
+    def of_head(cls, assignment: Any, centroids: Any, weight: Any, meta: dict | None = None) -> Clustering:
+        """A clustering of head ``weight``, recording its digest at each rounding :func:`head_dtype` may ask for."""
+        return cls(assignment, centroids, head_sha256(weight), meta or {}, head_sha256(weight, "float16"))
 
     @property
     def vocab_size(self) -> int:
@@ -260,7 +260,7 @@ def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int =
             "objective": objective}
     if not on_gpu:
         meta["cpu_reason"] = cpu_reason
-    return Clustering(nearest, centroids, head_sha256(weight), meta, head_sha256(weight, "float16"))
+    return Clustering.of_head(nearest, centroids, weight, meta)
 
 
 def _kmeans(faiss: Any, x: np.ndarray, clusters: int, niter: int, redo: int, seed: int,

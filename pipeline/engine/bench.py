@@ -66,7 +66,7 @@ def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, s
         ``full``, ``static``, ``router_mlp_topk`` and, per path, ``routed_<path>`` (router + head) and
         ``head_<path>`` (the routed head alone, given the clusters).
     """
-    from pipeline.dynaspec.clusters import Clustering, head_sha256  # deferred: pulls in numpy
+    from pipeline.dynaspec.clusters import Clustering  # deferred: pulls in numpy
     from pipeline.dynaspec.router import Router  # deferred: pulls in torch
     from pipeline.engine.routed_head import RoutedHead, triton_available  # deferred: pulls in torch
 
@@ -76,7 +76,7 @@ def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, s
     weight = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(device=dev, dtype=dt)
     h = torch.randn(hidden, generator=gen).to(device=dev, dtype=dt)
     assignment = unbalanced_assignment(vocab, clusters)
-    clustering = Clustering(assignment, np.zeros((clusters, hidden), np.float32), head_sha256(weight))
+    clustering = Clustering.of_head(assignment, np.zeros((clusters, hidden), np.float32), weight)
     model = _Head(weight)
     routed = RoutedHead(model, clustering, keep_ids=[0], mode="torch")  # one stored head; its path switched below
     router = Router(2 * hidden, router_hidden, clusters).to(device=dev, dtype=dt).eval()

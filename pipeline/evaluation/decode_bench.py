@@ -41,7 +41,7 @@ import torch
 from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter
 from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from pipeline.dynaspec.budget import ClusterBudget, ShortlistPolicy
-from pipeline.dynaspec.clusters import Clustering, head_sha256
+from pipeline.dynaspec.clusters import Clustering
 from pipeline.dynaspec.router import Router
 from pipeline.engine.bench import unbalanced_assignment
 from pipeline.engine.dflash import DFlashProposer
@@ -438,8 +438,8 @@ def llama3_8b_models(device: torch.device, dtype: torch.dtype = torch.bfloat16, 
             m = max(2, min(clusters, vocab // 4))
             with torch.device(device):  # initialised where it runs
                 router = Router(2 * head.shape[1], max(8, 512 // scale), m).to(dtype=dtype).eval()
-            clustering = Clustering(unbalanced_assignment(vocab, m), np.zeros((m, head.shape[1]), np.float32),
-                                    head_sha256(head))
+            clustering = Clustering.of_head(unbalanced_assignment(vocab, m), np.zeros((m, head.shape[1]), np.float32),
+                                            head)
             budget = ClusterBudget("fixed", max(1, round(routed_share * m)))
             inputs[RoutedInputs] = RoutedInputs(drafter, clustering, router,
                                                 ShortlistPolicy(keep_ids=(0,), fixed=budget), target_vocab_size=vocab)

@@ -23,8 +23,10 @@ from pipeline.artifacts import (
     Artifact,
     artifact_id,
     check_fingerprint,
+    content_digest,
     load_artifact,
     read_manifest,
+    stale_inputs,
     stored_manifest,
     upstream_manifests,
 )
@@ -113,6 +115,8 @@ class StageSpec:
         opt_in: For a stage outside the default run: a predicate on the config saying when the default run
             (``drafter run``, ``drafter plan``, ``drafter submit`` without ``--stages``) includes it anyway
             (``train_dflash``: when an evaluated method reads it). None: always in the default run.
+        one_process: The stage runs as one process (``count``, ``cluster``, ``evaluate``): launched as several ranks,
+            only the first runs it (the others return at once), and ``drafter submit`` gives its job one task.
         version: The version of the stage's code. A change that makes the stage write other bytes from the same
             inputs (a bug fixed, a metric computed another way) raises it; above 1 it enters the id, so what the
             older code built is not found cached, and neither is anything downstream. Ids do not hash the code
@@ -129,6 +133,7 @@ class StageSpec:
     data: Callable[[PipelineConfig], dict] | None = None
     when: dict[str, Callable[[PipelineConfig], bool]] = field(default_factory=dict)
     opt_in: Callable[[PipelineConfig], bool] | None = None
+    one_process: bool = False
     version: int = 1
 
     def upstream_of(self, cfg: PipelineConfig) -> tuple[str, ...]:
@@ -151,7 +156,8 @@ STAGES: tuple[StageSpec, ...] = (
     # 2: shortlists and the draft vocabulary keep the generation config's end-of-turn ids too
     # 3: top-p masses alike to 6 significant digits name a shortlist each
     StageSpec("count", "jobs.count", "token_counts", upstream=("generate",),
-              reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}, version=3),
+              reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}, one_process=True,
+              version=3),
     # evaluate's prompts come from generate.source / heldout_fraction (the held-out share), so those two
     # fields enter its id even when evaluate.counts names the count artifact directly.
     # The EAGLE-3 drafter learns from the calibration set with the draft vocabulary of count; the target
@@ -174,7 +180,7 @@ STAGES: tuple[StageSpec, ...] = (
     # the calibration set with the clustering, and compares itself with count's frequency shortlists.
     # 2: the clustering also records its head's digest rounded to float16 (a float16 load is compared with it)
     StageSpec("cluster", "jobs.cluster", "token_clusters", reads=(*TARGET_IDENTITY, "cluster"),
-              models=_cluster_models, version=2),
+              models=_cluster_models, one_process=True, version=2),
     # 2: the checkpoint chosen on half of the held-out chats, the routing curves measured on the others; shortlists
     # keep every id a decode stops at. 3: the last step's positive_clusters pools its micro-batches' positions
     StageSpec("train_router", "jobs.train_router", "cluster_router", upstream=("generate", "count", "cluster"),
@@ -200,6 +206,7 @@ STAGES: tuple[StageSpec, ...] = (
               models=_evaluate_models, data=_evaluate_data,
               # count always (its shortlists, the draft-vocabulary bundle); the others only for the methods that read them
               when={stage: _read_by_methods(stage) for stage in EVALUATE_UPSTREAM if stage != "count"},
+              one_process=True,
               # 2: the split as generate 2 draws it, no chat prompt also posted on the calibration side, the generation
               # config's end-of-turn ids end a decode, drafts after an accepted end of sequence not counted as accepted.
               # 3: DynaSpec's and PA-FR's shortlists keep every id a decode stops at; the eager path's warm-up
@@ -260,12 +267,19 @@ class StagePlan:
     @property
     def cached(self) -> bool:
         """Whether the store holds this artifact under a sound manifest (a damaged one is rebuilt; payloads are
-        re-hashed when the artifact is loaded)."""
+        re-hashed when the artifact is loaded), built from its inputs as they are now (one built from other contents
+        of an input, rebuilt under its id since, is rebuilt too)."""
         try:
-            stored_manifest(self.path, self.id)
+            manifest = stored_manifest(self.path, self.id)
         except DrafterError:
             return False
-        return True
+        now = {}
+        for aid, path in self.inputs.values():
+            try:
+                now[aid] = content_digest(stored_manifest(path, aid))
+            except DrafterError:
+                continue  # not built yet (or damaged): built first, and the run compares again
+        return not stale_inputs(manifest, now)
 
     def input(self, stage: str) -> Artifact:
         """The verified upstream artifact of ``stage`` (hashes and target fingerprint checked)."""

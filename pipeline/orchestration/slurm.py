@@ -40,7 +40,7 @@ from pipeline.config.sections import SLURM_RESOURCES, PipelineConfig
 from pipeline.config.stage_names import STAGE_NAMES
 from pipeline.config.training import TrainConfig
 from pipeline.errors import DrafterError
-from pipeline.orchestration.dag import plan
+from pipeline.orchestration.dag import plan, spec
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "stage.sbatch"
 """The one job template (``slurm/stage.sbatch`` of the repository); ``slurm.template`` names another."""
@@ -69,8 +69,20 @@ class Resources:
 
     @classmethod
     def of(cls, cfg: PipelineConfig, stage: str) -> Resources:
+        """A stage that runs as one process (``count``, ``cluster``, ``evaluate``) takes one node, one task and at
+        most one GPU from the section's defaults, which are sized for the distributed stages; asking it for more
+        in ``slurm.stages.<stage>`` is refused."""
         base = {key: getattr(cfg.slurm, key) for key in SLURM_RESOURCES}
-        return cls(**{**base, **cfg.slurm.stages.get(stage, {})})
+        own = cfg.slurm.stages.get(stage, {})
+        if spec(stage).one_process:
+            if wider := {k: v for k, v in own.items() if k in ("nodes", "ntasks_per_node") and v > 1}:
+                raise DrafterError(f"Stage {stage} runs as one process, but slurm.stages.{stage} asks for more.",
+                                   expected="nodes: 1 and ntasks_per_node: 1 (or neither set)",
+                                   found=", ".join(f"{k}: {v}" for k, v in wider.items()),
+                                   fix=f"Remove them from slurm.stages.{stage}; only generate, estimate_rdk and the "
+                                       "trainers run on several ranks.")
+            base.update(nodes=1, ntasks_per_node=1, gpus_per_node=min(base["gpus_per_node"], 1))
+        return cls(**{**base, **own})
 
 
 TRAINERS = tuple(name for name in STAGE_NAMES
@@ -351,7 +363,8 @@ def check_submitted(cfg: PipelineConfig, stage: str, submitted: str) -> None:
     the_plan = plan(cfg, [stage])
     planned = the_plan[stage].id
     if planned != submitted:
-        changed = [up for up in the_plan[stage].inputs if not the_plan[up].cached]
+        step = the_plan[stage]  # an input named by path (count.calibration=...) is not planned: it is not ours to build
+        changed = [up for up in step.inputs if up not in step.explicit and not the_plan[up].cached]
         raise DrafterError(
             f"This {stage} job was submitted for {submitted}, but its config now plans {planned}: something the id "
             f"reads changed since `drafter submit`.",

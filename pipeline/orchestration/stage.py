@@ -16,7 +16,6 @@ never a cache hit: it is moved aside with a log line and rebuilt, so edited metr
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import shutil
 import time
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import Artifact, ArtifactStore, canonical_json, write_json_atomic
+from pipeline.artifacts import Artifact, ArtifactStore, input_contents, write_json_atomic
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import StagePlan
@@ -74,8 +73,14 @@ def run_stage(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
     workdir = cfg.workdir_path
     store = ArtifactStore(workdir / "artifacts")
     stage, aid = step.spec.name, step.id
+    if step.spec.one_process and not launch.first_rank:
+        # launched as several ranks (srun of a job with more tasks): a second copy would time its decoding on the
+        # first copy's GPU, and register the bundle beside it
+        log(stage, "runs as one process: the first rank of this launch runs it, this rank stops here")
+        return None
     uri = tracking_uri(cfg.mlflow, workdir)
-    existing = store.reusable(aid, lambda message: log(stage, message), move_aside=False)
+    built_from = input_contents(inputs)  # an artifact built from other contents of its inputs is rebuilt
+    existing = store.reusable(aid, lambda message: log(stage, message), move_aside=False, inputs=built_from)
     if existing is not None:
         return _cache_hit(cfg, step, existing, uri, launch)
     if launch.first_rank:
@@ -83,7 +88,8 @@ def run_stage(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifact],
     try:
         with artifact_lock(workdir, aid, stage, lambda message: log(stage, message), launch):
             # published by the run this one waited for; a damaged entry is moved aside (by the lock holder only)
-            existing = store.reusable(aid, lambda message: log(stage, message), move_aside=launch.first_rank)
+            existing = store.reusable(aid, lambda message: log(stage, message), move_aside=launch.first_rank,
+                                      inputs=built_from)
             if existing is not None:
                 return _cache_hit(cfg, step, existing, uri, launch)
             return _build_and_publish(cfg, step, inputs, build, store, uri, launch)
@@ -103,9 +109,6 @@ STAGED_INPUTS = "inputs.json"
 STAGED_INPUTS_WAIT_S = 600.0
 
 
-def staged_inputs(inputs: list[Artifact]) -> dict[str, str]:
-    """Each input's content: the sha256 of its payloads' sha256s (its id names only what built it)."""
-    return {a.id: hashlib.sha256(canonical_json(a.manifest["files"]).encode()).hexdigest() for a in inputs}
 
 
 def _staging_for(staging: Path, inputs: list[Artifact], launch: Launch, say: Callable[[str], None]) -> None:
@@ -117,7 +120,7 @@ def _staging_for(staging: Path, inputs: list[Artifact], launch: Launch, say: Cal
     inputs' content; the other ranks wait for that record before they read anything there. A directory staged before
     the record existed is kept (nothing says it is stale).
     """
-    record, now = staging / STAGED_INPUTS, staged_inputs(inputs)
+    record, now = staging / STAGED_INPUTS, input_contents(inputs)
 
     def recorded() -> dict | None:
         try:
@@ -164,7 +167,8 @@ def _build_and_publish(cfg: PipelineConfig, step: StagePlan, inputs: list[Artifa
         # returns on every rank, and only the first may publish and log it.
         return None
     writer = store.writer(aid, kind=step.spec.kind, stage=stage, config=step.config,
-                          inputs=[a.id for a in inputs], fingerprint=step.fingerprint)
+                          inputs=[a.id for a in inputs], fingerprint=step.fingerprint,
+                          input_contents=input_contents(inputs))
     try:
         result.write(writer.tmp)
         metrics = {**result.metrics, "stage_seconds": round(time.perf_counter() - started, 3)}

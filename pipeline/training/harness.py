@@ -240,6 +240,7 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
                    seconds_before=float(resume[1].get("train_seconds", 0.0)) if resume else 0.0, started=started)
     if start >= total:
         state = resume[1] if resume else {}
+        as_trained(module, cfg, strategy)
         return TrainResult(steps=total, start_step=start, strategy=strategy, world_size=world, batch_layout=layout,
                            global_rank=trainer.global_rank, deepspeed_config=ds_config,
                            metrics=state.get("metrics", {}), mlflow_run_id=state.get("mlflow_run_id"),
@@ -257,6 +258,17 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
                        global_rank=trainer.global_rank, deepspeed_config=ds_config,
                        metrics=lightning_module.last_metrics, mlflow_run_id=lightning_module.mlflow_run_id,
                        seconds=plan.seconds_so_far(), best=_take_best(module, staging, final), ranks=ranks)
+
+
+def as_trained(module: Any, cfg: TrainConfig, strategy: str) -> Any:
+    """``module`` in the dtype training leaves it in: DeepSpeed with ``bf16`` casts the whole module to bfloat16 (its
+    engine keeps the float32 master weights in the optimizer), so an uninterrupted run publishes bfloat16 weights and
+    a stage's figures after training (the router's curves) come from a bfloat16 module. A finished run's rerun (the
+    job killed after its last checkpoint) builds no engine: it casts here, so it publishes the same weights and
+    figures under the same id. Other strategies keep float32 parameters."""
+    import torch
+
+    return module.to(torch.bfloat16) if strategy == "deepspeed" and cfg.bf16 else module
 
 
 def _take_best(module: Any, staging: Path, state: dict) -> dict | None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.dynaspec.clusters import Clustering, head_sha256
+from pipeline.dynaspec.clusters import Clustering
 from pipeline.engine.routed_head import RoutedHead, triton_available
 
 SIZES = [1, 1, 2, 3, 5, 7, 9, 9]
@@ -43,7 +43,7 @@ def _setup(dtype: torch.dtype, bias: bool = False) -> tuple[torch.nn.Module, Clu
         model.lm_head.bias = torch.nn.Parameter(torch.randn(sum(SIZES), generator=gen, dtype=torch.float64).to(dtype))
     # cluster ids shuffled over tokens so clusters are not contiguous in token order
     assignment = np.random.default_rng(0).permutation(np.repeat(np.arange(len(SIZES)), SIZES))
-    clustering = Clustering(assignment, np.zeros((len(SIZES), 20), np.float32), head_sha256(weight))
+    clustering = Clustering.of_head(assignment, np.zeros((len(SIZES), 20), np.float32), weight)
     return model, clustering
 
 

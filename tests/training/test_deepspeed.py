@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.config.training import TrainConfig
 from pipeline.training import checkpoints as ckpt
@@ -27,6 +28,24 @@ def test_deepspeed_config_is_pure_function_of_typed_fields() -> None:
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert "optimizer" not in ds and "scheduler" not in ds  # the harness's AdamW/LambdaLR are passed in
+
+
+def test_a_finished_runs_rerun_holds_the_module_in_the_dtype_deepspeeds_engine_leaves_it(tmp_path: Path) -> None:
+    """DeepSpeed with bf16 casts the whole module to bfloat16, so an uninterrupted run publishes bfloat16 weights and
+    computes its after-training figures (the router's curves) in bfloat16. A run killed after its last checkpoint
+    builds no engine when rerun: it published float32 weights and float32 figures under the same id. The rerun
+    now casts as the engine does (``as_trained``); here the real engine on CPU and ``as_trained`` agree on every
+    parameter's and buffer's dtype, and the other strategies keep float32."""
+    from pipeline.training.harness import as_trained
+
+    found = run_script({"mode": "deepspeed_dtypes", "cfg": {**BASE, "bf16": True}, "out": str(tmp_path)})
+    assert found["engine"] == found["as_trained"]
+    assert set(found["engine"].values()) == {"torch.bfloat16"}
+    for strategy in ("single", "ddp"):
+        assert {p.dtype for p in as_trained(TinyRegressor(), config(bf16=True), strategy).parameters()} == {
+            torch.float32}
+    assert {p.dtype for p in as_trained(TinyRegressor(), config(bf16=False), "deepspeed").parameters()} == {
+        torch.float32}
 
 
 @pytest.mark.slow
