@@ -5,7 +5,7 @@ of ``generate`` and the counts of ``count``). A Lightning ``predict`` pass runs 
 calibration rows' answer positions, shard by shard: each shard's sums (``Σp`` and the sparse ``Σ p_K p_Kᵀ`` of
 each distribution's top-k entries, :mod:`pipeline.rdk.moments`) are saved atomically to the staging directory
 with their checksum, so a killed job resumes from the shards it finished (redoing any that no longer match their
-checksum, :mod:`pipeline.orchestration.staged`) and ranks (``estimate_rdk.devices``/``num_nodes``) split
+checksum, :mod:`pipeline.staged`) and ranks (``estimate_rdk.devices``/``num_nodes``) split
 the shards; rank 0 adds them up. Then, on held-out conversations, it measures α for TLI and each redistribution
 for every kept set — the FR pruning levels of ``evaluate.drafter`` and ``T ∩ D`` of ``evaluate.drafter_other`` —
 and chooses τ (grid) and the prior weight (:func:`pipeline.rdk.prior.analyse`); the same choices are then scored
@@ -29,8 +29,8 @@ from pipeline.orchestration.dag import plan
 from pipeline.orchestration.limits import check_rdk_code_problems
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
-from pipeline.orchestration.staged import staged_ok, write_staged
 from pipeline.progress import Progress
+from pipeline.staged import staged_ok, write_staged
 from pipeline.training.harness import predict_shards, shard_trainer
 from pipeline.training.ranks import took_part
 from pipeline.vocab.tokens import vocab_hash
@@ -205,9 +205,10 @@ def _heldout_inputs(cfg: PipelineConfig, rows: list, target, drafter, kept_sets:
     return out, torch.tensor([chats[i] for i in order])
 
 
-def _code_rows(cfg: PipelineConfig, tokenizer) -> list:  # noqa: ANN001
+def _code_rows(cfg: PipelineConfig, tokenizer, calibration: Artifact) -> list:  # noqa: ANN001
     """Code contexts for the α table: the last ``estimate_rdk.code_problems`` HumanEval problems that neither the
-    calibration set drew on nor the evaluation decodes (:func:`~pipeline.data.sources.unseen_humaneval`: evaluate
+    calibration set ``calibration`` drew on (its manifest's ``generate`` section says how it was drawn: a set named
+    by ``estimate_rdk.calibration`` may come from another source than this config's) nor the evaluation decodes (:func:`~pipeline.data.sources.unseen_humaneval`: evaluate
     takes the first ones), each as evaluate encodes its prompt (chat template, ``evaluate.max_prompt_tokens``)
     followed by the canonical solution's tokens and EOS, as if the target had written it; answer positions only.
     A row is cut to ``estimate_rdk.max_length`` and to the context of the target and of the drafter that reads it.
@@ -218,7 +219,11 @@ def _code_rows(cfg: PipelineConfig, tokenizer) -> list:  # noqa: ANN001
     from pipeline.data.rows import Row  # deferred: pulls in torch
 
     er, ev, gen = cfg.estimate_rdk, cfg.evaluate, cfg.generate
-    unseen = unseen_humaneval(gen.source, gen.heldout_fraction, with_solutions=True, revision=gen.source_revision)
+    drew = {"source": gen.source, "heldout_fraction": gen.heldout_fraction, "source_revision": gen.source_revision,
+            **{k: v for k, v in (calibration.manifest.get("config", {}).get("generate") or {}).items()
+               if k in ("source", "heldout_fraction", "source_revision")}}
+    unseen = unseen_humaneval(drew["source"], drew["heldout_fraction"], with_solutions=True,
+                              revision=drew["source_revision"])
     check_rdk_code_problems(cfg, unseen=len(unseen))
     contexts = [context_length(cfg.target.model, cfg.target.revision, cfg.target.trust_remote_code),
                 context_length(ev.drafter, None, cfg.target.trust_remote_code)]
@@ -286,7 +291,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
                            expected="rows with assistant tokens outside the held-out share",
                            found=f"{len(data.heldout)} held-out rows, 0 others",
                            fix="Generate more calibration rows or lower estimate_rdk.heldout_fraction.")
-    code_rows = _code_rows(cfg, tokenizer) if er.code_problems else []  # refuses an overlap before any work
+    code_rows = _code_rows(cfg, tokenizer, calibration) if er.code_problems else []  # refuses an overlap before any work
     probe = target_.model(device="cpu", dtype="float32").eval()
     vocab = int(probe.get_output_embeddings().weight.shape[0])
     estimated = _estimate(cfg, run, data.train, vocab)

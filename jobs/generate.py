@@ -6,7 +6,7 @@ user turn and rendered with the chat template. A Lightning ``predict`` loop answ
 (left padding, KV cache, temperature/top-p), one *shard* of prompts per predict step. Shards are
 dealt to ranks round-robin and each is written atomically, with its checksum, when complete, so a killed
 run restarted with the same config skips finished shards (redoing any that no longer match their checksum,
-:mod:`pipeline.orchestration.staged`) and ends with exactly the rows of an uninterrupted run.
+:mod:`pipeline.staged`) and ends with exactly the rows of an uninterrupted run.
 Shard ``i`` samples with seed ``seed + i``: the rows do not depend on how many ranks ran.
 ``kind: raw`` stores the dataset's own assistant turns instead (no model runs), for comparison.
 """
@@ -39,8 +39,8 @@ from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
-from pipeline.orchestration.staged import staged_about, staged_ok, write_staged
 from pipeline.progress import Progress
+from pipeline.staged import staged_about, staged_ok, write_staged
 from pipeline.training.harness import predict_shards, shard_trainer
 from pipeline.training.ranks import took_part
 from pipeline.vocab.tokens import stop_ids

@@ -30,7 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.checksums import sha256_file, temp_sibling  # noqa: F401 - sha256_file re-exported: checkpoints and bundles use it
+from pipeline.checksums import (  # noqa: F401 - sha256_file and write_json_atomic re-exported for the stages
+    sha256_file,
+    temp_sibling,
+    write_json_atomic,
+)
 from pipeline.errors import DrafterError
 
 SCHEMA_VERSION = 2
@@ -57,17 +61,6 @@ def artifact_id(stage: str, config: Any, inputs: list[str], fingerprint: dict | 
     payload = canonical_json({"stage": stage, "config": config, "inputs": sorted(inputs),
                               "fingerprint": fingerprint, "schema": SCHEMA_VERSION})
     return f"{stage}-{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON so a reader sees the old file or the new one, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(path)
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass

@@ -30,6 +30,17 @@ def temp_sibling(path: str | Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{host}-{os.getpid()}-{os.urandom(4).hex()}")
 
 
+def write_json_atomic(path: Path, obj: object) -> None:
+    """Write JSON so a reader sees the old file or the new one, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(path)
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
 def sha256_file(path: str | Path, chunk: int = CHUNK) -> str:
     """Hex sha256 of a file's bytes."""
     digest = hashlib.sha256()

@@ -172,6 +172,19 @@ def test_editing_a_local_targets_loading_files_in_place_changes_every_id_that_re
     assert {name for name in before.stages if before.stages[name].id != after.stages[name].id} == READS_TARGET
 
 
+def test_running_a_checkpoints_own_code_changes_every_id_that_reads_the_target(tmp_path: Path, tiny_kit) -> None:
+    """``target.trust_remote_code`` is a run setting, but it chooses the implementation of a checkpoint that has
+    both a known model_type and an ``auto_map``: the answers of the two are cache hits of each other under one id.
+    With it on, the target's fingerprint says so (and with it off nothing changes, so no id of a run without remote
+    code moved)."""
+    target = _copy_model(tiny_kit.path("target"), tmp_path / "my-target")
+    off, on = (plan(small_cfg(tmp_path, f"target.model={target}", f"target.trust_remote_code={flag}"))
+               for flag in ("false", "true"))
+    assert "remote_code" not in off.stages["generate"].fingerprint
+    assert on.stages["generate"].fingerprint["remote_code"] is True
+    assert {name for name in off.stages if off.stages[name].id != on.stages[name].id} == READS_TARGET
+
+
 def test_a_tiny_target_with_a_tokenizer_of_its_own_keeps_the_kits_weights_in_its_ids(tmp_path: Path,
                                                                                    tiny_kit) -> None:
     """Only a target whose tokenizer was a tiny ref too got the kit's weights digest: with a tokenizer directory the

@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"pipeline.dynaspec", "pipeline.rdk", "pipeline.models"},
     {"pipeline.drafters", "pipeline.tiny"},
     {"pipeline.vocab"},
-    {"pipeline.data", "pipeline.artifacts"},
+    {"pipeline.data", "pipeline.artifacts", "pipeline.staged"},
     {"pipeline.config", "pipeline.hub"},
     {"pipeline.errors", "pipeline.progress", "pipeline.checksums", "pipeline.runlog", "pipeline.timing", "pipeline"},
 ]

@@ -125,6 +125,7 @@ def test_a_named_eagle3_artifacts_own_steps_bound_gamma(tmp_path: Path) -> None:
     aid = artifact_id("train_drafter", config, [], None)
     writer = ArtifactWriter(tmp_path / "store", aid, kind="eagle3_drafter", stage="train_drafter", config=config,
                             inputs=[], fingerprint=None)
+    (writer.tmp / "config.json").write_text("{}")  # an artifact holds at least one payload
     named = writer.commit().path
     cfg = small_cfg(tmp_path, "evaluate.methods=[eagle3]", f"evaluate.eagle3={named}", "evaluate.gammas=[4]",
                     "train_drafter.ttt_steps=7")

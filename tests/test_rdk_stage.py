@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -272,7 +273,14 @@ def test_code_rows_keep_to_unseen_problems_and_to_the_models_context(tmp_path: P
     cfg = rdk_cfg(tmp_path, f"generate.source={source}", "generate.heldout_fraction=0.3",
                   "evaluate.prompts_per_task=4", "estimate_rdk.code_problems=6", "evaluate.max_prompt_tokens=64")
     tokenizer = Target(cfg.target).tokenizer()
-    rows = _code_rows(cfg, tokenizer)
+    drawn = types.SimpleNamespace(manifest={"config": {"generate": {"source": source, "heldout_fraction": 0.3}}})
+    rows = _code_rows(cfg, tokenizer, drawn)
+    # a calibration set named by path (estimate_rdk.calibration) says how it was drawn: a config whose own generate
+    # section names another source took every problem as unseen, the ones the set was drawn from included
+    other = rdk_cfg(tmp_path, f"generate.source={'humaneval' if source == 'sharegpt' else 'sharegpt'}",
+                    "generate.heldout_fraction=0.3", "evaluate.prompts_per_task=4", "estimate_rdk.code_problems=6",
+                    "evaluate.max_prompt_tokens=64")
+    assert [r.input_ids for r in _code_rows(other, tokenizer, drawn)] == [r.input_ids for r in rows]
     everything = load_humaneval()
     unseen = split_heldout(everything, 0.3, heldout=True) if source == "humaneval" else everything
     calibrated = set() if source == "sharegpt" else {c.id for c in split_heldout(everything, 0.3, heldout=False)}

@@ -121,3 +121,19 @@ def test_a_figure_no_row_measured_is_missing_from_the_chosen_metrics_not_zero() 
     check = unmeasured.checks["mbsu_min"]
     assert not unmeasured.passed and (check.passed, check.value) == (False, None)
     assert check.detail == "no mbsu was measured for eagle3, γ=3 over tasks"
+
+
+def test_drafter_calls_are_counted_per_token_the_rounds_kept() -> None:
+    """With ``evaluate.first_token=prefill`` each generation's first token comes from the target's prefill, in no
+    round. Calls per token divided by every new token, so calls per token × τ (the report's drafter forwards per
+    round) came out below the calls per round: 16 prompts of 64 tokens, one drafter call in each of 252 rounds that
+    kept 63 tokens a prompt gave 0.98 forwards a round, not 1."""
+    from tests.helpers import report_row
+
+    row = EvalRow(**{**report_row("chat", "dflash", 4.0, 0.7), "prompts": 16, "new_tokens": 1024,
+                     "kept_per_prompt": [63] * 16, "rounds_per_prompt": [252 // 16 + (i < 252 % 16) for i in range(16)]})
+    row.tau = sum(row.kept_per_prompt) / sum(row.rounds_per_prompt)
+    calls = 252  # one forward a round
+    assert row.per_kept_token(calls) * row.tau == pytest.approx(1.0, rel=1e-12)
+    assert calls / row.new_tokens * row.tau < 0.99  # what was reported
+    assert EvalRow(**{**report_row("chat", "dflash", 4.0, 0.7), "kept_per_prompt": [0, 0]}).per_kept_token(3) is None

@@ -1,4 +1,4 @@
-"""Staged shards (pipeline.orchestration.staged): written with a checksum, trusted on resume only if they match it."""
+"""Staged shards (pipeline.staged): written with a checksum, trusted on resume only if they match it."""
 
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.artifacts import artifact_id
 from pipeline.orchestration.stage import BuildResult
-from pipeline.orchestration.staged import sidecar, staged_ok, staged_problem, write_staged
+from pipeline.staged import sidecar, staged_ok, staged_problem, write_staged
 
 FP = {"model": "tiny:test/target", "revision": "r1", "vocab_hash": "abc"}
 

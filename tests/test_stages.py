@@ -336,7 +336,7 @@ def test_a_run_resumed_on_another_device_says_which_shards_came_from_where(tmp_p
     so. Each staged shard now records the device that answered it; the published manifest counts shards by device
     and the log names the mix. Here a stopped run's staged shards are relabelled as an H100 had staged them (a GPU
     cannot run here) and half are deleted, so the rerun answers those on this CPU."""
-    from pipeline.orchestration.staged import sidecar
+    from pipeline.staged import sidecar
     from pipeline.timing import device_name
 
     extra = ["generate.limit=24", "generate.max_new_tokens=12"]  # 6 shards of 4 prompts

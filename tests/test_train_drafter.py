@@ -169,8 +169,8 @@ def test_cached_features_train_the_same_drafter_as_online(trained, tmp_path: Pat
     assert json.loads(art.file("training.json").read_text())["feature_cache"] is None  # online: no cache
 
 
-def test_the_feature_cache_fills_a_ranks_share_then_waits_and_computes_only_missing_rows(trained,
-                                                                                        tmp_path: Path) -> None:
+def test_the_feature_cache_fills_a_ranks_share_then_waits_and_computes_only_missing_rows(trained, tmp_path: Path,
+                                                                                        capsys) -> None:
     """Rank 1 of 2 computes rows 1, 3, 5, … before the barrier; with no rank 0 to fill the rest, it computes
     them after. A second fill computes nothing; one after three files were removed computes those three. Every
     file holds the target's features of its row, as the online path computes them."""
@@ -181,11 +181,20 @@ def test_the_feature_cache_fills_a_ranks_share_then_waits_and_computes_only_miss
     at_barrier: list[set[int]] = []
     filled = cache.fill(1, 2, lambda: at_barrier.append({int(p.stem) for p in cache.directory.glob("*.safetensors")}))
     assert at_barrier == [{r.index for r in rows[1::2]}]
-    assert filled["computed"] == len(rows) and {int(p.stem) for p in cache.directory.iterdir()} == {r.index for r in rows}
+    assert filled["computed"] == len(rows)
+    assert {int(p.stem) for p in cache.directory.glob("*.safetensors")} == {r.index for r in rows}
     assert cache.fill(0, 1)["computed"] == 0
     for row in rows[:3]:
         cache.path(row.index).unlink()
     assert cache.fill(0, 1)["computed"] == 3
+    # a file that survived a crash with other bytes (a flipped byte on shared storage, a torn write) was resumed as
+    # done and trained on; it no longer matches its checksum, so it is computed again, and a line says so
+    damaged = cache.path(rows[5].index)
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    assert cache.fill(0, 1)["computed"] == 1
+    assert f"{damaged.name}: sha256 mismatch" in capsys.readouterr().err
     row = rows[4]
     batch = pad_batch([row])
     aux, logits = target_features(ready.target, batch["input_ids"], batch["attention_mask"], ready.config.aux_layer_ids)

@@ -182,9 +182,9 @@ class Evaluator:
                     row = self._row(task, method, config.drafter, gamma, shortlist or budget, config.size,
                                     summarize(runs, ar, cost), equal)
                     row.greedy_ties = ties if mismatched and ties == len(mismatched) else None
-                    if counts is not None and row.new_tokens:
-                        row.drafter_calls_per_token = calls / row.new_tokens
-                        row.psi_rows_per_token = psi_rows / row.new_tokens if psi_rows else None
+                    if counts is not None:
+                        row.drafter_calls_per_token = row.per_kept_token(calls)
+                        row.psi_rows_per_token = row.per_kept_token(psi_rows) if psi_rows else None
                     if stats is not None and stats.steps:
                         row.budget, row.draft_vocab_mean = budget, stats.mean_size()
                         row.draft_vocab_per_position = stats.per_position()

@@ -63,11 +63,12 @@ class EvalRow:
     head_ms_per_step: float | None = None
     """Milliseconds per draft step spent in the LM head alone (selection + gather + matmul)."""
     drafter_calls_per_token: float | None = None
-    """Drafter forward calls per emitted token, for proposers that count them (other-tokenizer and byte
-    drafters; SLRS: one per trie depth, batched over its nodes). MBSU then charges ``c`` per measured call
-    instead of assuming γ calls per round."""
+    """Drafter forward calls per token the rounds kept (τ's numerator: a first token the target's prefill emitted is
+    in no round), for proposers that count them (other-tokenizer and byte drafters; SLRS: one per trie depth, batched
+    over its nodes; DFlash: one per round). Times τ it is the calls per round. MBSU then charges ``c`` per measured
+    call instead of assuming γ calls per round."""
     psi_rows_per_token: float | None = None
-    """SLRS only: next-byte distributions computed per emitted token to get psi exactly (the trie's nodes)."""
+    """SLRS only: next-byte distributions computed per token the rounds kept to get psi exactly (the trie's nodes)."""
     tau_standard_error: float | None = None
     """Standard error of ``tau`` over the prompts (:func:`pipeline.engine.metrics.tau_standard_error`)."""
     kept_per_prompt: list[int] | None = None
@@ -75,6 +76,11 @@ class EvalRow:
     rows decoded on the same prompts (:func:`pipeline.engine.metrics.paired_tau_difference`)."""
     rounds_per_prompt: list[int] | None = None
     """Drafting-verification rounds per prompt (τ's denominator)."""
+
+    def per_kept_token(self, count: float) -> float | None:
+        """``count`` (drafter calls, ψ rows) per token the rounds kept; None where they kept none."""
+        kept = sum(self.kept_per_prompt) if self.kept_per_prompt is not None else self.new_tokens
+        return count / kept if kept else None
 
     @property
     def tag(self) -> str:

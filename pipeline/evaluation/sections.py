@@ -178,7 +178,9 @@ def slrs_rows(results: dict) -> list[list[str]]:
 
 SLRS_NOTE = ("Byte-level drafter: SLRS (Alg. 3; ψ computed exactly over the trie of drafted strings, one batched "
              "drafter call per trie depth) against SLEM with the same bytes per target token. MBSU charges the "
-             "drafter's parameter ratio per measured call.")
+             "drafter's parameter ratio per measured call. α counts an SLRS draw that ends inside a target token "
+             "(the string has no target-token boundary there) as a draft rejected with certainty; SLEM drafts "
+             "nothing in those events, so its α leaves them out: τ compares the two.")
 
 
 def slrs_markdown(results: dict) -> str:

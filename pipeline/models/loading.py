@@ -262,6 +262,10 @@ def _fingerprint_cached(name: str, revision: str | None, tokenizer_name: str | N
         items.append(("weights", weights))
     if (files := files_identity(ref, resolve_ref(tokenizer_name or name, revision))) is not None:
         items.append(("files", files))
+    if trust:
+        # which implementation runs: with it, a checkpoint's own auto_map code; without, transformers' class for its
+        # model_type (absent when off, so every id of a run without remote code stays as it was)
+        items.append(("remote_code", True))
     return tuple(items)
 
 

@@ -13,7 +13,6 @@ cheap stand-in for the τ the ``evaluate`` stage then measures in the engine.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.checksums import temp_sibling
 from pipeline.data.rows import Row, pad_batch
 from pipeline.drafters.eagle3 import Eagle3Drafter
-from pipeline.progress import Progress
+from pipeline.progress import Progress, log
+from pipeline.staged import staged_ok, write_staged
 from pipeline.training.eagle3_objective import simulated_tau, target_features, ttt_loss
 from pipeline.training.ranks import gather
 from pipeline.training.task import DrafterTask
@@ -42,8 +41,10 @@ class FeatureCache:
 
     Per row, ``<dir>/<index>.safetensors`` holds ``aux`` ``(T, 3H)`` and ``last`` ``(T, H)`` (the final
     normed hidden state; the target's logits are its LM head applied to it, recomputed per batch so the
-    ``(T, V)`` logits never touch the disk). Each file is written atomically, so a killed run resumes by
-    computing only the missing rows. The cache is filled once the trainer's ranks exist
+    ``(T, V)`` logits never touch the disk). Each file is a staged shard (:func:`~pipeline.staged.write_staged`:
+    atomic, with its checksum), so a killed run resumes by computing only the rows missing, and a file that does
+    not match its checksum (a node crash after the rename, a flipped byte on shared storage) is deleted with a
+    line naming it and computed again. The cache is filled once the trainer's ranks exist
     (:meth:`Eagle3Task.before_training`), on the device training runs on: rank ``r`` of ``w`` computes rows
     ``r, r + w, …``, then all ranks wait for each other, so on ``n`` nodes each computes ``1/n`` of the cache
     (the directory is the stage's staging directory, shared by every node).
@@ -56,7 +57,7 @@ class FeatureCache:
         return self.directory / f"{index:09d}.safetensors"
 
     def missing(self, rows: Sequence[Row]) -> list[Row]:
-        return [r for r in rows if not self.path(r.index).is_file()]
+        return [r for r in rows if not staged_ok(self.path(r.index), lambda message: log("feature cache", message))]
 
     def fill(self, rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
              batch_size: int = 8, label: str = "feature cache") -> dict[str, Any]:
@@ -87,10 +88,8 @@ class FeatureCache:
             aux = torch.cat([out.hidden_states[i] for i in self.aux], dim=-1)
             for i, row in enumerate(todo):
                 n = len(row.input_ids)
-                tmp = temp_sibling(self.path(row.index))
-                save_file({"aux": aux[i, :n].cpu().contiguous(),
-                           "last": out.hidden_states[-1][i, :n].cpu().contiguous()}, str(tmp))
-                os.replace(tmp, self.path(row.index))
+                tensors = {"aux": aux[i, :n].cpu().contiguous(), "last": out.hidden_states[-1][i, :n].cpu().contiguous()}
+                write_staged(self.path(row.index), lambda tmp, tensors=tensors: save_file(tensors, str(tmp)))
             if progress is not None:
                 progress.update(len(todo))
         return len(rows)

@@ -30,7 +30,16 @@ def test_deepspeed_config_is_pure_function_of_typed_fields() -> None:
     assert "optimizer" not in ds and "scheduler" not in ds  # the harness's AdamW/LambdaLR are passed in
 
 
-def test_a_finished_runs_rerun_holds_the_module_in_the_dtype_deepspeeds_engine_leaves_it(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def zero2(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One run of the ZeRO-2 script (fp32), which then also reports how a bf16 engine leaves a module's dtypes."""
+    tmp = tmp_path_factory.mktemp("zero2")
+    return run_script({"mode": "deepspeed", "cfg": {**BASE, "bf16": False}, "staging": str(tmp / "ds"),
+                       "out": str(tmp / "ds-out"), "bf16_dtypes": {**BASE, "bf16": True}}, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_finished_runs_rerun_holds_the_module_in_the_dtype_deepspeeds_engine_leaves_it(zero2: dict) -> None:
     """DeepSpeed with bf16 casts the whole module to bfloat16, so an uninterrupted run publishes bfloat16 weights and
     computes its after-training figures (the router's curves) in bfloat16. A run killed after its last checkpoint
     builds no engine when rerun: it published float32 weights and float32 figures under the same id. The rerun
@@ -38,7 +47,7 @@ def test_a_finished_runs_rerun_holds_the_module_in_the_dtype_deepspeeds_engine_l
     parameter's and buffer's dtype, and the other strategies keep float32."""
     from pipeline.training.harness import as_trained
 
-    found = run_script({"mode": "deepspeed_dtypes", "cfg": {**BASE, "bf16": True}, "out": str(tmp_path)})
+    found = zero2["dtypes"]
     assert found["engine"] == found["as_trained"]
     assert set(found["engine"].values()) == {"torch.bfloat16"}
     for strategy in ("single", "ddp"):
@@ -49,7 +58,7 @@ def test_a_finished_runs_rerun_holds_the_module_in_the_dtype_deepspeeds_engine_l
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_on_cpu_matches_harness_and_resumes(tmp_path: Path) -> None:
+def test_deepspeed_zero2_on_cpu_matches_harness_and_resumes(tmp_path: Path, zero2: dict) -> None:
     """The harness's exact ZeRO-2 config (fp32 on CPU) through ``deepspeed.initialize``, fed the same
     batches, seeds, AdamW and schedule as the harness's single-process path. Tolerance: 1e-4 relative on
     every micro-batch loss over 16 steps. Both paths compute the same fp32 update; they differ only in
@@ -59,8 +68,7 @@ def test_deepspeed_zero2_on_cpu_matches_harness_and_resumes(tmp_path: Path) -> N
     state also goes through the harness's checkpoint files and back: resuming gives bit-identical weights."""
     model = TinyRegressor()
     fit(model, dataset(), config(bf16=False), tmp_path / "harness")
-    ds = run_script({"mode": "deepspeed", "cfg": {**BASE, "bf16": False}, "staging": str(tmp_path / "ds"),
-                     "out": str(tmp_path / "ds-out")}, timeout=600)
+    ds = zero2
     assert ds["deepspeed_config"] == deepspeed_config(config(bf16=False))
     assert ds["losses"] == pytest.approx(model.losses, rel=1e-4)
     assert ds["resumed_bit_identical"] is True

@@ -482,21 +482,19 @@ def _deepspeed(args: dict, out: Path) -> None:
     train(eng2, range(half, total))
     same = all(torch.equal(a, b) for a, b in zip(trainable_parameters(model).values(),
                                                   trainable_parameters(resumed).values()))
-    (out / "result.rank0.json").write_text(json.dumps({"losses": losses, "deepspeed_config": ds_config,
-                                                      "resumed_bit_identical": same}))
+    record = {"losses": losses, "deepspeed_config": ds_config, "resumed_bit_identical": same}
+    if "bf16_dtypes" in args:
+        record["dtypes"] = _deepspeed_dtypes(from_dict(TrainConfig, args["bf16_dtypes"]))
+    (out / "result.rank0.json").write_text(json.dumps(record))
 
 
-def _deepspeed_dtypes(args: dict, out: Path) -> None:
-    """The dtype of every parameter and buffer of a module once DeepSpeed's engine has it (the harness's config on
-    CPU), and once :func:`~pipeline.training.harness.as_trained` has it."""
-    os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+def _deepspeed_dtypes(cfg: TrainConfig) -> dict[str, dict[str, str]]:
+    """The dtype of every parameter and buffer of a module once DeepSpeed's engine has it (``cfg``'s config on CPU),
+    and once :func:`~pipeline.training.harness.as_trained` has it."""
     import deepspeed
 
     from pipeline.training.harness import as_trained
     from pipeline.training.strategy import build_optimizer
-
-    cfg = from_dict(TrainConfig, args["cfg"])
 
     def dtypes(model: torch.nn.Module) -> dict[str, str]:
         return {name: str(t.dtype) for name, t in [*model.named_parameters(), *model.named_buffers()]}
@@ -505,15 +503,14 @@ def _deepspeed_dtypes(args: dict, out: Path) -> None:
     params = list(trainable_parameters(model).values())
     deepspeed.initialize(model=model, model_parameters=params, optimizer=build_optimizer(params, cfg, deepspeed=True),
                          config=dict(deepspeed_config(cfg)))
-    record = {"engine": dtypes(model), "as_trained": dtypes(as_trained(TinyRegressor(), cfg, "deepspeed"))}
-    (out / "result.rank0.json").write_text(json.dumps(record))
+    return {"engine": dtypes(model), "as_trained": dtypes(as_trained(TinyRegressor(), cfg, "deepspeed"))}
 
 
 def _main(argv: list[str]) -> None:
     args = json.loads(argv[0])
     out = Path(args["out"])
     out.mkdir(parents=True, exist_ok=True)
-    {"train": _train, "deepspeed": _deepspeed, "deepspeed_dtypes": _deepspeed_dtypes}[args["mode"]](args, out)
+    {"train": _train, "deepspeed": _deepspeed}[args["mode"]](args, out)
 
 
 if __name__ == "__main__":

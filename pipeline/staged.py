@@ -1,4 +1,5 @@
-"""Staged shards: the finished pieces a resumable stage keeps in ``<workdir>/staging/<id>/`` across a killed run.
+"""Staged shards: the finished pieces a resumable stage keeps in ``<workdir>/staging/<id>/`` across a killed run
+(calibration shards, RDK's moment sums, EAGLE-3's feature cache).
 
 A resumed run trusts a shard only if it matches the checksum written with it. :func:`write_staged` writes a
 shard to a temporary name, records its sha256 and size in a sidecar ``<shard>.sha256.json``, and only then
@@ -17,8 +18,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.artifacts import sha256_file, write_json_atomic
-from pipeline.checksums import temp_sibling
+from pipeline.checksums import sha256_file, temp_sibling, write_json_atomic
 
 SIDECAR_SUFFIX = ".sha256.json"
 
