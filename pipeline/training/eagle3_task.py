@@ -61,8 +61,9 @@ class FeatureCache:
 
     def fill(self, rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
              batch_size: int = 8, label: str = "feature cache") -> dict[str, Any]:
-        """Compute this rank's missing rows, wait for the other ranks (``barrier``), then any row still missing
-        (none unless a file was removed meanwhile). Returns this rank's ``computed`` rows and ``seconds``."""
+        """Compute this rank's missing rows (a staged file that fails its checksum is missing), wait for the other
+        ranks (``barrier``), then any row still missing (none unless a file was removed meanwhile). Returns this
+        rank's ``computed`` rows and ``seconds``."""
         started = time.perf_counter()
         self.directory.mkdir(parents=True, exist_ok=True)
         share = self.missing(self.rows[rank::world_size])
@@ -72,7 +73,9 @@ class FeatureCache:
             progress.close()
         if barrier is not None and world_size > 1:
             barrier()
-        computed += self._compute(self.missing(self.rows), batch_size, None)
+        # the other ranks' shares were checked by them before they computed (a production cache is terabytes:
+        # hashing every file twice a fill is what a resume would wait for); here only what is still missing
+        computed += self._compute([r for r in self.rows if not self.path(r.index).is_file()], batch_size, None)
         return {"computed": computed, "seconds": round(time.perf_counter() - started, 2)}
 
     @torch.no_grad()
