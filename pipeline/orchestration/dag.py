@@ -147,14 +147,12 @@ EVALUATE_UPSTREAM = ("count", "train_drafter", "cluster", "train_router", "estim
 STAGES: tuple[StageSpec, ...] = (
     # 2: the parts of a chat share a side of the split for every source, not only the packaged one; a record without
     # an id is named by its content, not its position; answers stop at the generation config's end-of-turn ids too.
-    # 3: sampled answers follow temperature and top_p alone (transformers added its top-k 50 default and whatever
-    # the model's generation_config.json set); rows carry their chat's split group, which the trainers' held-out
-    # rows split by. 4: a raw row's turns are learnt up to their end-of-turn id (not the template's text after it)
+    # 3: sampled answers follow temperature and top_p alone (not transformers' top-k 50 or the model's generation
+    # config); rows carry their chat's split group. 4: a raw row's turns are learnt up to their end-of-turn id
     StageSpec("generate", "jobs.generate", "calibration",
               reads=(*TARGET_IDENTITY, "target.dtype", "generate"), models=_generate_models, data=_prompt_data,
               version=4),
-    # 2: shortlists and the draft vocabulary keep the generation config's end-of-turn ids too
-    # 3: top-p masses alike to 6 significant digits name a shortlist each
+    # 2: shortlists and the draft vocabulary keep generation-config end-of-turn ids. 3: a top-p name per mass
     StageSpec("count", "jobs.count", "token_counts", upstream=("generate",),
               reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}, one_process=True,
               version=3),
@@ -209,8 +207,8 @@ STAGES: tuple[StageSpec, ...] = (
               one_process=True,
               # 2: the split as generate 2 draws it, no chat prompt also posted on the calibration side, the generation
               # config's end-of-turn ids end a decode, drafts after an accepted end of sequence not counted as accepted.
-              # 3: DynaSpec's and PA-FR's shortlists keep every id a decode stops at; the eager path's warm-up
-              # 4: a figure no row measured is missing, not 0.0; the bundle records the device its speed was timed on
+              # 3: DynaSpec's and PA-FR's shortlists keep every id a decode stops at; the eager path's warm-up.
+              # 4: a figure no row measured is missing, not 0.0; the bundle records where its speed was timed
               version=4),
 )
 if tuple(s.name for s in STAGES) != STAGE_NAMES:  # the leaf list the config layer validates against
