@@ -10,8 +10,20 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 ARGS ?=
+# The installer: uv (installed into .venv by pip first; it resolves the same versions as pip and installs them in
+# parallel: ~20 s here against ~4 min for pip) or pip. uv does not read pip's configuration: the find-links pip
+# is given in the environment (PIP_FIND_LINKS, where this machine's CPU torch wheel lies) are passed on, and if uv
+# fails (an index only pip.conf names) pip installs instead. INSTALLER=pip skips uv.
+INSTALLER ?= uv
 RUNTIME := $(VENV)/.installed-run
 DEV := $(VENV)/.installed-dev
+UV_LINKS := $(foreach links,$(PIP_FIND_LINKS),--find-links $(links))
+ifeq ($(INSTALLER),uv)
+install = ($(VENV)/bin/pip install -q uv && $(VENV)/bin/uv pip install -q --compile-bytecode --python $(VENV)/bin/python $(UV_LINKS) $(1)) \
+	|| $(VENV)/bin/pip install -q $(1)
+else
+install = $(VENV)/bin/pip install -q $(1)
+endif
 
 .PHONY: run test lint setup
 
@@ -29,9 +41,9 @@ setup: $(DEV)
 # `make run` installs what the pipeline needs; `make test` adds the test tools (the dev extra) on top.
 $(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q $(TORCH) -e .
+	$(call install,$(TORCH) -e .)
 	touch $@
 
 $(DEV): $(RUNTIME)
-	$(VENV)/bin/pip install -q $(TORCH) -e ".[dev]"
+	$(call install,$(TORCH) -e ".[dev]")
 	touch $@

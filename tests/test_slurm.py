@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from jobs import run
 from jobs.cli import main as cli_main
@@ -275,6 +276,34 @@ def test_second_submit_submits_nothing(submitted, slurm_cluster: SlurmCluster) -
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
+def test_a_built_stage_whose_run_this_store_lacks_is_logged_by_submit(submitted, slurm_cluster: SlurmCluster,
+                                                                     tmp_path: Path) -> None:
+    """A job whose MLflow logging failed after it published (the server down) leaves a built artifact and no run; no
+    job runs that stage again, so submit logs it, as `drafter run`'s cache hit does. The chain was logged to the
+    module's server: a store that lacks its runs stands for the failed logging. An unreachable store is said in the
+    row, and nothing is submitted for it."""
+    cfg, _, _ = submitted
+    store = f"sqlite:///{tmp_path / 'other.db'}"
+
+    def submit(uri: str) -> slurm.Submitted:
+        rows = slurm.submit(load_config(None, [f"workdir={cfg.workdir_path}", *SUBMIT, f"mlflow.tracking_uri={uri}",
+                                               "mlflow.retries=1", "mlflow.timeout_s=2"]), ["count"], [])
+        assert [(r.stage, r.job_id, r.status) for r in rows[:-1]] == [("generate", None, "cached")]  # not asked for
+        return rows[-1]
+
+    down = submit("http://127.0.0.1:9")
+    assert down.job_id is None and down.status.startswith("cached; its MLflow run is not logged (The MLflow tracking "
+                                                          "server at http://127.0.0.1:9 is unreachable")
+    logged = submit(store)
+    assert (logged.job_id, logged.status) == (None, "cached; its MLflow run logged now (its job's logging had failed)")
+    assert submit(store).status == "cached"  # logged once
+    runs = MlflowClient(tracking_uri=store).search_runs(
+        [MlflowClient(tracking_uri=store).get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
+    assert [r.data.tags["drafter.artifact_id"] for r in runs] == [plan(cfg, ["count"])["count"].id]
+
+
+@pytest.mark.slurm
 def test_a_queued_job_is_reused_and_says_when_this_submission_would_run_it_otherwise(
         tmp_path: Path, tiny_kit, slurm_cluster: SlurmCluster, mlflow_server: MlflowServer) -> None:
     """A held generate job is reused by the next submit. A submission whose run settings differ (another MLflow
@@ -290,6 +319,34 @@ def test_a_queued_job_is_reused_and_says_when_this_submission_would_run_it_other
         assert other.job_id == row.job_id and other.status.startswith("queued with its own settings (scancel it")
     finally:
         slurm_cluster.tool("scancel", row.job_id)
+
+
+@pytest.mark.slurm
+def test_a_recorded_job_id_that_now_names_another_job_is_not_taken_for_the_stages(
+        tmp_path: Path, tiny_kit, slurm_cluster: SlurmCluster, mlflow_server: MlflowServer) -> None:
+    """Slurm reuses job ids (they wrap; a controller that lost its state starts again): jobs.json's id for generate
+    names someone else's queued job. Submit does not reuse that job (it would chain the stage's dependants after a
+    job that builds nothing) but submits the stage; status, before, says the id was reused."""
+    cfg = _cfg(tmp_path, mlflow_server.uri, "slurm.extra=[--hold]")
+    step = plan(cfg, ["generate"])["generate"]
+    foreign = slurm_cluster.tool("sbatch", "--parsable", "--hold", "-J", "someone-else", "--wrap", "sleep 60",
+                                 check=True).stdout.strip().split(";")[0]
+    jobs: list[str] = [foreign]
+    try:
+        records = cfg.workdir_path / "slurm" / "jobs.json"
+        records.parent.mkdir(parents=True)
+        script = cfg.workdir_path / "slurm" / "scripts" / f"{step.id}.sbatch"
+        records.write_text(json.dumps({step.id: {"stage": "generate", "job_id": foreign, "script": str(script)}}))
+        (row,) = slurm.status(cfg, ["generate"])
+        assert row.state is None and row.why.startswith(f"Slurm reused the recorded job id {foreign}: it now names "
+                                                        "another job (someone-else, ")
+        (submitted,) = slurm.submit(cfg, ["generate"], [])
+        jobs.append(submitted.job_id)
+        assert submitted.status == "submitted" and submitted.job_id != foreign
+        (again,) = slurm.submit(cfg, ["generate"], [])  # the stage's own job, recorded now, is reused
+        assert (again.job_id, again.status) == (submitted.job_id, "queued")
+    finally:
+        slurm_cluster.tool("scancel", *jobs)
 
 
 @pytest.mark.slurm

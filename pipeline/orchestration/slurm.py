@@ -41,6 +41,7 @@ from pipeline.config.stage_names import STAGE_NAMES
 from pipeline.config.training import TrainConfig
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan, spec
+from pipeline.tracking import log_stage_run, logged_run, tracking_uri
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "stage.sbatch"
 """The one job template (``slurm/stage.sbatch`` of the repository); ``slurm.template`` names another."""
@@ -195,32 +196,52 @@ def _sbatch(script: Path, args: list[str], dependencies: list[str], env: dict[st
 
 @dataclass
 class JobState:
-    """What Slurm says about a job: its state, why, and its exit code (``None`` where Slurm has forgotten it)."""
+    """What Slurm says about a job: its state, why, its exit code, its name and the script it runs (``None`` where
+    Slurm has forgotten it, or does not say)."""
 
     state: str | None
     reason: str | None = None
     exit_code: str | None = None
+    name: str | None = None
+    command: str | None = None
 
 
 def job_state(job_id: str) -> JobState:
     """``squeue`` for live jobs, then ``sacct`` (accounting), then ``scontrol`` (jobs the controller still holds)."""
-    out = subprocess.run([_need("squeue"), "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True)
+    out = subprocess.run([_need("squeue"), "-h", "-j", job_id, "-o", "%T|%r|%j|%o"], capture_output=True, text=True)
     if out.returncode == 0 and out.stdout.strip():
-        state, reason = out.stdout.strip().splitlines()[0].split("|", 1)
-        return JobState(state, None if reason in ("None", "") else reason)
+        state, reason, name, command = (out.stdout.strip().splitlines()[0].split("|", 3) + ["", ""])[:4]
+        return JobState(state, None if reason in ("None", "") else reason, None, name or None, command or None)
     sacct = shutil.which("sacct")
     if sacct:
-        out = subprocess.run([sacct, "-n", "-X", "-P", "-j", job_id, "-o", "State,Reason,ExitCode"],
+        out = subprocess.run([sacct, "-n", "-X", "-P", "-j", job_id, "-o", "State,Reason,ExitCode,JobName"],
                              capture_output=True, text=True)
         if out.returncode == 0 and out.stdout.strip():
-            state, reason, code = (out.stdout.strip().splitlines()[0].split("|") + ["", ""])[:3]
-            return JobState(state.split()[0], reason or None, code or None)
+            state, reason, code, name = (out.stdout.strip().splitlines()[0].split("|", 3) + ["", "", ""])[:4]
+            return JobState(state.split()[0], reason or None, code or None, name or None)
     out = subprocess.run([_need("scontrol"), "show", "job", "-o", job_id], capture_output=True, text=True)
     if out.returncode == 0 and out.stdout.strip():
         fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
         reason = fields.get("Reason")
-        return JobState(fields.get("JobState"), None if reason in (None, "None") else reason, fields.get("ExitCode"))
+        return JobState(fields.get("JobState"), None if reason in (None, "None") else reason, fields.get("ExitCode"),
+                        fields.get("JobName"), fields.get("Command"))
     return JobState(None)
+
+
+def recorded_state(record: dict) -> JobState:
+    """The state of the job a ``jobs.json`` record names, if that job id still names that job. Slurm reuses job ids
+    (they wrap at ``MaxJobId``; a controller that lost its state starts again from ``FirstJobId``): a record's id may
+    now name someone else's job, whose state says nothing of the stage's, and which ``submit`` would otherwise chain
+    the stage's downstream jobs after. Such a record reads as a job Slurm no longer knows, with the reason."""
+    state = job_state(record["job_id"])
+    script, name = record.get("script"), f"drafter-{record['stage']}"
+    other = (state.command is not None and script is not None and state.command.split()[0] != script) or (
+        state.command is None and state.name is not None and state.name != name)
+    if not other:
+        return state
+    return JobState(None, f"Slurm reused the recorded job id {record['job_id']}: it now names another job "
+                          f"({state.name or '?'}, {state.command or 'script not reported'}), not this stage's "
+                          f"{name} ({script})")
 
 
 @dataclass
@@ -286,11 +307,12 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
     for name, step in the_plan.stages.items():
         pending = unregistered(cfg, step) if name in stages else []
         if not pending and (name not in needed or step.cached):
-            rows.append(Submitted(name, step.id, None, [], "cached" if step.cached else "not needed"))
+            done = _cached(cfg, step, wanted=name in stages) if step.cached and not dry_run else "cached"
+            rows.append(Submitted(name, step.id, None, [], done if step.cached else "not needed"))
             continue
         upstream = [jobs[up] for up in step.inputs if up in jobs]
         record = records.get(step.id)
-        if record is not None and job_state(record["job_id"]).state in ACTIVE:
+        if record is not None and recorded_state(record).state in ACTIVE:
             jobs[name] = record["job_id"]
             # it runs with the config it was submitted with: run settings (evaluate.register, mlflow, resources)
             # of this submission that differ are not in the id, and would be dropped without a word
@@ -319,6 +341,22 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
         rows.append(Submitted(name, step.id, job_id, upstream,
                               f"submitted to register {', '.join(pending)}" if pending else "submitted", str(script)))
     return rows
+
+
+def _cached(cfg: PipelineConfig, step: Any, *, wanted: bool) -> str:
+    """A built artifact of a stage asked for: logged here as its MLflow run if its job's logging failed after it
+    published (the server was down). ``drafter run`` logs it on its cache hit; under Slurm no job runs the stage
+    again, so without this the run would never appear."""
+    if not wanted:
+        return "cached"
+    artifact = load_artifact(step.path, verify=False)
+    if logged_run(artifact, tracking_uri(cfg.mlflow, cfg.workdir_path)) is not None:
+        return "cached"
+    try:
+        log_stage_run(artifact, cfg.mlflow, cfg.workdir_path, params=step.config, metrics=artifact.metrics)
+    except DrafterError as err:
+        return f"cached; its MLflow run is not logged ({err.problem}): submit again once the store is reachable"
+    return "cached; its MLflow run logged now (its job's logging had failed)"
 
 
 @dataclass
@@ -402,7 +440,7 @@ def status(cfg: PipelineConfig, stages: list[str]) -> list[StageStatus]:
     for name, step in the_plan.stages.items():
         record = records.get(step.id)
         pending = unregistered(cfg, step)
-        if pending and (record is None or job_state(record["job_id"]).state not in ACTIVE):
+        if pending and (record is None or recorded_state(record).state not in ACTIVE):
             rows.append(StageStatus(name, step.id, True, record and record["job_id"], None,
                                     f"built; not registered in this store: {', '.join(pending)} (drafter submit "
                                     "registers it)", pending))
@@ -411,7 +449,7 @@ def status(cfg: PipelineConfig, stages: list[str]) -> list[StageStatus]:
             rows.append(StageStatus(name, step.id, step.cached, None, None,
                                     None if step.cached else "not submitted (drafter submit)"))
             continue
-        state = job_state(record["job_id"])
+        state = recorded_state(record)
         why = state.reason
         if state.state in ENDED_BADLY or (state.state or "").startswith("NODE_FAIL"):
             log = _logs(cfg) / f"{name}-{record['job_id']}.out"
@@ -421,6 +459,7 @@ def status(cfg: PipelineConfig, stages: list[str]) -> list[StageStatus]:
                       if job_state(j).state not in (None, "COMPLETED")]
             why = f"cancelled: upstream {', '.join(failed) or 'job'} did not succeed"
         elif state.state is None:
-            why = "Slurm no longer knows this job; see its log in " + str(_logs(cfg))
+            why = (f"{state.reason}; " if state.reason else "Slurm no longer knows this job; ") + (
+                f"see its log in {_logs(cfg)}; `drafter submit` submits the stage again")
         rows.append(StageStatus(name, step.id, step.cached, record["job_id"], state.state, why))
     return rows
