@@ -307,8 +307,11 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
     for name, step in the_plan.stages.items():
         pending = unregistered(cfg, step) if name in stages else []
         if not pending and (name not in needed or step.cached):
-            done = _cached(cfg, step, wanted=name in stages) if step.cached and not dry_run else "cached"
-            rows.append(Submitted(name, step.id, None, [], done if step.cached else "not needed"))
+            if not step.cached:
+                done = "not needed"
+            else:
+                done = "cached" if dry_run or name not in stages else _log_if_unlogged(cfg, step)
+            rows.append(Submitted(name, step.id, None, [], done))
             continue
         upstream = [jobs[up] for up in step.inputs if up in jobs]
         record = records.get(step.id)
@@ -343,12 +346,10 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
     return rows
 
 
-def _cached(cfg: PipelineConfig, step: Any, *, wanted: bool) -> str:
+def _log_if_unlogged(cfg: PipelineConfig, step: Any) -> str:
     """A built artifact of a stage asked for: logged here as its MLflow run if its job's logging failed after it
-    published (the server was down). ``drafter run`` logs it on its cache hit; under Slurm no job runs the stage
-    again, so without this the run would never appear."""
-    if not wanted:
-        return "cached"
+    published (the server was down); its submit row. ``drafter run`` logs it on its cache hit; under Slurm no job
+    runs the stage again, so without this the run would never appear."""
     artifact = load_artifact(step.path, verify=False)
     if logged_run(artifact, tracking_uri(cfg.mlflow, cfg.workdir_path)) is not None:
         return "cached"
@@ -439,8 +440,9 @@ def status(cfg: PipelineConfig, stages: list[str]) -> list[StageStatus]:
     rows = []
     for name, step in the_plan.stages.items():
         record = records.get(step.id)
+        state = recorded_state(record) if record is not None else None
         pending = unregistered(cfg, step)
-        if pending and (record is None or recorded_state(record).state not in ACTIVE):
+        if pending and (state is None or state.state not in ACTIVE):
             rows.append(StageStatus(name, step.id, True, record and record["job_id"], None,
                                     f"built; not registered in this store: {', '.join(pending)} (drafter submit "
                                     "registers it)", pending))
@@ -449,7 +451,6 @@ def status(cfg: PipelineConfig, stages: list[str]) -> list[StageStatus]:
             rows.append(StageStatus(name, step.id, step.cached, None, None,
                                     None if step.cached else "not submitted (drafter submit)"))
             continue
-        state = recorded_state(record)
         why = state.reason
         if state.state in ENDED_BADLY or (state.state or "").startswith("NODE_FAIL"):
             log = _logs(cfg) / f"{name}-{record['job_id']}.out"

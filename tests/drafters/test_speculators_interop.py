@@ -6,8 +6,9 @@ The venv (``torch==2.13.0 speculators==0.9.0``, then torchvision/torchaudio remo
 pulls in do not match that torch and break ``import transformers``) is built once under
 ``$DRAFTER_TOOLS/speculators-0.9.0/`` (default ``~/.cache/drafter-pipeline-tools``, never inside the artifact
 cache: see tests/tool_envs.py); a stamp written after the last step marks it complete, so an
-interrupted build is redone (measured here, 2 busy cores, pip cache warm: 116-174 s with pip; uv, which
-``make setup`` installs, is used where present; both tests then ~50 s). If it cannot be built the tests fail, saying why: they are never skipped.
+interrupted build is redone. It is built with the uv ``make setup`` installs where present (measured here,
+2 busy cores: 68 s), else pip (pip cache warm: 116-174 s); both tests then ~50 s. If it cannot be built the
+tests fail, saying why: they are never skipped.
 
 Each test writes a small random-weight drafter and its target (``save_pretrained``: speculators reads the
 verifier's config, lm_head and final norm from ``speculators_config.verifier.name_or_path``), feeds fixed token ids and 3H
