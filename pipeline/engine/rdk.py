@@ -42,6 +42,10 @@ class Redistribution(Protocol):
 
     def redistribute(self, q_kept: Tensor) -> Tensor: ...
 
+    def step_bytes(self) -> int:
+        """Bytes one row's :meth:`redistribute` reads and writes (what MBSU's cost charges per draft step)."""
+        ...
+
     def to(self, device: torch.device | str) -> Redistribution: ...
 
 

@@ -50,6 +50,15 @@ def shortlist_param_ratio(drafter: torch.nn.Module, target: torch.nn.Module, k: 
     return drafter_params / sum(p.numel() for p in target.parameters())
 
 
+def redistribution_cost(proposer: Any, target: torch.nn.Module) -> float:
+    """What a proposer's redistribution (RDK's ``transform``) adds to ``c`` per draft step: the bytes one row's
+    redistribution reads and writes over the bytes of the target's weights (0 for a proposer without one)."""
+    transform = getattr(proposer, "transform", None)
+    if transform is None:
+        return 0.0
+    return transform.step_bytes() / sum(p.numel() * p.element_size() for p in target.parameters())
+
+
 @dataclass(frozen=True)
 class Configuration:
     """One configuration of the matrix, decoded at every γ.
@@ -60,7 +69,9 @@ class Configuration:
         shortlist: The shortlist or kept set it drafts over, where the method has several.
         size: That shortlist's size.
         proposer: The proposer.
-        cost: ``c``, the drafter/target parameter ratio (its head cut to the shortlist where it has one).
+        cost: ``c``, the drafter/target parameter ratio (its head cut to the shortlist where it has one), plus
+            what a redistribution reads and writes per step over the target's weight bytes
+            (:func:`redistribution_cost`).
     """
 
     method: str
@@ -189,8 +200,10 @@ class Configurations:
         for level in self.ev.rdk_levels or prior.names(PRUNED):
             size = int(prior.level(level).kept.numel())
             inputs = RDKInputs(drafter, prior, level, target_vocab_size=self.vocab, name=f"{spec.name}:{level}")
-            yield Configuration(spec.name, self.ev.drafter, level, size, build_proposer(spec.name, inputs),
-                                shortlist_param_ratio(drafter, self.target, size))
+            proposer = build_proposer(spec.name, inputs)
+            yield Configuration(spec.name, self.ev.drafter, level, size, proposer,
+                                shortlist_param_ratio(drafter, self.target, size)
+                                + redistribution_cost(proposer, self.target))
 
     def _features(self, spec: MethodSpec) -> Iterator[Configuration]:
         from pipeline.drafters.store import load_drafter  # deferred: pulls in torch
@@ -252,8 +265,9 @@ class Configurations:
         model, tokenizer = self._drafter(spec.model)
         inputs = CrossRDKInputs(model, tokenizer, self.tokenizer, self._map(), self._prior(),
                                 target_vocab_size=self.vocab)
-        yield Configuration(spec.name, self.ev.drafter_other, None, None, build_proposer(spec.name, inputs),
-                            parameter_ratio(model, self.target))
+        proposer = build_proposer(spec.name, inputs)
+        yield Configuration(spec.name, self.ev.drafter_other, None, None, proposer,
+                            parameter_ratio(model, self.target) + redistribution_cost(proposer, self.target))
 
     def _bytes(self, spec: MethodSpec) -> Iterator[Configuration]:
         model, tokenizer = self._drafter(spec.model)

@@ -66,6 +66,17 @@ def check_kept(kept: Tensor, vocab_size: int, required: Sequence[int] = (), what
     return kept
 
 
+def held_bytes(*tensors: Tensor | None) -> int:
+    """Bytes the tensors hold (a sparse CSR one: its row offsets, column indices and values); None counts 0."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        parts = (t.crow_indices(), t.col_indices(), t.values()) if t.layout == torch.sparse_csr else (t,)
+        total += sum(part.numel() * part.element_size() for part in parts)
+    return total
+
+
 class SeparableKernel:
     """``a ↦ y``, ``y[..., j] = Σ_i a[..., i] · exp(−u_i v_j)`` for fixed non-negative ``u`` and ``v``: exact in
     O(K(|u| + |v|)) per call after an O(K(|u| + |v|) + |H|(|u| + |v|)) precomputation.
@@ -98,6 +109,14 @@ class SeparableKernel:
         for name in ("lu", "lv", "hu", "hv", "powers_u", "powers_v", "heavy_cols", "heavy_rows"):
             setattr(self, name, getattr(self, name).to(device))
         return self
+
+    def step_bytes(self) -> int:
+        """Bytes one call on one row reads from its precomputed tensors and writes (the ``(m,)`` float64 result)."""
+        out = self.width * 8
+        if self.all_light:
+            return held_bytes(self.powers_u, self.powers_v) + out
+        return held_bytes(self.lu, self.lv, self.hu, self.hv, self.powers_u, self.powers_v, self.heavy_cols,
+                          self.heavy_rows) + out
 
     def __call__(self, a: Tensor) -> Tensor:
         """``(..., n)`` weights → ``(..., m)`` float64, without a host sync (fixed index vectors, no masks)."""
@@ -182,6 +201,11 @@ class Affinity:
     @property
     def device(self) -> torch.device:
         return self._device
+
+    def step_bytes(self) -> int:
+        """Bytes :meth:`redistribute` reads and writes for one row: the kernel's tensors, ``c``, the sparse
+        correction ``Rᵀ`` and the ``(|T|,)`` float64 result (written by the kernel, then by the correction's sum)."""
+        return self.kernel.step_bytes() + held_bytes(self.row_scale, self.correction_t) + self.vocab_size * 8
 
     def redistribute(self, q_kept: Tensor) -> Tensor:
         """``Mᵀq'``: ``(..., |I|)`` distributions over the kept tokens → ``(..., |T|)`` over the target's."""
@@ -275,6 +299,11 @@ class TaylorForm:
         self.prior, self.kept = self.prior.to(device), self.kept.to(device)
         return self
 
+    def step_bytes(self) -> int:
+        """Bytes :meth:`redistribute` reads and writes for one row: the prior and ``I``, ``q'`` scattered onto
+        ``(|T|,)`` float64, and the result."""
+        return held_bytes(self.prior, self.kept) + 2 * self.prior.numel() * 8
+
     def redistribute(self, q_kept: Tensor) -> Tensor:
         """``(..., |I|)`` → ``(..., |T|)``: Eq. 3 with ``p := μ``."""
         return taylor_redistribute(scatter_kept(q_kept, self.kept, self.prior.numel()), self.prior)
@@ -331,6 +360,11 @@ class PriorMix:
             return q_kept.new_full(q_kept.shape[:-1] + (1,), self.weight, dtype=torch.float64)
         conf = q_kept.to(torch.float64).amax(-1).contiguous()
         return self.weights[torch.bucketize(conf, self.edges)].unsqueeze(-1)
+
+    def step_bytes(self) -> int:
+        """Bytes :meth:`redistribute` reads and writes for one row: ``π_OOV``, ``I`` and the bins, ``q'`` scattered
+        onto ``(|T|,)`` float64, and the result."""
+        return held_bytes(self.oov, self.kept, self.edges, self.weights) + 2 * self.oov.numel() * 8
 
     def redistribute(self, q_kept: Tensor) -> Tensor:
         """``(..., |I|)`` → ``(..., |T|)``: the mixture."""

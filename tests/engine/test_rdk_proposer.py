@@ -192,6 +192,31 @@ def test_redistributions_are_distributions_over_the_target(kit) -> None:
     torch.testing.assert_close(mix.weight, 1 - float(moments.mu[kept].sum()))
 
 
+def test_mbsu_charges_the_bytes_a_redistribution_reads_and_writes_per_step(kit) -> None:
+    """An RDK configuration's c adds its redistribution's bytes per draft step over the target's weight bytes. The
+    exact affinity, at a τ where some tokens are heavy, reads its kernel's index vectors, power series and dense heavy
+    blocks, c_i and the sparse correction (offsets, indices, values), and writes two |T|-wide float64 rows; the prior
+    forms read their vectors and write two such rows. A proposer without a redistribution adds nothing."""
+    from pipeline.evaluation.configurations import redistribution_cost
+
+    prior, moments, target = kit["prior"], kit["moments"], kit["target"]
+    kept, width = prior.level("keep_0.025").kept, moments.vocab_size
+    affinity = Affinity(moments, kept, 1e-6)
+    kernel, csr = affinity.kernel, affinity.correction_t
+    assert kernel.heavy_rows.numel() and kernel.heavy_cols.numel() and csr.values().numel()
+    read = (kernel.lu, kernel.lv, kernel.hu, kernel.hv, kernel.powers_u, kernel.powers_v, kernel.heavy_cols,
+            kernel.heavy_rows, affinity.row_scale, csr.crow_indices(), csr.col_indices(), csr.values())
+    assert affinity.step_bytes() == sum(t.numel() * t.element_size() for t in read) + 2 * width * 8
+    assert TaylorForm(moments.mu, kept).step_bytes() == (width + kept.numel()) * 8 + 2 * width * 8
+    binned = PriorMix(moments.mu, kept, edges=[0.3, 0.6], weights=[0.1, 0.2, 0.3])
+    assert binned.step_bytes() == (width + kept.numel() + 2 + 3) * 8 + 2 * width * 8
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    for method in SAME[1:] + OTHER:
+        proposer = build_proposer(method, _inputs(kit, method))
+        assert redistribution_cost(proposer, target) == proposer.transform.step_bytes() / weight_bytes > 0, method
+    assert redistribution_cost(build_proposer(SAME[0], _inputs(kit, SAME[0])), target) == 0.0
+
+
 def test_analysis_reports_every_method_and_a_tau_curve(kit) -> None:
     """The held-out analysis: one curve entry per τ, τ chosen from the grid, α in [0, 1] for every method,
     and the oracle (true p in Eq. 3) never below the prior form by more than rounding."""
