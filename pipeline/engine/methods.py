@@ -1,16 +1,15 @@
 """The method registry: one :class:`MethodSpec` per draft method, and the only module that names one.
 
-A spec pairs what a method *is* (family, the typed inputs of :mod:`pipeline.engine.inputs` it is built
-from — which say the drafter model it loads and the upstream stages it reads —, its report sections and
-place, the bundle it is gated in) with how it is *built* (its proposer factory). Everything that used to
-keep a list of method names reads it instead: the DAG (which upstream stages and models ``evaluate``
-needs), the config (which names ``evaluate.methods`` accepts), the evaluator (how each configuration is
-prepared), the report (row order, sections), the gates and their bundles (:data:`GATE_SETS`), the CLI
-summary and the plan-time checks. Adding a method is its proposer module plus one entry in
-:data:`METHODS` (see the README's "Adding a method").
+A spec pairs what a method *is* (family, the typed inputs of :mod:`pipeline.engine.inputs` it is built from — which
+say the drafter model it loads and the upstream stages it reads —, its report sections and place, the bundle it is
+gated in) with how it is *built* (its proposer factory). Everything that used to keep a list of method names reads it
+instead: the DAG (which upstream stages and models ``evaluate`` needs), the config (which names ``evaluate.methods``
+accepts), the evaluator (how each configuration is prepared), the report (row order, sections), the gates and their
+bundles (:data:`GATE_SETS`), the CLI summary and the plan-time checks. Adding a method is its proposer module plus
+one entry in :data:`METHODS` (see the README's "Adding a method").
 
-Importing this module is light (no torch): the config layer reads :data:`METHOD_NAMES` from it, and
-each factory imports the engine only when it builds.
+Importing this module is light (no torch): the config layer reads :data:`METHOD_NAMES` from it, and each factory
+imports the engine only when it builds.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ FAMILIES: tuple[str, ...] = (
     "byte-level",
     "block features (DFlash)",
 )
-"""Method families, in report order: what a method drafts with and how its head is cut. Plots colour by
-family and tell a family's methods (its variants) apart by marker."""
+"""Method families, in report order: what a method drafts with and how its head is cut (plots colour by family)."""
 
 SECTIONS: dict[str, str] = {
     "features": "EAGLE-3: train_drafter's simulated τ beside the measured τ",
@@ -108,8 +106,7 @@ class GateSet:
 GATE_SETS: dict[str, GateSet] = {
     gate.name: gate
     for gate in (
-        GateSet("draft-vocab", "gates", "chosen", "gates_passed", "registration.json", ("count",),
-                "named_shortlist"),
+        GateSet("draft-vocab", "gates", "chosen", "gates_passed", "registration.json", ("count",), "named_shortlist"),
         GateSet("eagle3", "eagle3_gates", "eagle3", "eagle3_gates_passed", "registration-eagle3.json",
                 ("train_drafter", "count"), "per_gamma"),
         GateSet("dynaspec", "dynaspec_gates", "dynaspec", "dynaspec_gates_passed", "registration-dynaspec.json",
@@ -120,8 +117,7 @@ GATE_SETS: dict[str, GateSet] = {
                 ("train_dflash",), "per_gamma"),
     )
 }
-"""Every bundle, in the order they are registered and summarised. The draft-vocabulary bundle (the count
-artifact's shortlists) is always decided; the others when evaluate read their artifacts."""
+"""Every bundle, in registration and summary order: draft-vocab (count's shortlists) always, others if read."""
 DRAFT_VOCAB = GATE_SETS["draft-vocab"]
 
 
