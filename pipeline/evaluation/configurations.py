@@ -38,6 +38,7 @@ from pipeline.engine.metrics import parameter_ratio
 from pipeline.engine.proposers import ShortlistProposer
 from pipeline.errors import DrafterError
 from pipeline.models.loading import fingerprint, load_model, load_tokenizer
+from pipeline.rdk.affinity import held_bytes
 from pipeline.rdk.prior import PRUNED
 from pipeline.vocab.counting import load_shortlists
 from pipeline.vocab.tokens import stop_ids, vocab_hash
@@ -56,7 +57,7 @@ def redistribution_cost(proposer: Any, target: torch.nn.Module) -> float:
     transform = getattr(proposer, "transform", None)
     if transform is None:
         return 0.0
-    return transform.step_bytes() / sum(p.numel() * p.element_size() for p in target.parameters())
+    return transform.step_bytes() / held_bytes(*target.parameters())
 
 
 @dataclass(frozen=True)
