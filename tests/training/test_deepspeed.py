@@ -1,7 +1,7 @@
 """DeepSpeed in the training harness: the config it generates, that config through ``deepspeed.initialize`` on CPU
 (the same losses as the harness's own path, and a bit-identical resume of the ZeRO optimizer state), Lightning's
 DeepSpeed backward dividing the loss by the accumulation count once, and Lightning's DeepSpeed strategy end to end
-on a GPU. The runs execute :mod:`tests.training.test_harness` as a script (its ``_deepspeed`` and ``_train``)."""
+on a GPU. The runs execute :mod:`tests.training.harness_script` (its ``_deepspeed`` and ``_train``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pipeline.config.training import TrainConfig
 from pipeline.training import checkpoints as ckpt
 from pipeline.training.harness import fit
 from pipeline.training.strategy import deepspeed_config
-from tests.training.test_harness import BASE, TinyRegressor, config, dataset, run_script, weights
+from tests.training.harness_script import BASE, TinyRegressor, config, dataset, run_script, weights
 
 
 def test_deepspeed_config_is_pure_function_of_typed_fields() -> None:
@@ -32,10 +32,12 @@ def test_deepspeed_config_is_pure_function_of_typed_fields() -> None:
 
 @pytest.fixture(scope="module")
 def zero2(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One run of the ZeRO-2 script (fp32), which then also reports how a bf16 engine leaves a module's dtypes."""
+    """One process of the ZeRO-2 script (fp32): a run with each backward (DeepSpeed's own, through the harness's
+    Lightning plugin, through Lightning's stock plugin), then how a bf16 engine leaves a module's dtypes."""
     tmp = tmp_path_factory.mktemp("zero2")
     return run_script({"mode": "deepspeed", "cfg": {**BASE, "bf16": False}, "staging": str(tmp / "ds"),
-                       "out": str(tmp / "ds-out"), "bf16_dtypes": {**BASE, "bf16": True}}, timeout=600)
+                       "out": str(tmp / "ds-out"), "backwards": ["engine", "lightning", "lightning_stock"],
+                       "bf16_dtypes": {**BASE, "bf16": True}}, timeout=600)
 
 
 @pytest.mark.slow
@@ -68,14 +70,14 @@ def test_deepspeed_zero2_on_cpu_matches_harness_and_resumes(tmp_path: Path, zero
     state also goes through the harness's checkpoint files and back: resuming gives bit-identical weights."""
     model = TinyRegressor()
     fit(model, dataset(), config(bf16=False), tmp_path / "harness")
-    ds = zero2
-    assert ds["deepspeed_config"] == deepspeed_config(config(bf16=False))
+    assert zero2["deepspeed_config"] == deepspeed_config(config(bf16=False))
+    ds = zero2["runs"]["engine"]
     assert ds["losses"] == pytest.approx(model.losses, rel=1e-4)
     assert ds["resumed_bit_identical"] is True
 
 
 @pytest.mark.slow
-def test_lightnings_deepspeed_backward_divides_the_loss_by_the_accumulation_once(tmp_path: Path) -> None:
+def test_lightnings_deepspeed_backward_divides_the_loss_by_the_accumulation_once(tmp_path: Path, zero2: dict) -> None:
     """Lightning divides each micro-batch's loss by the accumulation count and its DeepSpeed plugin's backward let
     DeepSpeed divide it again, so ZeRO clipped (0.5) a gradient half the mean's here (accumulation 2) and the
     weights depended on how many micro-batches a step took. Through the harness's plugin, the same engine and
@@ -83,9 +85,7 @@ def test_lightnings_deepspeed_backward_divides_the_loss_by_the_accumulation_once
     they do not (the losses move by more than 1e-3)."""
     model = TinyRegressor()
     fit(model, dataset(), config(bf16=False), tmp_path / "harness")
-    runs = {how: run_script({"mode": "deepspeed", "cfg": {**BASE, "bf16": False}, "backward": how,
-                             "staging": str(tmp_path / how), "out": str(tmp_path / f"{how}-out")}, timeout=600)
-            for how in ("lightning", "lightning_stock")}
+    runs = zero2["runs"]
     assert runs["lightning"]["losses"] == pytest.approx(model.losses, rel=1e-4)
     assert max(abs(a - b) / abs(b) for a, b in zip(runs["lightning_stock"]["losses"], model.losses)) > 1e-3
 
