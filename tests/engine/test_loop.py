@@ -263,7 +263,7 @@ def _first_token_counts(kind: str, params: SamplingParams, samples: int, fixture
 @pytest.mark.parametrize(
     ("kind", "params", "samples"),
     [
-        ("shortlist", SamplingParams(temperature=1.0), 3000),
+        ("shortlist", SamplingParams(temperature=1.0), 2000),
         ("untranslatable", SamplingParams(temperature=1.0, top_k=8), 1000),
         ("exact", SamplingParams(temperature=0.8, top_p=0.9), 1000),
     ],
@@ -273,7 +273,7 @@ def test_first_token_law_matches_target(
 ) -> None:
     """Repeated one-round speculation (gamma = 2) at a fixed context through the real loop: each
     token's count of first emissions is within 6 sigma (Bernstein, ``conftest.assert_counts_match``) of
-    samples * p, and tokens the target's top-k / top-p removed never appear. Sample sizes (1,000-3,000)
+    samples * p, and tokens the target's top-k / top-p removed never appear. Sample sizes (1,000-2,000)
     are in the parametrisation. Each sample is a whole loop call (~20 ms here); the verifier's own law is tested
     at n = 200,000 in test_verify.py and in the proposer tests."""
     prompt = prompts[2]
