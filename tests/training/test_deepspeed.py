@@ -40,6 +40,14 @@ def zero2(tmp_path_factory: pytest.TempPathFactory) -> dict:
                        "bf16_dtypes": {**BASE, "bf16": True}}, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def harness_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """Every micro-batch loss of the harness's own single-process run of the fp32 config the ZeRO-2 runs use."""
+    model = TinyRegressor()
+    fit(model, dataset(), config(bf16=False), tmp_path_factory.mktemp("harness"))
+    return model.losses
+
+
 @pytest.mark.slow
 def test_a_finished_runs_rerun_holds_the_module_in_the_dtype_deepspeeds_engine_leaves_it(zero2: dict) -> None:
     """DeepSpeed with bf16 casts the whole module to bfloat16, so an uninterrupted run publishes bfloat16 weights and
@@ -60,7 +68,7 @@ def test_a_finished_runs_rerun_holds_the_module_in_the_dtype_deepspeeds_engine_l
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_on_cpu_matches_harness_and_resumes(tmp_path: Path, zero2: dict) -> None:
+def test_deepspeed_zero2_on_cpu_matches_harness_and_resumes(harness_losses: list[float], zero2: dict) -> None:
     """The harness's exact ZeRO-2 config (fp32 on CPU) through ``deepspeed.initialize``, fed the same
     batches, seeds, AdamW and schedule as the harness's single-process path. Tolerance: 1e-4 relative on
     every micro-batch loss over 16 steps. Both paths compute the same fp32 update; they differ only in
@@ -68,26 +76,23 @@ def test_deepspeed_zero2_on_cpu_matches_harness_and_resumes(tmp_path: Path, zero
     ``grad * max_norm / (norm + 1e-6)`` per tensor); a wrong lr, beta, clip or
     accumulation scale moves the losses by more than 1e-3 within two steps at lr 1e-2. The ZeRO optimizer
     state also goes through the harness's checkpoint files and back: resuming gives bit-identical weights."""
-    model = TinyRegressor()
-    fit(model, dataset(), config(bf16=False), tmp_path / "harness")
     assert zero2["deepspeed_config"] == deepspeed_config(config(bf16=False))
     ds = zero2["runs"]["engine"]
-    assert ds["losses"] == pytest.approx(model.losses, rel=1e-4)
+    assert ds["losses"] == pytest.approx(harness_losses, rel=1e-4)
     assert ds["resumed_bit_identical"] is True
 
 
 @pytest.mark.slow
-def test_lightnings_deepspeed_backward_divides_the_loss_by_the_accumulation_once(tmp_path: Path, zero2: dict) -> None:
+def test_lightnings_deepspeed_backward_divides_the_loss_by_the_accumulation_once(harness_losses: list[float],
+                                                                                 zero2: dict) -> None:
     """Lightning divides each micro-batch's loss by the accumulation count and its DeepSpeed plugin's backward let
     DeepSpeed divide it again, so ZeRO clipped (0.5) a gradient half the mean's here (accumulation 2) and the
     weights depended on how many micro-batches a step took. Through the harness's plugin, the same engine and
     batches give the single-process harness's losses (1e-4 relative, as above); through Lightning's stock plugin
     they do not (the losses move by more than 1e-3)."""
-    model = TinyRegressor()
-    fit(model, dataset(), config(bf16=False), tmp_path / "harness")
     runs = zero2["runs"]
-    assert runs["lightning"]["losses"] == pytest.approx(model.losses, rel=1e-4)
-    assert max(abs(a - b) / abs(b) for a, b in zip(runs["lightning_stock"]["losses"], model.losses)) > 1e-3
+    assert runs["lightning"]["losses"] == pytest.approx(harness_losses, rel=1e-4)
+    assert max(abs(a - b) / abs(b) for a, b in zip(runs["lightning_stock"]["losses"], harness_losses)) > 1e-3
 
 
 @pytest.mark.gpu
