@@ -304,10 +304,18 @@ def input_contents(inputs: list[Artifact]) -> dict[str, str]:
 
 
 def stale_inputs(manifest: dict, now: dict[str, str]) -> list[str]:
-    """The inputs whose content differs from what ``manifest``'s artifact was built from (none where it does not
-    record it: published before 2026-11-28; an input ``now`` does not hold is not compared)."""
+    """The inputs whose content differs from what ``manifest``'s artifact was built from (an input ``now`` does not
+    hold is not compared). An artifact published before 2026-11-28 records none of its inputs' contents, so none of
+    them can be checked: every input of it that ``now`` holds is listed (:func:`unrecorded_inputs`)."""
+    if unrecorded_inputs(manifest):
+        return sorted(k for k in manifest["inputs"] if k in now)
     built_from = manifest.get("input_contents") or {}
     return sorted(k for k, digest in built_from.items() if k in now and now[k] != digest)
+
+
+def unrecorded_inputs(manifest: dict) -> bool:
+    """Whether ``manifest``'s artifact has inputs but records none of their contents (published before 2026-11-28)."""
+    return bool(manifest.get("inputs")) and "input_contents" not in manifest
 
 
 class ArtifactWriter:
@@ -396,9 +404,12 @@ class ArtifactStore:
             return self._aside(artifact_id_, DAMAGED, move_aside, log,
                                f"{artifact_id_} in the store is damaged and will be rebuilt: {err.problem}")
         if found is not None and inputs is not None and (changed := stale_inputs(found.manifest, inputs)):
+            why = (f"records no contents of its inputs {', '.join(changed)} (published before 2026-11-28), so whether "
+                   "they were rebuilt under the same ids since cannot be checked; it"
+                   if unrecorded_inputs(found.manifest) else
+                   f"was built from other contents of {', '.join(changed)} (rebuilt under the same id since) and")
             return self._aside(artifact_id_, STALE, move_aside, log,
-                               f"{artifact_id_} was built from other contents of {', '.join(changed)} (rebuilt "
-                               "under the same id since) and will be rebuilt from them as they are now.")
+                               f"{artifact_id_} {why} will be rebuilt from them as they are now.")
         return found
 
     def _aside(self, artifact_id_: str, where: str, move_aside: bool, log: Callable[[str], None],

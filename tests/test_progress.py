@@ -73,5 +73,6 @@ def test_a_terminal_gets_a_bar_and_no_log_lines(clock: Clock) -> None:
     assert "generate" in out and "10/10" in out and "tokens_per_s=123" in out
 
 
-def test_duration() -> None:
-    assert [duration(s) for s in (0, 59.4, 95, 4000)] == ["0s", "59s", "1m35s", "1h06m"]
+def test_duration_formats_seconds_minutes_and_hours() -> None:
+    written = [duration(s) for s in (0, 59.4, 95, 4000)]
+    assert written == ["0s", "59s", "1m35s", "1h06m"]

@@ -155,6 +155,49 @@ def test_an_artifact_built_from_an_input_since_rebuilt_with_other_bytes_is_rebui
     assert step_and_run(rebuilt)[0].cached
 
 
+def test_an_artifact_that_records_no_contents_of_its_inputs_is_rebuilt(tmp_path: Path, capsys) -> None:
+    """An artifact published before its inputs' contents were recorded (before 2026-11-28) cannot say whether an
+    input was rebuilt under its id with other bytes since: it stayed a cache hit whatever its inputs held. The plan
+    no longer calls it cached, and the run moves it to .stale/ with a line saying why and rebuilds it; the rebuilt
+    one records its inputs and is a hit. An artifact without inputs has nothing to compare and stays a hit."""
+    from pipeline.artifacts import ArtifactStore, stale_inputs
+    from pipeline.config.sections import load_config
+    from pipeline.orchestration.dag import StagePlan, spec, stage_identity
+    from pipeline.orchestration.stage import run_stage
+
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}"])
+    calibration = _input(tmp_path / "a", b"rows")
+    assert stale_inputs(calibration.manifest, {}) == []  # no inputs: nothing unrecorded
+    row = spec("count")
+    config = stage_identity(cfg, row)
+    aid = artifact_id("count", config, [calibration.id], FP)
+    store = cfg.workdir_path / "artifacts"
+    old = ArtifactStore(store).writer(aid, kind=row.kind, stage="count", config=config, inputs=[calibration.id],
+                                      fingerprint=FP)  # as the code before 2026-11-28 wrote it
+    (old.tmp / "counts.json").write_text('"old"')
+    old = old.commit({})
+    assert "input_contents" not in old.manifest
+    built: list[bytes] = []
+
+    def build(run):  # noqa: ANN001, ANN202
+        built.append(rows := calibration.file("rows.txt").read_bytes())
+        return BuildResult(lambda out: (out / "counts.json").write_text(f'"{rows.decode()}"'), {})
+
+    def step() -> StagePlan:
+        return StagePlan(row, aid, config, FP, inputs={"generate": (calibration.id, calibration.path)},
+                         explicit=frozenset(), path=store / aid)
+
+    assert not step().cached
+    fresh = run_stage(cfg, step(), [calibration], build=build)
+    assert fresh.id == aid and built == [b"rows"] and fresh.file("counts.json").read_text() == '"rows"'
+    assert fresh.manifest["input_contents"] == {calibration.id: fresh.manifest["input_contents"][calibration.id]}
+    err = capsys.readouterr().err
+    assert (f"{aid} records no contents of its inputs {calibration.id} (published before 2026-11-28), so whether "
+            "they were rebuilt under the same ids since cannot be checked; it will be rebuilt") in err
+    assert len(list((store / ".stale").iterdir())) == 1
+    assert step().cached and run_stage(cfg, step(), [calibration], build=build).id == aid and built == [b"rows"]
+
+
 def test_a_one_process_stage_launched_as_several_ranks_runs_on_the_first_alone(tmp_path: Path, capsys) -> None:
     """count, cluster and evaluate run as one process. Launched as several ranks (srun of a job with more tasks),
     every rank built the stage, and evaluate's ranks each decoded on the same GPU and registered the bundle. A rank
