@@ -2,8 +2,9 @@
 
 Each training row (the target's own answer, from ``generate``) is read once by the frozen target, **online**:
 its tapped layers become the context features of every position, its logits the teacher. Then ``A`` anchor
-positions ``a`` are drawn among those whose next token is an assistant token (the global torch seed the harness
-sets per micro-batch makes the draw a function of seed and step, so a resumed run draws the same anchors). Each
+positions ``a`` are drawn among those whose next token is an assistant token (each row's draw is seeded by the
+harness's seed of the optimizer step and the row's own index, :func:`row_generators`: a resumed run draws the same
+anchors, and neither the micro-batch size nor the device count changes them). Each
 anchor opens a block ``[x_a, MASK × (B − 1)]`` at positions ``a .. a + B − 1`` that sees the context features of
 positions ``< a`` (exactly what the proposer's block sees after ``x_a`` was verified) and, bidirectionally, its
 own rows; all of a row's blocks run side by side in one forward with that attention mask (SpecForge trains the
