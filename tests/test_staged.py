@@ -160,14 +160,15 @@ def test_an_artifact_that_records_no_contents_of_its_inputs_is_rebuilt(tmp_path:
     input was rebuilt under its id with other bytes since: it stayed a cache hit whatever its inputs held. The plan
     no longer calls it cached, and the run moves it to .stale/ with a line saying why and rebuilds it; the rebuilt
     one records its inputs and is a hit. An artifact without inputs has nothing to compare and stays a hit."""
-    from pipeline.artifacts import ArtifactStore, stale_inputs
+    from pipeline.artifacts import ArtifactStore, input_contents, stale_inputs, unrecorded_inputs
     from pipeline.config.sections import load_config
     from pipeline.orchestration.dag import StagePlan, spec, stage_identity
     from pipeline.orchestration.stage import run_stage
 
     cfg = load_config(None, [f"workdir={tmp_path / 'work'}", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}"])
     calibration = _input(tmp_path / "a", b"rows")
-    assert stale_inputs(calibration.manifest, {}) == []  # no inputs: nothing unrecorded
+    # no inputs: nothing to record, nothing unrecorded
+    assert "input_contents" not in calibration.manifest and not unrecorded_inputs(calibration.manifest)
     row = spec("count")
     config = stage_identity(cfg, row)
     aid = artifact_id("count", config, [calibration.id], FP)
@@ -176,7 +177,8 @@ def test_an_artifact_that_records_no_contents_of_its_inputs_is_rebuilt(tmp_path:
                                       fingerprint=FP)  # as the code before 2026-11-28 wrote it
     (old.tmp / "counts.json").write_text('"old"')
     old = old.commit({})
-    assert "input_contents" not in old.manifest
+    assert unrecorded_inputs(old.manifest) and stale_inputs(old.manifest, input_contents([calibration])) == [
+        calibration.id]
     built: list[bytes] = []
 
     def build(run):  # noqa: ANN001, ANN202
@@ -190,7 +192,7 @@ def test_an_artifact_that_records_no_contents_of_its_inputs_is_rebuilt(tmp_path:
     assert not step().cached
     fresh = run_stage(cfg, step(), [calibration], build=build)
     assert fresh.id == aid and built == [b"rows"] and fresh.file("counts.json").read_text() == '"rows"'
-    assert fresh.manifest["input_contents"] == {calibration.id: fresh.manifest["input_contents"][calibration.id]}
+    assert fresh.manifest["input_contents"] == input_contents([calibration])
     err = capsys.readouterr().err
     assert (f"{aid} records no contents of its inputs {calibration.id} (published before 2026-11-28), so whether "
             "they were rebuilt under the same ids since cannot be checked; it will be rebuilt") in err
