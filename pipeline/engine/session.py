@@ -27,14 +27,33 @@ from pipeline.errors import DrafterError
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
+    """Length of the longest common prefix of two token sequences.
+
+    Called every round on the whole context, so the comparison runs in C, not a Python loop over every position:
+    either one extends the other, or (a session that holds rejected drafts, or positions fed from the device and
+    listed as ``-1``) they part a few positions before their ends. Prefixes ending 8, 64, 512, … positions before
+    the end are compared until one agrees, then only the positions after it are scanned.
+    """
     n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):  # the usual case (one extends the other), compared in C
+    if _head(a, n) == _head(b, n):
         return n
-    for i in range(n):
+    agreed, back = 0, 8
+    while back < n:
+        if _head(a, n - back) == _head(b, n - back):
+            agreed = n - back
+            break
+        back *= 8
+    for i in range(agreed, n):
         if a[i] != b[i]:
             return i
     return n
+
+
+def _head(ids: Sequence[int], length: int) -> list[int]:
+    """The first ``length`` ids as a list (a list that long is itself, not a copy)."""
+    if isinstance(ids, list):
+        return ids if len(ids) == length else ids[:length]
+    return list(ids[:length])
 
 
 def cache_argument(model: torch.nn.Module) -> str:
@@ -257,7 +276,8 @@ class SessionBase:
             raise DrafterError("cannot commit more positions than were fed", expected=f"<= {len(self.ids)} ids",
                                found=f"{len(ids)} ids")
         self.crop(len(ids))
-        self.ids[:] = [int(t) for t in ids]
+        start = common_prefix_length(self.ids, ids)  # only the positions after it change (a round's drafts)
+        self.ids[start:] = [int(t) for t in ids[start:]]
 
 
 class ModelSession(SessionBase):
