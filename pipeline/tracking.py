@@ -15,19 +15,24 @@ so a rerun is a cache hit that only logs. Credentials come from the environment 
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.artifacts import Artifact, write_json_atomic
+from pipeline.cache import default_cache_dir
+from pipeline.checksums import sha256_file
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError, scrub
 from pipeline.runlog import flatten, redact  # noqa: F401 - re-exported for the CLI and the registry
@@ -244,8 +249,68 @@ def http_limits(cfg: MlflowConfig) -> Iterator[None]:
                 os.environ.pop(var, None)
 
 
+def seed_local_store(uri: str) -> None:
+    """Start a new local sqlite store as a copy of an empty one, made once per MLflow version on this machine.
+
+    MLflow initialises a new sqlite store by running every schema migration it has (about sixty: 2–4 s of CPU in
+    each new workdir). The empty store under ``<cache>/mlflow`` was initialised by MLflow's own code, holds its tables
+    at its current schema and no rows, and is checked against the sha256 recorded when it was made (rebuilt if it
+    differs). MLflow then opens the copy as any store of its version: its schema check, then its default
+    experiment, created with this store's artifact root. The copy is linked into place, never over a store another
+    process created meanwhile. A store that exists, a server or another scheme is left alone; where no empty store
+    can be made (an MLflow without that initialiser, a cache that cannot be written) MLflow initialises the store.
+    """
+    path = local_store_path(uri) if uri.startswith("sqlite:///") else None
+    if path is None or path.exists() or not path.parent.is_dir():
+        return
+    try:
+        empty = _empty_store()
+    except (OSError, ImportError, AttributeError):
+        return
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        shutil.copyfile(empty, tmp)
+        os.link(tmp, path)
+    except OSError:  # created by another process meanwhile, or no hard links here: MLflow opens or initialises it
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _empty_store() -> Path:
+    """The empty store of this MLflow version (see :func:`seed_local_store`), made if missing or altered. Each one made
+    is named by its sha256; ``empty-<version>.json`` names the current one and records that sha256."""
+    # MLflow's own initialiser of a new store (it has no public one); without it, MLflow initialises each store
+    import mlflow
+    import sqlalchemy
+    from mlflow.store.db.utils import _initialize_tables
+
+    folder = default_cache_dir() / "mlflow"
+    record = folder / f"empty-{mlflow.__version__}.json"
+    try:
+        known = json.loads(record.read_text())
+        path = folder / known["file"]
+        if sha256_file(path) == known["sha256"]:
+            return path
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not made yet, or altered: made again
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".empty-{uuid.uuid4().hex}.tmp"
+    engine = sqlalchemy.create_engine(f"sqlite:///{tmp}")
+    try:
+        _initialize_tables(engine)
+    finally:
+        engine.dispose()
+    digest = sha256_file(tmp)
+    path = folder / f"empty-{mlflow.__version__}-{digest[:16]}.db"
+    os.replace(tmp, path)
+    write_json_atomic(record, {"file": path.name, "sha256": digest})
+    return path
+
+
 def use_store(uri: str) -> None:
-    """Point MLflow's fluent API at ``uri`` without touching ``$MLFLOW_TRACKING_URI``.
+    """Point MLflow's fluent API at ``uri`` without touching ``$MLFLOW_TRACKING_URI`` (a new local store is seeded
+    first: :func:`seed_local_store`).
 
     ``mlflow.set_tracking_uri`` also exports the URI to the environment (for subprocesses); this pipeline
     reads that variable as the user's choice, so a stage logged to one config's store would otherwise
@@ -253,6 +318,7 @@ def use_store(uri: str) -> None:
     """
     import mlflow
 
+    seed_local_store(uri)
     before = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     if before is None:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.tracking import seed_local_store
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -35,6 +37,7 @@ class MlflowServer:
 
     def start(self, timeout: float = 90.0) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        seed_local_store(f"sqlite:///{self.root / 'mlflow.db'}")  # the server opens it as one it made (as a run does)
         log = open(self.root / "server.log", "ab")
         cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
                "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",

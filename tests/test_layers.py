@@ -25,7 +25,8 @@ LAYERS: list[set[str]] = [
     {"pipeline.vocab"},
     {"pipeline.data", "pipeline.artifacts", "pipeline.staged"},
     {"pipeline.config", "pipeline.hub"},
-    {"pipeline.errors", "pipeline.progress", "pipeline.checksums", "pipeline.runlog", "pipeline.timing", "pipeline"},
+    {"pipeline.errors", "pipeline.progress", "pipeline.checksums", "pipeline.runlog", "pipeline.timing", "pipeline.cache",
+     "pipeline"},
 ]
 """Top to bottom. ``pipeline`` itself is the package's ``__init__``."""
 

@@ -140,6 +140,67 @@ def test_local_sqlite_store_by_default(tmp_path: Path, monkeypatch: pytest.Monke
     assert len(client.search_runs([exp.experiment_id])) == 1 and art is not None
 
 
+def _schema(uri: str) -> dict:
+    """What MLflow opened at ``uri``: its tables and columns, migration head, and the default experiment it made."""
+    import sqlalchemy
+
+    client = MlflowClient(tracking_uri=uri)
+    default = client.get_experiment("0")
+    engine = sqlalchemy.create_engine(uri)
+    try:
+        inspector = sqlalchemy.inspect(engine)
+        tables = {t: sorted(c["name"] for c in inspector.get_columns(t)) for t in inspector.get_table_names()}
+        with engine.connect() as db:
+            head = db.execute(sqlalchemy.text("select version_num from alembic_version")).scalar_one()
+            experiments = db.execute(sqlalchemy.text("select count(*) from experiments")).scalar_one()
+    finally:
+        engine.dispose()
+    return {"tables": tables, "head": head, "experiments": experiments, "default": (default.name,
+            default.artifact_location.replace(str(Path(uri.removeprefix("sqlite:///")).parent), "<dir>"))}
+
+
+def test_a_new_local_store_starts_from_the_empty_one_mlflow_made_once(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow ran its ~60 schema migrations in every new workdir (2-4 s of CPU each). A new sqlite store is now a
+    copy of an empty store MLflow's own initialiser made once per MLflow version, under <cache>/mlflow: MLflow opens
+    it as the store it would have made (the same tables, columns and migration head, and its default experiment
+    with this store's artifact root). An existing store is never replaced, and an altered empty store is made again
+    (its sha256 is recorded)."""
+    from pipeline.tracking import seed_local_store
+
+    monkeypatch.setenv("DRAFTER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mlflow-made").mkdir()
+    (tmp_path / "seeded").mkdir()
+    made = _schema(f"sqlite:///{tmp_path / 'mlflow-made' / 'mlflow.db'}")  # MLflow initialises it itself
+    seeded_uri = f"sqlite:///{tmp_path / 'seeded' / 'mlflow.db'}"
+    seed_local_store(seeded_uri)
+    (record,) = (tmp_path / "cache" / "mlflow").glob("empty-*.json")
+    empty = tmp_path / "cache" / "mlflow" / json.loads(record.read_text())["file"]
+    assert (tmp_path / "seeded" / "mlflow.db").read_bytes() == empty.read_bytes()
+    assert _schema(seeded_uri) == made and made["experiments"] == 1 and made["default"][0] == "Default"
+
+    # a store that exists is left as it is, runs and all
+    mlflow_store = tmp_path / "seeded" / "mlflow.db"
+    before = mlflow_store.read_bytes()
+    seed_local_store(seeded_uri)
+    assert mlflow_store.read_bytes() == before != empty.read_bytes()
+
+    # an altered empty store is made again, and the new store is MLflow's own again
+    empty.write_bytes(empty.read_bytes()[:4096])
+    (tmp_path / "again").mkdir()
+    seed_local_store(again := f"sqlite:///{tmp_path / 'again' / 'mlflow.db'}")
+    remade = tmp_path / "cache" / "mlflow" / json.loads(record.read_text())["file"]
+    assert remade.stat().st_size > 4096 and _schema(again) == made
+
+    # a stage run in a new workdir logs to a seeded store (the default <workdir>/mlflow.db)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = load_config(None, [f"workdir={tmp_path / 'w'}", "mlflow.experiment=local"])
+    assert _stage(cfg, []) is not None
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'w' / 'mlflow.db'}")
+    assert len(client.search_runs([client.get_experiment_by_name("local").experiment_id])) == 1
+
+
 def test_helpers() -> None:
     assert redact("https://user:secret@host/x") == "https://***@host/x"
     assert flatten({"a": {"b": 1, "c": [1, 2]}}) == {"a.b": "1", "a.c": "[1, 2]"}

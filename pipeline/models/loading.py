@@ -19,10 +19,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from pipeline.cache import default_cache_dir
 from pipeline.checksums import StatCache, tree_digest
 from pipeline.errors import DrafterError
 from pipeline.hub import pinned_commit
-from pipeline.tiny import default_cache_dir, kit_hash, kit_weights, parse_tiny_ref, resolve_tiny_ref
+from pipeline.tiny import kit_hash, kit_weights, parse_tiny_ref, resolve_tiny_ref
 from pipeline.tiny.spec import ROLE_TOKENIZERS
 from pipeline.vocab.tokens import vocab_hash
 

@@ -22,6 +22,7 @@ from pipeline.tracking import (
     local_store_path,
     quiet_store_logs,
     redact,
+    seed_local_store,
     tracking_uri,
 )
 
@@ -62,6 +63,8 @@ def connect(cfg: MlflowConfig, workdir: Path, *, existing: bool = False) -> tupl
         _require_local_store(uri, cfg)
     quiet_store_logs()
     check_reachable(uri, cfg)
+    if not existing:
+        seed_local_store(uri)
     return uri, MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 

@@ -63,8 +63,9 @@ byte drafter's loss is in nats per byte; the target's, for comparison, is its pe
 by 2.4 bytes per target token (held-out chats, specials one byte each).
 """
 
+from pipeline.cache import default_cache_dir
 from pipeline.tiny.build import TinyKit, build_kit, kit_status, kit_weights, parse_tiny_ref, resolve_tiny_ref
-from pipeline.tiny.spec import PROFILES, ROLES, default_cache_dir, kit_hash
+from pipeline.tiny.spec import PROFILES, ROLES, kit_hash
 
 __all__ = [
     "PROFILES", "ROLES", "TinyKit", "build_kit", "default_cache_dir", "kit_hash", "kit_status", "kit_weights",

@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.cache import default_cache_dir
 from pipeline.checksums import sha256_file
 from pipeline.errors import DrafterError
-from pipeline.tiny.spec import PROFILES, ROLES, default_cache_dir, get_profile, kit_hash
+from pipeline.tiny.spec import PROFILES, ROLES, get_profile, kit_hash
 
 REPORT_FILE = "report.json"
 REF_PREFIX = "tiny:"

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from pipeline.data.sources import SHAREGPT_PACKAGE, SHAREGPT_RESOURCE
 from pipeline.errors import DrafterError
@@ -204,9 +203,3 @@ def kit_hash(profile: str) -> str:
     payload = {"spec": dataclasses.asdict(spec), "code": KIT_CODE_VERSION, "data": data_identity()}
     blob = json.dumps(payload, sort_keys=True).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:12]
-
-
-def default_cache_dir() -> Path:
-    """``$DRAFTER_CACHE`` if set, else ``~/.cache/drafter-pipeline``; kits go under ``<cache>/tiny``."""
-    env = os.environ.get("DRAFTER_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "drafter-pipeline"

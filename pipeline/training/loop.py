@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, default_collate
 from pipeline.errors import DrafterError
 from pipeline.progress import Progress
 from pipeline.runlog import flatten, redact
+from pipeline.tracking import seed_local_store
 from pipeline.training import checkpoints as ckpt
 from pipeline.training.plan import RunPlan, trainable_parameters
 from pipeline.training.strategy import build_optimizer, build_scheduler, lr_factor, position_scheduler
@@ -207,6 +208,7 @@ class HarnessModule(L.LightningModule):
 
 
         try:
+            seed_local_store(self.plan.tracking_uri)
             client = MlflowClient(self.plan.tracking_uri)
             if self.mlflow_run_id is None:
                 exp = client.get_experiment_by_name(self.plan.experiment)

@@ -42,9 +42,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pipeline.cache import default_cache_dir
 from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache
 from pipeline.drafters.export import SPECULATORS_KEYS, export_eagle3, export_speculators
-from pipeline.tiny.spec import default_cache_dir
 from pipeline.vocab.counting import eagle3_offset_maps
 from tests.tool_envs import tool_env_dir
 
