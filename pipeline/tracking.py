@@ -252,7 +252,7 @@ def http_limits(cfg: MlflowConfig) -> Iterator[None]:
 def seed_local_store(uri: str) -> None:
     """Start a new local sqlite store as a copy of an empty one, made once per MLflow version on this machine.
 
-    MLflow initialises a new sqlite store by running every schema migration it has (about sixty: 2–4 s of CPU in
+    MLflow initialises a new sqlite store by running every schema migration it has (about sixty: 1.5–3.5 s of CPU in
     each new workdir). The empty store under ``<cache>/mlflow`` was initialised by MLflow's own code, holds its tables
     at its current schema and no rows, and is checked against the sha256 recorded when it was made (rebuilt if it
     differs). MLflow then opens the copy as any store of its version: its schema check, then its default
@@ -265,7 +265,7 @@ def seed_local_store(uri: str) -> None:
         return
     try:
         empty = _empty_store()
-    except (OSError, ImportError, AttributeError):
+    except Exception:  # noqa: BLE001 - any failure here leaves the store to MLflow, which reports its own errors
         return
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
@@ -299,6 +299,9 @@ def _empty_store() -> Path:
     engine = sqlalchemy.create_engine(f"sqlite:///{tmp}")
     try:
         _initialize_tables(engine)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     finally:
         engine.dispose()
     digest = sha256_file(tmp)
