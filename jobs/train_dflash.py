@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,12 @@ from pipeline.artifacts import Artifact
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.tracking import tracking_uri
 from pipeline.training.harness import fit
+from pipeline.training.plan import Prepared, frozen_target
 
 SUMMARY: tuple[str, ...] = ("train_steps", "best.simulated_tau", "train_seconds")
 """Metrics ``drafter run`` prints for this stage: steps, the kept checkpoint's held-out simulated τ, training
@@ -50,18 +49,6 @@ def mask_token_id(configured: int | None, tokenizer: Any, vocab_size: int) -> in
     return vocab_size - 1
 
 
-@dataclass
-class Prepared:
-    """What training needs, built from the config and the calibration artifact."""
-
-    target: Any
-    tokenizer: Any
-    config: Any
-    drafter: Any
-    data: Any
-    pad_id: int
-
-
 def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact | None = None) -> Prepared:
     """The frozen target, a freshly initialised DFlash drafter on its embedding and head (or, with ``head: draft``,
     its own head over the draft vocabulary of ``counts``), and the calibration rows split into training and
@@ -73,9 +60,7 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact | None 
     from pipeline.vocab.counting import draft_vocab_maps  # deferred: pulls in pyarrow
 
     tc = cfg.train_dflash
-    target_ = Target(cfg.target)
-    tokenizer = target_.tokenizer()
-    target = target_.model(dtype="float32")  # the strategy casts (DeepSpeed bf16) or keeps fp32 (CPU)
+    target, tokenizer, pad = frozen_target(cfg.target)
     vocab = int(target.config.vocab_size)
     maps = None
     if tc.head == "draft":
@@ -108,7 +93,6 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact | None 
             drafter.norm.weight.copy_(final_norm.weight)
     data = CalibrationRows(calibration.path / "data", max_length=tc.max_length, eval_fraction=tc.eval_fraction,
                            eval_max_rows=tc.eval_max_rows, min_length=3, what="the DFlash drafter")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Prepared(target, tokenizer, config, drafter, data, pad)
 
 

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +25,12 @@ from pipeline.artifacts import Artifact
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
-from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.tracking import tracking_uri
 from pipeline.training.harness import fit
+from pipeline.training.plan import Prepared, frozen_target
 
 SUMMARY: tuple[str, ...] = ("train_steps", "best.simulated_tau", "train_seconds")
 """Metrics ``drafter run`` prints for this stage: steps, the kept checkpoint's held-out simulated τ, training
@@ -55,18 +54,6 @@ def _check_disk(rows: list, cfg: PipelineConfig, run: StageRun, hidden: int, dty
                 "raise features_disk_limit_gb on a larger disk.")
 
 
-@dataclass
-class Prepared:
-    """What training needs, built from the config and the two input artifacts."""
-
-    target: Any
-    tokenizer: Any
-    config: Any
-    drafter: Any
-    data: Any
-    pad_id: int
-
-
 def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact) -> Prepared:
     """The frozen target, a freshly initialised drafter on the count artifact's draft vocabulary, and the
     calibration rows split into training and held-out (the DeepSpeed test trains exactly this)."""
@@ -77,9 +64,7 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact) -> Pre
     from pipeline.vocab.counting import draft_vocab_maps  # deferred: pulls in pyarrow
 
     td = cfg.train_drafter
-    target_ = Target(cfg.target)
-    tokenizer = target_.tokenizer()
-    target = target_.model(dtype="float32")  # the strategy casts (DeepSpeed bf16) or keeps fp32 (CPU)
+    target, tokenizer, pad = frozen_target(cfg.target)
     d2t, t2d = draft_vocab_maps(counts, int(target.config.vocab_size))
     config = Eagle3Config.from_target(target.config, draft_vocab_size=int(d2t.size),
                                       aux_layer_ids=tuple(td.aux_layer_ids) if td.aux_layer_ids else None)
@@ -90,7 +75,6 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact) -> Pre
         drafter.init_head_from(target)
     data = CalibrationRows(calibration.path / "data", max_length=td.max_length, eval_fraction=td.eval_fraction,
                            eval_max_rows=td.eval_max_rows, min_length=td.ttt_steps + 2)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Prepared(target, tokenizer, config, drafter, data, pad)
 
 

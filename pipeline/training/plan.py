@@ -1,4 +1,5 @@
-"""What the Lightning loop is handed besides the module and data (:class:`RunPlan`), and which parameters train."""
+"""What the Lightning loop is handed besides the module and data (:class:`RunPlan`), which parameters train, and what
+a drafter trainer stage builds before it trains (:class:`Prepared`, from :func:`frozen_target`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.sections import TargetConfig
 from pipeline.config.training import TrainConfig
+from pipeline.models.target import Target
 
 
 @dataclass
@@ -43,3 +46,28 @@ class RunPlan:
 def trainable_parameters(module: Any) -> dict[str, Any]:
     """The parameters the harness trains and saves: every one with ``requires_grad``, by name."""
     return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+
+@dataclass
+class Prepared:
+    """What a drafter trainer stage builds from its config and input artifacts before training (its ``prepare``)."""
+
+    target: Any
+    """The frozen target, float32 (:func:`frozen_target`)."""
+    tokenizer: Any
+    config: Any
+    """The drafter's config."""
+    drafter: Any
+    """The freshly initialised drafter."""
+    data: Any
+    """The calibration rows, split into training and held-out (a :class:`~pipeline.data.rows.CalibrationRows`)."""
+    pad_id: int
+
+
+def frozen_target(cfg: TargetConfig) -> tuple[Any, Any, int]:
+    """The target a drafter trains against, its tokenizer and the pad id of batches (the tokenizer's, else 0). The
+    model loads in float32 whatever ``target.dtype`` says: the strategy casts it (DeepSpeed bf16) or keeps it."""
+    target = Target(cfg)
+    tokenizer = target.tokenizer()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return target.model(dtype="float32"), tokenizer, pad
