@@ -58,10 +58,17 @@ def slurm_plugins() -> list:
 
 def quiet_lightning() -> None:
     """Keep Lightning's start-up chatter (accelerator lines, tips) and one deprecation notice from its own
-    internals out of the stage logs; its warnings and errors still show."""
+    internals out of the stage logs; its warnings and errors still show.
+
+    Outside a Slurm job its hint that ``srun`` is installed but not used is dropped too: on a login node or any
+    machine with Slurm's client tools it fired at every trainer of a local run, where nothing is wrong (``drafter
+    submit`` is how a run goes to the cluster). Inside a job (``SLURM_JOB_ID`` set) it stays: there a multi-rank
+    stage started without ``srun`` would wait for ranks that never start."""
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    if "SLURM_JOB_ID" not in os.environ:
+        warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
 
 
 def shard_trainer(stage: str, accelerator: str, devices: int | str, num_nodes: int,
@@ -210,9 +217,9 @@ def fit(module: Any, dataset: Any, cfg: TrainConfig, staging: str | Path, *, tra
         raise DrafterError("The module to train has no parameter with requires_grad=True.",
                            fix="Unfreeze the parameters to train before calling fit().")
 
-    plugins = slurm_plugins()
     warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # frozen parts stay in eval
     quiet_lightning()
+    plugins = slurm_plugins()
     trainer = L.Trainer(max_steps=max(total, 1), plugins=plugins, accumulate_grad_batches=accumulation, logger=False,
                         enable_checkpointing=False, use_distributed_sampler=False, enable_model_summary=False,
                         enable_progress_bar=False, num_sanity_val_steps=0,

@@ -315,3 +315,28 @@ def test_two_process_cpu_ddp_trains_on_disjoint_shards(tmp_path: Path) -> None:
     pooled = sum(n for n, _ in both) / max(1, sum(d for _, d in both))
     assert ranks[0]["metrics"]["even_share"] == ranks[1]["metrics"]["even_share"] == pytest.approx(pooled, rel=1e-12)
     assert (tmp_path / "ddp-out" / "model.safetensors").exists()
+
+
+SRUN_HINT = "The `srun` command is available on your system but is not used"
+
+
+@pytest.mark.parametrize("in_job", [False, True], ids=["local run", "inside a Slurm job"])
+def test_the_srun_hint_shows_only_inside_a_slurm_job(tmp_path: Path, in_job: bool) -> None:
+    """Lightning hints at ``srun`` whenever it is on PATH. A local run on a machine with Slurm's tools (a login node)
+    printed it at every trainer; inside a job, where a multi-rank stage needs ``srun``, it must stay."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "srun").write_text("#!/bin/sh\nexit 1\n")  # only found on PATH, never run: what Lightning checks
+    (tools / "srun").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PATH"] = f"{tools}{os.pathsep}{env.get('PATH', '')}"
+    if in_job:
+        env["SLURM_JOB_ID"] = "4242"
+    code = ("from pipeline.training.harness import shard_trainer\n"
+            "trainer = shard_trainer('generate', 'cpu', 1, 1)\n"
+            "print('world', trainer.world_size)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "world 1" in done.stdout
+    assert (SRUN_HINT in done.stderr) == in_job, done.stderr[-2000:]
