@@ -9,6 +9,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -17,6 +18,8 @@ from jobs import evaluate, run
 from jobs.cli import main as cli
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
+from pipeline.evaluation import evaluator as evaluator_module
+from pipeline.progress import Progress
 from tests.helpers import ROUTER, SMALL, TRAIN
 from tests.mlflow_server import MlflowServer, serve
 
@@ -96,10 +99,31 @@ def test_report_prints_the_evaluation_its_config_plans(evaluated, tmp_path: Path
         shutil.rmtree(newer)
 
 
-def test_a_sampled_evaluation_checks_the_law_it_decodes_with(tmp_path: Path, tiny_kit) -> None:
+class EveryUpdate(Progress):
+    """A real :class:`Progress` that writes a line at every update (no grace, no interval) into ``LINES``."""
+
+    LINES: ClassVar[dict[str, list[tuple[int, int | None]]]] = {}
+
+    def __init__(self, what: str, total: int | None, unit: str = "step", **_: object) -> None:
+        super().__init__(what, total, unit, log=lambda line: None, interval=0.0, grace=0.0, bar=False)
+        self.LINES[what] = []
+
+    def update(self, n: int = 1, **info: object) -> None:
+        super().update(n, **info)
+        if n:
+            self.LINES[self.what].append((self.done, self.total))
+
+
+def test_a_sampled_evaluation_checks_the_law_it_decodes_with(tmp_path: Path, tiny_kit,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """At evaluate.temperature=0.7 and top_p=0.9 the rows' τ is measured under that law, and the first-token check
     now tests that law (it tested temperature 1 without a nucleus, so a fault in nucleus-sampled verification would
-    have inflated the gated τ without failing anything). 200 draws a method, p-value >= 1e-4."""
+    have inflated the gated τ without failing anything). 200 draws a method, p-value >= 1e-4.
+
+    The decoding phase counts each generation, not each cell (a cell of all a task's prompts took 41 s on a slow
+    machine, past the 30 s a log may stay silent): here 2 prompts × (autoregressive + 2 configurations) × (greedy +
+    sampled) = 12 generations, one line each."""
+    monkeypatch.setattr(evaluator_module, "Progress", EveryUpdate)
     cfg = load_config(None, [f"workdir={tmp_path}", *SMALL, "evaluate.methods=[full,shortlist]",
                              "evaluate.shortlists=[top_k_64]", "evaluate.prompts_per_task=2", "evaluate.tasks=[chat]",
                              "evaluate.max_new_tokens=8", "evaluate.gammas=[2]", "evaluate.sampling_check_samples=200",
@@ -108,6 +132,7 @@ def test_a_sampled_evaluation_checks_the_law_it_decodes_with(tmp_path: Path, tin
     checks = [c for c in results["lossless"]["checks"] if c["name"].startswith("first_token_distribution")]
     assert len(checks) == 2 and all(c["passed"] for c in checks), checks
     assert all("temperature 0.7, top-p 0.9" in c["detail"] for c in checks), checks
+    assert EveryUpdate.LINES["evaluate: decoding"] == [(done, 12) for done in range(1, 13)]
 
 
 def test_a_greedy_divergence_is_a_tie_only_near_the_top_logit(tmp_path: Path, tiny_kit) -> None:

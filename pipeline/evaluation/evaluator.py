@@ -89,13 +89,20 @@ class Evaluator:
 
 
     def _decode_all(self, items: list[list[int]], proposer: Any, gamma: int, params: SamplingParams,
-                    seed: int) -> list[Any]:
+                    seed: int, progress: Progress | None = None) -> list[Any]:
+        """Each prompt of ``items`` decoded (autoregressively without a proposer); ``progress`` counts each generation."""
         gen = self._generator(seed)
-        if proposer is None:
-            return [generate_autoregressive(self.target, p, self.ev.max_new_tokens, params, gen, self.eos, self.options)
-                    for p in items]
-        return [generate_speculative(self.target, proposer, p, self.ev.max_new_tokens, gamma, params, gen, self.eos,
-                                     self.options) for p in items]
+        out = []
+        for p in items:
+            if proposer is None:
+                out.append(generate_autoregressive(self.target, p, self.ev.max_new_tokens, params, gen, self.eos,
+                                                   self.options))
+            else:
+                out.append(generate_speculative(self.target, proposer, p, self.ev.max_new_tokens, gamma, params, gen,
+                                                self.eos, self.options))
+            if progress is not None:
+                progress.update(1)
+        return out
 
     def _warm_up(self, configs: list[Configuration]) -> None:
         """Every timed generation once, untimed, before anything is timed (the static paths): per task, autoregressive
@@ -117,13 +124,12 @@ class Evaluator:
                       total * len(passes), "generation") as warm:
             for items in self.prompts.values():
                 for params, seed in passes:
-                    self._decode_all(items, None, 0, params, seed)
-                    warm.update(len(items))
+                    self._decode_all(items, None, 0, params, seed, warm)
                 for config in configs:
+                    warm.note(method=config.method)
                     for gamma in self.ev.gammas:
                         for params, seed in passes:
-                            self._decode_all(items, config.proposer, gamma, params, seed)
-                            warm.update(len(items), method=config.method)
+                            self._decode_all(items, config.proposer, gamma, params, seed, warm)
 
     def _warm_up_briefly(self, configs: list[Configuration]) -> None:
         """The eager path's warm-up: a few greedy tokens of the first prompt, autoregressively and with each
@@ -147,13 +153,15 @@ class Evaluator:
             self._warm_up(configs)
         else:
             self._warm_up_briefly(configs)
-        cells = Progress("evaluate: decoding", len(self.prompts) * (1 + len(configs) * len(self.ev.gammas)), "cell")
+        # Counted per generation, not per cell: one cell (a slow method on a slow machine) can take over a minute.
+        passes = (1 + len(configs) * len(self.ev.gammas)) * (2 if sampled else 1)
+        decoding = Progress("evaluate: decoding", sum(len(items) for items in self.prompts.values()) * passes,
+                         "generation")
         for task, items in self.prompts.items():
-            ar_greedy = self._decode_all(items, None, 0, GREEDY, 0)
-            ar = self._decode_all(items, None, 0, self.params, 1) if sampled else ar_greedy
+            ar_greedy = self._decode_all(items, None, 0, GREEDY, 0, decoding)
+            ar = self._decode_all(items, None, 0, self.params, 1, decoding) if sampled else ar_greedy
             rows.append(self._row(task, BASELINE, None, 0, None, None, summarize(ar, ar, None), True))
             self.log(f"{task}: autoregressive {rows[-1].tokens_per_s:.1f} tokens/s")
-            cells.update(1)
             for config in configs:
                 method, shortlist, proposer = config.method, config.shortlist, config.proposer
                 stats = getattr(proposer, "head_stats", None)
@@ -161,7 +169,7 @@ class Evaluator:
                     if stats is not None:
                         stats.reset()
                     before = _drafter_counts(proposer)
-                    greedy_runs = self._decode_all(items, proposer, gamma, GREEDY, 0)
+                    greedy_runs = self._decode_all(items, proposer, gamma, GREEDY, 0, decoding)
                     mismatched = [(p, a.tokens, r.tokens) for p, r, a in zip(items, greedy_runs, ar_greedy)
                                   if r.tokens != a.tokens]
                     ties = sum(self._is_tie(*m) for m in mismatched)
@@ -170,7 +178,7 @@ class Evaluator:
                         stats.reset()
                     if sampled:
                         before = _drafter_counts(proposer)
-                    runs = self._decode_all(items, proposer, gamma, self.params, 1) if sampled else greedy_runs
+                    runs = self._decode_all(items, proposer, gamma, self.params, 1, decoding) if sampled else greedy_runs
                     counts = _drafter_counts(proposer)
                     budget = self.configurations.budget_label(method, gamma)
                     cost = config.cost
@@ -192,7 +200,7 @@ class Evaluator:
                         if budget is not None:
                             row.shortlist_size = int(round(stats.mean_size()))
                     rows.append(row)
-                    cells.update(1, last=f"{task}/{method} τ={row.tau:.2f}")
+                    decoding.note(last=f"{task}/{method} τ={row.tau:.2f}")
                     self.log(f"{task}: {method}{':' + row.shortlist if row.shortlist else ''} γ={gamma} "
                              f"τ={row.tau:.2f} speedup={row.speedup:.2f} greedy_equal={equal}"
                              + (f" head rows/step={row.draft_vocab_mean:.0f}" if row.draft_vocab_mean else ""))
@@ -202,7 +210,7 @@ class Evaluator:
                         detail=f"{len(items) - len(mismatched)}/{len(items)} prompts token-for-token equal "
                                f"({self.ev.max_new_tokens} tokens each); {ties} of {len(mismatched)} "
                                f"mismatches are floating-point ties (tolerance {self.ev.tie_tolerance})"))
-        cells.close()
+        decoding.close()
         if self.ev.sampling_check_samples > 0:
             with Progress("evaluate: losslessness (first-token law)", len(configs) * self.ev.sampling_check_samples,
                           "draw") as draws:
