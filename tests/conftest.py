@@ -39,8 +39,8 @@ def tiny_kit() -> Iterator[object]:
 
 # --- markers: gpu tests skip, with a reason, where there is no GPU (slurm: tests/slurm_cluster.py) ---
 def pytest_configure(config: pytest.Config) -> None:
-    """Under xdist, each worker's torch uses its share of the cores (two workers on two cores: one thread each;
-    oversubscribed intra-op threads made some CPU tests many times slower)."""
+    """Under xdist, each worker's torch uses its share of the cores, at least one thread (two or three workers on two
+    cores: one thread each; oversubscribed intra-op threads made some CPU tests many times slower)."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         import torch
