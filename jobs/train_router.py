@@ -29,6 +29,7 @@ from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
 from pipeline.tracking import tracking_uri
 from pipeline.training.harness import fit
+from pipeline.training.plan import pad_id
 from pipeline.vocab.tokens import stop_ids
 
 SUMMARY: tuple[str, ...] = ("train_steps", "train_seconds")
@@ -58,7 +59,7 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     clustering.check_head(head, f"drafter {cfg.cluster.drafter!r}")
     data = CalibrationRows(calibration.path / "data", max_length=tr.max_length, eval_fraction=tr.eval_fraction,
                            eval_max_rows=tr.eval_max_rows, min_length=2, what="the DynaSpec router")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = pad_id(tokenizer)
     # the checkpoint is chosen on half of the held-out chats and the routing curves are measured on the others
     choose, report = split_by_chat(data.heldout)
     if not (choose and report):

@@ -156,7 +156,7 @@ class Evaluator:
         # Counted per generation, not per cell: one cell (a slow method on a slow machine) can take over a minute.
         passes = (1 + len(configs) * len(self.ev.gammas)) * (2 if sampled else 1)
         decoding = Progress("evaluate: decoding", sum(len(items) for items in self.prompts.values()) * passes,
-                         "generation")
+                            "generation")
         for task, items in self.prompts.items():
             ar_greedy = self._decode_all(items, None, 0, GREEDY, 0, decoding)
             ar = self._decode_all(items, None, 0, self.params, 1, decoding) if sampled else ar_greedy

@@ -65,9 +65,13 @@ class Prepared:
 
 
 def frozen_target(cfg: TargetConfig) -> tuple[Any, Any, int]:
-    """The target a drafter trains against, its tokenizer and the pad id of batches (the tokenizer's, else 0). The
+    """The target a drafter trains against, its tokenizer and the pad id of batches (:func:`pad_id`). The
     model loads in float32 whatever ``target.dtype`` says: the strategy casts it (DeepSpeed bf16) or keeps it."""
     target = Target(cfg)
     tokenizer = target.tokenizer()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return target.model(dtype="float32"), tokenizer, pad
+    return target.model(dtype="float32"), tokenizer, pad_id(tokenizer)
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id training batches are padded with: the tokenizer's pad token, else 0 (padding is masked out)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
