@@ -104,6 +104,12 @@ class Evaluator:
                 progress.update(1)
         return out
 
+    def _generations(self, configs: list[Configuration]) -> int:
+        """Generations the timed matrix decodes (and the static warm-up replays): every task's prompts, autoregressively
+        and with each configuration at each γ, greedily and, when sampling, sampled too."""
+        passes = 1 if self.params.greedy else 2
+        return sum(len(items) for items in self.prompts.values()) * (1 + len(configs) * len(self.ev.gammas)) * passes
+
     def _warm_up(self, configs: list[Configuration]) -> None:
         """Every timed generation once, untimed, before anything is timed (the static paths): per task, autoregressive
         decoding and each configuration × γ over all the task's prompts, greedy and (when sampling) with the timed
@@ -119,9 +125,8 @@ class Evaluator:
         """
         sampled = not self.params.greedy
         passes = [(GREEDY, 0)] + ([(self.params, 1)] if sampled else [])
-        total = sum(len(items) for items in self.prompts.values()) * (1 + len(configs) * len(self.ev.gammas))
         with Progress("evaluate: untimed warm-up (every timed generation once: compiles the static paths' shapes)",
-                      total * len(passes), "generation") as warm:
+                      self._generations(configs), "generation") as warm:
             for items in self.prompts.values():
                 for params, seed in passes:
                     self._decode_all(items, None, 0, params, seed, warm)
@@ -154,9 +159,7 @@ class Evaluator:
         else:
             self._warm_up_briefly(configs)
         # Counted per generation, not per cell: one cell (a slow method on a slow machine) can take over a minute.
-        passes = (1 + len(configs) * len(self.ev.gammas)) * (2 if sampled else 1)
-        decoding = Progress("evaluate: decoding", sum(len(items) for items in self.prompts.values()) * passes,
-                            "generation")
+        decoding = Progress("evaluate: decoding", self._generations(configs), "generation")
         for task, items in self.prompts.items():
             ar_greedy = self._decode_all(items, None, 0, GREEDY, 0, decoding)
             ar = self._decode_all(items, None, 0, self.params, 1, decoding) if sampled else ar_greedy
