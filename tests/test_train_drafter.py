@@ -341,14 +341,9 @@ def test_cached_features_are_computed_on_the_gpu_the_drafter_trains_on(trained, 
 
 def _deepspeed_script(args: dict) -> None:
     """Train the stage's module with deepspeed.initialize on CPU, as the harness would (see the test)."""
-    import socket
+    from tests.training.harness_script import deepspeed_on_one_cpu_rank
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    import deepspeed
+    deepspeed = deepspeed_on_one_cpu_rank()
 
     from jobs.train_drafter import prepare
     from pipeline.artifacts import load_artifact

@@ -84,6 +84,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def deepspeed_on_one_cpu_rank() -> types.ModuleType:
+    """``deepspeed``, ready for ``deepspeed.initialize`` in this process as the one rank of a CPU run (its process group
+    on a free port of 127.0.0.1).
+
+    DeepSpeed's CPU backend compiles a shared-memory allreduce (C++, with ninja) before its first engine, about a
+    minute on 2 cores in every fresh environment (a new virtualenv's paths rebuild it), though only several ranks on
+    one node ever call it. With one rank it is marked unavailable, so the collectives stay torch's own."""
+    os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    import deepspeed
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    return deepspeed
+
+
 def run_script(args: dict, *, timeout: float = 300) -> dict:
     out = Path(args["out"])
     done = subprocess.run([sys.executable, "-m", "tests.training.harness_script", json.dumps(args)], cwd=ROOT,
@@ -130,9 +147,7 @@ def _train(args: dict, out: Path) -> None:
 
 
 def _deepspeed(args: dict, out: Path) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
-    import deepspeed
+    deepspeed = deepspeed_on_one_cpu_rank()
     from torch.utils.data import default_collate
 
     from pipeline.training.strategy import build_optimizer, build_scheduler, position_scheduler
@@ -208,7 +223,7 @@ def _deepspeed(args: dict, out: Path) -> None:
 
 def _deepspeed_dtypes(cfg: TrainConfig) -> dict[str, dict[str, str]]:
     """The dtype of every parameter and buffer of a module once DeepSpeed's engine has it (``cfg``'s config on CPU),
-    and once :func:`~pipeline.training.harness.as_trained` has it."""
+    and once :func:`~pipeline.training.harness.as_trained` has it (after :func:`deepspeed_on_one_cpu_rank`)."""
     import deepspeed
 
     from pipeline.training.harness import as_trained
