@@ -38,14 +38,26 @@ def tiny_kit() -> Iterator[object]:
 
 
 # --- markers: gpu tests skip, with a reason, where there is no GPU (slurm: tests/slurm_cluster.py) ---
+WORKER_NICENESS = 5
+"""xdist workers (and what they start) run at this niceness, the controller's background kit build at 0.
+
+The build (one thread) is the start of a run's critical path: the kit's users wait for it. At equal priority it got
+a quarter of the 2-core CI machine beside three workers and took 7.5–10 min, and the workers, out of kit-free files
+after about 7.5, waited up to 3 min on it with a core idle. At niceness 5 the scheduler weighs a worker at a third of
+the build, so the build has about a core to itself and the workers share the other. Once it is built every process
+of the run has the same niceness again."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under xdist, each worker's torch uses its share of the cores, at least one thread (two or three workers on two
-    cores: one thread each; oversubscribed intra-op threads made some CPU tests many times slower)."""
+    cores: one thread each; oversubscribed intra-op threads made some CPU tests many times slower), and the worker
+    yields to the kit's build (:data:`WORKER_NICENESS`)."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         import torch
 
         torch.set_num_threads(_threads_per_worker(int(workers)))
+        os.nice(WORKER_NICENESS)
 
 
 def _threads_per_worker(workers: int) -> int:
