@@ -21,16 +21,18 @@ def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int, wa
     """Median seconds of ``fn`` over ``repeats`` calls after ``warmup`` warm-up calls (CUDA synchronised)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.median([_seconds_of(fn, device) for _ in range(repeats)]))
+
+
+def _seconds_of(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of one call of ``fn``, the device synchronised before and after it (on a GPU, the work it queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def interleaved_times(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int,
@@ -43,14 +45,9 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], device: torch.device, r
         for name, fn in fns.items():
             if before is not None:
                 before()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            seconds = _seconds_of(fn, device)
             if round_index >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
     return times
 
 
