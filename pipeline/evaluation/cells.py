@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pipeline.engine.methods import REPORT_ORDER
+from pipeline.engine.methods import GATE_SETS, REPORT_ORDER
+from pipeline.evaluation.results import not_evaluated
 
 METHOD_ORDER = REPORT_ORDER  # the baseline, then each method by its registry entry's order
 MISSING = "—"
@@ -55,3 +56,20 @@ def _rows(results: dict, task: str | None = None) -> list[Row]:
 
 def _verdict(passed: Any) -> str:
     return {True: "PASSED", False: "FAILED"}.get(passed, "NOT EVALUATED")
+
+
+def bundle_verdicts(results: dict) -> list[tuple[str, bool | None]]:
+    """Each bundle the evaluation judged, in registration order, with its verdict: passed, failed, or None where none
+    of its methods was decoded (``evaluate.methods`` named none: e.g. the draft-vocabulary bundle of a run that decodes
+    only EAGLE-3 and DFlash), so that a run's headline is not a failure it never asked for (``_verdict``: NOT
+    EVALUATED). Such a bundle is still not registered."""
+    verdicts = []
+    for gate in GATE_SETS.values():
+        judged = results.get(gate.results_field)
+        if not isinstance(judged, dict):
+            continue
+        checks = judged.get("checks") if isinstance(judged.get("checks"), dict) else {}
+        unevaluated = any(isinstance(check, dict) and not_evaluated(name, check.get("passed"))
+                          for name, check in checks.items())
+        verdicts.append((gate.name, None if unevaluated else judged.get("passed")))
+    return verdicts

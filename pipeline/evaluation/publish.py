@@ -72,7 +72,8 @@ def _register_one(cfg: PipelineConfig, results: EvaluationResults, gates: Any, k
                   artifacts: list[Artifact], evaluation: Artifact) -> dict | None:
 
     if not gates.passed or gates.chosen is None:
-        log("evaluate", f"{kind} gates failed, not registered: " + "; ".join(gates.failures()))
+        why = gates.unevaluated() or "gates failed, not registered: " + "; ".join(gates.failures())
+        log("evaluate", f"{kind}: {why}")
         return None
     primary = cfg.evaluate.primary_metric if cfg.evaluate.primary_metric != "auto" else gates.speed_metric
     bundle = Bundle(name=registered_name(cfg.target.model, kind), artifacts=artifacts,

@@ -28,6 +28,7 @@ from pipeline.evaluation.cells import (  # noqa: F401 - re-exported for callers 
     _text,
     _tick,
     _verdict,
+    bundle_verdicts,
 )
 from pipeline.evaluation.plots import PLOTS, figures, svg
 from pipeline.evaluation.results import EvaluationResults
@@ -178,7 +179,7 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
         The path of the written page.
     """
     target = results.get("target") or {}
-    gates, lossless = results.get("gates") or {}, results.get("lossless") or {}
+    gates, lossless, verdicts = results.get("gates") or {}, results.get("lossless") or {}, bundle_verdicts(results)
     esc, rows, title = html.escape, _rows(results), f"Drafter evaluation: {_text(target.get('model'))}"
     header = [_text(target.get(k)) for k in ("model", "revision", "vocab_hash")]
     header += [_text(results.get("device")), _text(results.get("created"))]
@@ -187,7 +188,9 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
         f"<style>{CSS}</style></head><body>\n<h1>{esc(title)}</h1>",
         _html_table(["target", "revision", "vocab hash", "device", "created"], [header]),
         *([f"<p class='note'>{esc(PREFILL_NOTE)}</p>"] if results.get("first_token") == "prefill" else []),
-        f"<h2>Gates: {_verdict_html(gates.get('passed'))}</h2>",
+        "<h2>Gates: " + (" · ".join(f"{esc(name)} {_verdict_html(passed)}" for name, passed in verdicts)
+                         or _verdict_html(None)) + "</h2>",
+        f"<h3>Draft-vocabulary bundle: {_verdict_html(dict(verdicts).get('draft-vocab'))}</h3>",
         _checks_html(gates.get("checks")),
     ]
     if results.get("eagle3_gates") is not None:
@@ -275,10 +278,11 @@ def write_report(evaluation: EvaluationResults, out_dir: Path, *, provenance: di
     json_path.write_text(json.dumps(results, sort_keys=True, indent=2, default=str) + "\n", encoding="utf-8")
     html_path = render_html(results, out_dir)
     model, device = _text((results.get("target") or {}).get("model")), _text(results.get("device"))
-    verdict = _verdict((results.get("gates") or {}).get("passed"))
+    verdicts = bundle_verdicts(results)
+    verdict = " · ".join(f"{name} **{_verdict(passed)}**" for name, passed in verdicts) or f"**{_verdict(None)}**"
     md_path = out_dir / "report.md"
     note = f"\n\n{PREFILL_NOTE}" if results.get("first_token") == "prefill" else ""
-    md = (f"# Drafter evaluation: {model}\n\nDevice: {device} · gates: **{verdict}**{note}\n\n"
+    md = (f"# Drafter evaluation: {model}\n\nDevice: {device} · gates: {verdict}{note}\n\n"
           f"{markdown_table(results)}\n")
     for extra in (eagle3_markdown(results), dynaspec_markdown(results), rdk_markdown(results),
                   block_markdown(results), slrs_markdown(results), device_markdown(results)):

@@ -141,6 +141,19 @@ class Gates:
         """``name (value vs threshold)`` of each failed gate."""
         return [f"{name} ({c.value} vs {c.threshold})" for name, c in self.checks.items() if not c.passed]
 
+    def unevaluated(self) -> str | None:
+        """Why none of the bundle's configurations was decoded (its ``<methods>_evaluated`` check), else None."""
+        return next((c.detail for name, c in self.checks.items() if not_evaluated(name, c.passed)), None)
+
+
+EVALUATED_CHECK = "_evaluated"
+"""The suffix of the check a bundle fails when none of its methods was decoded (``decide_gates``)."""
+
+
+def not_evaluated(check: str, passed: Any) -> bool:
+    """Whether gate check ``check`` with verdict ``passed`` says its bundle was not evaluated at all."""
+    return check.endswith(EVALUATED_CHECK) and passed is False
+
 
 @dataclass
 class EvaluationResults:
@@ -286,7 +299,7 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
             value is not None and value >= speed_min, value, speed_min,
             f"mean {speed_metric} of {where}" if value is not None else f"no {speed_metric} was measured for {where}")
     else:
-        gate_checks[f"{label}_evaluated"] = GateCheck(
+        gate_checks[f"{label}{EVALUATED_CHECK}"] = GateCheck(
             False, False, True, f"no {label} configuration was evaluated: nothing to register")
     return Gates(passed=all(c.passed for c in gate_checks.values()), checks=gate_checks, chosen=chosen,
                  speed_metric=speed_metric)
