@@ -35,6 +35,25 @@ def test_every_shipped_yaml_loads_and_says_how_to_run_it(path: Path) -> None:
         assert argv[1] in subcommands and argv[3] == f"configs/{path.name}", argv
 
 
+
+def _leaves(tree: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): tree}
+
+
+def test_tiny_raw_is_tiny_with_raw_calibration_and_the_same_training_steps() -> None:
+    """configs/tiny-raw.yaml compares calibration kinds with tiny.yaml, so nothing else may differ but what raw rows
+    need. It once named only generate and count: every other stage took the production defaults (EAGLE-3 trained 50
+    steps at lr 3e-4 and failed its gates, the router 4 epochs)."""
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    tiny, raw = (_leaves(to_dict(load_config(configs / name))) for name in ("tiny.yaml", "tiny-raw.yaml"))
+    differing = {key: (tiny[key], raw[key]) for key in tiny if tiny[key] != raw[key]}
+    assert differing == {"generate.kind": ("target", "raw"), "generate.limit": (256, 1024),
+                         "generate.max_new_tokens": (96, 128),
+                         # a quarter of the epochs over the raw set's ~3.3x the rows: about tiny.yaml's steps
+                         "train_drafter.train.epochs": (20, 5), "train_router.train.epochs": (40, 10)}
+
 def test_defaults_are_the_tiny_setup() -> None:
     assert load_config(None).target.model.startswith("tiny:")
     assert len(CONFIGS) >= 2
