@@ -35,7 +35,6 @@ def test_every_shipped_yaml_loads_and_says_how_to_run_it(path: Path) -> None:
         assert argv[1] in subcommands and argv[3] == f"configs/{path.name}", argv
 
 
-
 def _leaves(tree: object, prefix: str = "") -> dict[str, object]:
     if isinstance(tree, dict):
         return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
@@ -53,6 +52,7 @@ def test_tiny_raw_is_tiny_with_raw_calibration_and_the_same_training_steps() -> 
                          "generate.max_new_tokens": (96, 128),
                          # a quarter of the epochs over the raw set's ~3.3x the rows: about tiny.yaml's steps
                          "train_drafter.train.epochs": (20, 5), "train_router.train.epochs": (40, 10)}
+
 
 def test_defaults_are_the_tiny_setup() -> None:
     assert load_config(None).target.model.startswith("tiny:")

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.engine.methods import GATE_SETS
 from pipeline.evaluation.report import COLUMNS, markdown_table, render_html, write_report
+from pipeline.evaluation.results import EvalRow, EvaluationResults, LosslessCheck, decide_gates
 from pipeline.evaluation.sections import BLOCK_HEADERS, block_rows
 from tests.helpers import SHORTLISTS, report_row, synthetic_results, typed_results
 
@@ -186,16 +188,12 @@ def test_write_report_writes_json_html_and_markdown(tmp_path: Path) -> None:
     assert "<svg" in paths[1].read_text(encoding="utf-8")
 
 
-
 @pytest.mark.parametrize(("tau_min", "eagle3_verdict"), [(1.5, "PASSED"), (9.0, "FAILED")])
-def test_the_headline_gives_each_bundle_and_one_no_method_of_was_decoded_is_not_evaluated(
+def test_the_headline_gives_each_bundle_and_an_undecoded_one_is_not_evaluated(
         tmp_path: Path, tau_min: float, eagle3_verdict: str) -> None:
     """A run that decodes only EAGLE-3 and DFlash (configs/tiny-dflash.yaml) used to head its report "gates: FAILED":
     the draft-vocabulary bundle, judged with no shortlist row, fails its ``shortlist_evaluated`` check. The headline
     now gives every judged bundle's verdict, that one NOT EVALUATED, and a real failure still reads FAILED."""
-    from pipeline.engine.methods import GATE_SETS
-    from pipeline.evaluation.results import EvalRow, EvaluationResults, LosslessCheck, decide_gates
-
     rows = [EvalRow(**report_row(task, method, tau, 0.8)) for task in ("chat", "code")
             for method, tau in (("ar", 1.0), ("eagle3", 3.2), ("dflash", 3.0))]
     checks = [LosslessCheck("greedy_equal[chat/eagle3/γ=3]", True, "8/8 prompts")]
@@ -208,13 +206,13 @@ def test_the_headline_gives_each_bundle_and_one_no_method_of_was_decoded_is_not_
     results = EvaluationResults(rows=rows, checks=checks, gates=judged["draft-vocab"], device="cpu (2 threads)",
                                 target={"model": "tiny-target"}, inputs={"counts": "count-0123"},
                                 eagle3_gates=judged["eagle3"], dflash_gates=judged["dflash"])
-    _, page, md = write_report(results, tmp_path)
-    headline = (f"gates: draft-vocab **NOT EVALUATED** · eagle3 **{eagle3_verdict}** · dflash **PASSED**\n")
-    assert headline in md.read_text(encoding="utf-8")
-    heading = re.search(r"<h2>Gates: (.*?)</h2>", page.read_text(encoding="utf-8")).group(1)
+    _, page_path, md_path = write_report(results, tmp_path)
+    headline = f"gates: draft-vocab **NOT EVALUATED** · eagle3 **{eagle3_verdict}** · dflash **PASSED**\n"
+    assert headline in md_path.read_text(encoding="utf-8")
+    page = page_path.read_text(encoding="utf-8")
+    heading = re.search(r"<h2>Gates: (.*?)</h2>", page).group(1)
     assert re.sub(r"<[^>]+>", "", heading) == f"draft-vocab NOT EVALUATED · eagle3 {eagle3_verdict} · dflash PASSED"
-    assert re.search(r"<h3>Draft-vocabulary bundle: <span class=\"none\">NOT EVALUATED</span></h3>",
-                     page.read_text(encoding="utf-8"))
+    assert '<h3>Draft-vocabulary bundle: <span class="none">NOT EVALUATED</span></h3>' in page
 
 # --- every registered method at once: the plots' layout, style and the page at 1300 px -----------------
 
