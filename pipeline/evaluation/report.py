@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from pipeline.engine.methods import DRAFT_VOCAB
 from pipeline.evaluation.cells import (  # noqa: F401 - re-exported for callers of this module
     METHOD_ORDER,
     MISSING,
@@ -190,7 +191,7 @@ def render_html(results: dict, out_dir: Path, *, png_dir: Path | None = None) ->
         *([f"<p class='note'>{esc(PREFILL_NOTE)}</p>"] if results.get("first_token") == "prefill" else []),
         "<h2>Gates: " + (" · ".join(f"{esc(name)} {_verdict_html(passed)}" for name, passed in verdicts)
                          or _verdict_html(None)) + "</h2>",
-        f"<h3>Draft-vocabulary bundle: {_verdict_html(dict(verdicts).get('draft-vocab'))}</h3>",
+        f"<h3>Draft-vocabulary bundle: {_verdict_html(dict(verdicts).get(DRAFT_VOCAB.name))}</h3>",
         _checks_html(gates.get("checks")),
     ]
     if results.get("eagle3_gates") is not None:
