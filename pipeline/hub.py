@@ -1,9 +1,15 @@
-"""Which commit a Hugging Face hub reference names: a model's or a dataset's revision resolved to a commit sha.
+"""Which commit a Hugging Face hub reference names (a model's or a dataset's revision resolved to a commit sha), and
+whether its files can be had here.
 
 Artifact ids hold the commit, not the branch, so weights or data pushed to ``main`` change them; and the loaders
 load that commit, resolved once a process (:func:`pinned_commit`), so what a stage reads is what its id names even
 when a download moves ``main`` while it runs. The local Hugging Face cache answers first (``refs/<revision>``, as a
 download leaves it), the hub second; with neither, the caller is told to pin a commit.
+
+A commit whose snapshot is in the local cache loads from there without a network call (:func:`cached_snapshot`); one
+that is not is fetched only after the hub has answered once (:func:`require_hub`). Left to themselves, the loaders ask
+an unreachable hub for each file five times with backoff, twice over for a tokenizer: about 45 s of retry warnings
+on a node without network before the same error, and minutes where a firewall drops the connection instead.
 """
 
 from __future__ import annotations
@@ -20,6 +26,12 @@ PIN = {"model": "target.revision (the target's; a drafter has no revision settin
 """The setting that pins each kind of hub repository, for the error that asks for it."""
 
 
+def _repo_dir(name: str, repo_type: str) -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE) / f"{repo_type}s--{name.replace('/', '--')}"
+
+
 def hub_commit(name: str, revision: str | None, repo_type: str = "model") -> str:
     """The commit a hub reference resolves to: the revision itself when it is a commit sha, else the commit
     the local Hugging Face cache recorded for it, else the hub's answer.
@@ -32,9 +44,7 @@ def hub_commit(name: str, revision: str | None, repo_type: str = "model") -> str
     """
     if revision and COMMIT.fullmatch(revision):
         return revision
-    from huggingface_hub import constants
-
-    ref = Path(constants.HF_HUB_CACHE) / f"{repo_type}s--{name.replace('/', '--')}" / "refs" / (revision or "main")
+    ref = _repo_dir(name, repo_type) / "refs" / (revision or "main")
     if ref.is_file() and COMMIT.fullmatch(commit := ref.read_text().strip()):
         return commit
     try:
@@ -62,3 +72,33 @@ def pinned_commit(name: str, revision: str | None, repo_type: str = "model") -> 
     """:func:`hub_commit`, resolved once a process: the artifact ids a process plans and what it loads name the
     same commit."""
     return hub_commit(name, revision, repo_type)
+
+
+def cached_snapshot(name: str, commit: str, repo_type: str = "model") -> bool:
+    """Whether the local Hugging Face cache holds a snapshot of ``commit`` (a download left it; it may be partial)."""
+    return (_repo_dir(name, repo_type) / "snapshots" / commit).is_dir()
+
+
+@lru_cache(maxsize=64)
+def require_hub(name: str, commit: str, repo_type: str = "model") -> None:
+    """Ask the hub once, with a 10 s timeout and no retries, for ``name`` at ``commit``: before a loader downloads
+    what the local cache lacks. Once a process.
+
+    Raises:
+        DrafterError: The hub did not answer, or refused (unknown repository, commit or gated without credentials).
+    """
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        (api.model_info if repo_type == "model" else api.dataset_info)(name, revision=commit, timeout=10)
+    except Exception as err:  # noqa: BLE001 - offline, unknown repo or commit, auth: the same answer
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        raise DrafterError(
+            f"{name!r} at commit {commit[:12]} is not in the local Hugging Face cache, and the hub did not give it "
+            f"({type(err).__name__}).",
+            expected=f"the {repo_type}'s snapshot in the Hugging Face cache this machine reads, or a hub that answers",
+            found=f"no snapshot under {_repo_dir(name, repo_type)}; the hub: {type(err).__name__}: {first_line}"[:400],
+            fix=f"Download it where the hub is reachable (`hf download {name} --revision {commit}"
+                f"{' --repo-type dataset' if repo_type == 'dataset' else ''}`) into this machine's HF_HUB_CACHE, "
+                "or pass a local path; a gated repository needs HF_TOKEN in the environment.") from err

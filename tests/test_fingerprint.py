@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from pipeline.errors import DrafterError
 from pipeline.models import loading
 from pipeline.orchestration.dag import plan
 from tests.helpers import small_cfg
+from tests.mlflow_server import free_port
 
 READS_TARGET = {"generate", "count", "train_drafter", "cluster", "train_router", "estimate_rdk", "evaluate"}
 
@@ -149,6 +152,45 @@ def test_a_hub_tokenizer_of_its_own_names_its_commit_in_the_ids(tmp_path: Path, 
     loading._fingerprint_cached.cache_clear()
     after = loading.fingerprint(str(target), tokenizer="org/tok")
     assert before["vocab_hash"] == after["vocab_hash"] and before["files"] != after["files"]
+
+
+def _load_on_a_node_without_the_hub(cache: Path, *loads: str) -> subprocess.CompletedProcess:
+    """A fresh process whose hub is a closed port on this machine (a node without network), online mode as a user's
+    shell leaves it, running ``loads`` (calls into :mod:`pipeline.models.loading`); what each gave, in order."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HUB_CACHE=str(cache), HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
+    script = "\n".join(["from pipeline.models import loading", "from pipeline.errors import DrafterError",
+                        *(f"try:\n    print('loaded', type(loading.{call}).__name__, end='\\x1e')\n"
+                          f"except DrafterError as err:\n    print('refused', err, end='\\x1e')" for call in loads)])
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_a_cached_hub_model_loads_without_the_hub_and_an_absent_one_is_refused_at_once(tmp_path: Path,
+                                                                                      tiny_kit) -> None:
+    """On a node that cannot reach the hub, the loaders asked it for every file a pinned commit's snapshot lacked
+    (optional ones included), five times each with backoff: about 45 s of "Retrying" warnings before refusing a model
+    that was never downloaded, and as long for a downloaded one before loading it. Now the cache is read first without
+    a network call, and a commit it does not hold is refused after one question to the hub."""
+    cache = tmp_path / "hub"
+    whole, partial, absent = "1" * 40, "2" * 40, "3" * 40
+    _hub_cache(cache, "org/cached", {whole: tiny_kit.path("target"), partial: tiny_kit.path("target")})
+    (cache / "models--org--cached" / "snapshots" / partial / "model.safetensors").unlink()  # the tokenizer only
+    done = _load_on_a_node_without_the_hub(
+        cache, f"load_tokenizer('org/cached', '{whole}')", f"load_model('org/cached', '{whole}')",
+        f"load_tokenizer('org/cached', '{partial}')", f"load_model('org/cached', '{partial}')",
+        f"load_tokenizer('org/absent', '{absent}')", f"load_model('org/absent', '{absent}')")
+    assert done.returncode == 0, done.stderr[-2000:]
+    answers = done.stdout.split("\x1e")[:-1]
+    tokenizer = type(loading.load_tokenizer(str(tiny_kit.path("target")))).__name__
+    assert [answer.split(" ", 2)[:2] for answer in answers] == [
+        ["loaded", tokenizer], ["loaded", "LlamaForCausalLM"], ["loaded", tokenizer],
+        ["refused", "Could"], ["refused", "'org/absent'"], ["refused", "'org/absent'"]]
+    assert "model.safetensors" in answers[3]  # the partial snapshot's missing file is named
+    assert "is not in the local Hugging Face cache" in answers[4]
+    assert f"hf download org/absent --revision {absent}" in answers[5]
+    assert "Retrying" not in done.stderr  # no backoff against the unreachable hub
+    assert "ConnectError" in answers[4]  # and the hub was asked: its answer is named
 
 
 @pytest.mark.parametrize("edit", [

@@ -14,6 +14,7 @@ files are checked against the hashes recorded at build time whenever they are lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 from pipeline.cache import default_cache_dir
 from pipeline.checksums import StatCache, tree_digest
 from pipeline.errors import DrafterError
-from pipeline.hub import pinned_commit
+from pipeline.hub import cached_snapshot, pinned_commit, require_hub
 from pipeline.tiny import kit_hash, kit_weights, parse_tiny_ref, resolve_tiny_ref
 from pipeline.tiny.spec import ROLE_TOKENIZERS
 from pipeline.vocab.tokens import vocab_hash
@@ -70,6 +71,29 @@ def _load_revision(ref: ModelRef) -> str | None:
     return pinned_commit(ref.name, ref.revision)
 
 
+def _pretrained(load: Callable[..., Any], ref: ModelRef, pinned: str | None, **kwargs: Any) -> Any:
+    """``load(location, ...)`` (a ``from_pretrained``): a local directory as it is; a hub model at commit ``pinned``,
+    from the local Hugging Face cache without a network call where the cache holds that commit's snapshot, else (or
+    where the snapshot lacks a file) from the hub once it has answered (:func:`~pipeline.hub.require_hub`). A cache
+    that lacks a file on a machine without the hub raises the cache's own error: a generation config the model never
+    had stays absent there too."""
+    if pinned is None:
+        return load(ref.location, **kwargs)
+    missing: OSError | None = None
+    if cached_snapshot(ref.name, pinned):
+        try:
+            return load(ref.location, revision=pinned, local_files_only=True, **kwargs)
+        except OSError as err:  # a partial download: the rest from the hub
+            missing = err
+    try:
+        require_hub(ref.name, pinned)
+    except DrafterError:
+        if missing is not None:
+            raise missing from None
+        raise
+    return load(ref.location, revision=pinned, **kwargs)
+
+
 def _hub_error(ref: ModelRef, err: Exception) -> DrafterError:
     first_line = str(err).splitlines()[0] if str(err) else ""
     if ref.is_local:  # a directory that exists but does not load: damaged or not a transformers checkpoint
@@ -96,7 +120,9 @@ def load_tokenizer(name: str, revision: str | None = None, *, trust_remote_code:
     ref = resolve_ref(name, revision)
     pinned = _load_revision(ref)  # outside the try: its error says to pin a commit
     try:
-        return AutoTokenizer.from_pretrained(ref.location, revision=pinned, trust_remote_code=trust_remote_code)
+        return _pretrained(AutoTokenizer.from_pretrained, ref, pinned, trust_remote_code=trust_remote_code)
+    except DrafterError:
+        raise
     except Exception as err:  # noqa: BLE001 - a damaged file raises TypeError, KeyError, tokenizers' Exception...
         raise _hub_error(ref, err) from err
 
@@ -108,8 +134,9 @@ def load_generation_config(name: str, revision: str | None = None) -> Any:
     from transformers import GenerationConfig
 
     ref = resolve_ref(name, revision)
+    pinned = _load_revision(ref)
     try:
-        return GenerationConfig.from_pretrained(ref.location, revision=_load_revision(ref))
+        return _pretrained(GenerationConfig.from_pretrained, ref, pinned)
     except OSError:  # no generation_config.json: the tokenizer's end-of-sequence id is the only stop
         return None
 
@@ -126,9 +153,10 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a weight-loading bar per model is noise in a stage's log
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            ref.location, revision=pinned, dtype=getattr(torch, _DTYPES[dtype]),
-            trust_remote_code=trust_remote_code, use_safetensors=True)
+        model = _pretrained(AutoModelForCausalLM.from_pretrained, ref, pinned, dtype=getattr(torch, _DTYPES[dtype]),
+                            trust_remote_code=trust_remote_code, use_safetensors=True)
+    except DrafterError:
+        raise
     except Exception as err:  # noqa: BLE001 - a cut safetensors file raises SafetensorError, a bad config TypeError
         raise _hub_error(ref, err) from err
     finally:
