@@ -323,7 +323,7 @@ def test_run_on_a_fresh_cache_builds_the_kit_then_finds_what_that_kit_built(
     cfg = small_cfg(tmp_path / "work")
     first = jobs.run(cfg, ["generate"])["generate"]
 
-    def build_into(spec, out: Path, log) -> dict:
+    def build_into(spec, out: Path, log, **_) -> dict:
         for role in ROLES:
             shutil.copytree(tiny_kit.path(role), out / role)
         return {key: value for key, value in tiny_kit.report.items()

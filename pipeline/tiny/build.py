@@ -4,7 +4,8 @@
 text → three drafters → measurements) into a temporary directory next to the cache entry and
 renames it into place, so a kit directory is either complete or absent. An ``fcntl.flock`` lock per
 kit makes a second process wait for the first and then find the kit cached; temporary directories left
-by interrupted builds are removed under that lock. :func:`resolve_tiny_ref` turns
+by interrupted builds are removed under that lock, while the phases such a build finished (each model's trained
+weights, the target's answers: :func:`_partial`) stay for the next build to resume from. :func:`resolve_tiny_ref` turns
 ``"tiny:<profile>/<role>"`` into a directory that ``from_pretrained`` loads, building on demand.
 """
 
@@ -133,11 +134,12 @@ def build_kit(
         profile: ``"default"`` (the embedded default's kit) or ``"test"`` (what pytest builds); build
             times in :data:`~pipeline.tiny.spec.BUILD_MINUTES`.
         cache_dir: Cache root; None means :func:`default_cache_dir`.
-        force: Rebuild even if the kit is cached.
+        force: Rebuild even if the kit is cached, and from scratch: nothing kept by an interrupted build is reused.
         log: Receives progress lines.
 
     Returns:
-        The kit; a cached one returns at once.
+        The kit; a cached one returns at once. A build after an interrupted one resumes after the phases it finished
+        (:class:`pipeline.tiny.recipe.Phases`) and writes the same bytes.
 
     Raises:
         DrafterError: Unknown profile, or the packaged data is missing.
@@ -156,13 +158,22 @@ def build_kit(
             if not force and (kit := _load_kit(root, profile, digest)) is not None:
                 return kit  # built by the process we waited for
             _remove_stale(root, log)
+            if force:  # a rebuild from scratch: nothing kept from an interrupted build either
+                shutil.rmtree(_partial(root), ignore_errors=True)
             return _build_locked(profile, root, digest, log)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _partial(root: Path) -> Path:
+    """Where a build of the kit at ``root`` keeps its finished phases until the kit is complete
+    (:class:`pipeline.tiny.recipe.Phases`): an interrupted build's next run resumes from them."""
+    return root.parent / f".{root.name}.partial"
+
+
 def _remove_stale(root: Path, log: Callable[[str], None]) -> None:
-    """Delete temp dirs of interrupted builds and an incomplete kit dir (we hold the lock)."""
+    """Delete temp dirs of interrupted builds and an incomplete kit dir (we hold the lock); the phases an interrupted
+    build finished stay (:func:`_partial`)."""
     for stale in root.parent.glob(f".{root.name}.tmp-*"):
         log(f"tiny kit {root.name}: removing {stale.name} left by an interrupted build")
         shutil.rmtree(stale, ignore_errors=True)
@@ -178,7 +189,7 @@ def _build_locked(profile: str, root: Path, digest: str, log: Callable[[str], No
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
     try:
         start = time.perf_counter()
-        report = build_into(spec, tmp, log)
+        report = build_into(spec, tmp, log, keep=_partial(root))
         report.update(profile=profile, kit_hash=digest, build_seconds=round(time.perf_counter() - start, 1),
                       sha256=_kit_files(tmp))
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True))
@@ -186,6 +197,7 @@ def _build_locked(profile: str, root: Path, digest: str, log: Callable[[str], No
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    shutil.rmtree(_partial(root), ignore_errors=True)
     log(f"tiny kit {root.name}: built in {report['build_seconds']} s")
     return TinyKit(root, profile, digest, report)
 

@@ -23,17 +23,27 @@
    other drafters see), mixed half and half like the same-tokenizer drafter's rows, so it learns the
    target's own phrasing where it can.
 8. Measurements on held-out chats and on target answers to held-out prompts go into the report.
+
+A build that is interrupted (Ctrl-C, a kill, a lost machine) keeps what it finished, the target's and each drafter's
+trained weights and the target's answers, and the next build of the same kit resumes after them (:class:`Phases`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.checksums import write_json_atomic
 from pipeline.data.sources import DEFAULT_HELDOUT_FRACTION, load_sharegpt, split_heldout
+from pipeline.errors import DrafterError
+from pipeline.staged import staged_about, staged_ok, write_staged
 from pipeline.tiny import corpus
 from pipeline.tiny.crossvocab import aligned_agreement, aligned_distill_loss, aligned_rows, shared_tokens
 from pipeline.tiny.spec import ProfileSpec
@@ -113,14 +123,108 @@ def _save(model: Any, tokenizer: Any, out_dir: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict:
+_RECIPE_MODULES = ("pipeline.data.sources", "pipeline.tiny.corpus", "pipeline.tiny.crossvocab", "pipeline.tiny.spec",
+                   "pipeline.tiny.text_tokenizers", "pipeline.tiny.train")
+PHASES = ("target", "answers", "drafter", "drafter_other", "drafter_bytes")
+"""What a build keeps as it goes, in order: each model's trained weights, and the target's answers."""
+
+
+def _conditions(bf16: bool) -> dict:
+    """What a kit's bytes depend on beyond its recipe (which names the kit's directory): the libraries, torch's
+    threads (the kernels' summation order), mixed precision, and the code the recipe runs (this module and the
+    modules it draws data, tokenizers and training from; not the build's bookkeeping)."""
+    import tokenizers
+    import transformers
+
+    code = hashlib.sha256()
+    for name in (__name__, *_RECIPE_MODULES):  # imported with this module
+        code.update(name.encode() + b"\0" + Path(sys.modules[name].__file__).read_bytes())
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+            "threads": torch.get_num_threads(), "bf16": bf16, "code": code.hexdigest()}
+
+
+class Phases:
+    """The phases an interrupted build finished, kept under ``directory`` for the next build of the same kit.
+
+    Each is a staged file (:mod:`pipeline.staged`: written whole, checksummed, redone if damaged): a model's trained
+    weights with its losses, or the target's answers. A stamp records the build's conditions (:func:`_conditions`);
+    a build under others starts afresh, so a resumed build writes the bytes an uninterrupted one would. Every phase
+    seeds its own randomness, so a kept phase leaves the next one as computing it would have. With ``directory``
+    None nothing is kept.
+    """
+
+    def __init__(self, directory: Path | None, conditions: dict, log: Callable[[str], None]) -> None:
+        self.directory, self.log = directory, log
+        if directory is None:
+            return
+        stamp = directory / "stamp.json"
+        if directory.is_dir():
+            try:
+                kept = json.loads(stamp.read_text())
+            except (OSError, ValueError):
+                kept = None
+            if kept != conditions:
+                log("  an interrupted build under other conditions (libraries, threads, code) left phases: "
+                    "starting afresh")
+                shutil.rmtree(directory)
+        write_json_atomic(stamp, conditions)
+        done = [phase for phase in PHASES if self._path(phase).is_file()]
+        if done:
+            log(f"  resuming an interrupted build: {', '.join(done)} done before")
+
+    def _path(self, phase: str) -> Path:
+        assert self.directory is not None
+        return self.directory / (f"{phase}.json" if phase == "answers" else f"{phase}.safetensors")
+
+    def _kept(self, phase: str) -> Path | None:
+        if self.directory is None or not self._path(phase).is_file():
+            return None
+        return self._path(phase) if staged_ok(self._path(phase), self.log) else None
+
+    def trained(self, phase: str, model: Any, run: Callable[[], list[float]]) -> list[float]:
+        """``run()``, which trains ``model`` in place and returns its losses; or the weights and losses kept."""
+        from safetensors.torch import load_file, save_file
+
+        if (path := self._kept(phase)) is not None:
+            missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+            if unexpected or set(missing) - {"lm_head.weight"}:  # only the head tied to the embedding is not saved
+                raise DrafterError(f"The kept {phase} weights do not fit the {phase} model.",
+                                   expected="the model's parameters", found=f"missing {missing}, unexpected {unexpected}",
+                                   fix=f"Delete {self.directory} and build again.")
+            model.eval()  # as training leaves it
+            self.log(f"  {phase}: trained weights kept by the interrupted build")
+            return [float(loss) for loss in staged_about(path)["losses"]]
+        losses = run()
+        if self.directory is not None:
+            weights = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()
+                       if name != "lm_head.weight" or not model.config.tie_word_embeddings}
+            write_staged(self._path(phase), lambda tmp: save_file(weights, str(tmp)), about={"losses": losses})
+        return losses
+
+    def answered(self, run: Callable[[], dict]) -> dict:
+        """``run()``, the target's answers (JSON: lists of ids), or the answers kept."""
+        if (path := self._kept("answers")) is not None:
+            self.log("  target answers: kept by the interrupted build")
+            return json.loads(path.read_text())
+        answers = run()
+        if self.directory is not None:
+            write_staged(self._path("answers"), lambda tmp: tmp.write_text(json.dumps(answers)))
+        return answers
+
+
+def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None], *, keep: Path | None = None) -> dict:
     """Run the recipe for ``spec`` and save every role of :data:`~pipeline.tiny.spec.ROLES` under ``out``.
+
+    Args:
+        keep: Where the finished phases are kept for a build after an interruption to resume from (:class:`Phases`);
+            None keeps nothing.
 
     Returns:
         The report (figures of every stage), without build time, which the caller adds.
     """
     torch.manual_seed(spec.seed)
     bf16 = spec.mixed_precision and fast_bf16()
+    phases = Phases(keep, _conditions(bf16), log)
     convs, data_report = load_sharegpt()
     train_convs = split_heldout(convs, DEFAULT_HELDOUT_FRACTION, heldout=False)[: spec.train_conversations]
     eval_convs = split_heldout(convs, DEFAULT_HELDOUT_FRACTION, heldout=True)[: spec.eval_conversations]
@@ -137,15 +241,23 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
     eval_t = corpus.pack(corpus.render_ids(tok_t, eval_chats), spec.context)
     target = build_model(spec.target, tok_t, spec.context, spec.seed)
     log(f"  target: {param_count(target):,} params, {spec.target_steps} steps on {rows_t.numel():,} tokens")
-    target_losses = train(
+    target_losses = phases.trained("target", target, lambda: train(
         target, next_token_loss(rows_t, spec.batch_size, spec.seed), steps=spec.target_steps,
         lr=spec.target_lr, seed=spec.seed, log=log, name="target", bf16=bf16,
-    )  # fmt: skip
+    ))  # fmt: skip
 
     prompts = corpus.first_user_prompts(train_chats)[: spec.gen_prompts]
-    prompt_ids, answers = _answer(target, tok_t, prompts, spec, spec.seed + 1, log)
     eval_prompts = corpus.first_user_prompts(eval_chats)
-    eval_prompt_ids, eval_answers = _answer(target, tok_t, eval_prompts, spec, spec.seed + 2, log)
+
+    def answer() -> dict:
+        prompt_ids, answers = _answer(target, tok_t, prompts, spec, spec.seed + 1, log)
+        eval_prompt_ids, eval_answers = _answer(target, tok_t, eval_prompts, spec, spec.seed + 2, log)
+        return {"prompt_ids": prompt_ids, "answers": answers, "eval_prompt_ids": eval_prompt_ids,
+                "eval_answers": eval_answers}
+
+    written = phases.answered(answer)
+    prompt_ids, answers = written["prompt_ids"], written["answers"]
+    eval_prompt_ids, eval_answers = written["eval_prompt_ids"], written["eval_answers"]
     finished = sum(bool(a) and a[-1] == tok_t.eos_token_id for a in answers) / len(answers)
     log(f"  target wrote {sum(map(len, answers)):,} tokens for {len(prompts)} prompts ({finished:.0%} ended)")
     written_t = corpus.pack([p + a for p, a in zip(prompt_ids, answers, strict=True)], spec.context)
@@ -156,10 +268,10 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
     drafter_rows = spec.drafter_steps * spec.batch_size
     drafter = build_model(spec.drafter, tok_t, spec.context, spec.seed + 3)
     drafter_mix = _mix(rows_t, written_t, drafter_rows, spec.seed)
-    drafter_losses = train(
+    drafter_losses = phases.trained("drafter", drafter, lambda: train(
         drafter, distill_loss(drafter_mix, target, spec.batch_size, spec.seed + 3), steps=spec.drafter_steps,
         lr=spec.drafter_lr, seed=spec.seed + 3, log=log, name="drafter (KL to target)", bf16=bf16,
-    )  # fmt: skip
+    ))  # fmt: skip
 
     rows_o = corpus.pack(corpus.render_ids(tok_o, train_chats), spec.context)
     eval_o = corpus.pack(corpus.render_ids(tok_o, eval_chats), spec.context)
@@ -177,10 +289,10 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
     other_loss = aligned_distill_loss(
         aligned, torch.cat([rows_o, written_o]), target, shared, spec.batch_size, spec.seed + 4
     )
-    other_losses = train(
+    other_losses = phases.trained("drafter_other", other, lambda: train(
         other, other_loss, steps=spec.other_steps, lr=spec.other_lr, seed=spec.seed + 4, log=log,
         name="drafter_other (aligned soft targets)", bf16=bf16,
-    )  # fmt: skip
+    ))  # fmt: skip
 
     tok_b = byte_tokenizer("bytelevel")
     rows_b = corpus.pack(corpus.render_ids(tok_b, train_chats), spec.byte_context)
@@ -191,10 +303,10 @@ def build_into(spec: ProfileSpec, out: Path, log: Callable[[str], None]) -> dict
     byte_mix = _mix(rows_b, written_b, spec.byte_steps * spec.batch_size, spec.seed + 5)
     log(f"  drafter_bytes: {param_count(byte_model):,} params, {spec.byte_steps} steps of "
         f"{spec.batch_size}x{spec.byte_context} bytes")  # fmt: skip
-    byte_losses = train(
+    byte_losses = phases.trained("drafter_bytes", byte_model, lambda: train(
         byte_model, next_token_loss(byte_mix, spec.batch_size, spec.seed + 5), steps=spec.byte_steps,
         lr=spec.byte_lr, seed=spec.seed + 5, log=log, name="drafter_bytes (next-byte CE)", bf16=bf16,
-    )  # fmt: skip
+    ))  # fmt: skip
 
     for role, model, tok in (
         ("target", target, tok_t),
