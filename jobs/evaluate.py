@@ -53,7 +53,7 @@ def _build(cfg: PipelineConfig, run: StageRun, artifacts: dict[str, Artifact]) -
     from pipeline.evaluation.report import write_report  # deferred: pulls in numpy
 
     started = time.perf_counter()
-    results = evaluate_matrix(cfg, artifacts, run.fingerprint, run.log)
+    results = evaluate_matrix(cfg, artifacts, run.fingerprint, run.log, run.staging)
     results.other_devices = other_devices(cfg, results.device) or None
     metrics = {"eval_seconds": round(time.perf_counter() - started, 2), "lossless_passed": int(results.lossless)}
     for gate in GATE_SETS.values():

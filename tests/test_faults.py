@@ -20,6 +20,7 @@ from pipeline.data.calibration import iter_rows
 from pipeline.data.sources import load_conversations
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
+from pipeline.orchestration.stage import STAGED_INPUTS
 from tests.helpers import SMALL, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +64,70 @@ def test_kill_minus_9_at_a_random_moment_then_rerun_is_identical(seed: int, tmp_
         step = plan(small_cfg(workdir, *FAST), [stage])[stage]
         assert step.id == artifacts[stage].id and _payloads(step.path) == _payloads(artifacts[stage].path)
     assert not list((workdir / "artifacts").glob(".tmp-*"))
+
+
+TIMED = ("tokens_per_s", "speedup", "predicted_speedup", "ttft_ms", "tpot_ms", "drafter_ms_per_step",
+         "target_ms_per_step", "head_ms_per_step")
+"""Row fields that are wall-clock measurements: what two decodings of the same cells may differ in."""
+EVALUATE = ["evaluate.methods=[full,shortlist]", "evaluate.shortlists=[top_k_16]", "evaluate.gammas=[2,3]",
+            "evaluate.sampling_check_samples=100",
+            "evaluate.register=false"]
+
+
+def _pieces(staging: Path, cells: bool = False) -> int:
+    """Pieces of an evaluation staged (their sidecar checksums and the inputs record aside); ``cells``: only cells."""
+    return sum(1 for f in staging.glob("*.json") if not f.name.endswith(".sha256.json")
+               and f.name != STAGED_INPUTS and (not cells or "-g" in f.name))
+
+
+def _decoded(results: dict) -> tuple[list[dict], list[dict]]:
+    """An evaluation's rows without their timings, and its checks."""
+    rows = [{k: v for k, v in row.items() if k not in TIMED} for row in results["rows"]]
+    return rows, results["lossless"]["checks"]
+
+
+@pytest.mark.slow
+def test_an_evaluation_killed_midway_keeps_its_finished_cells_and_the_rerun_decodes_only_the_rest(
+        tmp_path: Path, reference, capfd: pytest.CaptureFixture) -> None:
+    """`drafter evaluate` killed with SIGKILL once a few of its cells were staged: the rerun keeps them (a line says
+    how many of how many), decodes only the rest, and ends with the rows and checks of an uninterrupted evaluation,
+    timings aside. Before, a killed evaluation started again from its first prompt, so one longer than its Slurm
+    job's time limit was requeued again and again and never ended."""
+    import json
+
+    import torch
+
+    artifacts, _ = reference
+    uninterrupted = run(small_cfg(artifacts["count"].path.parents[1], *FAST, *EVALUATE), ["evaluate"])["evaluate"]
+    workdir = tmp_path / "killed"
+    cfg = small_cfg(workdir, *FAST, *EVALUATE)
+    staging = workdir / "staging" / plan(cfg, ["evaluate"])["evaluate"].id
+    # the same torch threads as this process, so the cells decoded there are the ones decoded here
+    (tmp_path / "empty.yaml").write_text("")  # the defaults small_cfg starts from, not the CLI's embedded default
+    proc = subprocess.Popen(_cli(workdir, "evaluate", "--config", str(tmp_path / "empty.yaml"), *EVALUATE), cwd=ROOT,
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
+    deadline = time.monotonic() + 300
+    while (not staging.is_dir() or _pieces(staging, cells=True) < 3) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the evaluation ended before the kill: the test would prove nothing"
+    first = json.loads((uninterrupted.path / "report.json").read_text())
+    cells = len(first["rows"]) - 2  # the rows but each task's autoregressive one
+    staged = _pieces(staging)
+    assert 3 <= _pieces(staging, cells=True) < cells  # killed midway
+
+    capfd.readouterr()
+    resumed = run(cfg, ["evaluate"])["evaluate"]
+    said = capfd.readouterr().err
+    keys = 2 + cells + cells // 4  # per task its autoregressive runs; the cells; per configuration (2 tasks × 2 γ
+    # cells each) its first-token check
+    assert f"resuming an interrupted evaluation: {staged} of {keys} pieces kept" in said
+    assert resumed.id == uninterrupted.id
+    assert _decoded(json.loads((resumed.path / "report.json").read_text())) == _decoded(first)
+    assert not staging.exists()  # the staged pieces go once the evaluation is published
 
 
 def test_full_disk_fails_clearly_and_publishes_nothing(tmp_path: Path, tiny_kit) -> None:

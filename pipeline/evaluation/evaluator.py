@@ -9,11 +9,18 @@ equal to the autoregressive greedy output on every prompt, and a chi-square test
 empirical distribution against the target's own p, under the evaluation's temperature and top-p (temperature 1 when
 it decodes greedily). The configurations themselves (each
 method's inputs prepared, its proposer built) come from :mod:`pipeline.evaluation.configurations`.
+
+A killed or requeued evaluation loses only the piece it was decoding: each finished piece (a task's autoregressive
+runs, one configuration × γ's row and greedy check, one first-token check) is staged as it ends, and the rerun keeps
+those decoded on the same kind of device (:meth:`Evaluator.run`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +28,7 @@ import torch
 
 from pipeline.artifacts import Artifact
 from pipeline.config.sections import EvaluateConfig, PipelineConfig
-from pipeline.engine.loop import first_rounds, generate_autoregressive, generate_speculative
+from pipeline.engine.loop import GenerationResult, first_rounds, generate_autoregressive, generate_speculative
 from pipeline.engine.methods import BASELINE
 from pipeline.engine.metrics import summarize
 from pipeline.engine.sampling import SamplingParams, standardise
@@ -29,9 +36,14 @@ from pipeline.engine.static import DecodeOptions, resolve_path
 from pipeline.evaluation.configurations import Configuration, Configurations
 from pipeline.evaluation.results import EvalRow, LosslessCheck
 from pipeline.progress import Progress
+from pipeline.staged import staged_about, staged_ok, write_staged
+from pipeline.timing import device_name
 from pipeline.vocab.tokens import stop_ids
 
 GREEDY = SamplingParams(temperature=0.0)
+
+Cells = dict[str, tuple[bool, list[tuple[Configuration, int]]]]
+"""Per task, what is left to decode: whether its autoregressive runs are, and which configuration × γ cells."""
 
 
 def chi_square_first_token(counts: np.ndarray, p: np.ndarray) -> tuple[float, int]:
@@ -66,10 +78,11 @@ class Evaluator:
 
     def __init__(self, cfg: PipelineConfig, target: torch.nn.Module, tokenizer: Any,
                  prompts: dict[str, list[list[int]]], artifacts: dict[str, Artifact], device: str,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], staging: Path | None = None) -> None:
         self.cfg, self.ev = cfg, cfg.evaluate
         self.target, self.tokenizer, self.prompts = target, tokenizer, prompts
         self.device, self.log = device, log
+        self.staging, self.device_label = staging, device_name(device)
         self.configurations = Configurations(cfg, target, tokenizer, prompts, artifacts, device, log)
         self.eos = stop_ids(tokenizer, target)  # where generate ended the calibration answers
         self.params = SamplingParams(temperature=self.ev.temperature, top_p=self.ev.top_p)
@@ -104,16 +117,16 @@ class Evaluator:
                 progress.update(1)
         return out
 
-    def _generations(self, configs: list[Configuration]) -> int:
-        """Generations the timed matrix decodes (and the static warm-up replays): every task's prompts, autoregressively
-        and with each configuration at each γ, greedily and, when sampling, sampled too."""
+    def _generations(self, left: Cells) -> int:
+        """Generations the timed matrix decodes (and the static warm-up replays) of what is ``left``: per task, its
+        autoregressive runs and each configuration × γ cell, greedily and, when sampling, sampled too."""
         passes = 1 if self.params.greedy else 2
-        return sum(len(items) for items in self.prompts.values()) * (1 + len(configs) * len(self.ev.gammas)) * passes
+        return sum(len(self.prompts[task]) * (ar + len(cells)) * passes for task, (ar, cells) in left.items())
 
-    def _warm_up(self, configs: list[Configuration]) -> None:
-        """Every timed generation once, untimed, before anything is timed (the static paths): per task, autoregressive
-        decoding and each configuration × γ over all the task's prompts, greedy and (when sampling) with the timed
-        pass's seed.
+    def _warm_up(self, left: Cells) -> None:
+        """Every timed generation of what is ``left`` once, untimed, before anything is timed (the static paths): per
+        task, autoregressive decoding and each configuration × γ over all the task's prompts, greedy and (when
+        sampling) with the timed pass's seed.
 
         On path ``graphs`` a CUDA graph is compiled the first time a session or drafter feeds a shape, which takes
         seconds. The shapes a generation feeds depend on what it accepts (a drafter's catch-up after ``a`` accepted
@@ -126,15 +139,15 @@ class Evaluator:
         sampled = not self.params.greedy
         passes = [(GREEDY, 0)] + ([(self.params, 1)] if sampled else [])
         with Progress("evaluate: untimed warm-up (every timed generation once: compiles the static paths' shapes)",
-                      self._generations(configs), "generation") as warm:
-            for items in self.prompts.values():
-                for params, seed in passes:
+                      self._generations(left), "generation") as warm:
+            for task, (ar, cells) in left.items():
+                items = self.prompts[task]
+                for params, seed in passes if ar else ():
                     self._decode_all(items, None, 0, params, seed, warm)
-                for config in configs:
+                for config, gamma in cells:
                     warm.note(method=config.method)
-                    for gamma in self.ev.gammas:
-                        for params, seed in passes:
-                            self._decode_all(items, config.proposer, gamma, params, seed, warm)
+                    for params, seed in passes:
+                        self._decode_all(items, config.proposer, gamma, params, seed, warm)
 
     def _warm_up_briefly(self, configs: list[Configuration]) -> None:
         """The eager path's warm-up: a few greedy tokens of the first prompt, autoregressively and with each
@@ -148,78 +161,137 @@ class Evaluator:
                 generate_speculative(self.target, config.proposer, first, 8, gamma, GREEDY, self._generator(),
                                      self.eos, self.options)
 
+    # -- pieces an interrupted run finished ----------------------------------------------------------------
+
+    def _kept(self, key: str) -> Any | None:
+        """What an interrupted run of this evaluation staged under ``key`` (JSON), if it is sound and was decoded on
+        this kind of device; else None (a damaged file is deleted with a line naming it, :func:`staged_ok`)."""
+        path = None if self.staging is None else self.staging / f"{key}.json"
+        if path is None or not path.is_file() or not staged_ok(path, self.log):
+            return None
+        if (device := staged_about(path).get("device")) != self.device_label:
+            self.log(f"{path.name}: decoded on {device}, not on this {self.device_label}: decoding it again")
+            return None
+        return json.loads(path.read_text())
+
+    def _keep(self, key: str, value: Any) -> None:
+        if self.staging is not None:
+            write_staged(self.staging / f"{key}.json", lambda tmp: tmp.write_text(json.dumps(value)),
+                         about={"device": self.device_label})
+
     def run(self) -> tuple[list[EvalRow], list[LosslessCheck]]:
-        """Decode everything: the matrix rows and the losslessness checks."""
-        rows: list[EvalRow] = []
-        checks: list[LosslessCheck] = []
+        """Decode everything: the matrix rows and the losslessness checks.
+
+        Each finished piece is staged as it ends: a task's autoregressive runs (their timings are every row's
+        baseline), a configuration × γ cell's row and greedy check, a configuration's first-token check. A rerun after
+        a kill or a Slurm requeue keeps the pieces decoded on the same kind of device and decodes (and on the static
+        paths warms up) only the rest, so an evaluation longer than a job's time limit still ends. Pieces do not
+        depend on one another: each generation is seeded on its own, and every proposer starts each one afresh.
+        """
         configs = list(self.proposers())
-        sampled = not self.params.greedy
+        cell_keys = {(task, index, gamma): f"{task}-{index}-{config.method}-g{gamma}" for task in self.prompts
+                     for index, config in enumerate(configs) for gamma in self.ev.gammas}
+        keys = [*(f"{task}-ar" for task in self.prompts), *cell_keys.values(),
+                *(f"first-token-{index}-{config.method}" for index, config in enumerate(configs))]
+        kept = {key: value for key in keys if (value := self._kept(key)) is not None}
+        if kept:
+            self.log(f"resuming an interrupted evaluation: {len(kept)} of {len(keys)} pieces kept (decoded on "
+                     f"{self.device_label})")
+        left: Cells = {task: (f"{task}-ar" not in kept,
+                              [(config, gamma) for index, config in enumerate(configs) for gamma in self.ev.gammas
+                               if cell_keys[task, index, gamma] not in kept]) for task in self.prompts}
         if self.options.static:
-            self._warm_up(configs)
+            self._warm_up(left)
         else:
             self._warm_up_briefly(configs)
+        rows: list[EvalRow] = []
+        checks: list[LosslessCheck] = []
         # Counted per generation, not per cell: one cell (a slow method on a slow machine) can take over a minute.
-        decoding = Progress("evaluate: decoding", self._generations(configs), "generation")
+        decoding = Progress("evaluate: decoding", self._generations(left), "generation")
         for task, items in self.prompts.items():
-            ar_greedy = self._decode_all(items, None, 0, GREEDY, 0, decoding)
-            ar = self._decode_all(items, None, 0, self.params, 1, decoding) if sampled else ar_greedy
+            if (runs := kept.get(f"{task}-ar")) is not None:
+                ar_greedy, ar = ([GenerationResult(**r) for r in part] for part in runs)
+            else:
+                ar_greedy = self._decode_all(items, None, 0, GREEDY, 0, decoding)
+                ar = self._decode_all(items, None, 0, self.params, 1, decoding) if not self.params.greedy else ar_greedy
+                self._keep(f"{task}-ar", [[dataclasses.asdict(r) for r in part] for part in (ar_greedy, ar)])
             rows.append(self._row(task, BASELINE, None, 0, None, None, summarize(ar, ar, None), True))
             self.log(f"{task}: autoregressive {rows[-1].tokens_per_s:.1f} tokens/s")
-            for config in configs:
-                method, shortlist, proposer = config.method, config.shortlist, config.proposer
-                stats = getattr(proposer, "head_stats", None)
+            for index, config in enumerate(configs):
                 for gamma in self.ev.gammas:
-                    if stats is not None:
-                        stats.reset()
-                    before = _drafter_counts(proposer)
-                    greedy_runs = self._decode_all(items, proposer, gamma, GREEDY, 0, decoding)
-                    mismatched = [(p, a.tokens, r.tokens) for p, r, a in zip(items, greedy_runs, ar_greedy)
-                                  if r.tokens != a.tokens]
-                    ties = sum(self._is_tie(*m) for m in mismatched)
-                    equal = not mismatched
-                    if sampled and stats is not None:
-                        stats.reset()
-                    if sampled:
-                        before = _drafter_counts(proposer)
-                    runs = self._decode_all(items, proposer, gamma, self.params, 1, decoding) if sampled else greedy_runs
-                    counts = _drafter_counts(proposer)
-                    budget = self.configurations.budget_label(method, gamma)
-                    cost = config.cost
-                    if counts is not None:
-                        calls, psi_rows = (after - first for after, first in zip(counts, before, strict=True))
-                        rounds = sum(len(r.drafted_per_round) for r in runs)
-                        # c per measured drafter call: MBSU = τ / (1 + c · calls per round)
-                        cost = config.cost * calls / (rounds * gamma) if rounds else config.cost
-                    row = self._row(task, method, config.drafter, gamma, shortlist or budget, config.size,
-                                    summarize(runs, ar, cost), equal)
-                    row.greedy_ties = ties if mismatched and ties == len(mismatched) else None
-                    if counts is not None:
-                        row.drafter_calls_per_token = row.per_kept_token(calls)
-                        row.psi_rows_per_token = row.per_kept_token(psi_rows) if psi_rows else None
-                    if stats is not None and stats.steps:
-                        row.budget, row.draft_vocab_mean = budget, stats.mean_size()
-                        row.draft_vocab_per_position = stats.per_position()
-                        row.head_ms_per_step = stats.ms_per_step()
-                        if budget is not None:
-                            row.shortlist_size = int(round(stats.mean_size()))
+                    key = cell_keys[task, index, gamma]
+                    if (cell := kept.get(key)) is not None:
+                        row, check = EvalRow(**cell["row"]), LosslessCheck(**cell["check"])
+                    else:
+                        row, check = self._cell(task, items, config, gamma, ar_greedy, ar, decoding)
+                        self._keep(key, {"row": dataclasses.asdict(row), "check": dataclasses.asdict(check)})
                     rows.append(row)
-                    decoding.note(last=f"{task}/{method} τ={row.tau:.2f}")
-                    self.log(f"{task}: {method}{':' + row.shortlist if row.shortlist else ''} γ={gamma} "
-                             f"τ={row.tau:.2f} speedup={row.speedup:.2f} greedy_equal={equal}"
-                             + (f" head rows/step={row.draft_vocab_mean:.0f}" if row.draft_vocab_mean else ""))
-                    checks.append(LosslessCheck(
-                        name=f"greedy_equal[{task}/{method}{'/' + shortlist if shortlist else ''}/γ={gamma}]",
-                        passed=ties == len(mismatched),
-                        detail=f"{len(items) - len(mismatched)}/{len(items)} prompts token-for-token equal "
-                               f"({self.ev.max_new_tokens} tokens each); {ties} of {len(mismatched)} "
-                               f"mismatches are floating-point ties (tolerance {self.ev.tie_tolerance})"))
+                    checks.append(check)
         decoding.close()
         if self.ev.sampling_check_samples > 0:
-            with Progress("evaluate: losslessness (first-token law)", len(configs) * self.ev.sampling_check_samples,
+            first_token = {index: f"first-token-{index}-{config.method}" for index, config in enumerate(configs)}
+            left_checks = sum(first_token[index] not in kept for index in first_token)
+            with Progress("evaluate: losslessness (first-token law)", left_checks * self.ev.sampling_check_samples,
                           "draw") as draws:
-                checks += [self.sampling_check(config.method, config.shortlist, config.proposer, draws)
-                           for config in configs]
+                for index, config in enumerate(configs):
+                    if (kept_check := kept.get(first_token[index])) is not None:
+                        checks.append(LosslessCheck(**kept_check))
+                        continue
+                    checks.append(self.sampling_check(config.method, config.shortlist, config.proposer, draws))
+                    self._keep(first_token[index], dataclasses.asdict(checks[-1]))
         return rows, checks
+
+    def _cell(self, task: str, items: list[list[int]], config: Configuration, gamma: int,
+              ar_greedy: list[GenerationResult], ar: list[GenerationResult],
+              decoding: Progress) -> tuple[EvalRow, LosslessCheck]:
+        """One configuration at one γ on a task's prompts: its row and its greedy-equality check."""
+        method, shortlist, proposer = config.method, config.shortlist, config.proposer
+        sampled = not self.params.greedy
+        stats = getattr(proposer, "head_stats", None)
+        if stats is not None:
+            stats.reset()
+        before = _drafter_counts(proposer)
+        greedy_runs = self._decode_all(items, proposer, gamma, GREEDY, 0, decoding)
+        mismatched = [(p, a.tokens, r.tokens) for p, r, a in zip(items, greedy_runs, ar_greedy)
+                      if r.tokens != a.tokens]
+        ties = sum(self._is_tie(*m) for m in mismatched)
+        equal = not mismatched
+        if sampled and stats is not None:
+            stats.reset()
+        if sampled:
+            before = _drafter_counts(proposer)
+        runs = self._decode_all(items, proposer, gamma, self.params, 1, decoding) if sampled else greedy_runs
+        counts = _drafter_counts(proposer)
+        budget = self.configurations.budget_label(method, gamma)
+        cost = config.cost
+        if counts is not None:
+            calls, psi_rows = (after - first for after, first in zip(counts, before, strict=True))
+            rounds = sum(len(r.drafted_per_round) for r in runs)
+            # c per measured drafter call: MBSU = τ / (1 + c · calls per round)
+            cost = config.cost * calls / (rounds * gamma) if rounds else config.cost
+        row = self._row(task, method, config.drafter, gamma, shortlist or budget, config.size,
+                        summarize(runs, ar, cost), equal)
+        row.greedy_ties = ties if mismatched and ties == len(mismatched) else None
+        if counts is not None:
+            row.drafter_calls_per_token = row.per_kept_token(calls)
+            row.psi_rows_per_token = row.per_kept_token(psi_rows) if psi_rows else None
+        if stats is not None and stats.steps:
+            row.budget, row.draft_vocab_mean = budget, stats.mean_size()
+            row.draft_vocab_per_position = stats.per_position()
+            row.head_ms_per_step = stats.ms_per_step()
+            if budget is not None:
+                row.shortlist_size = int(round(stats.mean_size()))
+        decoding.note(last=f"{task}/{method} τ={row.tau:.2f}")
+        self.log(f"{task}: {method}{':' + row.shortlist if row.shortlist else ''} γ={gamma} "
+                 f"τ={row.tau:.2f} speedup={row.speedup:.2f} greedy_equal={equal}"
+                 + (f" head rows/step={row.draft_vocab_mean:.0f}" if row.draft_vocab_mean else ""))
+        check = LosslessCheck(
+            name=f"greedy_equal[{task}/{method}{'/' + shortlist if shortlist else ''}/γ={gamma}]",
+            passed=ties == len(mismatched),
+            detail=f"{len(items) - len(mismatched)}/{len(items)} prompts token-for-token equal "
+                   f"({self.ev.max_new_tokens} tokens each); {ties} of {len(mismatched)} "
+                   f"mismatches are floating-point ties (tolerance {self.ev.tie_tolerance})")
+        return row, check
 
     @torch.no_grad()
     def _is_tie(self, prompt: list[int], ar: list[int], spec: list[int]) -> bool:

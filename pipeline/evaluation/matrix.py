@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,7 +76,7 @@ names, kept as they were)."""
 
 
 def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_fingerprint: dict,
-                    log: Callable[[str], None]) -> EvaluationResults:
+                    log: Callable[[str], None], staging: Path | None = None) -> EvaluationResults:
     """Load the target, build the prompts, run the whole matrix and decide the gates of every bundle whose
     artifacts were read (:data:`~pipeline.engine.methods.GATE_SETS`: the draft-vocabulary bundle's always; the
     EAGLE-3, DynaSpec and RDK bundles' when their train_drafter, cluster + train_router and estimate_rdk
@@ -84,13 +85,15 @@ def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_
     Args:
         artifacts: Upstream stage → its artifact: ``count`` always, and whichever others the evaluated methods
             read (the evaluate stage's plan inputs).
+        staging: Where the evaluator stages each finished piece, for a rerun after a kill to keep (the stage's
+            staging directory); None stages nothing.
     """
     ev = cfg.evaluate
     device = resolve_device(ev)
     target_ = Target(cfg.target)
     tokenizer = target_.tokenizer()
     target = target_.model(device)
-    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), artifacts, device, log)
+    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), artifacts, device, log, staging)
     rows, checks = evaluator.run()
     thresholds = {"speed_metric": speed_metric(ev, device), "tau_min": ev.gate_tau_min,
                   "speed_min": ev.gate_speed_min}
