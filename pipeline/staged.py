@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pipeline.checksums import sha256_file, temp_sibling, write_json_atomic
 
@@ -42,6 +43,11 @@ def write_staged(path: Path, write: Callable[[Path], None], about: dict | None =
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_staged_json(path: Path, value: Any, about: dict | None = None) -> None:
+    """:func:`write_staged` of a JSON value (read it back with ``json.loads(path.read_text())``)."""
+    write_staged(path, lambda tmp: tmp.write_text(json.dumps(value)), about)
 
 
 def staged_about(path: Path) -> dict:

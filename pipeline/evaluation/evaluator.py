@@ -36,7 +36,7 @@ from pipeline.engine.static import DecodeOptions, resolve_path
 from pipeline.evaluation.configurations import Configuration, Configurations
 from pipeline.evaluation.results import EvalRow, LosslessCheck
 from pipeline.progress import Progress
-from pipeline.staged import staged_about, staged_ok, write_staged
+from pipeline.staged import staged_about, staged_ok, write_staged_json
 from pipeline.timing import device_name
 from pipeline.vocab.tokens import stop_ids
 
@@ -167,7 +167,7 @@ class Evaluator:
         """What an interrupted run of this evaluation staged under ``key`` (JSON), if it is sound and was decoded on
         this kind of device; else None (a damaged file is deleted with a line naming it, :func:`staged_ok`)."""
         path = None if self.staging is None else self.staging / f"{key}.json"
-        if path is None or not path.is_file() or not staged_ok(path, self.log):
+        if path is None or not staged_ok(path, self.log):
             return None
         if (device := staged_about(path).get("device")) != self.device_label:
             self.log(f"{path.name}: decoded on {device}, not on this {self.device_label}: decoding it again")
@@ -176,8 +176,7 @@ class Evaluator:
 
     def _keep(self, key: str, value: Any) -> None:
         if self.staging is not None:
-            write_staged(self.staging / f"{key}.json", lambda tmp: tmp.write_text(json.dumps(value)),
-                         about={"device": self.device_label})
+            write_staged_json(self.staging / f"{key}.json", value, about={"device": self.device_label})
 
     def run(self) -> tuple[list[EvalRow], list[LosslessCheck]]:
         """Decode everything: the matrix rows and the losslessness checks.

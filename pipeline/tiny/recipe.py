@@ -43,7 +43,7 @@ import torch
 from pipeline.checksums import write_json_atomic
 from pipeline.data.sources import DEFAULT_HELDOUT_FRACTION, load_sharegpt, split_heldout
 from pipeline.errors import DrafterError
-from pipeline.staged import staged_about, staged_ok, write_staged
+from pipeline.staged import staged_about, staged_ok, write_staged, write_staged_json
 from pipeline.tiny import corpus
 from pipeline.tiny.crossvocab import aligned_agreement, aligned_distill_loss, aligned_rows, shared_tokens
 from pipeline.tiny.spec import ProfileSpec
@@ -177,9 +177,8 @@ class Phases:
         return self.directory / (f"{phase}.json" if phase == "answers" else f"{phase}.safetensors")
 
     def _kept(self, phase: str) -> Path | None:
-        if self.directory is None or not self._path(phase).is_file():
-            return None
-        return self._path(phase) if staged_ok(self._path(phase), self.log) else None
+        """The phase's kept file, if there is a sound one (a damaged one is deleted, logged: :func:`staged_ok`)."""
+        return self._path(phase) if self.directory is not None and staged_ok(self._path(phase), self.log) else None
 
     def trained(self, phase: str, model: Any, run: Callable[[], list[float]]) -> list[float]:
         """``run()``, which trains ``model`` in place and returns its losses; or the weights and losses kept."""
@@ -208,7 +207,7 @@ class Phases:
             return json.loads(path.read_text())
         answers = run()
         if self.directory is not None:
-            write_staged(self._path("answers"), lambda tmp: tmp.write_text(json.dumps(answers)))
+            write_staged_json(self._path("answers"), answers)
         return answers
 
 
