@@ -42,6 +42,11 @@ def small_cfg(workdir: Path, *extra: str) -> PipelineConfig:
     return load_config(None, [f"workdir={workdir}", *SMALL, *extra])
 
 
+TIMED_ROW_FIELDS = ("tokens_per_s", "speedup", "predicted_speedup", "ttft_ms", "tpot_ms", "drafter_ms_per_step",
+                    "target_ms_per_step", "head_ms_per_step")
+"""An evaluation row's wall-clock fields: what two decodings of the same cells may differ in."""
+
+
 def small_kit_profile() -> Any:
     """The `test` kit profile with a twentieth of its data and steps, named `determinism`: the same code path
     (tokenizers, every model's training, the target's answers, mixed precision) in ~10 s per build instead of
@@ -142,8 +147,9 @@ def drafted(proposal: Any) -> tuple[list[int], Any]:
     return proposal.token_list(), proposal.q
 
 
-def kit_evaluator(tmp_path: Path, path: str, *extra: str):  # noqa: ANN201
-    """An :class:`~pipeline.evaluation.evaluator.Evaluator` over the test kit with full drafts at γ 2 and 3."""
+def kit_evaluator(tmp_path: Path, path: str, *extra: str, staging: Path | None = None):  # noqa: ANN201
+    """An :class:`~pipeline.evaluation.evaluator.Evaluator` over the test kit with full drafts at γ 2 and 3 (staging
+    its finished pieces in ``staging``, where given)."""
     from jobs import run  # deferred: pulls in the stages and torch
     from pipeline.evaluation.evaluator import Evaluator  # deferred: pulls in torch and the engine
     from pipeline.models.target import Target  # deferred: pulls in transformers
@@ -153,4 +159,4 @@ def kit_evaluator(tmp_path: Path, path: str, *extra: str):  # noqa: ANN201
     counts = run(cfg, ["count"])["count"]  # full drafts over the kit's drafter; the count artifact is read regardless
     target = Target(cfg.target)
     return lambda prompts: Evaluator(cfg, target.model("cpu"), target.tokenizer(), prompts, {"count": counts}, "cpu",
-                                     lambda _line: None)
+                                     lambda _line: None, staging)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from jobs.evaluate import other_devices
 from pipeline.artifacts import ArtifactWriter
 from pipeline.evaluation.report import write_report
 from pipeline.orchestration.dag import plan, spec
-from tests.helpers import kit_evaluator, small_cfg, synthetic_results, typed_results
+from tests.helpers import TIMED_ROW_FIELDS, kit_evaluator, small_cfg, synthetic_results, typed_results
 
 
 def _store_evaluation(cfg, device_name: str, speedup: float) -> str:
@@ -92,6 +93,46 @@ def test_the_static_paths_replay_every_timed_generation_before_anything_is_timed
              for p in task]
     brief = [("ar", [5, 6, 7], 0), ("spec", [5, 6, 7], 2), ("spec", [5, 6, 7], 3)]
     assert calls == (timed + timed if path == "static" else brief + timed)
+
+
+def test_a_resumed_evaluation_warms_up_and_decodes_only_the_pieces_it_lacks(tiny_kit, monkeypatch,
+                                                                            tmp_path: Path) -> None:
+    """Path ``static``, with a staging directory: a first run stages every piece; with one task's autoregressive runs
+    and one cell's staged files deleted (as a kill would have left them undone), the rerun replays and then times
+    exactly those two pieces' generations, and its rows and checks are the first run's, timings aside."""
+    import dataclasses
+
+    import pipeline.evaluation.evaluator as evaluator_module
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    evaluator = kit_evaluator(tmp_path, "static", "evaluate.max_new_tokens=6", "evaluate.sampling_check_samples=20",
+                              staging=staging)
+    prompts = {"chat": [[5, 6, 7], [8, 9, 10, 11]], "code": [[12, 13], [14, 15, 16]]}
+    first_rows, first_checks = evaluator(prompts).run()
+    for piece in ("chat-ar.json", "code-0-full-g3.json"):
+        (staging / piece).unlink()
+    calls: list[tuple] = []
+    real_ar, real_spec = evaluator_module.generate_autoregressive, evaluator_module.generate_speculative
+
+    def ar(model, prompt, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(("ar", prompt, 0))
+        return real_ar(model, prompt, *args, **kwargs)
+
+    def spec_(model, proposer, prompt, new, gamma, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(("spec", prompt, gamma))
+        return real_spec(model, proposer, prompt, new, gamma, *args, **kwargs)
+
+    monkeypatch.setattr(evaluator_module, "generate_autoregressive", ar)
+    monkeypatch.setattr(evaluator_module, "generate_speculative", spec_)
+    rows, checks = evaluator(prompts).run()
+    lacking = [("ar", p, 0) for p in prompts["chat"]] + [("spec", p, 3) for p in prompts["code"]]
+    assert calls == lacking + lacking  # the warm-up's replay, then the timed pass: nothing else decoded
+    def decoded(row: Any) -> dict:
+        return {k: v for k, v in dataclasses.asdict(row).items() if k not in TIMED_ROW_FIELDS}
+
+    assert [decoded(r) for r in rows] == [decoded(r) for r in first_rows] and checks == first_checks
+    assert len(checks) == 2 * 2 + 1  # two tasks × two γ greedy checks, and the configuration's first-token check
 
 
 def test_the_timed_cells_feed_no_compiled_function_a_shape_the_warm_up_did_not(tiny_kit, monkeypatch,

@@ -21,7 +21,7 @@ from pipeline.data.sources import load_conversations
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import STAGED_INPUTS
-from tests.helpers import SMALL, small_cfg
+from tests.helpers import SMALL, TIMED_ROW_FIELDS, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["generate.limit=24", "generate.max_new_tokens=12", "mlflow.log_artifacts=false"]
@@ -66,9 +66,6 @@ def test_kill_minus_9_at_a_random_moment_then_rerun_is_identical(seed: int, tmp_
     assert not list((workdir / "artifacts").glob(".tmp-*"))
 
 
-TIMED = ("tokens_per_s", "speedup", "predicted_speedup", "ttft_ms", "tpot_ms", "drafter_ms_per_step",
-         "target_ms_per_step", "head_ms_per_step")
-"""Row fields that are wall-clock measurements: what two decodings of the same cells may differ in."""
 EVALUATE = ["evaluate.methods=[full,shortlist]", "evaluate.shortlists=[top_k_16]", "evaluate.gammas=[2,3]",
             "evaluate.sampling_check_samples=100",
             "evaluate.register=false"]
@@ -82,7 +79,7 @@ def _pieces(staging: Path, cells: bool = False) -> int:
 
 def _decoded(results: dict) -> tuple[list[dict], list[dict]]:
     """An evaluation's rows without their timings, and its checks."""
-    rows = [{k: v for k, v in row.items() if k not in TIMED} for row in results["rows"]]
+    rows = [{k: v for k, v in row.items() if k not in TIMED_ROW_FIELDS} for row in results["rows"]]
     return rows, results["lossless"]["checks"]
 
 
