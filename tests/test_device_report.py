@@ -63,18 +63,10 @@ def test_a_report_without_another_device_has_no_device_table(tmp_path: Path) -> 
     assert "Wall-clock on each device" not in md_path.read_text() + html_path.read_text()
 
 
-@pytest.mark.parametrize("path", ["static", "eager"])
-def test_the_static_paths_replay_every_timed_generation_before_anything_is_timed(path: str, tiny_kit, monkeypatch,
-                                                                                  tmp_path: Path) -> None:
-    """On the static paths (``graphs`` compiles a CUDA graph per shape on first use) the evaluator decodes, untimed and
-    before the first timed cell, every generation the timed cells will decode, in their order. The eager path decodes
-    a few tokens of the first prompt autoregressively and with each configuration at each γ: it warmed up
-    autoregressive decoding alone, so a configuration's one-off costs (DynaSpec's Triton kernel compiling on a GPU)
-    landed in its first timed cell."""
+def _recorded_generations(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """The evaluator's generations from now on, each recorded as ``(kind, prompt, γ)`` as it runs."""
     import pipeline.evaluation.evaluator as evaluator_module
 
-    evaluator = kit_evaluator(tmp_path, path, "evaluate.max_new_tokens=6")
-    prompts = {"chat": [[5, 6, 7], [8, 9, 10, 11], [17, 18, 19]], "code": [[12, 13], [14, 15, 16]]}
     calls: list[tuple] = []
     real_ar, real_spec = evaluator_module.generate_autoregressive, evaluator_module.generate_speculative
 
@@ -88,6 +80,20 @@ def test_the_static_paths_replay_every_timed_generation_before_anything_is_timed
 
     monkeypatch.setattr(evaluator_module, "generate_autoregressive", ar)
     monkeypatch.setattr(evaluator_module, "generate_speculative", spec_)
+    return calls
+
+
+@pytest.mark.parametrize("path", ["static", "eager"])
+def test_the_static_paths_replay_every_timed_generation_before_anything_is_timed(path: str, tiny_kit, monkeypatch,
+                                                                                  tmp_path: Path) -> None:
+    """On the static paths (``graphs`` compiles a CUDA graph per shape on first use) the evaluator decodes, untimed and
+    before the first timed cell, every generation the timed cells will decode, in their order. The eager path decodes
+    a few tokens of the first prompt autoregressively and with each configuration at each γ: it warmed up
+    autoregressive decoding alone, so a configuration's one-off costs (DynaSpec's Triton kernel compiling on a GPU)
+    landed in its first timed cell."""
+    evaluator = kit_evaluator(tmp_path, path, "evaluate.max_new_tokens=6")
+    prompts = {"chat": [[5, 6, 7], [8, 9, 10, 11], [17, 18, 19]], "code": [[12, 13], [14, 15, 16]]}
+    calls = _recorded_generations(monkeypatch)
     evaluator(prompts).run()
     timed = [(kind, p, g) for task in prompts.values() for kind, g in (("ar", 0), ("spec", 2), ("spec", 3))
              for p in task]
@@ -102,8 +108,6 @@ def test_a_resumed_evaluation_warms_up_and_decodes_only_the_pieces_it_lacks(tiny
     exactly those two pieces' generations, and its rows and checks are the first run's, timings aside."""
     import dataclasses
 
-    import pipeline.evaluation.evaluator as evaluator_module
-
     staging = tmp_path / "staging"
     staging.mkdir()
     evaluator = kit_evaluator(tmp_path, "static", "evaluate.max_new_tokens=6", "evaluate.sampling_check_samples=20",
@@ -112,19 +116,7 @@ def test_a_resumed_evaluation_warms_up_and_decodes_only_the_pieces_it_lacks(tiny
     first_rows, first_checks = evaluator(prompts).run()
     for piece in ("chat-ar.json", "code-0-full-g3.json"):
         (staging / piece).unlink()
-    calls: list[tuple] = []
-    real_ar, real_spec = evaluator_module.generate_autoregressive, evaluator_module.generate_speculative
-
-    def ar(model, prompt, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        calls.append(("ar", prompt, 0))
-        return real_ar(model, prompt, *args, **kwargs)
-
-    def spec_(model, proposer, prompt, new, gamma, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        calls.append(("spec", prompt, gamma))
-        return real_spec(model, proposer, prompt, new, gamma, *args, **kwargs)
-
-    monkeypatch.setattr(evaluator_module, "generate_autoregressive", ar)
-    monkeypatch.setattr(evaluator_module, "generate_speculative", spec_)
+    calls = _recorded_generations(monkeypatch)
     rows, checks = evaluator(prompts).run()
     lacking = [("ar", p, 0) for p in prompts["chat"]] + [("spec", p, 3) for p in prompts["code"]]
     assert calls == lacking + lacking  # the warm-up's replay, then the timed pass: nothing else decoded
