@@ -190,13 +190,15 @@ class Evaluator:
         configs = list(self.proposers())
         cell_keys = {(task, index, gamma): f"{task}-{index}-{config.method}-g{gamma}" for task in self.prompts
                      for index, config in enumerate(configs) for gamma in self.ev.gammas}
-        keys = [*(f"{task}-ar" for task in self.prompts), *cell_keys.values(),
-                *(f"first-token-{index}-{config.method}" for index, config in enumerate(configs))]
+        ar_keys = {task: f"{task}-ar" for task in self.prompts}
+        first_token = ({index: f"first-token-{index}-{config.method}" for index, config in enumerate(configs)}
+                       if self.ev.sampling_check_samples > 0 else {})
+        keys = [*ar_keys.values(), *cell_keys.values(), *first_token.values()]
         kept = {key: value for key in keys if (value := self._kept(key)) is not None}
         if kept:
             self.log(f"resuming an interrupted evaluation: {len(kept)} of {len(keys)} pieces kept (decoded on "
                      f"{self.device_label})")
-        left: Cells = {task: (f"{task}-ar" not in kept,
+        left: Cells = {task: (ar_keys[task] not in kept,
                               [(config, gamma) for index, config in enumerate(configs) for gamma in self.ev.gammas
                                if cell_keys[task, index, gamma] not in kept]) for task in self.prompts}
         if self.options.static:
@@ -208,12 +210,12 @@ class Evaluator:
         # Counted per generation, not per cell: one cell (a slow method on a slow machine) can take over a minute.
         decoding = Progress("evaluate: decoding", self._generations(left), "generation")
         for task, items in self.prompts.items():
-            if (runs := kept.get(f"{task}-ar")) is not None:
+            if (runs := kept.get(ar_keys[task])) is not None:
                 ar_greedy, ar = ([GenerationResult(**r) for r in part] for part in runs)
             else:
                 ar_greedy = self._decode_all(items, None, 0, GREEDY, 0, decoding)
                 ar = self._decode_all(items, None, 0, self.params, 1, decoding) if not self.params.greedy else ar_greedy
-                self._keep(f"{task}-ar", [[dataclasses.asdict(r) for r in part] for part in (ar_greedy, ar)])
+                self._keep(ar_keys[task], [[dataclasses.asdict(r) for r in part] for part in (ar_greedy, ar)])
             rows.append(self._row(task, BASELINE, None, 0, None, None, summarize(ar, ar, None), True))
             self.log(f"{task}: autoregressive {rows[-1].tokens_per_s:.1f} tokens/s")
             for index, config in enumerate(configs):
@@ -227,8 +229,7 @@ class Evaluator:
                     rows.append(row)
                     checks.append(check)
         decoding.close()
-        if self.ev.sampling_check_samples > 0:
-            first_token = {index: f"first-token-{index}-{config.method}" for index, config in enumerate(configs)}
+        if first_token:
             left_checks = sum(first_token[index] not in kept for index in first_token)
             with Progress("evaluate: losslessness (first-token law)", left_checks * self.ev.sampling_check_samples,
                           "draw") as draws:
