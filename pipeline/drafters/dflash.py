@@ -46,6 +46,8 @@ from pipeline.drafters.layers import (
     check_shape,
     check_vocab_maps,
     rotate,
+    stacked_products,
+    stacked_weights,
     target_shape,
 )
 from pipeline.errors import DrafterError
@@ -308,6 +310,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, width, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.register_buffer("qkv", None, persistent=False)
+
+    def stack(self, on: bool) -> None:
+        """Queries, keys and values as one product over context and block (decoding: the context rows' queries are
+        computed and dropped, cheaper than two more products) or three (training)."""
+        self.qkv = stacked_weights(on, self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, block: torch.Tensor, context: torch.Tensor, rope: tuple, mask: torch.Tensor | None,
                 cache: ContextCache | StaticContextCache | None, layer: int) -> torch.Tensor:
@@ -315,13 +323,19 @@ class Attention(nn.Module):
         batch, length, _ = block.shape
         rows = context.shape[1]
         cos, sin = rope
-        q = self.q_norm(self.q_proj(block).view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
-        q = rotate(q, cos[:, rows:], sin[:, rows:])
         # The context's keys/values and the block's in one projection each (one matmul, one norm, one rotation).
         both = torch.cat([context, block], dim=1)
-        k = self.k_norm(self.k_proj(both).view(batch, rows + length, self.kv_heads, self.head_dim)).transpose(1, 2)
+        if self.qkv is None:
+            q, k, v = self.q_proj(block), self.k_proj(both), self.v_proj(both)
+        else:
+            q, k, v = stacked_products(both, self.qkv, (self.q_proj.out_features, self.k_proj.out_features,
+                                                        self.v_proj.out_features))
+            q = q[:, rows:]
+        q = self.q_norm(q.reshape(batch, length, self.heads, self.head_dim)).transpose(1, 2)
+        q = rotate(q, cos[:, rows:], sin[:, rows:])
+        k = self.k_norm(k.reshape(batch, rows + length, self.kv_heads, self.head_dim)).transpose(1, 2)
         k = rotate(k, cos, sin)
-        v = self.v_proj(both).view(batch, rows + length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(batch, rows + length, self.kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.extend(layer, k[:, :, :rows], v[:, :, :rows], k[:, :, rows:], v[:, :, rows:])
         # No causal mask: a block row sees every context key and every row of its block (both directions).

@@ -47,6 +47,8 @@ from pipeline.drafters.layers import (
     check_shape,
     check_vocab_maps,
     rotate,
+    stacked_products,
+    stacked_weights,
     target_shape,
 )
 from pipeline.errors import DrafterError
@@ -183,13 +185,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+        self.register_buffer("qkv", None, persistent=False)
+
+    def stack(self, on: bool) -> None:
+        """Queries, keys and values as one product (decoding) or three (training)."""
+        self.qkv = stacked_weights(on, self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | StaticKVCache | TTTCache | None) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = stacked_products(x, self.qkv, (self.q_proj.out_features, self.k_proj.out_features,
+                                                     self.v_proj.out_features))
+        q = q.reshape(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = (cache if cache is not None else KVCache()).attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))

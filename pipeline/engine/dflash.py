@@ -42,7 +42,8 @@ class DFlashProposer:
 
     Args:
         drafter: The DFlash drafter for this target (its embedding is the target's; its head the target's or its
-            own over a draft vocabulary, whose map is read here, once).
+            own over a draft vocabulary, whose map is read here, once). It is switched to its decoding layout
+            (:meth:`~pipeline.drafters.layers.RopeDrafter.stack_for_decoding`).
         target_vocab_size: Width of ``q``; defaults to the drafter's ``config.vocab_size`` (the target's head).
         name: Label used in metrics and reports.
 
@@ -53,6 +54,7 @@ class DFlashProposer:
     def __init__(self, drafter: DFlashDrafter, *, target_vocab_size: int | None = None, name: str = "dflash") -> None:
         config = drafter.config
         self.drafter = drafter
+        drafter.stack_for_decoding()
         self.name = name
         self.block_size = config.block_size
         self.target_layers: tuple[int, ...] = config.hidden_state_indices

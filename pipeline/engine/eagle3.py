@@ -50,7 +50,8 @@ class Eagle3Proposer:
 
     Args:
         drafter: The EAGLE-3 drafter for this target (its embedding is the target's, on the same
-            device). Its vocabulary maps (``d2t``) are read here, once.
+            device). Its vocabulary maps (``d2t``) are read here, once, and it is switched to its decoding layout
+            (:meth:`~pipeline.drafters.layers.RopeDrafter.stack_for_decoding`).
         target_vocab_size: Width of ``q`` (the target's logit width); defaults to the drafter's
             ``config.target_vocab_size`` (the rows of the target embedding).
         name: Label used in metrics and reports.
@@ -64,6 +65,7 @@ class Eagle3Proposer:
     ) -> None:
         config = drafter.config
         self.drafter = drafter
+        drafter.stack_for_decoding()
         self.name = name
         self.target_layers: tuple[int, ...] = tuple(int(i) for i in config.aux_layer_ids)
         self.target_vocab_size = int(target_vocab_size or config.target_vocab_size)

@@ -164,6 +164,45 @@ def test_both_context_caches_equal_a_fresh_forward_across_rounds_and_a_rollback(
         static.mask(5)
 
 
+def test_the_decoding_layout_drafts_the_same_block_and_never_outlives_the_weights_it_stacked(target) -> None:
+    """Stacked projections and fused norms (what the proposer switches on) give the separate layers' block over the
+    eager cache; the state dict stays the reference layout; training mode or loaded weights drop the stacks, so the
+    next block follows the new weights."""
+    drafter = _drafter(target, block=4)
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(3))
+    features = _features(target, drafter, ids)
+
+    def blocks() -> list[torch.Tensor]:
+        cache = ContextCache(drafter.config.num_hidden_layers)
+        out = []
+        for valid, rows in ((0, 7), (7, 12)):  # a fresh context, then a round that extends it
+            block = drafter.block_ids(ids[0, rows:rows + 1])
+            out.append(drafter(block, features[:, valid:rows], torch.arange(rows, rows + 4).unsqueeze(0),
+                               torch.arange(valid, rows).unsqueeze(0), cache=cache)[0])
+        return out
+
+    with torch.no_grad():
+        separate = blocks()
+        drafter.stack_for_decoding()
+        assert drafter.layers[0].self_attn.qkv.shape[0] == sum(
+            getattr(drafter.layers[0].self_attn, name).out_features for name in ("q_proj", "k_proj", "v_proj"))
+        for got, want in zip(blocks(), separate, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert set(drafter.state_dict()) == set(reference_keys(drafter.config))
+        other = _drafter(target, block=4, seed=5)
+        drafter.load_state_dict(other.state_dict())
+        assert drafter.layers[0].self_attn.qkv is None and drafter.layers[0].mlp.gate_up is None
+        drafter.stack_for_decoding()
+        stacked = blocks()
+        drafter.stack_for_decoding(False)
+        for got, want in zip(stacked, blocks(), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert (stacked[0] - separate[0]).abs().max() > 1e-3  # the new weights, not the stacked old ones
+        drafter.stack_for_decoding()
+        drafter.train()
+        assert drafter.layers[0].self_attn.qkv is None and not drafter.norm.fused
+
+
 def test_many_anchors_in_one_masked_forward_equal_one_forward_per_block(target) -> None:
     """The training forward (every block side by side, block_attention's mask) gives each block exactly what the
     proposer's forward for that block alone gives."""

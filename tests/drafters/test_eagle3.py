@@ -244,6 +244,54 @@ def test_kv_cache_decoding_matches_one_forward() -> None:
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_fused_rms_norm_is_llamas_in_every_dtype(dtype: torch.dtype) -> None:
+    """The decoding layout's one ``rms_norm`` gives Llama's norm (statistics in float32, the weight applied after the
+    cast back) for float32, bf16 (a float32 weight over bf16 rows: training's autocast) and float64 rows."""
+    from pipeline.drafters.layers import RMSNorm
+
+    norm = RMSNorm(H, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(H, generator=torch.Generator().manual_seed(0)))
+    x = (3 * torch.randn(2, 5, H, generator=torch.Generator().manual_seed(1))).to(dtype)
+    want = norm(x)
+    norm.fused = True
+    got = norm(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_decoding_layout_steps_alike_and_never_outlives_the_weights_it_stacked() -> None:
+    """Stacked projections and fused norms (what the proposer switches on) give the separate layers' steps over a
+    KV cache, the state dict keeps the serving keys, and loaded weights or training mode drop the stacks."""
+    drafter = make_drafter().double().eval()
+    batch = random_batch(length=10)
+    ids, fused = batch["input_ids"], drafter.fc(batch["hidden"].double()).detach()
+
+    def steps() -> torch.Tensor:
+        cache = KVCache()
+        parts = [drafter.step(ids[:, :6], fused[:, :6], cache=cache)]
+        parts += [drafter.step(ids[:, t : t + 1], fused[:, t : t + 1], cache=cache) for t in range(6, 10)]
+        return drafter.logits(torch.cat(parts, dim=1))
+
+    with torch.no_grad():
+        separate = steps()
+        drafter.stack_for_decoding()
+        assert drafter.midlayer.self_attn.qkv is not None and drafter.midlayer.mlp.gate_up is not None
+        torch.testing.assert_close(steps(), separate, rtol=0, atol=1e-12)
+        assert set(drafter.state_dict()) == set(SERVING_KEYS)
+        drafter.load_state_dict(make_drafter(seed=4).double().state_dict())
+        assert drafter.midlayer.self_attn.qkv is None and not drafter.norm.fused
+        drafter.stack_for_decoding()
+        stacked = steps()
+        drafter.stack_for_decoding(False)
+        torch.testing.assert_close(stacked, steps(), rtol=0, atol=1e-12)
+        assert (stacked - separate).abs().max() > 1e-3
+        drafter.stack_for_decoding()
+        drafter.train()
+        assert drafter.midlayer.mlp.gate_up is None and not drafter.midlayer.input_layernorm.fused
+
+
 def test_ttt_steps_see_what_a_chain_drafter_sees_at_inference() -> None:
     """Row t of step s equals drafting at inference: prefill step-0 rows 0..t (the verified prefix),
     then feed the drafts of steps 1..s one at a time (position t+j, its own previous hidden)."""
