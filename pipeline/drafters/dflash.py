@@ -315,7 +315,7 @@ class Attention(nn.Module):
     def stack(self, on: bool) -> None:
         """Queries, keys and values as one product over context and block (decoding: the context rows' queries are
         computed and dropped, cheaper than two more products) or three (training)."""
-        self.qkv = stacked_weights(on, self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = stacked_weights(on, self.qkv, self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, block: torch.Tensor, context: torch.Tensor, rope: tuple, mask: torch.Tensor | None,
                 cache: ContextCache | StaticContextCache | None, layer: int) -> torch.Tensor:

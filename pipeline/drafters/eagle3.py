@@ -189,7 +189,7 @@ class Attention(nn.Module):
 
     def stack(self, on: bool) -> None:
         """Queries, keys and values as one product (decoding) or three (training)."""
-        self.qkv = stacked_weights(on, self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = stacked_weights(on, self.qkv, self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | StaticKVCache | TTTCache | None) -> torch.Tensor:

@@ -4,9 +4,10 @@ RMSNorm, RoPE and gated MLP, and a base module whose RoPE frequencies stay float
 **Decoding layout.** The proposers switch a drafter to :meth:`RopeDrafter.stack_for_decoding`: each layer's
 projections that read the same input (queries, keys and values; the MLP's gate and up) run as one matrix product over
 their weights stacked row-wise, and the norms as one fused ``rms_norm``. Fewer, larger operations per forward: on a GPU
-fewer kernels, on a CPU fewer dispatches (a block of rows gains most). The stacked weights are non-persistent buffers,
-in no state dict; training, checkpoints and exports see the separate layers only, and leaving decoding (``.train()``,
-``load_state_dict``) drops the stacks, so they never go stale.
+fewer kernels, on a CPU fewer dispatches (a block of rows gains most). The stacks are non-persistent buffers, in no
+state dict, and each layer's weight becomes a view of its rows, so no weight is held twice and the two cannot part;
+training, checkpoints and exports see the separate layers only, and leaving decoding (``.train()``,
+``load_state_dict``) gives each layer weights of its own again.
 """
 
 from __future__ import annotations
@@ -104,10 +105,21 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def stacked_weights(on: bool, *linears: nn.Linear) -> torch.Tensor | None:
-    """The weights of bias-free ``linears`` that read one input, stacked row-wise (one product in place of one per
-    layer), detached; None when not ``on``. The caller keeps it in a non-persistent buffer."""
-    return torch.cat([layer.weight.detach() for layer in linears]) if on else None
+def stacked_weights(on: bool, stacked: torch.Tensor | None, *linears: nn.Linear) -> torch.Tensor | None:
+    """Decoding (``on``): the weights of bias-free ``linears`` that read one input, stacked row-wise (one product in
+    place of one per layer), each layer's weight then a view of its rows, so no weight is held twice. The caller keeps
+    the stack in a non-persistent buffer. Not ``on``: None, and each layer gets weights of its own again (copied out of
+    ``stacked``, the caller's stack, if it has one)."""
+    if on:
+        stacked = torch.cat([layer.weight.detach() for layer in linears])
+        rows = stacked.split([layer.out_features for layer in linears])
+        for layer, own in zip(linears, rows, strict=True):
+            layer.weight.data = own
+        return stacked
+    if stacked is not None:
+        for layer in linears:
+            layer.weight.data = layer.weight.data.clone()
+    return None
 
 
 def stacked_products(x: torch.Tensor, stacked: torch.Tensor, widths: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
@@ -134,7 +146,7 @@ class MLP(nn.Module):
 
     def stack(self, on: bool) -> None:
         """Gate and up as one product (decoding) or two (training); see the module doc."""
-        self.gate_up = stacked_weights(on, self.gate_proj, self.up_proj)
+        self.gate_up = stacked_weights(on, self.gate_up, self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
@@ -161,6 +173,9 @@ class RopeDrafter(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(llama)
         object.__setattr__(self, "_rope_inv_freq", self.rotary_emb.inv_freq.clone())
 
+    decoding = False
+    """Whether the layers are in the decoding layout (:meth:`stack_for_decoding`)."""
+
     def stack_for_decoding(self, on: bool = True) -> None:
         """Switch every layer to the decoding layout (see the module doc), or back with ``on=False``."""
         for module in self.modules():
@@ -168,6 +183,7 @@ class RopeDrafter(nn.Module):
                 module.fused = on
             elif module is not self and callable(getattr(module, "stack", None)):
                 module.stack(on)
+        self.decoding = on
 
     def train(self, mode: bool = True) -> RopeDrafter:
         if mode:
@@ -184,4 +200,6 @@ class RopeDrafter(nn.Module):
         if rotary is not None:
             exact = self._rope_inv_freq.to(rotary.inv_freq.device)
             rotary.inv_freq, rotary.original_inv_freq = exact, exact.clone()
+        if self.decoding:  # a conversion copies the weights and the stacks apart: stack the converted weights again
+            self.stack_for_decoding()
         return self

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from pipeline.drafters.dflash import (
     ContextCache,
@@ -164,10 +164,11 @@ def test_both_context_caches_equal_a_fresh_forward_across_rounds_and_a_rollback(
         static.mask(5)
 
 
-def test_the_decoding_layout_drafts_the_same_block_and_never_outlives_the_weights_it_stacked(target) -> None:
+def test_the_decoding_layout_drafts_the_same_block_and_holds_each_weight_once(target, tmp_path: Path) -> None:
     """Stacked projections and fused norms (what the proposer switches on) give the separate layers' block over the
-    eager cache; the state dict stays the reference layout; training mode or loaded weights drop the stacks, so the
-    next block follows the new weights."""
+    eager cache; each layer's weight is a view of the stack (held once, so the two cannot part), a dtype conversion
+    stacks again, and the state dict stays the reference layout and saves as safetensors; loaded weights or training
+    mode give the layers their own weights back, and the next stack follows the new ones."""
     drafter = _drafter(target, block=4)
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(3))
     features = _features(target, drafter, ids)
@@ -177,8 +178,9 @@ def test_the_decoding_layout_drafts_the_same_block_and_never_outlives_the_weight
         out = []
         for valid, rows in ((0, 7), (7, 12)):  # a fresh context, then a round that extends it
             block = drafter.block_ids(ids[0, rows:rows + 1])
-            out.append(drafter(block, features[:, valid:rows], torch.arange(rows, rows + 4).unsqueeze(0),
-                               torch.arange(valid, rows).unsqueeze(0), cache=cache)[0])
+            out.append(drafter(block, features[:, valid:rows].to(drafter.fc.weight.dtype),
+                               torch.arange(rows, rows + 4).unsqueeze(0), torch.arange(valid, rows).unsqueeze(0),
+                               cache=cache)[0])
         return out
 
     with torch.no_grad():
@@ -188,7 +190,22 @@ def test_the_decoding_layout_drafts_the_same_block_and_never_outlives_the_weight
             getattr(drafter.layers[0].self_attn, name).out_features for name in ("q_proj", "k_proj", "v_proj"))
         for got, want in zip(blocks(), separate, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        attention = drafter.layers[0].self_attn
+        storage = attention.qkv.untyped_storage().data_ptr()
+        assert all(getattr(attention, name).weight.untyped_storage().data_ptr() == storage
+                   for name in ("q_proj", "k_proj", "v_proj"))
         assert set(drafter.state_dict()) == set(reference_keys(drafter.config))
+        save_file(drafter.trainable_state_dict(), str(tmp_path / "stacked.safetensors"))  # views of disjoint rows
+        saved = load_file(str(tmp_path / "stacked.safetensors"))
+        assert set(saved) == set(reference_keys(drafter.config))
+        assert all(torch.equal(saved[name], tensor) for name, tensor in drafter.state_dict().items())
+        drafter.float()
+        assert drafter.layers[0].mlp.gate_up.dtype == torch.float32
+        assert drafter.layers[0].mlp.up_proj.weight.untyped_storage().data_ptr() == \
+            drafter.layers[0].mlp.gate_up.untyped_storage().data_ptr()
+        for got, want in zip(blocks(), separate, strict=True):
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
+        drafter.double()
         other = _drafter(target, block=4, seed=5)
         drafter.load_state_dict(other.state_dict())
         assert drafter.layers[0].self_attn.qkv is None and drafter.layers[0].mlp.gate_up is None
@@ -201,6 +218,8 @@ def test_the_decoding_layout_drafts_the_same_block_and_never_outlives_the_weight
         drafter.stack_for_decoding()
         drafter.train()
         assert drafter.layers[0].self_attn.qkv is None and not drafter.norm.fused
+        assert attention.q_proj.weight.untyped_storage().data_ptr() != \
+            attention.k_proj.weight.untyped_storage().data_ptr()  # weights of their own again
 
 
 def test_many_anchors_in_one_masked_forward_equal_one_forward_per_block(target) -> None:
