@@ -49,8 +49,9 @@ SUMMARY: tuple[str, ...] = ("rows", "assistant_tokens", "tokens_per_s")
 """Metrics ``drafter run`` prints for this stage: rows written, assistant tokens and generation throughput."""
 
 
-def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict]:
-    """The calibration conversations: the source minus its held-out share, capped at ``limit``."""
+def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict, list[str]]:
+    """The calibration conversations: the source minus its held-out share, capped at ``limit``; the source's counts
+    (stage metrics) and its notes (what loading it did, for the log)."""
     convs, report = load_conversations(gen.source, revision=gen.source_revision)
     train = split_heldout(convs, gen.heldout_fraction, heldout=False)
     if gen.limit is not None:
@@ -59,7 +60,8 @@ def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict]
         raise DrafterError(f"No conversations left from {gen.source!r} after the held-out split.",
                            expected="at least one conversation", found=f"{len(convs)} read, 0 kept",
                            fix="Use a larger dataset or lower generate.heldout_fraction.")
-    return train, {"source_records_read": report.records_read, "source_records_dropped": report.records_dropped}
+    counts = {"source_records_read": report.records_read, "source_records_dropped": report.records_dropped}
+    return train, counts, report.notes
 
 
 def answer_law(gen: GenerateConfig) -> dict:
@@ -164,7 +166,9 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
 
 def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     gen = cfg.generate
-    convs, source_report = select_conversations(gen)
+    convs, source_report, source_notes = select_conversations(gen)
+    for note in source_notes:
+        run.log(f"source {gen.source}: {note}")
     target = Target(cfg.target)
     tokenizer = target.tokenizer()
     if gen.kind == "raw":
