@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from pipeline.errors import DrafterError
 
@@ -32,6 +33,15 @@ def _repo_dir(name: str, repo_type: str) -> Path:
     from huggingface_hub import constants
 
     return Path(constants.HF_HUB_CACHE) / f"{repo_type}s--{name.replace('/', '--')}"
+
+
+def _repo_info(name: str, revision: str | None, repo_type: str) -> Any:
+    """The hub's answer about a repository at ``revision``: one question, a 10 s timeout, no retries. Raises whatever
+    ``huggingface_hub`` raises (offline mode, unreachable, unknown, gated)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    return (api.model_info if repo_type == "model" else api.dataset_info)(name, revision=revision, timeout=10)
 
 
 def hub_commit(name: str, revision: str | None, repo_type: str = "model") -> str:
@@ -50,11 +60,7 @@ def hub_commit(name: str, revision: str | None, repo_type: str = "model") -> str
     if ref.is_file() and COMMIT.fullmatch(commit := ref.read_text().strip()):
         return commit
     try:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        info = api.model_info if repo_type == "model" else api.dataset_info
-        sha = info(name, revision=revision, timeout=10).sha
+        sha = _repo_info(name, revision, repo_type).sha
     except Exception as err:  # noqa: BLE001 - offline, unknown repo, auth: one answer for all
         raise DrafterError(
             f"Cannot tell which commit {name!r}@{revision or 'main'} is: it is not in the local Hugging Face "
@@ -88,12 +94,10 @@ def snapshot_dir(name: str, commit: str, repo_type: str = "model") -> Path:
 
 def snapshot_gaps(name: str, commit: str, repo_type: str = "model") -> list[str] | None:
     """The files of ``name`` at ``commit`` that its cached snapshot lacks, as the hub lists them (one question, 10 s
-    timeout, no retries); None when the hub does not answer or the process is offline (``HF_HUB_OFFLINE``)."""
+    timeout, no retries); None when the hub gives no list (unreachable, refused, or the process is offline:
+    ``HF_HUB_OFFLINE``)."""
     try:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        info = (api.model_info if repo_type == "model" else api.dataset_info)(name, revision=commit, timeout=10)
+        info = _repo_info(name, commit, repo_type)
     except Exception:  # noqa: BLE001 - offline, unreachable, refused: the hub gives no list
         return None
     snapshot = snapshot_dir(name, commit, repo_type)
@@ -109,10 +113,7 @@ def require_hub(name: str, commit: str, repo_type: str = "model") -> None:
         DrafterError: The hub did not answer, or refused (unknown repository, commit or gated without credentials).
     """
     try:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        (api.model_info if repo_type == "model" else api.dataset_info)(name, revision=commit, timeout=10)
+        _repo_info(name, commit, repo_type)
     except Exception as err:  # noqa: BLE001 - offline, unknown repo or commit, auth: the same answer
         first_line = str(err).splitlines()[0] if str(err) else ""
         raise DrafterError(

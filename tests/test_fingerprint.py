@@ -235,7 +235,7 @@ def test_a_downloaded_hub_dataset_loads_without_the_hub_and_gives_what_its_files
         answers = done.stdout.split("\x1e")[:-1]
         assert answers[0] == f"loaded {want}"
         assert answers[1] == f"loaded read from the Hugging Face cache's snapshot of commit {commit[:12]} as it is: " \
-                             "the hub did not answer, so it was not checked to be whole"
+                             "the hub did not list the commit's files, so it was not checked to be whole"
         if absent:
             assert answers[2].startswith("refused Could not load 'org/absent'")
         else:

@@ -365,7 +365,7 @@ def _load_hub_dataset(source: str, revision: str | None = None) -> tuple[list[Co
                         "pass the data as a local .json/.jsonl file.") from err
             convs, report = _from_dataset(loaded, f"hub:{source}")
             report.notes.append(f"read from the Hugging Face cache's snapshot of commit {revision[:12]}" + (
-                "" if gaps is not None else " as it is: the hub did not answer, so it was not checked to be whole"))
+                "" if gaps is not None else " as it is: the hub did not list the commit's files, so it was not checked to be whole"))
             return convs, report
     try:
         loaded = datasets.load_dataset(source, split="train", revision=revision)
