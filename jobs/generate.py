@@ -168,7 +168,7 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     gen = cfg.generate
     convs, source_report, source_notes = select_conversations(gen)
     for note in source_notes:
-        run.log(f"source {gen.source}: {note}")
+        run.log(f"source: {note}")
     target = Target(cfg.target)
     tokenizer = target.tokenizer()
     if gen.kind == "raw":
