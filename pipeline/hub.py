@@ -9,7 +9,8 @@ download leaves it), the hub second; with neither, the caller is told to pin a c
 A commit whose snapshot is in the local cache loads from there without a network call (:func:`cached_snapshot`); one
 that is not is fetched only after the hub has answered once (:func:`require_hub`). A dataset's snapshot is read as it
 is when the hub does not answer, and only once the hub has listed no file it lacks when it does
-(:func:`snapshot_gaps`): a snapshot holds no record of being whole. Left to themselves, the loaders ask
+(:func:`snapshot_gaps`): a snapshot holds no record of being whole. A dataset the cache lacks goes to ``datasets``
+offline when the hub gave no answer (:func:`hub_silence`). Left to themselves, the loaders ask
 an unreachable hub for each file five times with backoff, twice over for a tokenizer: about 45 s of retry warnings
 on a node without network before the same error, and minutes where a firewall drops the connection instead.
 """
@@ -102,6 +103,22 @@ def snapshot_gaps(name: str, commit: str, repo_type: str = "model") -> list[str]
         return None
     snapshot = snapshot_dir(name, commit, repo_type)
     return sorted(f.rfilename for f in info.siblings or [] if not (snapshot / f.rfilename).is_file())
+
+
+def hub_silence(name: str, revision: str | None, repo_type: str = "model") -> str | None:
+    """Why the hub gave no answer about ``name`` at ``revision`` (one question, 10 s timeout, no retries), as
+    ``"<error>: <first line>"``: unreachable, timed out, or the process is offline (``HF_HUB_OFFLINE``). None when it
+    answered, a refusal included (unknown repository or commit, gated): a loader asking it again is answered at once,
+    while one asking a silent hub retries each request with backoff."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        _repo_info(name, revision, repo_type)
+    except HfHubHTTPError:
+        return None
+    except Exception as err:  # noqa: BLE001 - connection refused or reset, timeout, offline mode: no answer
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
+    return None
 
 
 @lru_cache(maxsize=64)

@@ -7,9 +7,11 @@ rerunning gave a cache hit on stale artifacts, and a damaged tiny kit published 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -243,24 +245,47 @@ def test_a_downloaded_hub_dataset_loads_without_the_hub_and_gives_what_its_files
         assert "Retrying" not in done.stderr
 
 
-def _hub_listing(files: list[str]) -> Iterator[str]:
-    """A local HTTP endpoint that answers the hub's dataset-info request with ``files`` as the repository's files
-    (what ``HfApi.dataset_info`` reads) and 404 to everything else; its URL."""
-    class Listing(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the handler's API
-            found = self.path.startswith("/api/datasets/org/chats/revision/")
-            body = json.dumps({"id": "org/chats", "sha": self.path.rsplit("/", 1)[-1],
-                               "siblings": [{"rfilename": f} for f in files]} if found else {}).encode()
-            self.send_response(200 if found else 404)
-            self.send_header("Content-Type", "application/json")
+def _fake_hub(files: dict[str, str]) -> Iterator[str]:
+    """A local HTTP endpoint that serves one hub dataset, ``org/chats``, as the hub's API does for what
+    ``huggingface_hub`` and ``datasets`` ask: its info at any commit (the names of ``files`` as its files), its tree,
+    and each file's text; 404 to everything else. Its URL."""
+    def listing(folder: str) -> list[dict]:
+        prefix = f"{folder}/" if folder else ""
+        entries = sorted({prefix + name[len(prefix):].split("/")[0] for name in files if name.startswith(prefix)})
+        return [{"type": "file", "path": e, "size": len(files[e].encode()), "oid": "f" * 40} if e in files
+                else {"type": "directory", "path": e, "oid": "d" * 40} for e in entries]
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            path = self.path.split("?")[0]
+            code, kind, body, commit = 404, "application/json", b"{}", ""
+            if match := re.fullmatch(r"/api/datasets/org/chats/revision/(\w+)", path):
+                commit = match[1]
+                code, body = 200, json.dumps({"id": "org/chats", "sha": commit,
+                                              "siblings": [{"rfilename": f} for f in files]}).encode()
+            elif match := re.fullmatch(r"/api/datasets/org/chats/tree/(\w+)/?(.*)", path):
+                commit = match[1]
+                code, body = 200, json.dumps(listing(match[2])).encode()
+            elif (match := re.fullmatch(r"/datasets/org/chats/resolve/(\w+)/(.+)", path)) and match[2] in files:
+                commit = match[1]
+                code, kind, body = 200, "text/plain", files[match[2]].encode()
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
+            self.send_header("ETag", f'"{hashlib.sha1(body).hexdigest()}"')
+            self.send_header("X-Repo-Commit", commit)
+            if code == 404:
+                self.send_header("X-Error-Code", "EntryNotFound")
             self.end_headers()
-            self.wfile.write(body)
+            if self.command == "GET":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = answer
 
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Listing)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -274,24 +299,63 @@ def test_a_cached_hub_dataset_is_read_once_the_hub_lists_no_file_it_lacks(tmp_pa
     commit = "6" * 40
     snapshot = tmp_path / "hub" / "datasets--org--chats" / "snapshots" / commit
     (snapshot / "data").mkdir(parents=True)
-    (snapshot / "data" / "train.jsonl").write_text(json.dumps(
-        {"id": "c0", "conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}) + "\n")
+    chats = [json.dumps({"id": f"c{i}", "conversations": [{"from": "human", "value": f"Hi {i}?"},
+                                                          {"from": "gpt", "value": "Hello."}]}) + "\n" for i in (0, 1)]
+    (snapshot / "data" / "train.jsonl").write_text(chats[0])
     setup = "from pipeline.data.sources import load_conversations\nfrom pipeline.hub import snapshot_gaps"
     loads = (f"snapshot_gaps('org/chats', '{commit}', 'dataset')",
-             f"[c.id for c in load_conversations('org/chats', revision='{commit}')[0]]",
-             f"load_conversations('org/chats', revision='{commit}')[1].notes[-1]")
-    for files, gaps in ((["data/train.jsonl"], []), (["data/train.jsonl", "data/more.jsonl"], ["data/more.jsonl"])):
-        with contextlib.contextmanager(_hub_listing)(files) as endpoint:
+             f"sorted(c.id for c in load_conversations('org/chats', revision='{commit}')[0])",
+             f"' | '.join(load_conversations('org/chats', revision='{commit}')[1].notes)")
+    for files, gaps in (({"data/train.jsonl": chats[0]}, []),
+                        ({"data/train.jsonl": chats[0], "data/train-2.jsonl": chats[1]}, ["data/train-2.jsonl"])):
+        with contextlib.contextmanager(_fake_hub)(files) as endpoint:
             done = _on_a_node_without_the_hub(tmp_path / "hub", setup, *loads, HF_ENDPOINT=endpoint,
                                               HF_DATASETS_CACHE=str(tmp_path / f"datasets-{len(files)}"))
         assert done.returncode == 0, done.stderr[-2000:]
         answers = done.stdout.split("\x1e")[:-1]
         assert answers[0] == f"loaded {gaps}"
-        if not gaps:
-            assert answers[1:] == ["loaded ['c0']",
-                                   f"loaded read from the Hugging Face cache's snapshot of commit {commit[:12]}"]
-        else:  # datasets asks this hub for the dataset's files, which it does not serve
-            assert answers[1].startswith("refused Could not load 'org/chats'")
+        # without gaps the snapshot is read; with one, datasets fetches the commit from the hub, completing the
+        # snapshot, which the next load reads
+        assert answers[1:] == [f"loaded {['c0', 'c1'] if gaps else ['c0']}",
+                               f"loaded read from the Hugging Face cache's snapshot of commit {commit[:12]}"]
+
+
+def test_a_hub_dataset_datasets_cached_is_read_at_once_without_the_hub_and_only_at_the_planned_commit(
+        tmp_path: Path) -> None:
+    """A hub dataset not in the Hugging Face cache went to ``datasets``, which, on a node whose hub does not answer,
+    retried every request for ~25 s before reading its own cache of an earlier load: its latest copy, of whatever
+    commit, while the ids named the pinned one. Now the hub is asked once; when it is silent ``datasets`` reads its
+    cache at once, and that copy is used only when it is of the planned commit."""
+    commit, other = "8" * 40, "9" * 40
+    rows = [{"id": f"chat{i}", "conversations": [{"from": "human", "value": f"Name {i} colours."},
+                                                 {"from": "gpt", "value": f"Red and {i} more."}]} for i in range(6)]
+    data = "\n".join(json.dumps(row) for row in rows) + "\n"
+    local = tmp_path / "chats.jsonl"
+    local.write_text(data)
+    want = json.dumps([[c.id, c.messages] for c in load_conversations(str(local))[0]])
+    setup = "import json\nfrom pipeline.data.sources import load_conversations"
+    load = "json.dumps([[c.id, c.messages] for c in load_conversations('org/chats', revision='{}')[0]])"
+    ds_cache = str(tmp_path / "datasets")
+    with contextlib.contextmanager(_fake_hub)({"data/train.jsonl": data}) as endpoint:  # a first load, hub reachable
+        done = _on_a_node_without_the_hub(tmp_path / "hub", setup, load.format(commit), HF_ENDPOINT=endpoint,
+                                          HF_DATASETS_CACHE=ds_cache)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\x1e")[:-1] == [f"loaded {want}"]
+    shutil.rmtree(tmp_path / "hub" / "datasets--org--chats")  # the hub cache pruned; datasets' own cache kept
+    done = _on_a_node_without_the_hub(
+        tmp_path / "hub", setup, load.format(commit), f"load_conversations('org/chats', revision='{commit}')[1].notes[-1]",
+        load.format(other), f"load_conversations('org/absent', revision='{other}')", HF_DATASETS_CACHE=ds_cache)
+    assert done.returncode == 0, done.stderr[-2000:]
+    answers = done.stdout.split("\x1e")[:-1]
+    assert answers[0] == f"loaded {want}"
+    assert answers[1] == f"loaded read from datasets' own cache of an earlier load of commit {commit[:12]}: the hub " \
+                         "did not answer (ConnectError: [Errno 111] Connection refused)"
+    assert answers[2].startswith("refused datasets' own cache holds another copy of 'org/chats'")
+    assert f"expected: commit {other[:12]}" in answers[2] and f"latest cached copy is of {commit[:12]}" in answers[2]
+    assert answers[3].startswith("refused Could not load 'org/absent'")
+    assert "the hub did not answer (ConnectError" in answers[3]
+    assert f"hf download org/absent --revision {other} --repo-type dataset" in answers[3]
+    assert "Retrying" not in done.stderr
 
 
 @pytest.mark.parametrize("edit", [

