@@ -107,14 +107,17 @@ class DFlashProposer:
                             "DFlash", "target_layer_ids + 1", "DFlashConfig.from_target(target.config, ...)")
 
     def block_distributions(self, context: list[int], hidden: list[Tensor], params: SamplingParams,
-                            state: TargetState | None = None) -> Tensor:
-        """One drafter forward: the standardised distributions of block rows ``1 .. B − 1``, ``(B − 1, V)`` float64
-        over the head's rows (the target's vocabulary, or the draft vocabulary); :meth:`block_logits`, standardised."""
-        return standardise(self.block_logits(context, hidden, state), params)
+                            state: TargetState | None = None, drafts: int | None = None) -> Tensor:
+        """One drafter forward: the standardised distributions of block rows ``1 .. drafts`` (default ``B − 1``),
+        ``(drafts, V)`` float64 over the head's rows (the target's vocabulary, or the draft vocabulary);
+        :meth:`block_logits`, standardised."""
+        return standardise(self.block_logits(context, hidden, state, drafts), params)
 
-    def block_logits(self, context: list[int], hidden: list[Tensor], state: TargetState | None = None) -> Tensor:
-        """One drafter forward and its head: the logits of block rows ``1 .. B − 1``, ``(B − 1, V)`` in the head's
-        dtype, over the head's rows.
+    def block_logits(self, context: list[int], hidden: list[Tensor], state: TargetState | None = None,
+                     drafts: int | None = None) -> Tensor:
+        """One drafter forward and its head: the logits of block rows ``1 .. drafts`` (default ``B − 1``),
+        ``(drafts, V)`` in the head's dtype, over the head's rows. The whole block runs (its rows attend to each other,
+        as in training); the head only over the rows drafted.
 
         The context cache is brought to every position of ``context`` but the newest (whose token opens the block).
         On the static paths the new context rows are padded to their bucket and every position is a device value,
@@ -148,7 +151,7 @@ class DFlashProposer:
             out = self.drafter(block, features, block_positions, context_positions, cache=self.cache)
         self._ids = list(context[:rows])
         self.drafter_calls += 1
-        return self.drafter.logits(out[0, 1:])
+        return self.drafter.logits(out[0, 1 : 1 + (self.block_size - 1 if drafts is None else drafts)])
 
     @torch.no_grad()
     def propose(
@@ -166,7 +169,7 @@ class DFlashProposer:
         if drafts <= 0 or len(context) < 2:
             return Proposal(torch.zeros(0, dtype=torch.long, device=device),
                             torch.zeros(0, self.target_vocab_size, dtype=torch.float64, device=device))
-        probs = self.block_distributions(context, hidden, params, state)[:drafts]
+        probs = self.block_distributions(context, hidden, params, state, drafts)
         tokens = draw(probs, params, generator)  # each row on its own: draft k's law is row k whatever came before
         if self._draft_ids is not None:
             if self._draft_ids.device != device:
