@@ -337,10 +337,15 @@ def test_a_hub_dataset_datasets_cached_is_read_at_once_without_the_hub_and_only_
     load = "json.dumps([[c.id, c.messages] for c in load_conversations('org/chats', revision='{}')[0]])"
     ds_cache = str(tmp_path / "datasets")
     with contextlib.contextmanager(_fake_hub)({"data/train.jsonl": data}) as endpoint:  # a first load, hub reachable
-        done = _on_a_node_without_the_hub(tmp_path / "hub", setup, load.format(commit), HF_ENDPOINT=endpoint,
-                                          HF_DATASETS_CACHE=ds_cache)
+        done = _on_a_node_without_the_hub(tmp_path / "hub", setup, load.format(commit),
+                                          f"load_conversations('org/absent', revision='{other}')",
+                                          HF_ENDPOINT=endpoint, HF_DATASETS_CACHE=ds_cache)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\x1e")[:-1] == [f"loaded {want}"]
+    loaded, refused = done.stdout.split("\x1e")[:-1]
+    assert loaded == f"loaded {want}"
+    # a hub that answers "no such dataset" is not silent: datasets is asked, and refuses without retrying
+    assert refused.startswith("refused Could not load 'org/absent'") and "the hub did not answer" not in refused
+    assert "Retrying" not in done.stderr
     shutil.rmtree(tmp_path / "hub" / "datasets--org--chats")  # the hub cache pruned; datasets' own cache kept
     done = _on_a_node_without_the_hub(
         tmp_path / "hub", setup, load.format(commit), f"load_conversations('org/chats', revision='{commit}')[1].notes[-1]",
