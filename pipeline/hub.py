@@ -105,18 +105,24 @@ def snapshot_gaps(name: str, commit: str, repo_type: str = "model") -> list[str]
     return sorted(f.rfilename for f in info.siblings or [] if not (snapshot / f.rfilename).is_file())
 
 
+RETRIED_STATUSES = (408, 429, 500, 502, 503, 504)
+"""The HTTP statuses ``huggingface_hub`` retries with backoff: a hub answering one is not serving."""
+
+
 def hub_silence(name: str, revision: str | None, repo_type: str = "model") -> str | None:
     """Why the hub gave no answer about ``name`` at ``revision`` (one question, 10 s timeout, no retries), as
-    ``"<error>: <first line>"``: unreachable, timed out, or the process is offline (``HF_HUB_OFFLINE``). None when it
-    answered, a refusal included (unknown repository or commit, gated): a loader asking it again is answered at once,
-    while one asking a silent hub retries each request with backoff."""
+    ``"<error>: <first line>"``: unreachable, timed out, overloaded or failing (:data:`RETRIED_STATUSES`), or the
+    process is offline (``HF_HUB_OFFLINE``). None when it answered, a refusal included (unknown repository or commit,
+    gated): a loader asking it again is answered at once, while one asking a silent hub retries each request with
+    backoff."""
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
         _repo_info(name, revision, repo_type)
-    except HfHubHTTPError:
-        return None
     except Exception as err:  # noqa: BLE001 - connection refused or reset, timeout, offline mode: no answer
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if isinstance(err, HfHubHTTPError) and status not in RETRIED_STATUSES:
+            return None
         return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
     return None
 

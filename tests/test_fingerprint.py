@@ -245,10 +245,11 @@ def test_a_downloaded_hub_dataset_loads_without_the_hub_and_gives_what_its_files
         assert "Retrying" not in done.stderr
 
 
-def _fake_hub(files: dict[str, str]) -> Iterator[str]:
+def _fake_hub(files: dict[str, str], *, status: int | None = None) -> Iterator[str]:
     """A local HTTP endpoint that serves one hub dataset, ``org/chats``, as the hub's API does for what
     ``huggingface_hub`` and ``datasets`` ask: its info at any commit (the names of ``files`` as its files), its tree,
-    and each file's text; 404 to everything else. Its URL."""
+    and each file's text; 404 to everything else. Its URL. With ``status``, every
+    request is answered with that status (a hub that is failing or overloaded)."""
     def listing(folder: str) -> list[dict]:
         prefix = f"{folder}/" if folder else ""
         entries = sorted({prefix + name[len(prefix):].split("/")[0] for name in files if name.startswith(prefix)})
@@ -269,6 +270,7 @@ def _fake_hub(files: dict[str, str]) -> Iterator[str]:
             elif (match := re.fullmatch(r"/datasets/org/chats/resolve/(\w+)/(.+)", path)) and match[2] in files:
                 commit = match[1]
                 code, kind, body = 200, "text/plain", files[match[2]].encode()
+            code = status or code
             self.send_response(code)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
@@ -361,6 +363,26 @@ def test_a_hub_dataset_datasets_cached_is_read_at_once_without_the_hub_and_only_
     assert "the hub did not answer (ConnectError" in answers[3]
     assert f"hf download org/absent --revision {other} --repo-type dataset" in answers[3]
     assert "Retrying" not in done.stderr
+    # a failing hub (503, which huggingface_hub retries with backoff) is as silent as an unreachable one
+    with contextlib.contextmanager(_fake_hub)({"data/train.jsonl": data}, status=503) as endpoint:
+        done = _on_a_node_without_the_hub(tmp_path / "hub", setup, load.format(commit),
+                                          f"load_conversations('org/chats', revision='{commit}')[1].notes[-1]",
+                                          HF_ENDPOINT=endpoint, HF_DATASETS_CACHE=ds_cache)
+    assert done.returncode == 0, done.stderr[-2000:]
+    answers = done.stdout.split("\x1e")[:-1]
+    assert answers[0] == f"loaded {want}"
+    assert answers[1].startswith(f"loaded read from datasets' own cache of an earlier load of commit {commit[:12]}: "
+                                 "the hub did not answer (HfHubHTTPError: Server error '503")
+    assert "Retrying" not in done.stderr
+    # a hub that answers but refuses the pinned commit (404: deleted, private, gated): datasets falls back to its
+    # latest cached copy, of another commit, which is refused
+    with contextlib.contextmanager(_fake_hub)({"data/train.jsonl": data}, status=404) as endpoint:
+        done = _on_a_node_without_the_hub(tmp_path / "hub", setup, load.format(other), HF_ENDPOINT=endpoint,
+                                          HF_DATASETS_CACHE=ds_cache)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [answer] = done.stdout.split("\x1e")[:-1]
+    assert answer.startswith("refused datasets' own cache holds another copy of 'org/chats'")
+    assert f"the hub did not give commit {other[:12]}; datasets' latest cached copy is of {commit[:12]}" in answer
 
 
 @pytest.mark.parametrize("edit", [

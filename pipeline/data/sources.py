@@ -399,16 +399,20 @@ def _load_through_datasets(source: str, revision: str | None) -> tuple[list[Conv
             "or a hub dataset id reachable from this machine or downloaded into its Hugging Face cache",
             found=f"no such local path; {hub}datasets.load_dataset failed: {type(err).__name__}: {err}"[:600],
             fix=fix) from err
-    if not silence:
-        return _from_dataset(loaded, f"hub:{source}")
+    # datasets names a hub dataset's cache folder by its commit, and where the hub refuses it falls back to its latest
+    # cached copy of any commit: a copy of another commit than the pinned one is refused (without the hub, one whose
+    # commit is not named too)
     held = sorted({Path(f["filename"]).parent.name for f in getattr(loaded, "cache_files", None) or []})
     pinned = bool(revision and COMMIT.fullmatch(revision))
-    if pinned and held != [revision]:
+    other = [h for h in held if COMMIT.fullmatch(h) and h != revision]
+    if not silence and not (pinned and other):
+        return _from_dataset(loaded, f"hub:{source}")
+    if pinned and (other or held != [revision]):
         raise DrafterError(
             f"datasets' own cache holds another copy of '{source}' than the commit the plan names.",
             expected=f"commit {revision[:12]} (the artifact ids hold it)",
-            found=f"the hub did not answer ({silence}); datasets' latest cached copy is of "
-                  f"{', '.join(h[:12] for h in held) or 'an unnamed commit'}",
+            found=(f"the hub did not answer ({silence}); " if silence else f"the hub did not give commit {revision[:12]}; ")
+                  + f"datasets' latest cached copy is of {', '.join(h[:12] for h in held) or 'an unnamed commit'}",
             fix=fix.replace(", or pass", ", pin generate.source_revision to the cached commit, or pass"))
     convs, report = _from_dataset(loaded, f"hub:{source}")
     report.notes.append("read from datasets' own cache of an earlier load"
