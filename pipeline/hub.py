@@ -45,6 +45,12 @@ def _repo_info(name: str, revision: str | None, repo_type: str) -> Any:
     return (api.model_info if repo_type == "model" else api.dataset_info)(name, revision=revision, timeout=10)
 
 
+def _first_line(err: Exception) -> str:
+    """``"<error type>: <first line of its message>"``, for a message that names what the hub said."""
+    text = str(err)
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
 def hub_commit(name: str, revision: str | None, repo_type: str = "model") -> str:
     """The commit a hub reference resolves to: the revision itself when it is a commit sha, else the commit
     the local Hugging Face cache recorded for it, else the hub's answer.
@@ -123,7 +129,7 @@ def hub_silence(name: str, revision: str | None, repo_type: str = "model") -> st
         status = getattr(getattr(err, "response", None), "status_code", None)
         if isinstance(err, HfHubHTTPError) and status not in RETRIED_STATUSES:
             return None
-        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
+        return _first_line(err)
     return None
 
 
@@ -138,12 +144,11 @@ def require_hub(name: str, commit: str, repo_type: str = "model") -> None:
     try:
         _repo_info(name, commit, repo_type)
     except Exception as err:  # noqa: BLE001 - offline, unknown repo or commit, auth: the same answer
-        first_line = str(err).splitlines()[0] if str(err) else ""
         raise DrafterError(
             f"{name!r} at commit {commit[:12]} is not in the local Hugging Face cache, and the hub did not give it "
             f"({type(err).__name__}).",
             expected=f"the {repo_type}'s snapshot in the Hugging Face cache this machine reads, or a hub that answers",
-            found=f"no snapshot under {_repo_dir(name, repo_type)}; the hub: {type(err).__name__}: {first_line}"[:400],
+            found=f"no snapshot under {_repo_dir(name, repo_type)}; the hub: {_first_line(err)}"[:400],
             fix=f"Download it where the hub is reachable (`hf download {name} --revision {commit}"
                 f"{' --repo-type dataset' if repo_type == 'dataset' else ''}`) into this machine's HF_HUB_CACHE, "
                 "or pass a local path; a gated repository needs HF_TOKEN in the environment.") from err

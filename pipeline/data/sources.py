@@ -357,7 +357,8 @@ def _load_hub_dataset(source: str, revision: str | None = None) -> tuple[list[Co
                 "" if gaps is not None else " as it is: the hub did not list the commit's files, so it was not "
                                             "checked to be whole"))
             return convs, report
-    return _load_through_datasets(source, revision)
+        return _load_through_datasets(source, revision, None)  # the hub answered: it listed what the snapshot lacks
+    return _load_through_datasets(source, revision, hub_silence(source, revision, "dataset"))
 
 
 def _load_snapshot(source: str, commit: str) -> tuple[list[Conversation], SourceReport]:
@@ -377,14 +378,14 @@ def _load_snapshot(source: str, commit: str) -> tuple[list[Conversation], Source
     return _from_dataset(loaded, f"hub:{source}")
 
 
-def _load_through_datasets(source: str, revision: str | None) -> tuple[list[Conversation], SourceReport]:
-    """``datasets.load_dataset`` of a hub dataset: downloaded when the hub answers (one question first: 10 s, no
-    retries). When it does not, ``datasets`` is not let ask it again (it would retry each request with backoff,
+def _load_through_datasets(source: str, revision: str | None,
+                           silence: str | None) -> tuple[list[Conversation], SourceReport]:
+    """``datasets.load_dataset`` of a hub dataset: downloaded when the hub answered its one question (``silence``
+    None; :func:`~pipeline.hub.hub_silence`). When it did not, ``datasets`` is not let ask it again (it would retry each request with backoff,
     ~25 s, before the same outcome): it reads its own cache of an earlier load at once, and that copy is used only if
     it is of the commit the plan names (``datasets`` takes its latest cached copy of any commit)."""
     import datasets
 
-    silence = hub_silence(source, revision, "dataset")
     fix = (f"Download it where the hub is reachable (`hf download {source}{f' --revision {revision}' if revision else ''}"
            " --repo-type dataset`) into this machine's HF_HUB_CACHE, or pass the data as a local .json/.jsonl file.")
     try:
@@ -405,9 +406,7 @@ def _load_through_datasets(source: str, revision: str | None) -> tuple[list[Conv
     held = sorted({Path(f["filename"]).parent.name for f in getattr(loaded, "cache_files", None) or []})
     pinned = bool(revision and COMMIT.fullmatch(revision))
     other = [h for h in held if COMMIT.fullmatch(h) and h != revision]
-    if not silence and not (pinned and other):
-        return _from_dataset(loaded, f"hub:{source}")
-    if pinned and (other or held != [revision]):
+    if pinned and (held != [revision] if silence else other):
         raise DrafterError(
             f"datasets' own cache holds another copy of '{source}' than the commit the plan names.",
             expected=f"commit {revision[:12]} (the artifact ids hold it)",
@@ -415,9 +414,10 @@ def _load_through_datasets(source: str, revision: str | None) -> tuple[list[Conv
                   + f"datasets' latest cached copy is of {', '.join(h[:12] for h in held) or 'an unnamed commit'}",
             fix=fix.replace(", or pass", ", pin generate.source_revision to the cached commit, or pass"))
     convs, report = _from_dataset(loaded, f"hub:{source}")
-    report.notes.append("read from datasets' own cache of an earlier load"
-                        + (f" of commit {revision[:12]}" if pinned else ", whose commit was not checked")
-                        + f": the hub did not answer ({silence})")
+    if silence:
+        report.notes.append("read from datasets' own cache of an earlier load"
+                            + (f" of commit {revision[:12]}" if pinned else ", whose commit was not checked")
+                            + f": the hub did not answer ({silence})")
     return convs, report
 
 
