@@ -1,5 +1,5 @@
-"""What several test modules share: the small configs of the test kit and synthetic evaluation results (no test
-module imports another).
+"""What several test modules share: the small configs of the test kit, synthetic evaluation results and a Hugging
+Face cache entry (no test module imports another).
 
 ``SMALL`` makes every stage quick on the ``test`` tiny kit; ``TRAIN`` and ``ROUTER`` add short training runs of the
 EAGLE-3 head and the DynaSpec router.
@@ -7,6 +7,7 @@ EAGLE-3 head and the DynaSpec router.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,11 @@ def kit_evaluator(tmp_path: Path, path: str, *extra: str, staging: Path | None =
     target = Target(cfg.target)
     return lambda prompts: Evaluator(cfg, target.model("cpu"), target.tokenizer(), prompts, {"count": counts}, "cpu",
                                      lambda _line: None, staging)
+
+
+def hub_cache(root: Path, name: str, commits: dict[str, Path]) -> None:
+    """A Hugging Face cache entry as a download leaves it: refs/main -> commit, snapshots/<commit>/ files."""
+    repo = root / f"models--{name.replace('/', '--')}"
+    for commit, files in commits.items():
+        shutil.copytree(files, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
