@@ -62,19 +62,19 @@ BENCHES: dict[str, Bench] = {
                    ("tokens", "calibration")),
     "eval": Bench("every speculative method vs autoregressive decoding on this device (no MLflow needed)",
                   "pipeline.evaluation.bench:bench_eval", ("cfg", "counts", "out")),
-    "train": Bench("one EAGLE-3 training step vs the frozen target's forward on the same batch\n"
-                   "              (needs generate and count built)", "jobs.train_drafter:bench", ("cfg", "steps")),
+    "train": Bench("one EAGLE-3 training step vs the frozen target's forward on its batch (needs count built)",
+                   "jobs.train_drafter:bench", ("cfg", "steps")),
     "head": Bench("one draft step's LM head, full vs static 32k vs DynaSpec-routed (Triton kernel, torch path,\n"
                   "              per-block views), at 128k x 4096 and the tiny kit's size",
                   "pipeline.engine.bench:bench_heads", ("steps",)),
     "cluster": Bench("FAISS spherical k-means vs scikit-learn KMeans", "pipeline.engine.bench:bench_cluster"),
     "decode": Bench("a round's draft/verify/rest vs its bare forwards, AR decoding and Leviathan",
                     "jobs.evaluate:bench_decode", ("cfg", "shape", "steps", "methods", "cold")),
-    "rdk": Bench("moment estimation throughput and memory vs a dense |T|^2 matrix, and one draft step\n"
-                 "              of TLI vs RDK-Taylor vs the prior mix vs exact sparse RDK at 128k",
+    "draft": Bench("a round's drafting, EAGLE-3 vs DFlash by depth and head, and the weights each reads",
+                   "pipeline.evaluation.draft_bench:bench_draft", ("cfg", "steps")),
+    "rdk": Bench("moment estimation vs a dense |T|^2 matrix; one draft step of TLI vs the RDK variants at 128k",
                  "pipeline.rdk.bench:bench_rdk", ("steps",)),
-    "fingerprint": Bench("a plan's weight fingerprint of a large local checkpoint: hashing every byte vs\n"
-                         "              the stat cache of the next plans",
+    "fingerprint": Bench("a large checkpoint's weight fingerprint: hashing every byte vs the next plans' stat cache",
                          "pipeline.models.bench:bench_fingerprint"),
 }
 """``drafter bench NAME``: what each benchmark measures and the function that runs it."""
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    + "\n".join(f"  {name:<11} {b.description}" for name, b in BENCHES.items()),
                        epilog=KEYS_EPILOG)
     p.add_argument("what", choices=list(BENCHES), help="which benchmark (listed above)")
-    p.add_argument("--steps", type=int, default=10, help="train, head, decode: timed repetitions of each")
+    p.add_argument("--steps", type=int, default=10, help="train, head, decode, draft: timed repetitions of each")
     p.add_argument("--shape", default="tiny", choices=("tiny", "llama3-8b"), metavar="SHAPE",
                    help="decode: tiny (the kit) or llama3-8b (also 8B; CUDA)")
     p.add_argument("--methods", default=None, metavar="A,B", help="decode: only these methods (default: all it times)")

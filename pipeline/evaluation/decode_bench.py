@@ -396,7 +396,7 @@ LLAMA_3_2_1B = {**LLAMA_3_1_8B, "hidden_size": 2048, "intermediate_size": 8192, 
 """Llama-3.2-1B's shape: the same-tokenizer drafter."""
 
 
-def _scaled(shape: dict, scale: int) -> dict:
+def scaled_shape(shape: dict, scale: int) -> dict:
     """``shape`` with widths and vocabulary divided by ``scale`` (heads kept), for a smoke run on a CPU."""
     if scale == 1:
         return dict(shape)
@@ -421,7 +421,7 @@ def llama3_8b_models(device: torch.device, dtype: torch.dtype = torch.bfloat16, 
 
     def build(shape: dict) -> torch.nn.Module:
         with torch.device(device):
-            model = LlamaForCausalLM._from_config(LlamaConfig(**_scaled(shape, scale)), dtype=dtype)
+            model = LlamaForCausalLM._from_config(LlamaConfig(**scaled_shape(shape, scale)), dtype=dtype)
         return model.eval()
 
     torch.manual_seed(0)
