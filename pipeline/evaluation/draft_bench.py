@@ -32,7 +32,7 @@ from pipeline.config.sections import PipelineConfig
 from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter
 from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from pipeline.engine.inputs import BlockFeatureInputs, FeatureInputs
-from pipeline.engine.methods import build_proposer
+from pipeline.engine.methods import DECODE_BENCH, METHODS, build_proposer
 from pipeline.engine.static import DecodeOptions
 from pipeline.evaluation.decode_bench import LLAMA_3_1_8B, bare_drafter, scaled_shape
 from pipeline.evaluation.evaluator import decode_options
@@ -87,6 +87,11 @@ def dflash_round_bytes(drafter: DFlashDrafter) -> int:
     return _bytes(drafter.fc, drafter.hidden_norm, drafter.layers, drafter.norm, drafter.lm_head)
 
 
+def _method_of(inputs: type) -> str:
+    """The decode bench's method that drafts from ``inputs`` (the registry's name for it)."""
+    return next(method for method in DECODE_BENCH if METHODS[method].inputs is inputs)
+
+
 def drafting_variants(target_config: Any, embedding: nn.Module, head: nn.Module, *, block_size: int,
                       draft_vocab_size: int, layers: tuple[int, ...], dflash_shape: dict | None = None,
                       ) -> dict[str, tuple[Any, int, int, int]]:
@@ -104,7 +109,8 @@ def drafting_variants(target_config: Any, embedding: nn.Module, head: nn.Module,
         eagle3 = Eagle3Drafter(Eagle3Config.from_target(target_config, draft_vocab_size=draft_vocab_size), embedding)
     eagle3 = eagle3.to(dtype=weight.dtype).eval()
     eagle3.set_vocab_maps(*maps)
-    out = {"eagle3": (build_proposer("eagle3", FeatureInputs(eagle3, target_vocab_size=vocab)), gamma,
+    chain, block = _method_of(FeatureInputs), _method_of(BlockFeatureInputs)
+    out = {chain: (build_proposer(chain, FeatureInputs(eagle3, target_vocab_size=vocab)), gamma,
                       draft_vocab_size, eagle3_round_bytes(eagle3, gamma))}
     for depth in layers:
         for own in (False, True):
@@ -116,8 +122,8 @@ def drafting_variants(target_config: Any, embedding: nn.Module, head: nn.Module,
             dflash = dflash.to(dtype=weight.dtype).eval()
             if own:
                 dflash.set_vocab_maps(*maps)
-            name = f"dflash {depth} layer{'s' if depth > 1 else ''}, {'own' if own else 'target'} head"
-            out[name] = (build_proposer("dflash", BlockFeatureInputs(dflash, target_vocab_size=vocab)), 1,
+            name = f"{block} {depth} layer{'s' if depth > 1 else ''}, {'own' if own else 'target'} head"
+            out[name] = (build_proposer(block, BlockFeatureInputs(dflash, target_vocab_size=vocab)), 1,
                          draft_vocab_size if own else vocab, dflash_round_bytes(dflash))
     return out
 
