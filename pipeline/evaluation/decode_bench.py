@@ -394,6 +394,8 @@ LLAMA_3_1_8B = {"vocab_size": 128_256, "hidden_size": 4096, "intermediate_size":
 LLAMA_3_2_1B = {**LLAMA_3_1_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                 "head_dim": 64, "tie_word_embeddings": True}
 """Llama-3.2-1B's shape: the same-tokenizer drafter."""
+LLAMA_DRAFT_VOCAB = 32_768
+"""The draft vocabulary at Llama-3.1-8B's shape: ``configs/llama3-8b.yaml``'s ``count.draft_vocab_size``."""
 
 
 def scaled_shape(shape: dict, scale: int) -> dict:
@@ -407,8 +409,15 @@ def scaled_shape(shape: dict, scale: int) -> dict:
     return out
 
 
+def random_draft_vocab(vocab: int, size: int) -> tuple[Any, Any]:
+    """``size`` distinct ids of ``vocab`` drawn at random (seed 0) as EAGLE-3's ``d2t``/``t2d`` maps: a draft
+    vocabulary for random-weight drafters, whose costs do not depend on which ids it holds."""
+    ids = np.sort(np.random.default_rng(0).choice(vocab, size, replace=False))
+    return eagle3_offset_maps(ids, vocab)
+
+
 def llama3_8b_models(device: torch.device, dtype: torch.dtype = torch.bfloat16, scale: int = 1, *,
-                     draft_vocab_size: int = 32_768, dflash_layers: int = 5, block_size: int = 16,
+                     draft_vocab_size: int = LLAMA_DRAFT_VOCAB, dflash_layers: int = 5, block_size: int = 16,
                      clusters: int = 1024, routed_share: float = 0.22, methods: Sequence[str] = DECODE_BENCH,
                      ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The target and the proposers of :data:`~pipeline.engine.methods.DECODE_BENCH` (built through the registry) at
@@ -448,8 +457,7 @@ def llama3_8b_models(device: torch.device, dtype: torch.dtype = torch.bfloat16, 
         config = Eagle3Config.from_target(target.config, draft_vocab_size=draft_vocab)
         with torch.device(device):  # initialised where it runs: ~1B float32 parameters are slow to fill on a CPU
             eagle3 = Eagle3Drafter(config, embedding).to(dtype=dtype).eval()
-        ids = np.sort(np.random.default_rng(0).choice(vocab, draft_vocab, replace=False))
-        eagle3.set_vocab_maps(*eagle3_offset_maps(ids, vocab))
+        eagle3.set_vocab_maps(*random_draft_vocab(vocab, draft_vocab))
         inputs[FeatureInputs] = FeatureInputs(eagle3, target_vocab_size=vocab)
     if BlockFeatureInputs in needed:
         dflash_config = DFlashConfig.from_target(target.config, num_hidden_layers=dflash_layers,

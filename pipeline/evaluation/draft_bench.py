@@ -34,15 +34,18 @@ from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from pipeline.engine.inputs import BlockFeatureInputs, FeatureInputs
 from pipeline.engine.methods import DECODE_BENCH, METHODS, build_proposer
 from pipeline.engine.static import DecodeOptions
-from pipeline.evaluation.decode_bench import LLAMA_3_1_8B, bare_drafter, scaled_shape
+from pipeline.evaluation.decode_bench import (
+    LLAMA_3_1_8B,
+    LLAMA_DRAFT_VOCAB,
+    bare_drafter,
+    random_draft_vocab,
+    scaled_shape,
+)
 from pipeline.evaluation.evaluator import decode_options
 from pipeline.evaluation.matrix import resolve_device
 from pipeline.models.target import Target
 from pipeline.timing import device_name, interleaved_times
-from pipeline.vocab.counting import eagle3_offset_maps
 
-LLAMA_DRAFT_VOCAB = 32_768
-"""The draft vocabulary at Llama-3.1-8B's shape: ``configs/llama3-8b.yaml``'s ``count.draft_vocab_size``."""
 CONTEXT = 512
 """Context rows cached before a timed round."""
 
@@ -59,8 +62,8 @@ class DraftRow:
     head_rows: int
     weight_bytes: int
     ms: float
-    eagle3_bytes: int = 0
-    eagle3_ms: float = 0.0
+    eagle3_bytes: int
+    eagle3_ms: float
 
     @property
     def bytes_ratio(self) -> float:
@@ -101,8 +104,7 @@ def drafting_variants(target_config: Any, embedding: nn.Module, head: nn.Module,
     :meth:`DFlashConfig.from_target` that widen the draft layers (``train_dflash``'s)."""
     vocab = int(target_config.vocab_size)
     weight = embedding.weight
-    ids = np.sort(np.random.default_rng(0).choice(vocab, draft_vocab_size, replace=False))
-    maps = eagle3_offset_maps(ids, vocab)
+    maps = random_draft_vocab(vocab, draft_vocab_size)
     gamma = block_size - 1
     torch.manual_seed(0)
     with torch.device(weight.device):  # initialised where it runs: ~1B float32 parameters are slow to fill on a CPU
@@ -110,8 +112,8 @@ def drafting_variants(target_config: Any, embedding: nn.Module, head: nn.Module,
     eagle3 = eagle3.to(dtype=weight.dtype).eval()
     eagle3.set_vocab_maps(*maps)
     chain, block = _method_of(FeatureInputs), _method_of(BlockFeatureInputs)
-    out = {chain: (build_proposer(chain, FeatureInputs(eagle3, target_vocab_size=vocab)), gamma,
-                      draft_vocab_size, eagle3_round_bytes(eagle3, gamma))}
+    out = {chain: (build_proposer(chain, FeatureInputs(eagle3, target_vocab_size=vocab)), gamma, draft_vocab_size,
+                   eagle3_round_bytes(eagle3, gamma))}
     for depth in layers:
         for own in (False, True):
             config = DFlashConfig.from_target(target_config, num_hidden_layers=depth, block_size=block_size,
@@ -145,12 +147,11 @@ def measure_drafting(shape: str, target_config: Any, embedding: nn.Module, head:
         log(f"bench draft {shape}: timing {len(fns)} drafters in turn, {repeats} rounds each")
         times = interleaved_times(fns, device, repeats, warmup=1)
     where = device_name(device)
-    rows = [DraftRow(shape, where, options.path, name, forwards, head_rows, weight_bytes,
-                     1e3 * float(np.median(times[name])))
+    ms = {name: 1e3 * float(np.median(seconds)) for name, seconds in times.items()}
+    chain = next(iter(variants))  # the chain drafter comes first: every ratio is to its round
+    return [DraftRow(shape, where, options.path, name, forwards, head_rows, weight_bytes, ms[name],
+                     variants[chain][3], ms[chain])
             for name, (_, forwards, head_rows, weight_bytes) in variants.items()]
-    for row in rows:
-        row.eagle3_bytes, row.eagle3_ms = rows[0].weight_bytes, rows[0].ms
-    return rows
 
 
 def draft_table(rows: list[DraftRow], gamma: int) -> str:
