@@ -143,8 +143,9 @@ def is_remote(uri: str) -> bool:
     return uri.lower().startswith(("http://", "https://"))  # schemes are case-insensitive (MLflow's too)
 
 
-def check_reachable(uri: str, cfg: MlflowConfig) -> None:
-    """Probe a tracking server's ``/health`` with bounded retries; raise a clear error if it is down."""
+def check_reachable(uri: str, cfg: MlflowConfig, kept: Path | None = None) -> None:
+    """Probe a tracking server's ``/health`` with bounded retries; raise a clear error if it is down (saying that the
+    finished artifact at ``kept`` is safe, where one is)."""
     if not is_remote(uri):
         return
     last: Exception | None = None
@@ -161,7 +162,8 @@ def check_reachable(uri: str, cfg: MlflowConfig) -> None:
             time.sleep(min(2.0**attempt * 0.5, 4.0))
     raise DrafterError(
         f"The MLflow tracking server at {redact(uri)} is unreachable after {cfg.retries} attempts "
-        f"({type(last).__name__ if last else 'bad status'}: {scrub(str(last), uri)}).",
+        f"({type(last).__name__ if last else 'bad status'}: {scrub(str(last), uri)})."
+        + ("" if kept is None else f" The artifact is safe at {kept}."),
         expected="a running `mlflow server` answering GET /health",
         fix="Start the server or fix MLFLOW_TRACKING_URI (unset it to log to the local sqlite store), "
             "then rerun: finished artifacts are reused, nothing is recomputed.",
@@ -386,7 +388,7 @@ def log_stage_run(artifact: Artifact, cfg: MlflowConfig, workdir: Path, *, param
     if (run_id := logged_run(artifact, uri)) is not None:
         return run_id
     quiet_store_logs()
-    check_reachable(uri, cfg)
+    check_reachable(uri, cfg, kept=artifact.path)
     fp = artifact.fingerprint or {}
     all_tags = {"drafter.artifact_id": artifact.id, "drafter.stage": artifact.manifest["stage"],
                 "drafter.kind": artifact.kind, "drafter.target": str(fp.get("model")),

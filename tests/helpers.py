@@ -7,12 +7,38 @@ EAGLE-3 head and the DynaSpec router.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.evaluation.results import EvalRow, EvaluationResults, LosslessCheck, decide_gates
+
+
+def skip_unless(present: bool, missing: str, required_by: str, fix: str) -> None:
+    """Skip the calling test when what it needs is missing (``missing`` says what), but fail instead where the
+    environment variable ``required_by`` is ``1``: .ci/run sets it for what it installs, so a broken install there
+    cannot pass as a skip."""
+    if present:
+        return
+    if os.environ.get(required_by) == "1":
+        pytest.fail(f"{required_by}=1 but {missing}: {fix}")
+    pytest.skip(f"{missing} ({fix})")
+
+
+def requires_triton() -> Any:
+    """A mark skipping a test of the routed head's Triton kernel where triton is not installed, unless
+    ``DRAFTER_REQUIRE_TRITON=1`` (.ci/run): the kernel runs in Triton's interpreter on the CPU, so only a missing dev
+    install skips it, and CI's install has it."""
+    from pipeline.engine.routed_head import triton_available  # deferred: pulls in torch
+
+    required = os.environ.get("DRAFTER_REQUIRE_TRITON") == "1"
+    return pytest.mark.skipif(not (triton_available() or required),
+                              reason="triton is not installed (the dev extra installs it)")
+
 
 SMALL = ["target.model=tiny:test/target", "generate.limit=40", "generate.shard_size=4", "generate.batch_size=4",
          "generate.max_new_tokens=12", "generate.max_prompt_tokens=48", "generate.accelerator=cpu",

@@ -11,6 +11,7 @@ from jobs.cluster import cluster_head
 from pipeline.config.sections import load_config
 from pipeline.dynaspec.clusters import faiss_gpu_status, mean_cosine_to_centroid, spherical_kmeans
 from pipeline.errors import DrafterError
+from tests.helpers import skip_unless
 
 
 def _head(rows: int, dim: int) -> torch.Tensor:
@@ -48,8 +49,8 @@ def test_gpu_index_matches_cpu_quality() -> None:
     import faiss
 
     gpus, why = faiss_gpu_status(faiss)
-    if not gpus:
-        pytest.skip(f"FAISS sees no GPU: {why}")
+    skip_unless(bool(gpus), f"FAISS sees no GPU: {why}", "DRAFTER_REQUIRE_FAISS_GPU",
+                "install a FAISS built with GPU support (faiss-gpu-cu12) in place of faiss-cpu")
     head = _head(32_768, 256)
     lines: list[str] = []
     gpu = spherical_kmeans(head, 128, niter=20, seed=0, log=lines.append)

@@ -47,7 +47,7 @@ def test_budgets_follow_eq3_and_app_a3() -> None:
     """Eq. 3 with k0=12, k1=8: 12, 8, ⌊10/4⌋=2, ⌊11/6⌋=1, ⌊12/8⌋=1, then clamped at k_min instead of 0;
     PA-FR with kmax=600: 600, 600, 200, 150, 120; matching picks the budget closest to the size asked for."""
     assert [eq3(12, 8, t) for t in range(7)] == [12, 8, 2, 1, 1, 1, 1]
-    assert (8 + 10) // 20 == 0 and eq3(12, 8, 10) == 1 and eq3(12, 8, 10, k_min=2) == 2  # guarded zero
+    assert eq3(12, 8, 10) == 1 and eq3(12, 8, 10, k_min=2) == 2  # ⌊18/20⌋ = 0 is clamped at k_min
     assert [pa_fr(600, t) for t in range(5)] == [600, 600, 200, 150, 120]
     sizes = [10.0 * k for k in range(1, 17)]  # 10 tokens per cluster
     fixed, pa = match_budgets(sizes, 55.0, gamma=4)

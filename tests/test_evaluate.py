@@ -168,6 +168,63 @@ def test_a_greedy_divergence_is_a_tie_only_near_the_top_logit(tmp_path: Path, ti
     assert not evaluator._is_tie(prompt, [top], [far])
 
 
+def test_the_chi_square_pools_thin_bins_and_one_bin_tests_nothing() -> None:
+    """Bins expecting 5 draws or more stand alone, the rest pool into one; a lone bin has nothing to test (p = 1)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    from pipeline.evaluation.evaluator import chi_square_first_token
+
+    p = np.array([0.5, 0.3, 0.1, 0.05, 0.03, 0.02, 0.0])
+    counts = np.array([46, 33, 9, 7, 3, 2, 0])  # n = 100: the last three expect 3, 2 and 0: pooled into 5
+    pvalue, bins = chi_square_first_token(counts, p)
+    assert bins == 5 and pvalue == pytest.approx(chisquare([46, 33, 9, 7, 5], [50, 30, 10, 5, 5]).pvalue)
+    skewed = np.array([100, 0, 0, 0, 0, 0, 0])
+    assert chi_square_first_token(skewed, p)[0] < 1e-10
+    flat = np.full(10, 0.1)
+    assert chi_square_first_token(np.array([4, 0, 0, 0, 0, 0, 0, 0, 0, 0]), flat) == (1.0, 1)  # all pooled
+
+
+def test_the_first_token_check_fails_a_lossy_proposer_and_too_few_draws(tmp_path: Path, tiny_kit) -> None:
+    """The evaluation's first-token check against a proposer that drafts uniformly and says so (lossless), one that
+    always drafts the target's top token but reports a uniform q (lossy: verification accepts that token whenever it
+    is drafted, so it is emitted every time), and too few draws for two bins: it passes only the first, at 400 draws,
+    and says why the third tests nothing."""
+    import torch
+
+    from pipeline.engine.proposers import Proposal
+    from tests.helpers import kit_evaluator
+
+    prompt = [5, 6, 7]
+    build = kit_evaluator(tmp_path, "eager", "evaluate.max_new_tokens=4", "evaluate.sampling_check_samples=400")
+    evaluator = build({"chat": [prompt]})
+    with torch.no_grad():
+        logits = evaluator.target(torch.tensor([prompt])).logits[0, -1]
+    vocab, top = logits.numel(), int(logits.argmax())
+
+    class UniformQ:
+        name, target_layers = "uniform", ()
+
+        def __init__(self, honest: bool) -> None:
+            self.honest = honest
+
+        def reset(self) -> None:
+            pass
+
+        def propose(self, context, gamma, params, generator, state) -> Proposal:  # noqa: ANN001
+            token = int(torch.randint(vocab, (1,), generator=generator)) if self.honest else top
+            return Proposal([token], torch.full((1, vocab), 1.0 / vocab, dtype=torch.float64))
+
+    honest = evaluator.sampling_check("uniform", None, UniformQ(honest=True))
+    lossy = evaluator.sampling_check("uniform", None, UniformQ(honest=False))
+    assert honest.passed and "n=400" in honest.detail, honest
+    assert not lossy.passed and "first draft accepted in 400/400 draws" in lossy.detail, lossy
+    few = kit_evaluator(tmp_path / "few", "eager", "evaluate.max_new_tokens=4",
+                        "evaluate.sampling_check_samples=2")({"chat": [prompt]})
+    vacuous = few.sampling_check("uniform", None, UniformQ(honest=True))
+    assert not vacuous.passed and "over 1 bins" in vacuous.detail and "one bin tests nothing" in vacuous.detail, vacuous
+
+
 def test_metrics_are_sane(evaluated) -> None:
     _, artifact, results = evaluated
     for row in results["rows"]:

@@ -21,7 +21,7 @@ from pipeline.data.sources import load_conversations
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import STAGED_INPUTS
-from tests.helpers import SMALL, TIMED_ROW_FIELDS, small_cfg
+from tests.helpers import SMALL, TIMED_ROW_FIELDS, skip_unless, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["generate.limit=24", "generate.max_new_tokens=12", "mlflow.log_artifacts=false"]
@@ -130,8 +130,8 @@ def test_an_evaluation_killed_midway_keeps_its_finished_cells_and_the_rerun_deco
 def test_full_disk_fails_clearly_and_publishes_nothing(tmp_path: Path, tiny_kit) -> None:
     """The workdir on a 16 KiB tmpfs: generate fails with a DrafterError that says the disk is full and what to
     do, the store holds no artifact and no temporary directory, and the same run on a larger disk succeeds."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    skip_unless(os.geteuid() == 0, "not root: mounting a tmpfs needs root", "DRAFTER_REQUIRE_ROOT",
+                "run the tests as root, as .ci/run does")
     small = tmp_path / "small"
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(small)], check=True)

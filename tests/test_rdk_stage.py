@@ -307,5 +307,7 @@ def test_rdk_artifact_loads_with_pickle_forbidden(estimated, pickle_forbidden) -
 
     _, artifact = estimated
     prior = RDKPrior.load(load_artifact(artifact.path).path)
-    for name in prior.names(PRUNED):
-        prior.transform(EXACT, name)
+    names = prior.names(PRUNED)
+    assert names, "no pruning level to transform"
+    for name in names:
+        assert prior.transform(EXACT, name) is not None and len(prior.level(name).kept) > 0, name

@@ -88,6 +88,7 @@ def test_off_vocabulary_mass_of_the_redistributions(study: dict) -> None:
 
 
 def test_tau_curve_has_one_entry_per_tau_and_the_choice_is_its_best(study: dict) -> None:
+    assert any("alpha_validation" in point for row in study["kept"] for point in row["tau_curve"])  # a choice to check
     for row in study["kept"]:
         curve = row["tau_curve"]
         assert [point["tau"] for point in curve] == list(TAUS)

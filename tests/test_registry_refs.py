@@ -44,8 +44,15 @@ REF = st.one_of(
 )
 
 
+NAMING_IT = {f"{REF_NAME}@champion", f"{REF_NAME}@candidate", f"{REF_NAME}/1"}
+"""The spellings that name the registered bundle (with or without ``models:/``, around any whitespace): each must pull."""
+
+
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(REF)
+@example(f"{REF_NAME}@champion")
+@example(f"models:/{REF_NAME}@candidate")
+@example(f" {REF_NAME}/1 ")
 @example(f"{REF_NAME}/١")  # Arabic-Indic digits: refused, a version is ASCII digits
 @example(f"{REF_NAME}/{'9' * 30}")  # a version beyond any database integer
 def test_any_ref_pulls_its_bundle_or_is_refused(local_registry: tuple[MlflowConfig, Path],
@@ -56,6 +63,7 @@ def test_any_ref_pulls_its_bundle_or_is_refused(local_registry: tuple[MlflowConf
         parse_ref(ref)
         pulled = pull(ref, to, cfg, workdir)
     except DrafterError as err:
+        assert ref.strip().removeprefix("models:/") not in NAMING_IT, f"{ref!r} names the bundle, refused:\n{err}"
         assert err.expected and err.fix, f"a DrafterError without expected/what to do:\n{err}"
         assert not to.exists()
         event("refused: " + " ".join(err.problem.split()[:3]))  # --hypothesis-show-statistics

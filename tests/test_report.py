@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import html
 import json
-import os
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -16,7 +15,7 @@ from pipeline.engine.methods import GATE_SETS
 from pipeline.evaluation.report import COLUMNS, markdown_table, render_html, write_report
 from pipeline.evaluation.results import EvalRow, EvaluationResults, LosslessCheck, decide_gates
 from pipeline.evaluation.sections import BLOCK_HEADERS, block_rows
-from tests.helpers import SHORTLISTS, report_row, synthetic_results, typed_results
+from tests.helpers import SHORTLISTS, report_row, skip_unless, synthetic_results, typed_results
 
 
 class _Checker(HTMLParser):
@@ -352,12 +351,9 @@ def test_page_at_1300_px_shows_every_figure_at_full_size(tmp_path: Path) -> None
     import subprocess
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if chromium is None:
-        if os.environ.get("DRAFTER_REQUIRE_CHROMIUM") == "1":  # CI installs Chromium: missing there is a failure
-            pytest.fail("DRAFTER_REQUIRE_CHROMIUM=1 but no chromium, chromium-browser or google-chrome on PATH: "
-                        "apt-get install chromium")
-        pytest.skip("needs Chromium to lay the page out (apt-get install chromium); the layout itself is "
-                    "tested without it by test_figures_fit_the_page_and_no_text_is_clipped_or_overlaps")
+    skip_unless(chromium is not None, "no chromium, chromium-browser or google-chrome on PATH to lay the page out",
+                "DRAFTER_REQUIRE_CHROMIUM", "apt-get install chromium; the layout itself is tested without it by "
+                "test_figures_fit_the_page_and_no_text_is_clipped_or_overlaps")
     page = render_html(full_results(), tmp_path).read_text(encoding="utf-8")
     probe = ("<script>document.title = JSON.stringify({svgs: [...document.querySelectorAll('svg')].map(s => "
              "[s.getBoundingClientRect().width, s.width.baseVal.value]), scroll: document.documentElement.scrollWidth, "

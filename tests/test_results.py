@@ -3,6 +3,7 @@ trips, and the report shows what the results hold (no field read that nothing se
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -26,8 +27,10 @@ def test_gates_choose_the_best_shortlist_by_the_speed_metric() -> None:
 
 def test_gates_are_a_pure_function_of_rows_checks_and_thresholds() -> None:
     results = typed_results()
-    again = decide_gates(results.rows, results.checks, speed_metric="mbsu", tau_min=1.5, speed_min=1.0)
-    assert again == results.gates
+    rows, checks = copy.deepcopy(results.rows), copy.deepcopy(results.checks)
+    again = decide_gates(rows, checks, speed_metric="mbsu", tau_min=1.5, speed_min=1.0)
+    assert rows == results.rows and checks == results.checks  # its inputs untouched
+    assert again == results.gates  # and the same gates as the helper's call on equal inputs
     strict = decide_gates(results.rows, results.checks, speed_metric="mbsu", tau_min=99.0, speed_min=1.0)
     assert not strict.passed and strict.failures() == [f"tau_min ({strict.chosen.tau} vs 99.0)"]
     lossy = typed_results(lossless=False)

@@ -204,13 +204,13 @@ def test_status_quotes_why_the_last_restart_of_a_requeued_job_failed(tmp_path: P
 
 
 def test_submit_without_slurm_or_with_a_bad_stage_is_refused(tmp_path: Path, tiny_kit, monkeypatch) -> None:
-    with pytest.raises(Exception, match="slurm.stages"):
+    with pytest.raises(DrafterError, match="slurm.stages"):
         load_config(None, ["slurm.stages={generat: {nodes: 2}}"])
-    with pytest.raises(Exception, match="slurm.stages.generate"):
+    with pytest.raises(DrafterError, match="slurm.stages.generate"):
         load_config(None, ["slurm.stages={generate: {gpus: 2}}"])
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
     cfg = small_cfg(tmp_path)
-    with pytest.raises(Exception, match="sbatch.*is not on PATH"):
+    with pytest.raises(DrafterError, match="sbatch.*is not on PATH"):
         slurm.submit(cfg, ["generate"], [])
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -314,7 +315,15 @@ def test_every_role_of_every_profile_resolves(tmp_path: Path, monkeypatch: pytes
 
 
 def test_kit_hash_is_stable_and_per_profile() -> None:
-    assert kit_hash("test") == kit_hash("test")
+    """The same hash in another process under another string-hash seed (a kit built once is found again)."""
+    import subprocess
+    import sys
+
+    script = "from pipeline.tiny import kit_hash; print(kit_hash('test'))"
+    for seed in ("1", "2"):
+        other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                               env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+        assert other == kit_hash("test"), (seed, other)
     assert kit_hash("test") != kit_hash("default")
     assert len(kit_hash("default")) == 12 and int(kit_hash("default"), 16) >= 0
 

@@ -77,15 +77,28 @@ def test_stage_run_is_logged_and_read_back(tmp_path: Path, mlflow_server: Mlflow
     assert not set(HTTP_LIMIT_VARIABLES) & set(os.environ), "MLflow's HTTP limits leaked into the environment"
 
 
-def test_unreachable_server_fails_fast_before_any_work(tmp_path: Path) -> None:
+def test_unreachable_server_fails_fast_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bounded retries, not MLflow's minutes of backoff: the config's 2 probes of /health with one 0.5 s pause
+    between them (every sleep in the process is recorded, none slept), then the error, before the stage's work."""
+    import urllib.request
+
     uri = f"http://127.0.0.1:{free_port()}"
     cfg = _cfg(tmp_path, uri)
     calls: list = []
-    start = time.monotonic()
+    opened: list[str] = []
+    slept: list[float] = []
+    real_open = urllib.request.urlopen
+
+    def urlopen(url: str, *args: object, **kwargs: object) -> object:
+        opened.append(url)
+        return real_open(url, *args, **kwargs)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(time, "sleep", slept.append)
     with pytest.raises(DrafterError, match="unreachable after 2 attempts") as err:
         _stage(cfg, calls)
     assert "MLFLOW_TRACKING_URI" in str(err.value)
-    assert calls == [] and time.monotonic() - start < 30  # bounded retries, not MLflow's minutes of backoff
+    assert calls == [] and opened == [f"{uri}/health"] * 2 and slept == [0.5], (opened, slept)
 
 
 def test_a_token_in_the_server_uri_never_reaches_an_error(tmp_path: Path, monkeypatch) -> None:
@@ -114,9 +127,10 @@ def test_server_dying_mid_stage_keeps_the_artifact_and_rerun_only_logs(tmp_path:
     try:
         with pytest.raises(DrafterError) as err:
             _stage(cfg, calls, on_build=server.stop)
-        assert "artifact is safe" in str(err.value) or "unreachable" in str(err.value)
         stored = list((tmp_path / "work" / "artifacts").glob("count-*"))
         stored = [p for p in stored if p.is_dir()]
+        # whether the probe before logging or a logging call meets the dead server, the error says where the artifact is
+        assert f"The artifact is safe at {stored[0]}." in str(err.value), str(err.value)
         assert len(stored) == 1 and load_artifact(stored[0]).manifest["metrics"]["answer"] == 42
         server.start()  # same port, same store
         art = _stage(cfg, calls)
@@ -229,7 +243,7 @@ def test_http_limits_hold_only_inside_their_block_and_an_exported_value_wins(
         assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "2"
         assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "14"
     assert not set(HTTP_LIMIT_VARIABLES) & set(os.environ)
-    with pytest.raises(RuntimeError), http_limits(cfg):
+    with pytest.raises(RuntimeError, match="a failed call"), http_limits(cfg):
         raise RuntimeError("a failed call")
     assert not set(HTTP_LIMIT_VARIABLES) & set(os.environ)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "9")

@@ -47,6 +47,7 @@ from jobs import run
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.config.training import TrainConfig
 from pipeline.data.calibration import iter_rows
+from pipeline.errors import DrafterError
 from pipeline.orchestration import slurm
 from pipeline.orchestration.dag import plan
 from pipeline.training import checkpoints as ckpt
@@ -193,9 +194,9 @@ def test_the_collective_timeout_reaches_ddp_and_the_shard_trainer() -> None:
     trainer = shard_trainer("generate", "cpu", 2, 1, collective_timeout=42)
     assert isinstance(trainer.strategy, DDPStrategy) and trainer.strategy._timeout == timedelta(seconds=42)
     assert not isinstance(shard_trainer("generate", "cpu", 1, 1).strategy, DDPStrategy)  # one rank: no group
-    with pytest.raises(Exception, match="collective_timeout"):
+    with pytest.raises(DrafterError, match="collective_timeout"):
         load_config(None, ["train_drafter.train.collective_timeout=0"])
-    with pytest.raises(Exception, match="slurm.socket_ifname"):
+    with pytest.raises(DrafterError, match="slurm.socket_ifname"):
         load_config(None, ["slurm.socket_ifname=ib0; rm -rf /"])
 
 

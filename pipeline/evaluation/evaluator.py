@@ -334,14 +334,18 @@ class Evaluator:
         first_accepted = sum(step.accepted > 0 for step in rounds)
         impossible = int(counts[p == 0].sum())
         pvalue, bins = chi_square_first_token(counts, p)
-        passed = impossible == 0 and pvalue >= self.ev.sampling_check_alpha and drafted > 0
+        # One bin tests nothing (its p-value is 1 whatever was drawn), unless the law has a single token: then "no
+        # zero-probability token emitted" is the whole law.
+        testable = bins >= 2 or int((p > 0).sum()) == 1
+        passed = impossible == 0 and pvalue >= self.ev.sampling_check_alpha and drafted > 0 and testable
         name = f"first_token_distribution[{method}{'/' + shortlist if shortlist else ''}]"
-        return LosslessCheck(name=name, passed=passed,
-                             detail=f"n={n}, γ={gamma}, temperature {params.temperature:g}, top-p {params.top_p:g}, "
-                                    f"chi-square p={pvalue:.3g} over {bins} bins "
-                          f"(fails below {self.ev.sampling_check_alpha}); zero-probability tokens emitted: {impossible}; "
-                          f"first-round drafts verified: {drafted} (a check with none would be vacuous), "
-                          f"first draft accepted in {first_accepted}/{n} draws")
+        vacuous = "" if testable else ("; one bin tests nothing: raise evaluate.sampling_check_samples until two bins "
+                                       "expect 5 draws each")
+        detail = (f"n={n}, γ={gamma}, temperature {params.temperature:g}, top-p {params.top_p:g}, chi-square "
+                  f"p={pvalue:.3g} over {bins} bins (fails below {self.ev.sampling_check_alpha}{vacuous}); "
+                  f"zero-probability tokens emitted: {impossible}; first-round drafts verified: {drafted} (a check "
+                  f"with none would be vacuous), first draft accepted in {first_accepted}/{n} draws")
+        return LosslessCheck(name=name, passed=passed, detail=detail)
 
     def _row(self, task: str, method: str, drafter: str | None, gamma: int, shortlist: str | None,
              size: int | None, m: Any, equal: bool) -> EvalRow:

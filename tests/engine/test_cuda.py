@@ -17,6 +17,9 @@ from pipeline.engine.methods import METHOD_NAMES
 pytestmark = pytest.mark.gpu
 
 METHODS = METHOD_NAMES  # every registered draft method
+RANDOM_HEADS = {"eagle3", "dflash"}
+"""Methods whose drafter here has random weights (kit_proposer_inputs); their trained drafters' greedy runs are in
+test_eagle3_proposer.py and test_dflash.py."""
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +54,17 @@ def test_greedy_equals_autoregressive_on_cuda(cuda_kit, method: str) -> None:
     target, tok = cuda_kit["target"]
     greedy = SamplingParams()
     proposer = _proposer(cuda_kit, method)
+    accepted = 0
     for prompt in _prompts(tok):
         for gamma in (1, 4):
             gen = torch.Generator(device="cuda").manual_seed(0)
             ar = generate_autoregressive(target, prompt, 32, greedy, gen, tok.eos_token_id)
             spec = generate_speculative(target, proposer, prompt, 32, gamma, greedy, gen, tok.eos_token_id)
             assert spec.tokens == ar.tokens, (method, gamma)
+            accepted += sum(spec.accepted_per_round)
+    # drafts were accepted, so the equality covers the accept path too (on the CPU in float64 every method here
+    # accepts 14-105 drafts over these six runs), but for the random-weight feature heads, which accept none
+    assert accepted > 0 or method in RANDOM_HEADS, (method, accepted)
 
 
 @pytest.mark.parametrize("method", ("full", "tli", "slem"))

@@ -23,16 +23,16 @@ from pipeline.engine.dynaspec import PositionAwareFrequencyProposer, RoutedShort
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.methods import build_proposer
 from pipeline.engine.proposers import Proposal
-from pipeline.engine.routed_head import RoutedHead, triton_available
+from pipeline.engine.routed_head import RoutedHead
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import TargetState
 from pipeline.errors import DrafterError
 from tests.engine.conftest import assert_acceptance_law, assert_counts_match, method_inputs, verify_blocks
-from tests.helpers import drafted
+from tests.helpers import drafted, requires_triton
 
 GREEDY = SamplingParams()
 CLUSTERS = 24
-NEEDS_TRITON = pytest.mark.skipif(not triton_available(), reason="triton is not installed (the dev extra installs it)")
+NEEDS_TRITON = requires_triton()
 KERNEL = pytest.param("kernel", marks=NEEDS_TRITON)
 """The routed head's Triton kernel, run by Triton's interpreter on these CPU tensors."""
 

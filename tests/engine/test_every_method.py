@@ -121,13 +121,20 @@ def test_slrs_without_shared_specials_on_a_bos_only_prompt(setting: str, kit, ca
         assert result.tokens == greedy_reference["bos_only"]
 
 
+NO_FIRST_ACCEPT_AT_T1 = {"slem_bytes"}
+"""Methods whose first draft the target never accepts in the 300 sampled first rounds below: the untrained byte
+drafter's strings never spell the token the target samples there. It verifies by exact match, so its first token is
+the target's own sample whichever branch runs; the exact-match accept branch's law is tested in
+``test_verify.py::test_exact_match_verification``."""
+
+
 @pytest.mark.parametrize("method", METHOD_NAMES)
 def test_first_rounds_repeat_the_loops_first_round_after_one_prefill(kit, proposers, cases, method: str) -> None:
     """evaluate's losslessness check draws n first rounds after one prefill (`first_rounds`): the target's cache is
     cropped back and the proposer re-syncs to the context each time. Greedy, every draw must emit exactly what the
     decode loop's first round emits, and the proposer must draft in every round it drafts in the loop; at
-    temperature 1 the first tokens are samples of the target's p (chi-square over 300 draws, pooled tail, fails
-    below p = 1e-4; no zero-probability token)."""
+    temperature 1 the first tokens are samples of the target's p (chi-square over 300 draws, pooled tail, at least
+    three bins, fails below p = 1e-4; no zero-probability token), with first drafts both accepted and rejected."""
     import numpy as np
 
     from pipeline.engine.loop import first_rounds
@@ -147,8 +154,12 @@ def test_first_rounds_repeat_the_loops_first_round_after_one_prefill(kit, propos
     with torch.no_grad():
         p = standardise(target(torch.tensor([prompt])).logits[0, -1], params).numpy()
     counts = np.zeros(p.size, dtype=np.int64)
+    accepted = 0
     for step in first_rounds(target, proposers[method], prompt, GAMMA, params, torch.Generator().manual_seed(1), 300):
         counts[step.emitted[0]] += 1
+        accepted += step.accepted > 0
     assert counts[p == 0].sum() == 0
-    pvalue, _ = chi_square_first_token(counts, p)
-    assert pvalue >= 1e-4, (method, pvalue)
+    pvalue, bins = chi_square_first_token(counts, p)
+    # three bins or more (one tests nothing), and both verification branches taken: accepted and rejected drafts
+    assert bins >= 3 and pvalue >= 1e-4, (method, pvalue, bins)
+    assert (0 if method in NO_FIRST_ACCEPT_AT_T1 else 1) <= accepted < 300, (method, accepted)

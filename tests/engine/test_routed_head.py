@@ -18,11 +18,12 @@ import torch
 
 from pipeline.dynaspec.clusters import Clustering
 from pipeline.engine.routed_head import RoutedHead, triton_available
+from tests.helpers import requires_triton
 
 SIZES = [1, 1, 2, 3, 5, 7, 9, 9]
 KEEP = [0, 36]  # token 0 is in a size-1 cluster (cluster 5 after the shuffle below), token 36 in another
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (the dev extra installs it)")
+needs_triton = requires_triton()
 
 
 class _Head(torch.nn.Module):

@@ -10,7 +10,8 @@ device → host read per round — checked on the CPU with the trained tiny kit.
   (``tolist``, ``item``, ``bool``, ``int``, ``float``, ``index``, ``numpy``) inside each round: exactly one for every
   method whose drafts stay on the device, on both paths.
 * **Same law.** ``first_rounds`` on the static path emits the target's p at temperature 1 (chi-square over 300
-  draws per method, pooled tail, fails below p = 1e-4; no zero-probability token).
+  draws per method, pooled tail, at least three bins, fails below p = 1e-4; no zero-probability token), with first
+  drafts both accepted and rejected.
 
 The CUDA half (graphs captured for real, ``torch.cuda.set_sync_debug_mode("error")`` around the rounds) is in
 ``tests/engine/test_cuda.py``.
@@ -190,12 +191,16 @@ def test_first_token_law_on_the_static_path(method: str, kit, proposers, prompts
     with torch.no_grad():
         p = standardise(target(torch.tensor([context])).logits[0, -1], params).numpy()
     counts = np.zeros(p.size, dtype=np.int64)
+    accepted = 0
     for step in first_rounds(target, proposers[method], context, GAMMA, params, torch.Generator().manual_seed(1), 300,
                              options=DecodeOptions("static")):
         counts[step.emitted[0]] += 1
+        accepted += step.accepted > 0
     assert counts[p == 0].sum() == 0
-    pvalue, _ = chi_square_first_token(counts, p)
-    assert pvalue >= 1e-4, (method, pvalue)
+    pvalue, bins = chi_square_first_token(counts, p)
+    # three bins or more (one tests nothing), and both verification branches taken: accepted and rejected drafts
+    assert bins >= 3 and pvalue >= 1e-4, (method, pvalue, bins)
+    assert 0 < accepted < 300, (method, accepted)
 
 
 def test_static_session_rolls_back_and_pads_like_a_dynamic_cache(kit) -> None:

@@ -75,12 +75,14 @@ def _check_law(
         assert_counts_match(counts, p[j], int(reached.sum()), f"token law at position {j}")
 
 
-def _run_speculative(p: torch.Tensor, q: torch.Tensor, seed: int) -> None:
+def _run_speculative(p: torch.Tensor, q: torch.Tensor, seed: int) -> torch.Tensor:
+    """Verify N blocks drafted from ``q`` against ``p`` and check the law; the drafts verified."""
     generator = torch.Generator().manual_seed(seed)
     drafts = _draw_drafts(q, generator)
     n_accepted, next_token = verify_speculative(p.expand(N, -1, -1), q.expand(N, -1, -1), drafts, generator)
     accept_probs = torch.minimum(p[:GAMMA], q).sum(-1)
     _check_law(p, n_accepted, next_token, drafts, accept_probs)
+    return drafts
 
 
 def test_full_draft_distribution() -> None:
@@ -120,8 +122,7 @@ def test_substochastic_draft_with_untranslatable_tokens() -> None:
     g = torch.Generator().manual_seed(4)
     p = _dirichlet((GAMMA + 1, VOCAB), g)
     q = 0.7 * _dirichlet((GAMMA, VOCAB), g)
-    _run_speculative(p, q, seed=14)
-    drafts = _draw_drafts(q, torch.Generator().manual_seed(0))
+    drafts = _run_speculative(p, q, seed=14)
     assert 0.25 < float((drafts == -1).double().mean()) < 0.35  # the -1 path really ran
 
 
@@ -244,7 +245,6 @@ def test_sample_never_draws_zero_weight_and_follows_weights() -> None:
     weights = torch.tensor([0.0, 0.3, 0.0, 0.1, 0.2, 0.0], dtype=torch.float64)
     draws = sample(weights.expand(N, -1), torch.Generator().manual_seed(9))
     assert_counts_match(torch.bincount(draws, minlength=6).double(), weights / weights.sum(), N, "sampler")
-    assert math.isclose(float(weights.sum()), 0.6)
 
 
 def test_zero_drafts_emit_a_sample_of_p() -> None:

@@ -22,7 +22,8 @@ from tests.training.harness_script import BASE, TinyRegressor, config, dataset, 
 def test_deepspeed_config_is_pure_function_of_typed_fields() -> None:
     cfg = TrainConfig(global_batch_size=8, micro_batch_size=2, gradient_clipping=0.5, offload_optimizer=True)
     ds = deepspeed_config(cfg)
-    assert ds == deepspeed_config(cfg) and json.loads(json.dumps(ds)) == ds
+    same = TrainConfig(global_batch_size=8, micro_batch_size=2, gradient_clipping=0.5, offload_optimizer=True)
+    assert deepspeed_config(same) == ds and json.loads(json.dumps(ds)) == ds  # equal fields, equal config; JSON-clean
     assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 4
     assert ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": True}
     assert ds["zero_optimization"]["stage"] == 2

@@ -59,18 +59,36 @@ def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
 def test_training_seconds_add_up_over_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """train_seconds (training.json, the stage's summary) counted only the last process: a run resumed after a kill
     reported the time since the resume, and a rerun of a finished run about nothing. Each checkpoint now carries the
-    seconds trained so far. Every micro-batch here sleeps 0.1 s: 12 steps x 2 micro-batches before the crash (2.4 s)
-    and 4 x 2 after it (0.8 s); the resumed run and the finished run's rerun report at least the 3.2 s slept."""
+    seconds trained so far. The harness reads a fake clock here, which only the steps move: every micro-batch's
+    "sleep" of 0.1 s advances it. 12 steps x 2 micro-batches before the crash (2.4 s) and 4 x 2 after it (0.8 s): the
+    resumed run reports 3.2 s, and the finished run's rerun the same 3.2 s."""
+    import types
+
+    from pipeline.training import harness, plan
+    from tests.training import harness_script
+
+    clock = [0.0]
+
+    def fake_clock() -> None:
+        def advance(seconds: float) -> None:
+            clock[0] += seconds
+
+        monkeypatch.setattr(harness, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+        monkeypatch.setattr(plan, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+        monkeypatch.setattr(harness_script, "time", types.SimpleNamespace(sleep=advance))
+        monkeypatch.setenv("HARNESS_TEST_STEP_SLEEP", "0.1")
+
+    fake_clock()
     crash_after_checkpoint(monkeypatch, 12)
-    monkeypatch.setenv("HARNESS_TEST_STEP_SLEEP", "0.1")
     with pytest.raises(SimulatedCrash, match="after the step-12 checkpoint"):
         fit(TinyRegressor(), dataset(), config(), tmp_path / "run")
+    assert clock[0] == pytest.approx(2.4)
     monkeypatch.undo()
-    monkeypatch.setenv("HARNESS_TEST_STEP_SLEEP", "0.1")
+    fake_clock()
     resumed = fit(TinyRegressor(), dataset(), config(), tmp_path / "run")
-    assert resumed.start_step == 12 and resumed.seconds >= 3.2, resumed.seconds
+    assert resumed.start_step == 12 and resumed.seconds == pytest.approx(3.2), resumed.seconds
     rerun = fit(TinyRegressor(), dataset(), config(), tmp_path / "run")
-    assert rerun.start_step == 16 and 3.2 <= rerun.seconds <= resumed.seconds, (rerun.seconds, resumed.seconds)
+    assert rerun.start_step == 16 and rerun.seconds == pytest.approx(3.2), rerun.seconds
 
 
 def test_config_checks_raise_drafter_error() -> None:
