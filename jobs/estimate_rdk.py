@@ -226,7 +226,7 @@ def _code_rows(cfg: PipelineConfig, tokenizer, calibration: Artifact) -> list:  
                               revision=drew["source_revision"])
     check_rdk_code_problems(cfg, unseen=len(unseen))
     contexts = [context_length(cfg.target.model, cfg.target.revision, cfg.target.trust_remote_code),
-                context_length(ev.drafter, None, cfg.target.trust_remote_code)]
+                context_length(ev.drafter)]  # a drafter never runs its own code (target.trust_remote_code)
     limit = min([er.max_length] + [c for c in contexts if c])
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     rows = []

@@ -94,8 +94,7 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
             # The drafter kind shares the target's tokenizer (checked in main), so prompts and stop
             # tokens always come from the target's.
             self.tokenizer = target.tokenizer()
-            self.lm = target.model() if gen.kind != "drafter" else load_model(
-                gen.drafter, dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code)
+            self.lm = target.model() if gen.kind != "drafter" else load_model(gen.drafter, dtype=cfg.target.dtype)
             self.stops = stop_ids(self.tokenizer, self.lm)
             self.law = answer_law(gen)
             # The answers follow generate.temperature / top_p and nothing else, the law evaluate decodes with: an

@@ -13,7 +13,8 @@ import urllib.parse
 
 CREDENTIAL_VARIABLES = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 """Environment variables whose values are secrets: never printed, logged or put in an error."""
-_USERINFO = re.compile(r"//[^/@\s]+@")
+USERINFO = re.compile(r"//[^/\s]*@")
+"""A URL's ``//user:password@``, up to the netloc's last ``@`` (as urllib splits it: a password may hold an ``@``)."""
 _SHORTEST_SECRET = 4  # a shorter value would hide ordinary words; no real password or token is that short
 
 
@@ -35,10 +36,9 @@ def scrub(text: str, *uris: str | None) -> str:
     """``text`` with every credential it could carry replaced by ``***``: a URL's user and password (``//user:pw@``),
     the user and password of ``uris`` and of ``$MLFLOW_TRACKING_URI`` wherever they appear (an error may quote them
     cut out of their URL), and the values of :data:`CREDENTIAL_VARIABLES`."""
-    text = _USERINFO.sub("//***@", text)
-    for secret in _secrets(uris):
+    for secret in _secrets(uris):  # first: a password cut short by the pattern below would no longer be found whole
         text = text.replace(secret, "***")
-    return text
+    return USERINFO.sub("//***@", text)
 
 
 class DrafterError(Exception):

@@ -6,13 +6,14 @@ tracking URIs).
 
 from __future__ import annotations
 
-import re
 from typing import Any
+
+from pipeline.errors import USERINFO
 
 
 def redact(uri: str) -> str:
     """Hide a password or token embedded in a URI before it is printed or logged."""
-    return re.sub(r"//[^/@]+@", "//***@", uri)
+    return USERINFO.sub("//***@", uri)
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:

@@ -107,6 +107,24 @@ def test_non_finite_numbers_are_refused_naming_the_key(override: str) -> None:
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("override", [
+    "train_drafter.train.devices=0", "train_dflash.train.devices=''", "train_router.train.devices=','",
+    "generate.devices=0", "generate.devices=two", "estimate_rdk.devices=-1", "generate.accelerator=gpus",
+    "estimate_rdk.accelerator=tpu", "generate.seed=-1", "evaluate.seed=1180591620717411303424",
+    "train_drafter.train.seed=4611686018427387904", "train_dflash.init_seed=-2", "cluster.seed=-1",
+    "train_router.init_seed=-1", "train_drafter.init_seed=-1", "evaluate.gate_tau_min=0.5",
+    "evaluate.gate_speed_min=-1"])
+def test_devices_seeds_and_gates_lightning_torch_or_a_gate_would_choke_on_are_refused(override: str) -> None:
+    """No device ranks (devices=0 divided a global batch by zero), accelerators Lightning does not know, seeds torch
+    cannot take (overflow inside a step) and gate thresholds below what the metric can be: refused naming the key."""
+    key = override.split("=")[0]
+    with pytest.raises(DrafterError, match=rf"Invalid value for {re.escape(key)}\."):
+        load_config(None, [override])
+    for ok in ("generate.devices=2", "generate.devices='0,1'", "estimate_rdk.devices=auto", "generate.seed=12345",
+               "train_drafter.train.devices='1,'", "evaluate.gate_tau_min=1", "evaluate.gate_speed_min=0"):
+        load_config(None, [ok])
+
+
 def test_sampling_and_draft_length_ranges() -> None:
     with pytest.raises(DrafterError, match="evaluate.top_p"):
         load_config(None, ["evaluate.top_p=0"])

@@ -178,6 +178,32 @@ def test_running_a_checkpoints_own_code_changes_every_id_that_reads_the_target(t
     assert {name for name in off.stages if off.stages[name].id != on.stages[name].id} == READS_TARGET
 
 
+def test_the_targets_remote_code_setting_never_runs_a_drafters_code(tmp_path: Path, tiny_kit,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``target.trust_remote_code`` reached every drafter the config names: planning read each one's config with it
+    on, so a drafter checkpoint's ``auto_map`` code ran, unread and unpinned. Here a drafter whose config class writes
+    a marker when imported is named beside a target run with its own code: planning leaves no marker, while reading
+    that config with remote code allowed does write it (so the marker would show a run)."""
+    from pipeline.models.context import context_length
+
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("DRAFTER_TEST_MARKER", str(marker))
+    drafter = _copy_model(tiny_kit.path("drafter"), tmp_path / "my-drafter")
+    config = json.loads((drafter / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_marked.MarkedConfig"}
+    (drafter / "config.json").write_text(json.dumps(config))
+    (drafter / "configuration_marked.py").write_text(
+        "import os\nimport pathlib\n\nfrom transformers import LlamaConfig\n\n"
+        "pathlib.Path(os.environ['DRAFTER_TEST_MARKER']).write_text('ran')\n\n\n"
+        "class MarkedConfig(LlamaConfig):\n    pass\n")
+    target = _copy_model(tiny_kit.path("target"), tmp_path / "my-target")
+    plan(small_cfg(tmp_path, f"target.model={target}", "target.trust_remote_code=true",
+                   f"evaluate.drafter={drafter}", f"cluster.drafter={drafter}"))
+    assert not marker.exists(), "a drafter's own code ran"
+    context_length(str(drafter), None, True)
+    assert marker.read_text() == "ran"
+
+
 def test_a_tiny_target_with_a_tokenizer_of_its_own_keeps_the_kits_weights_in_its_ids(tmp_path: Path,
                                                                                    tiny_kit) -> None:
     """Only a target whose tokenizer was a tiny ref too got the kit's weights digest: with a tokenizer directory the

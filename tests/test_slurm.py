@@ -201,6 +201,11 @@ def test_status_quotes_why_the_last_restart_of_a_requeued_job_failed(tmp_path: P
     assert "OutOfMemoryError" in why and "SIGTERM" not in why, why
     log.write_text(log.read_text().split("drafter: generate on 1 node(s) x 1 task(s), job 7, restart 1")[0])
     assert slurm._log_tail(log).startswith("error: Stage generate received SIGTERM")
+    # another tool's traceback quoting a URL with its credentials (MLflow's own message): `status` shows none of them
+    log.write_text("Traceback (most recent call last):\nmlflow.exceptions.MlflowException: API request to "
+                   "https://alice:s3cr3t@Pa55@mlflow.example.com/api/2.0/mlflow/runs/log-batch failed\n")
+    assert slurm._log_tail(log).endswith("mlflow.exceptions.MlflowException: API request to "
+                                         "https://***@mlflow.example.com/api/2.0/mlflow/runs/log-batch failed")
 
 
 def test_submit_without_slurm_or_with_a_bad_stage_is_refused(tmp_path: Path, tiny_kit, monkeypatch) -> None:

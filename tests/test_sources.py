@@ -83,6 +83,23 @@ def test_truncated_json_file_is_recovered(tmp_path: Path) -> None:
     assert any("empty turns" in n for n in report.notes)
 
 
+def test_a_syntax_error_before_the_end_is_refused_not_taken_for_a_truncation(tmp_path: Path) -> None:
+    """A missing comma inside the second record was read as the file's truncated end: the records after it were
+    dropped with a note and the run went on with one conversation. Only an error where the text runs out is a
+    truncation (a string left open, or the start of a value); anything earlier is refused, saying where."""
+    text = json.dumps(_records())
+    path = tmp_path / "broken.json"
+    path.write_text(text.replace('"from": "gpt", "value": "no prompt"', '"from": "gpt" "value": "no prompt"', 1))
+    with pytest.raises(DrafterError, match=r"not valid JSON after its first 1 records: Expecting ',' delimiter at "
+                                           r"line 1, column \d+") as err:
+        load_sharegpt(path)
+    assert '"from": "gpt" "value"' in err.value.found and "JSON Lines" in err.value.fix
+    for tail in ('{"id": "e", "prompt": tr', '{"id": "e", "n": -1.5e', '{"id": "e", "prompt": "hal'):
+        path.write_text(text[:-1] + ", " + tail)  # cut in a literal, a number, a string: truncations
+        convs, report = load_sharegpt(path)
+        assert [c.id for c in convs] == ["a", "c", "d"] and any("incomplete record" in n for n in report.notes), tail
+
+
 def test_complete_json_file_drops_nothing_but_unusable(tmp_path: Path) -> None:
     path = tmp_path / "full.json"
     path.write_text(json.dumps(_records()))

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.artifacts import artifact_id, load_artifact
 from pipeline.config.sections import MlflowConfig, load_config
-from pipeline.errors import DrafterError
+from pipeline.errors import DrafterError, scrub
 from pipeline.orchestration.dag import StagePlan, spec, stage_identity
 from pipeline.orchestration.stage import BuildResult, run_stage
 from pipeline.tracking import (
@@ -217,6 +217,10 @@ def test_a_new_local_store_starts_from_the_empty_one_mlflow_made_once(tmp_path: 
 
 def test_helpers() -> None:
     assert redact("https://user:secret@host/x") == "https://***@host/x"
+    # a password holding "@": urllib splits the netloc at its last "@", so the whole of it goes
+    assert redact("https://alice:s3cr3t@Pa55word@host:5000/x") == "https://***@host:5000/x"
+    assert scrub("GET https://alice:s3cr3t@Pa55word@host/api failed; try http://host/x?q=a b@c") == (
+        "GET https://***@host/api failed; try http://host/x?q=a b@c")
     assert flatten({"a": {"b": 1, "c": [1, 2]}}) == {"a.b": "1", "a.c": "[1, 2]"}
     check_reachable("sqlite:///x.db", load_config(None).mlflow)  # local stores need no probe
 

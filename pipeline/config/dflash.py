@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config.schema import check_value, input_override
+from pipeline.config.schema import check_seed, check_value, input_override
 from pipeline.config.training import TrainConfig
 
 
@@ -85,6 +85,7 @@ class TrainDFlashConfig:
 
     def __post_init__(self) -> None:
         check_value(self.num_layers >= 1, "train_dflash.num_layers", "an integer >= 1", self.num_layers)
+        check_seed(self.init_seed, "train_dflash.init_seed")
         check_value(self.block_size >= 2, "train_dflash.block_size", "an integer >= 2", self.block_size)
         check_value(self.anchors_per_row >= 1, "train_dflash.anchors_per_row", "an integer >= 1", self.anchors_per_row)
         check_value(self.loss_decay > 0, "train_dflash.loss_decay", "a positive number", self.loss_decay)

@@ -35,6 +35,27 @@ def check_value(ok: bool, key: str, expected: str, found: object) -> None:
                            fix=f"Set {key} to {expected} in the YAML or as an override {key}=...")
 
 
+SEED_LIMIT = 2**62
+"""Seeds lie in ``[0, SEED_LIMIT)``: torch takes 64 bits, and the stages add shard and step numbers to a seed."""
+
+
+def check_seed(value: int, key: str) -> None:
+    """Raise the standard bad-value error unless ``value`` is a seed in ``[0, 2**62)``."""
+    check_value(0 <= value < SEED_LIMIT, key, "an integer in [0, 2**62)", value)
+
+
+def check_devices(accelerator: str, devices: int | str, section: str) -> None:
+    """Raise the standard bad-value error for ``<section>.accelerator`` / ``.devices`` Lightning would refuse deep in
+    a run (or that would give a world of no ranks): auto, cpu or gpu; auto, a count >= 1, or GPU ids like "0,1"."""
+    check_value(accelerator in ("auto", "cpu", "gpu", "cuda"), f"{section}.accelerator", "auto, cpu or gpu",
+                accelerator)
+    ids = str(devices).replace(" ", "").rstrip(",").split(",")
+    ok = (devices == "auto" or (isinstance(devices, int) and devices >= 1)
+          or (isinstance(devices, str) and "," not in devices and devices.isdigit() and int(devices) >= 1)
+          or (isinstance(devices, str) and "," in devices and all(i.isdigit() for i in ids)))
+    check_value(ok, f"{section}.devices", 'auto, a count >= 1, or GPU ids like "0,1"', devices)
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -149,14 +170,29 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
         kwargs[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name)
     try:
         return cls(**kwargs)
-    except DrafterError:
-        raise
+    except DrafterError as err:
+        raise _keyed(err, where) from None
     except (TypeError, ValueError) as err:
         raise DrafterError(f"Invalid config section {label!r}: {err}",
                            expected=f"values `drafter config --keys {where}` documents" if where
                            else "values `drafter config --keys` documents",
                            found=f"{type(err).__name__}: {err}",
                            fix="Fix the value the error names.") from err
+
+
+def _keyed(err: DrafterError, where: str) -> DrafterError:
+    """``err`` naming its key from the top: a section shared by several stages (``train``) checks its values as
+    ``train.KEY``, which as an override names no key; inside ``train_drafter.train`` it is
+    ``train_drafter.train.KEY``."""
+    parent, _, section = where.rpartition(".")
+    lead = "Invalid value for "
+    key = err.problem.removeprefix(lead).removesuffix(".")  # e.g. "train.seed"
+    if not parent or not err.problem.startswith(f"{lead}{section}.") or " " in key:
+        return err
+    full = f"{parent}.{key}"
+    return DrafterError(err.problem.replace(key, full, 1), expected=err.expected, found=err.found,
+                        fix=None if err.fix is None else err.fix.replace(f"{key} ", f"{full} ").replace(
+                            f"{key}=", f"{full}="))
 
 
 def _deep_merge(base: dict, top: dict) -> dict:

@@ -44,7 +44,8 @@ class TargetConfig:
     dtype: str = "float32"
     """Weights dtype for inference: float32, bfloat16, float16, or float64 (exactness checks)."""
     trust_remote_code: bool = run_setting(False)
-    """Allow a checkpoint's own Python code to run. Off by default: only enable for code you have read. A run setting
+    """Allow the target checkpoint's own Python code to run (the target's only: a drafter never runs its own code).
+    Off by default: only enable for code you have read. A run setting
     (the config's hash ignores it), but with it on the target's fingerprint says so, and every id that reads the
     target changes: a checkpoint with both a known ``model_type`` and an ``auto_map`` runs its own code with it on
     and transformers' class with it off."""

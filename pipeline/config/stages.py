@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.config.method_names import DEFAULT_METHOD_NAMES, METHOD_NAMES
-from pipeline.config.schema import check_value, input_override, run_setting
+from pipeline.config.schema import check_devices, check_seed, check_value, input_override, run_setting
 from pipeline.config.training import TrainConfig
 
 MAX_GAMMA = 64
@@ -70,6 +70,8 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         check_value(self.kind in ("target", "raw", "drafter"), "generate.kind", "target, raw or drafter", self.kind)
+        check_seed(self.seed, "generate.seed")
+        check_devices(self.accelerator, self.devices, "generate")
         check_value(self.kind != "drafter" or bool(self.drafter), "generate.drafter",
                "a model when generate.kind is drafter", self.drafter)
         check_value(0 <= self.heldout_fraction < 1, "generate.heldout_fraction", "a number in [0, 1)",
@@ -160,6 +162,7 @@ class TrainDrafterConfig:
 
     def __post_init__(self) -> None:
         check_value(self.ttt_steps >= 1, "train_drafter.ttt_steps", "an integer >= 1", self.ttt_steps)
+        check_seed(self.init_seed, "train_drafter.init_seed")
         check_value(0 < self.ttt_decay <= 1, "train_drafter.ttt_decay", "a number in (0, 1]", self.ttt_decay)
         check_value(self.max_length >= self.ttt_steps + 2, "train_drafter.max_length",
                     f"at least ttt_steps + 2 = {self.ttt_steps + 2}", self.max_length)
@@ -199,6 +202,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         check_value(self.clusters >= 2, "cluster.clusters", "an integer >= 2", self.clusters)
+        check_seed(self.seed, "cluster.seed")
         check_value(self.niter >= 1 and self.redo >= 1, "cluster.niter/redo", "integers >= 1", (self.niter, self.redo))
         check_value(self.device in ("auto", "cpu", "cuda"), "cluster.device", "auto, cpu or cuda", self.device)
         check_value(self.max_points_per_centroid is None or self.max_points_per_centroid >= 1,
@@ -236,6 +240,7 @@ class TrainRouterConfig:
 
     def __post_init__(self) -> None:
         check_value(self.top_l >= 1, "train_router.top_l", "an integer >= 1", self.top_l)
+        check_seed(self.init_seed, "train_router.init_seed")
         check_value(self.hidden_size >= 1, "train_router.hidden_size", "an integer >= 1", self.hidden_size)
         check_value(self.max_length >= 2, "train_router.max_length", "an integer >= 2", self.max_length)
         check_value(0 < self.eval_fraction < 1, "train_router.eval_fraction", "a number in (0, 1)",
@@ -283,6 +288,7 @@ class EstimateRdkConfig:
 
     def __post_init__(self) -> None:
         check_value(self.top_k >= 1, "estimate_rdk.top_k", "an integer >= 1", self.top_k)
+        check_devices(self.accelerator, self.devices, "estimate_rdk")
         check_value(self.max_length >= 2 and self.batch_size >= 1 and self.shard_rows >= 1,
                     "estimate_rdk.max_length/batch_size/shard_rows", "max_length >= 2, the others >= 1",
                     (self.max_length, self.batch_size, self.shard_rows))
@@ -413,6 +419,12 @@ class EvaluateConfig:
     run setting)."""
 
     def __post_init__(self) -> None:
+        check_seed(self.seed, "evaluate.seed")
+        # τ >= 1 and the speed metrics >= 0 by construction: a threshold below either is a typo, not a gate
+        check_value(math.isfinite(self.gate_tau_min) and self.gate_tau_min >= 1, "evaluate.gate_tau_min",
+                    "a number >= 1 (a mean accepted length is at least 1)", self.gate_tau_min)
+        check_value(math.isfinite(self.gate_speed_min) and self.gate_speed_min >= 0, "evaluate.gate_speed_min",
+                    "a number >= 0", self.gate_speed_min)
         check_value(set(self.tasks) <= {"chat", "code"} and bool(self.tasks), "evaluate.tasks",
                "a non-empty subset of [chat, code]", self.tasks)
         check_value(set(self.methods) <= set(EVAL_METHODS), "evaluate.methods", f"a subset of {list(EVAL_METHODS)}",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config.schema import check_value, run_setting
+from pipeline.config.schema import check_devices, check_seed, check_value, run_setting
 from pipeline.errors import DrafterError
 
 
@@ -109,8 +109,8 @@ class TrainConfig:
         _check(self.zero_stage in (1, 2), "zero_stage", "1 or 2", self.zero_stage)
         _check(self.strategy in ("auto", "deepspeed", "ddp", "single"), "strategy",
                "auto, deepspeed, ddp or single", self.strategy)
-        _check(self.accelerator in ("auto", "cpu", "gpu", "cuda"), "accelerator", "auto, cpu or gpu",
-               self.accelerator)
+        check_devices(self.accelerator, self.devices, "train")
+        check_seed(self.seed, "train.seed")
         _check(self.num_workers >= 0, "num_workers", "an integer >= 0", self.num_workers)
         _check(self.eval_every is None or self.eval_every >= 1, "eval_every", "an integer >= 1 or null",
                self.eval_every)

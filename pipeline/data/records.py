@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.errors import DrafterError
+
 # ShareGPT dumps use several spellings for the same three roles; anything else is dropped and counted.
 ROLE_MAP = {
     **dict.fromkeys(("human", "user"), "user"),
@@ -148,10 +150,24 @@ def iter_json_array(text: str) -> Iterator[Any]:
         yield record
 
 
+_NUMBER_PREFIX = re.compile(r"-?[0-9]*(\.[0-9]*)?([eE][-+]?[0-9]*)?")
+
+
+def _text_ran_out(err: json.JSONDecodeError) -> bool:
+    """Whether a parse error is the text ending mid-value (a truncated file) rather than a syntax error before its
+    end: a string left open, or nothing but the start of a literal or a number after the error's position."""
+    rest = err.doc[err.pos:].strip()
+    return (err.msg.startswith("Unterminated string") or not rest or _NUMBER_PREFIX.fullmatch(rest) is not None
+            or any(literal.startswith(rest) for literal in ("true", "false", "null")))
+
+
 def parse_records(text: str, name: str, notes: list[str]) -> tuple[list[Any], int]:
     """Parse a JSON array (recovering complete records of a truncated one), one object, or JSON Lines.
 
     Returns the records and how many records were seen but could not be parsed.
+
+    Raises:
+        DrafterError: A JSON array with a syntax error before its end (not a truncation).
     """
     stripped = text.lstrip()
     if stripped.startswith("["):
@@ -160,10 +176,23 @@ def parse_records(text: str, name: str, notes: list[str]) -> tuple[list[Any], in
             for record in iter_json_array(text):
                 records.append(record)
         except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
-            where = f"character {err.pos} of {len(text)} ({err.msg})" if isinstance(err, json.JSONDecodeError) \
-                else f"a record Python cannot parse ({type(err).__name__}: {str(err)[:120]})"
-            notes.append(f"{name}: JSON ends in an incomplete record at {where}; the {len(records)} complete "
-                         "records before it were recovered")
+            if not (isinstance(err, json.JSONDecodeError) and _text_ran_out(err)):
+                # a syntax error before the end: recovering would silently drop every record after it
+                if isinstance(err, json.JSONDecodeError):
+                    what, where = err.msg, f"line {err.lineno}, column {err.colno}"
+                    found = f"character {err.pos} of {len(text)}: {text[max(0, err.pos - 30):err.pos + 30]!r}"
+                else:
+                    what, where = f"a record Python cannot parse ({type(err).__name__})", "the next record"
+                    found = str(err)[:120]
+                raise DrafterError(
+                    f"{name} is not valid JSON after its first {len(records)} records: {what} at {where}.",
+                    expected="a JSON array of records, complete or cut short at its end (a truncated download: its "
+                             "complete records are kept), or JSON Lines",
+                    found=found,
+                    fix="Fix the file there (a missing comma, quote or bracket?), or write it as JSON Lines, where a "
+                        "bad line is dropped alone and counted.") from err
+            notes.append(f"{name}: JSON ends in an incomplete record at character {err.pos} of {len(text)} "
+                         f"({err.msg}); the {len(records)} complete records before it were recovered")
             return records, 1
         return records, 0
     try:  # one (possibly pretty-printed) object; JSON Lines with several lines fails with "Extra data"

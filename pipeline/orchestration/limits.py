@@ -56,8 +56,9 @@ from pipeline.models.context import context_length
 
 def _context(cfg: PipelineConfig, name: str) -> int | None:
 
-    revision = cfg.target.revision if name == cfg.target.model else None
-    return context_length(name, revision, cfg.target.trust_remote_code)
+    target = name == cfg.target.model
+    # target.trust_remote_code is the target's: a drafter named in the config never runs its own code
+    return context_length(name, cfg.target.revision if target else None, target and cfg.target.trust_remote_code)
 
 
 def _fit(keys: str, terms: list[int], needed: int, limit: int | None, model: str, unit: str, fix: str,

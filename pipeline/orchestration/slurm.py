@@ -39,7 +39,7 @@ from pipeline.config.schema import to_dict
 from pipeline.config.sections import SLURM_RESOURCES, PipelineConfig
 from pipeline.config.stage_names import STAGE_NAMES
 from pipeline.config.training import TrainConfig
-from pipeline.errors import DrafterError
+from pipeline.errors import DrafterError, scrub
 from pipeline.orchestration.dag import plan, spec
 from pipeline.tracking import log_stage_run, logged_run, tracking_uri
 
@@ -392,7 +392,8 @@ def _log_tail(path: Path, lines: int = 3) -> str | None:
         picked = [block[0], *(line for line in block[1:] if line.lstrip().startswith("found:"))]
     else:
         picked = [line for line in text if "Error" in line or "error" in line][-lines:] or text[-lines:]
-    return " | ".join(line.strip() for line in picked) or None
+    # another tool's traceback may quote a URL with its credentials (MLflow's "API request to <url> failed")
+    return scrub(" | ".join(line.strip() for line in picked)) or None
 
 
 def check_submitted(cfg: PipelineConfig, stage: str, submitted: str) -> None:

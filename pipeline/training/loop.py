@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
@@ -175,7 +177,8 @@ class HarnessModule(L.LightningModule):
         if self._progress is not None:
             self._progress.close()
         if self._client is not None:
-            self._client.set_terminated(self.mlflow_run_id, "FINISHED")
+            with self._mlflow_call("close the MLflow run"):
+                self._client.set_terminated(self.mlflow_run_id, "FINISHED")
 
     def _step_metrics(self, step: int) -> dict[str, float]:
         """This step's metrics averaged over micro-batches and ranks (one all-reduce)."""
@@ -202,12 +205,24 @@ class HarnessModule(L.LightningModule):
         self._tokens = 0
         return out
 
+    @contextmanager
+    def _mlflow_call(self, what: str) -> Iterator[None]:
+        """MLflow's errors as a :class:`DrafterError` (scrubbed: MLflow's messages quote the store's URL, credentials
+        and all), with the original suppressed: a traceback would print it."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - MLflow raises many types for one cause
+            message = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+        else:
+            return
+        raise DrafterError(f"Cannot {what} at {redact(str(self.plan.tracking_uri))}: {message}",
+                           fix="Check the tracking URI/server; checkpoints are kept, rerun to resume.") from None
+
     def _start_mlflow(self) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-
-        try:
+        with self._mlflow_call("open an MLflow run"):
             seed_local_store(self.plan.tracking_uri)
             client = MlflowClient(self.plan.tracking_uri)
             if self.mlflow_run_id is None:
@@ -222,17 +237,13 @@ class HarnessModule(L.LightningModule):
                     client.log_batch(self.mlflow_run_id, params=params[i : i + 100])
             else:
                 client.update_run(self.mlflow_run_id, status="RUNNING")
-        except Exception as err:  # noqa: BLE001 - MLflow raises many types for one cause
-            raise DrafterError(f"Cannot open an MLflow run at {redact(str(self.plan.tracking_uri))}: "
-                               f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
-                               fix="Check the tracking URI/server; checkpoints are kept, rerun to resume."
-                               ) from err
         self._client = client
 
     def _log_mlflow(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         stamp = int(time.time() * 1000)
-        self._client.log_batch(self.mlflow_run_id,
-                               metrics=[Metric(k, v, stamp, step) for k, v in metrics.items()])
+        with self._mlflow_call(f"log step {step}'s metrics"):
+            self._client.log_batch(self.mlflow_run_id,
+                                   metrics=[Metric(k, v, stamp, step) for k, v in metrics.items()])
 

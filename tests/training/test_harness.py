@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -142,6 +143,41 @@ def test_per_step_metrics_go_to_mlflow(tmp_path: Path) -> None:
     assert lrs[:2] == [5e-3, 1e-2] and lrs[-1] < lrs[2]  # warmup 2 steps, then cosine
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.data.params["train.lr"] == "0.01"
+
+
+def test_a_server_dying_mid_training_stops_it_with_a_clear_error_that_carries_no_password(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-step logging called MLflow bare: a server that died mid-run ended training in MLflow's own traceback,
+    whose "API request to <url> failed" quotes the URL with its user and password (and a Slurm log keeps it). Here a
+    real server stops right after the step-4 checkpoint: the next step's logging fails with a DrafterError that says
+    which call failed and that the checkpoints are kept, and no part of the error holds the password."""
+    from tests.mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path / "server")
+    server.start()
+    password = "pw-" + os.urandom(6).hex()
+    uri = server.uri.replace("//", f"//alice:{password}@", 1)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own back-off would take minutes
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    real_save = ckpt.save_checkpoint
+
+    def save_then_stop(*args: object, **kwargs: object) -> Path:
+        path = real_save(*args, **kwargs)
+        if args[1] == 4:
+            server.stop()
+        return path
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_then_stop)
+    try:
+        with pytest.raises(DrafterError, match=r"Cannot log step \d+'s metrics at http://\*\*\*@127.0.0.1") as err:
+            fit(TinyRegressor(), dataset(), config(max_steps=8, log_every=1), tmp_path / "s", tracking_uri=uri,
+                experiment="harness-test")
+    finally:
+        server.stop()
+    assert "checkpoints are kept" in str(err.value) and password not in str(err.value), str(err.value)
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # a traceback prints no MLflow error
+    assert password not in "".join(traceback.format_exception(err.value))
+    assert ckpt.checkpoints(tmp_path / "s"), "the checkpoints written before the failure are kept"
 
 
 def test_resume_after_a_crash_is_bit_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
