@@ -25,7 +25,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,10 +46,25 @@ MANIFEST_DIGEST = "manifest_sha256"  # sha256 of the manifest's canonical JSON w
 FIELD_DIGESTS = "field_sha256"  # sha256 of each other field's canonical JSON: says which one was edited
 DAMAGED = ".damaged"  # where the store moves a damaged artifact before rebuilding it
 STALE = ".stale"  # where it moves one built from other contents of its inputs than they hold now
-# Payload formats that cannot execute code when read. `.pt` is allowed only for the SGLang token map,
-# which SGLang itself reads with torch.load(weights_only=True); we never read it back with pickle.
-SAFE_SUFFIXES = (".safetensors", ".arrow", ".parquet", ".json", ".jsonl", ".txt", ".html", ".md", ".pt",
-                 ".png", ".svg")
+# Payload formats that cannot execute code when read.
+SAFE_SUFFIXES = (".safetensors", ".arrow", ".parquet", ".json", ".jsonl", ".txt", ".html", ".md", ".png", ".svg")
+TOKEN_MAP = "token_map.pt"
+"""The one torch file a payload may be: SGLang's ``--speculative-token-map``, which SGLang reads with
+``torch.load(weights_only=True)``; this project never reads it back with pickle."""
+
+
+def safe_payload(rel: str) -> bool:
+    """Whether payload path ``rel`` is a format that cannot execute code when read (or the SGLang token map)."""
+    return rel.endswith(SAFE_SUFFIXES) or rel.rsplit("/", 1)[-1] == TOKEN_MAP
+
+
+def refuse_unsafe(names: Iterable[str], what: str) -> None:
+    """Raise :class:`DrafterError` naming the first of ``names`` that :func:`safe_payload` refuses."""
+    unsafe = sorted(name for name in names if not safe_payload(name))
+    if unsafe:
+        raise DrafterError(f"Refusing {what}: {unsafe[0]!r} is not a safe format (a pickle could run code when read).",
+                           expected=f"files ending in one of {SAFE_SUFFIXES}, or SGLang's {TOKEN_MAP}",
+                           found=", ".join(unsafe[:5]), fix="Do not add files to artifacts or bundles by hand.")
 
 
 def canonical_json(obj: Any) -> str:
@@ -270,6 +285,7 @@ def upstream_manifests(path: Path, store: Path | None = None) -> Iterator[tuple[
 def verify_payloads(artifact: Artifact) -> None:
     """Recompute every payload's sha256 and refuse any change, addition or removal."""
     listed = artifact.manifest["files"]
+    refuse_unsafe(listed, f"artifact {artifact.id} at {artifact.path}")
     present = {str(p.relative_to(artifact.path)) for p in artifact.path.rglob("*")
                if p.is_file() and p != artifact.path / MANIFEST}  # a manifest.json deeper down is a payload
     missing = sorted(set(listed) - present)
@@ -337,9 +353,7 @@ class ArtifactWriter:
         files = {}
         for path in sorted(p for p in self.tmp.rglob("*") if p.is_file()):
             rel = str(path.relative_to(self.tmp))
-            if not rel.endswith(SAFE_SUFFIXES):
-                raise DrafterError(f"Refusing to store payload {rel!r}: not a safe format.",
-                                   expected=f"a file ending in one of {SAFE_SUFFIXES}")
+            refuse_unsafe([rel], f"to store payload {rel!r}")
             files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
         if not files:
             raise DrafterError(f"Artifact {self.id} has no payload to publish: its temporary directory {self.tmp} "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from pipeline.registry import (
     read_bundle_json,
     register,
     registered_name,
+    verify_bundle,
     write_bundle,
 )
 from tests.mlflow_server import MlflowServer
@@ -236,13 +238,49 @@ def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server
 
     # bundle.json itself edited (e.g. to claim the tampered payload's hash): refused on the bundle sha.
     payload.write_bytes(original)
-    document = json.loads((stored / "bundle.json").read_text())
+    registered = (stored / "bundle.json").read_text()
+    document = json.loads(registered)
     document["metrics"]["tau"] = 9.0
     (stored / "bundle.json").write_text(json.dumps(document))
     with pytest.raises(DrafterError, match="bundle.json") as err:
         pull(f"{name}@champion", to, cfg, tmp_path / "work")
     assert result.bundle_sha256 in str(err.value)
     assert not to.exists()
+
+    # the fingerprint tag garbled or removed: refused, not read as an empty fingerprint that checks nothing
+    (stored / "bundle.json").write_text(registered)
+    client = MlflowClient(tracking_uri=cfg.tracking_uri)
+    version = client.get_model_version_by_alias(name, "champion").version
+    pull(f"{name}@champion", tmp_path / "intact", cfg, tmp_path / "work")  # the bundle as registered pulls
+    for garble in ("{not json", None):
+        if garble is None:
+            client.delete_model_version_tag(name, version, "drafter.fingerprint")
+        else:
+            client.set_model_version_tag(name, version, "drafter.fingerprint", garble)
+        with pytest.raises(DrafterError, match="drafter.fingerprint tag is not a target fingerprint"):
+            pull(f"{name}@champion", to, cfg, tmp_path / "work")
+        assert not to.exists()
+
+
+def test_a_bundle_file_outside_its_components_is_hashed_and_a_pickle_refused(tmp_path: Path,
+                                                                              mlflow_server: MlflowServer) -> None:
+    """verify_bundle hashed a file under components/ only through the component it belongs to, so a listed file in a
+    directory no component names was never hashed; and a listed pickle passed as long as its hash matched."""
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-extra", "drafter")
+    result = register(make_bundle(name, make_components(tmp_path), 2.0), cfg, tmp_path / "work")
+    bundle = tmp_path / "copy"
+    shutil.copytree(stored_copy(mlflow_server, result.source), bundle)
+    document = json.loads((bundle / "bundle.json").read_text())
+    for rel, refused in (("components/unlisted/weights.safetensors", "was modified after it was registered"),
+                         ("components/unlisted/model.pkl", "not a safe format")):
+        extra = bundle / rel
+        extra.parent.mkdir(exist_ok=True)
+        extra.write_bytes(b"payload")
+        listed = {**document["files"], rel: {"sha256": "0" * 64, "bytes": 7}}
+        (bundle / "bundle.json").write_text(json.dumps({**document, "files": listed}))
+        with pytest.raises(DrafterError, match=refused):
+            verify_bundle(bundle)
+        extra.unlink()
 
 
 def test_a_name_holds_one_target_model_however_its_spellings_collide(tmp_path: Path,

@@ -213,6 +213,18 @@ def test_submit_without_slurm_or_with_a_bad_stage_is_refused(tmp_path: Path, tin
         load_config(None, ["slurm.stages={generat: {nodes: 2}}"])
     with pytest.raises(DrafterError, match="slurm.stages.generate"):
         load_config(None, ["slurm.stages={generate: {gpus: 2}}"])
+    # a value written into the #SBATCH header may not break its line: the rest would run as a shell command
+    for override, key in (('slurm.extra=["--exclusive\\nrm -rf $HOME"]', r"slurm.extra\[0\]"),
+                          ('slurm.partition="gpu\\ntouch /tmp/x"', "slurm.partition"),
+                          ('slurm.stages={generate: {time: "1:00:00\\r"}}', "slurm.stages.generate.time")):
+        with pytest.raises(DrafterError, match=rf"Invalid value for {key}\.\n  expected: one line of printable"):
+            load_config(None, [override])
+    template = tmp_path / "site.sbatch"
+    for text, problem in (("#!/bin/bash\nsrun drafter\n", "has no #SBATCH block"),
+                          ("#!/bin/bash\n#SBATCH -N 1\n\xe9\n", "is not UTF-8 text")):
+        template.write_bytes(text.encode("latin-1"))
+        with pytest.raises(DrafterError, match=problem):
+            slurm.render(small_cfg(tmp_path, f"slurm.template={template}"), "generate", tmp_path / "logs")
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
     cfg = small_cfg(tmp_path)
     with pytest.raises(DrafterError, match="sbatch.*is not on PATH"):
@@ -297,6 +309,18 @@ def test_a_built_stage_whose_run_this_store_lacks_is_logged_by_submit(submitted,
         assert [(r.stage, r.job_id, r.status) for r in rows[:-1]] == [("generate", None, "cached")]  # not asked for
         return rows[-1]
 
+    artifact = plan(cfg, ["count"])["count"].path
+    payload = next(p for p in sorted(artifact.rglob("*")) if p.is_file() and p.name != "manifest.json")
+    kept = payload.read_bytes()
+    mode = payload.stat().st_mode
+    payload.chmod(0o644)
+    payload.write_bytes(kept + b" ")  # damaged since it was published: nothing of it may reach a store
+    try:
+        with pytest.raises(DrafterError, match=payload.name):
+            submit(f"sqlite:///{tmp_path / 'third.db'}")
+    finally:
+        payload.write_bytes(kept)
+        payload.chmod(mode)
     down = submit("http://127.0.0.1:9")
     assert down.job_id is None and down.status.startswith("cached; its MLflow run is not logged (The MLflow tracking "
                                                           "server at http://127.0.0.1:9 is unreachable")

@@ -152,6 +152,15 @@ class SlurmConfig:
                     self.socket_ifname)
         check_value(all(isinstance(x, str) and x.startswith("--") for x in self.extra), "slurm.extra",
                     "sbatch options starting with --", self.extra)
+        # each is written into an #SBATCH line of the job script: a line break would start a shell command there
+        texts = {"slurm.partition": self.partition, "slurm.account": self.account, "slurm.qos": self.qos,
+                 "slurm.mem": self.mem, "slurm.time": self.time, "slurm.logs": self.logs, "slurm.template": self.template,
+                 **{f"slurm.extra[{i}]": x for i, x in enumerate(self.extra)},
+                 **{f"slurm.stages.{stage}.{key}": v for stage, settings in self.stages.items()
+                    for key, v in settings.items() if isinstance(v, str)}}
+        for key, text in texts.items():
+            check_value(text is None or text.isprintable(), key, "one line of printable text (it goes into the job "
+                        "script's #SBATCH header)", text)
 
 
 @dataclass

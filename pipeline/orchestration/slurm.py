@@ -118,7 +118,18 @@ def _template(cfg: PipelineConfig) -> str:
         raise DrafterError("The Slurm job template is missing.", expected=str(path), found="no such file",
                            fix="Run from a checkout of the repository (slurm/stage.sbatch) or set slurm.template "
                                "to a copy of it.")
-    return path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DrafterError(f"The Slurm job template {path} is not UTF-8 text.", expected="a UTF-8 batch script",
+                           found=f"{err.reason} at byte {err.start}", fix="Re-encode it as UTF-8.") from None
+    if not any(line.startswith("#SBATCH") for line in text.splitlines()):
+        raise DrafterError(f"The Slurm job template {path} has no #SBATCH block.",
+                           expected="a batch script whose #SBATCH lines (replaced by each stage's resources) come "
+                                    "before its first command, as in slurm/stage.sbatch",
+                           found="no line starting with #SBATCH",
+                           fix="Start from a copy of slurm/stage.sbatch and keep its #SBATCH lines.")
+    return text
 
 
 def header(cfg: PipelineConfig, stage: str, logs: Path) -> list[str]:
@@ -353,6 +364,7 @@ def _log_if_unlogged(cfg: PipelineConfig, step: Any) -> str:
     artifact = load_artifact(step.path, verify=False)
     if logged_run(artifact, tracking_uri(cfg.mlflow, cfg.workdir_path)) is not None:
         return "cached"
+    artifact = load_artifact(step.path)  # what goes to the store is hashed first: a damaged payload is refused
     try:
         log_stage_run(artifact, cfg.mlflow, cfg.workdir_path, params=step.config, metrics=artifact.metrics)
     except DrafterError as err:

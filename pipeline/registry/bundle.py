@@ -26,12 +26,12 @@ from pipeline.artifacts import (
     FINGERPRINT_KEYS,
     LINEAGE,
     MANIFEST,
-    SAFE_SUFFIXES,
     Artifact,
     canonical_json,
     fingerprint_error,
     fingerprint_mismatch,
     load_artifact,
+    refuse_unsafe,
     sha256_file,
     upstream_manifests,
     write_json_atomic,
@@ -168,11 +168,7 @@ def write_bundle(bundle: Bundle, directory: Path) -> Path:
             shutil.copytree(bundle.report, tmp / "report")
             for path in sorted(p for p in (tmp / "report").rglob("*") if p.is_file()):
                 rel = path.relative_to(tmp).as_posix()
-                if not rel.endswith(SAFE_SUFFIXES):
-                    raise DrafterError(
-                        f"Refusing to bundle report file {rel!r}: not a safe format.",
-                        expected=f"a file ending in one of {SAFE_SUFFIXES}",
-                    )
+                refuse_unsafe([rel], f"to bundle report file {rel!r}")
                 files[rel] = _file_entry(path)
         document = {
             "format": BUNDLE_FORMAT,
@@ -274,6 +270,7 @@ def verify_bundle(
             fix="Treat the registry copy as tampered with; re-register the bundle.",
         )
     listed = document["files"]
+    refuse_unsafe(listed, f"bundle {path}")
     present = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {BUNDLE_JSON}
     missing, extra = sorted(set(listed) - present), sorted(present - set(listed))
     if missing or extra:
@@ -282,10 +279,11 @@ def verify_bundle(
             expected=f"exactly the {len(listed)} files listed",
             found=(f"missing {missing} " if missing else "") + (f"unlisted {extra}" if extra else ""),
         )
+    components = {component["id"] for component in document["components"]}
     for rel, meta in sorted(listed.items()):
         parts = rel.split("/")
-        if parts[0] == "components" and parts[-1] != MANIFEST:
-            continue  # payloads are hashed once, by load_artifact below
+        if parts[0] == "components" and len(parts) > 2 and parts[1] in components and parts[-1] != MANIFEST:
+            continue  # a listed component's payloads are hashed once, by load_artifact below
         _check_file(path, rel, meta["sha256"])
     for component in document["components"]:
         artifact = _load_component(path, component["id"])

@@ -117,7 +117,7 @@ def _pull(
             verify_bundle(
                 tmp,
                 sha256=tags.get(BUNDLE_SHA) or "(missing tag)",
-                fingerprint=json.loads(tags.get(FINGERPRINT) or "{}"),
+                fingerprint=_fingerprint_tag(tags),
                 expect_fingerprint=expect_fingerprint,
             )
         except DrafterError as err:
@@ -131,6 +131,22 @@ def _pull(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return to
+
+
+def _fingerprint_tag(tags: dict) -> dict:
+    """The version's target fingerprint tag, which the bundle must carry: a missing or garbled tag is refused (an empty
+    one would check nothing)."""
+    text = tags.get(FINGERPRINT)
+    try:
+        found = json.loads(text) if text else None
+    except ValueError:
+        found = None
+    if not isinstance(found, dict) or not found:
+        raise DrafterError(f"The version's {FINGERPRINT} tag is not a target fingerprint.",
+                           expected="the JSON object register wrote (model, revision, vocab_hash, ...)",
+                           found=repr(text)[:120] if text else "no such tag",
+                           fix="Treat the registry copy as tampered with; re-register the bundle.")
+    return found
 
 
 def _check_destination(to: Path) -> None:
