@@ -30,6 +30,15 @@ def temp_sibling(path: str | Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{host}-{os.getpid()}-{os.urandom(4).hex()}")
 
 
+def fsync_path(path: str | Path) -> None:
+    """Flush a written file, or a directory's entries (after a rename into it), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_json_atomic(path: Path, obj: object) -> None:
     """Write JSON so a reader sees the old file or the new one, never a torn one."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -457,6 +457,21 @@ def test_midway_failure_leaves_no_alias_and_rerun_does_not_duplicate(
     assert rerun.reused and rerun.aliases == ["candidate", "champion"]
     assert len(client.search_model_versions(f"name = '{name}'")) == 3
 
+    # An incomplete version whose stored copy lost a file since: the rerun does not finish it (it was flipped to
+    # ready unchecked, and @champion pointed at a bundle no pull could verify); it is deleted and a new one made.
+    newest = make_bundle(name, components, 5.0)
+    with pytest.raises(DrafterError, match="left tagged drafter.status=incomplete"):
+        with store_dies(monkeypatch, set_model_version_tag=_marks_ready, delete_model_version=_always):
+            register(newest, cfg, tmp_path / "work")
+    broken = max(client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version))
+    stored = stored_copy(mlflow_server, broken.source)
+    next(p for p in sorted(stored.rglob("*.safetensors"))).unlink()
+    replaced = register(newest, cfg, tmp_path / "work")
+    assert not replaced.reused and replaced.version == int(broken.version) + 1
+    assert broken.version not in [v.version for v in client.search_model_versions(f"name = '{name}'")]
+    assert replaced.aliases == ["candidate", "champion"]
+    pull(f"{name}@champion", tmp_path / "newest", cfg, tmp_path / "work")  # the replacement verifies
+
 
 def test_local_sqlite_store_without_a_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The embedded default (``sqlite:///<workdir>/mlflow.db``, local artifacts) registers and pulls too."""

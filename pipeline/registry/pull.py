@@ -29,6 +29,7 @@ from pipeline.registry.store import (
     READY,
     STATUS,
     connect,
+    download_version,
     error_code,
     registry_errors,
 )
@@ -82,8 +83,6 @@ def _pull(
     ref: str, to: Path, cfg: MlflowConfig, workdir: Path, *, expect_fingerprint: dict | None = None
 ) -> Path:
     """``pull`` under MLflow's HTTP limits."""
-    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
-
     name, alias, number = parse_ref(ref)
     to = Path(to)
     _check_destination(to)
@@ -105,14 +104,7 @@ def _pull(
         with registry_errors(
             uri, f"Downloading {name} version {number}", state=f" Nothing was written to {to}."
         ):
-            # Not download_artifacts("models:/..."): MLflow resolves a models:/ URI through the process's
-            # default registry ($MLFLOW_TRACKING_URI, else ./mlflow.db), ignoring registry_uri. Ask our
-            # client where the version lives and read that location, with the store named explicitly.
-            source = client.get_model_version_download_uri(name, number)
-            tmp.mkdir()
-            get_artifact_repository(source, tracking_uri=uri, registry_uri=uri).download_artifacts(
-                "", dst_path=str(tmp)
-            )
+            download_version(client, uri, name, number, tmp)
         try:
             verify_bundle(
                 tmp,

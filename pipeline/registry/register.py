@@ -22,7 +22,14 @@ from typing import Any
 from pipeline.artifacts import canonical_json, fingerprint_mismatch
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
-from pipeline.registry.bundle import Bundle, bundle_sha256, check_registrable, read_bundle_json, write_bundle
+from pipeline.registry.bundle import (
+    Bundle,
+    bundle_sha256,
+    check_registrable,
+    read_bundle_json,
+    verify_bundle,
+    write_bundle,
+)
 from pipeline.registry.store import (
     BUNDLE_SHA,
     CANDIDATE,
@@ -37,6 +44,7 @@ from pipeline.registry.store import (
     STATUS,
     WALL_CLOCK_METRICS,
     connect,
+    download_version,
     error_code,
     registry_errors,
     version_by_alias,
@@ -161,11 +169,16 @@ def _register(
                 fix=f"Spell target.model as {model!r} if it is the same model (a different path to the same "
                     f"directory counts as another model), or delete the registered model {name} if its versions "
                     "are stale.")
-        reused = bool(earlier)
-        if earlier:
-            # Prefer a finished version; otherwise finish the oldest incomplete one.
-            version = next((v for v in earlier if v.tags.get(STATUS) == READY), earlier[0])
-        else:
+        # Prefer a finished version; otherwise finish the oldest incomplete one whose stored copy is whole (one left
+        # by a failed run may lack files, or MLflow may have failed its registration): one that is not is deleted.
+        version = next((v for v in earlier if v.tags.get(STATUS) == READY), None)
+        for candidate in ([] if version is not None else earlier):
+            if _stored_problem(client, uri, name, str(candidate.version), sha, workdir) is None:
+                version = candidate
+                break
+            _cleanup(client, name, str(candidate.version), skip=False)
+        reused = version is not None
+        if version is None:
             version = _create_version(
                 client, uri, cfg, workdir, name, bundle_dir, document, tags, run_id
             )
@@ -270,7 +283,9 @@ def _create_version(
         if new_run:
             client.set_terminated(run_id, "FINISHED")
         source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
-    with registry_errors(uri, f"Creating a version of {name}", state=" No version was created."):
+    with registry_errors(uri, f"Creating a version of {name}",
+                         state=" No version was created, or one is left tagged incomplete: a rerun with the same "
+                               "bundle checks its stored copy and finishes or replaces it."):
         try:
             client.create_registered_model(
                 name,
@@ -367,6 +382,23 @@ def _tagged_fingerprint(version: Any) -> dict:
     except ValueError:
         return {}
     return found if isinstance(found, dict) else {}
+
+
+def _stored_problem(client: Any, uri: str, name: str, number: str, sha: str, workdir: Path) -> str | None:
+    """Why incomplete version ``number`` cannot be finished, or None: MLflow's own status is not READY, or its stored
+    copy does not download and verify as the bundle ``sha`` (each file against its hash)."""
+    with registry_errors(uri, f"Checking {name} version {number}"):
+        status = str(client.get_model_version(name, number).status)
+    if status != "READY":
+        return f"MLflow status {status}"
+    with tempfile.TemporaryDirectory(prefix=".stored-", dir=workdir) as tmp:
+        try:
+            with registry_errors(uri, f"Downloading {name} version {number}"):
+                download_version(client, uri, name, number, Path(tmp) / "bundle")
+            verify_bundle(Path(tmp) / "bundle", sha256=sha)
+        except DrafterError as err:
+            return err.problem
+    return None
 
 
 def _cleanup(client: Any, name: str, number: str, *, skip: bool) -> str:

@@ -135,3 +135,16 @@ def versions_of(client: Any, name: str, where: str = "") -> list[Any]:
 def versions_of_bundle(client: Any, name: str, sha256: str) -> list[Any]:
     """Model versions of ``name`` already made from the bundle with this sha256, oldest first."""
     return versions_of(client, name, f"tags.`{BUNDLE_SHA}` = '{sha256}'")
+
+
+def download_version(client: Any, uri: str, name: str, number: str, to: Path) -> None:
+    """Download the files of ``name`` version ``number`` into the new directory ``to``, from the store ``uri``.
+
+    Not ``download_artifacts("models:/...")``: MLflow resolves a models:/ URI through the process's default registry
+    ($MLFLOW_TRACKING_URI, else ./mlflow.db), ignoring registry_uri. The client says where the version lives, and
+    that location is read with the store named explicitly."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    source = client.get_model_version_download_uri(name, number)
+    to.mkdir()
+    get_artifact_repository(source, tracking_uri=uri, registry_uri=uri).download_artifacts("", dst_path=str(to))

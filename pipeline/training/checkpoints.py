@@ -23,12 +23,13 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import canonical_json, sha256_file, write_json_atomic
-from pipeline.checksums import temp_sibling
+from pipeline.checksums import fsync_path, temp_sibling
 from pipeline.errors import DrafterError
 
 FORMAT = 1
@@ -148,7 +149,9 @@ def _write_safetensors(path: Path, tensors: dict[str, Any], metadata: dict[str, 
 
     tmp = temp_sibling(path)
     save_file(tensors, str(tmp), metadata=metadata)
+    fsync_path(tmp)  # on the disk before any state.json (fsynced) can describe it
     os.replace(tmp, path)
+    fsync_path(path.parent)
 
 
 def save_checkpoint(staging: Path, step: int, *, rank: int, world_size: int, weights: dict[str, Any],
@@ -167,20 +170,42 @@ def save_checkpoint(staging: Path, step: int, *, rank: int, world_size: int, wei
         _write_safetensors(tmp / WEIGHTS, {k: v.detach().cpu().clone().contiguous() for k, v in weights.items()})
     barrier()
     if rank == 0:
-        files = {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
-                 for p in sorted(tmp.iterdir()) if p.suffix == ".safetensors"}
+        files = {name: {"sha256": sha256_file(tmp / name), "size": (tmp / name).stat().st_size}
+                 for name in _arrived(tmp, checkpoint_files(world_size, sharded))}
         write_json_atomic(tmp / STATE, {**state, "format": FORMAT, "step": step, "files": files,
                                         "optimizer_sharded": sharded})
+        fsync_path(tmp)
         if final.exists():  # only when a finished run is rewritten; move it aside, never merge
             aside = staging / f".{final.name}.old"
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(final, aside)
             shutil.rmtree(aside)
         os.replace(tmp, final)
+        fsync_path(staging)  # the new checkpoint is durable before an older one goes
         for old in sorted(checkpoints(staging))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+def checkpoint_files(world_size: int, sharded: bool) -> list[str]:
+    """The files a checkpoint holds: the weights and the optimizer state, one file per rank when ZeRO shards it."""
+    return [WEIGHTS, *(f"optimizer.rank{r}.safetensors" for r in range(world_size if sharded else 1))]
+
+
+def _arrived(directory: Path, names: list[str], wait: float = 60.0) -> list[str]:
+    """``names``, once each is a file in ``directory``. Another node's shard, renamed into place before the barrier,
+    may take a while to show over a shared filesystem (NFS caches directory lookups): wait up to ``wait`` seconds
+    rather than describe a checkpoint without it."""
+    deadline = time.monotonic() + wait
+    while missing := [name for name in names if not (directory / name).is_file()]:
+        if time.monotonic() > deadline:
+            raise DrafterError(f"A checkpoint's files did not all arrive in {directory}.",
+                               expected=", ".join(names), found=f"missing {', '.join(missing)} after {wait:g} s",
+                               fix="Check the shared filesystem every node writes to (train.staging); the last "
+                                   "complete checkpoint is kept, rerun to resume from it.")
+        time.sleep(0.5)
+    return names
 
 
 def checkpoints(staging: Path) -> list[Path]:
@@ -228,6 +253,9 @@ def read_checkpoint(path: Path, expected: dict) -> dict:
         raise _damaged(path, f"{STATE} is missing or unreadable ({type(err).__name__})") from err
     if state.get("format") != FORMAT:
         raise _damaged(path, f"format {state.get('format')!r}, this harness writes {FORMAT}")
+    required = checkpoint_files(int(state.get("world_size") or 1), bool(state.get("optimizer_sharded")))
+    if unlisted := [name for name in required if name not in files]:
+        raise _damaged(path, f"{STATE} lists no {', '.join(unlisted)}")
     for name, meta in files.items():
         file = path / name
         if not file.is_file() or file.stat().st_size != meta["size"]:

@@ -310,9 +310,36 @@ def test_corrupt_or_truncated_checkpoint_is_refused(tmp_path: Path) -> None:
     (last / ckpt.WEIGHTS).write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
     with pytest.raises(DrafterError, match="does not match its sha256"):
         fit(TinyRegressor(), data, cfg, tmp_path)
+    (last / ckpt.WEIGHTS).write_bytes(blob)
+    # a state.json that lists only some of the files (a shard another node renamed in and this one did not see):
+    # the unlisted file would be loaded unchecked
+    state = json.loads((last / ckpt.STATE).read_text())
+    assert sorted(state["files"]) == ["optimizer.rank0.safetensors", "weights.safetensors"]
+    del state["files"]["optimizer.rank0.safetensors"]
+    (last / ckpt.STATE).write_text(json.dumps(state))
+    with pytest.raises(DrafterError, match="state.json lists no optimizer.rank0.safetensors"):
+        fit(TinyRegressor(), data, cfg, tmp_path)
     (last / ckpt.STATE).write_text("{not json")
     with pytest.raises(DrafterError, match="state.json is missing or unreadable"):
         fit(TinyRegressor(), data, cfg, tmp_path)
+
+
+def test_a_checkpoint_waits_for_every_ranks_file_and_refuses_one_that_never_shows(tmp_path: Path) -> None:
+    """Rank 0 described the files its directory listing showed: on a shared filesystem another node's shard may show
+    late, and the checkpoint was published without it. It now names the files every rank writes and waits for them."""
+    import threading
+
+    names = ckpt.checkpoint_files(world_size=2, sharded=True)
+    assert names == ["weights.safetensors", "optimizer.rank0.safetensors", "optimizer.rank1.safetensors"]
+    for name in names[:2]:
+        (tmp_path / name).write_bytes(b"x")
+    late = threading.Timer(0.3, (tmp_path / names[2]).write_bytes, args=(b"x",))
+    late.start()
+    assert ckpt._arrived(tmp_path, names, wait=10.0) == names  # the late shard is waited for
+    late.join()
+    (tmp_path / names[2]).unlink()
+    with pytest.raises(DrafterError, match=r"did not all arrive(.|\n)*missing optimizer.rank1.safetensors after 0.2 s"):
+        ckpt._arrived(tmp_path, names, wait=0.2)
 
 
 def test_save_final_writes_only_trainable_state(tmp_path: Path) -> None:
