@@ -285,12 +285,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     target_ = Target(cfg.target)
     tokenizer = target_.tokenizer()
     data = CalibrationRows(calibration.path / "data", max_length=er.max_length, eval_fraction=er.heldout_fraction,
-                           eval_max_rows=10**9, min_length=2, what="the RDK moments")
-    if not data.train:
-        raise DrafterError("No calibration rows are left to estimate RDK's moments on.",
-                           expected="rows with assistant tokens outside the held-out share",
-                           found=f"{len(data.heldout)} held-out rows, 0 others",
-                           fix="Generate more calibration rows or lower estimate_rdk.heldout_fraction.")
+                           eval_max_rows=10**9, min_length=2, what="the RDK moments",
+                           fraction_key="estimate_rdk.heldout_fraction")  # refuses no training or no held-out rows
     code_rows = _code_rows(cfg, tokenizer, calibration) if er.code_problems else []  # refuses an overlap before any work
     probe = target_.model(device="cpu", dtype="float32").eval()
     vocab = int(probe.get_output_embeddings().weight.shape[0])
@@ -312,9 +308,6 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
                                                  other_model.get_output_embeddings().weight.shape[0], vocab)
         kept_sets[INTERSECTION] = inter_t
         other = (other_model, other_tok, inter_d)
-    if not data.heldout:
-        raise DrafterError("No held-out calibration rows for RDK's τ grid.", expected="held-out conversations",
-                           found="0", fix="Raise estimate_rdk.heldout_fraction or generate more rows.")
     started = time.perf_counter()
     drafter = load_model(ev.drafter, dtype="float32", device="cpu").eval()
     inputs, chats = _heldout_inputs(cfg, data.heldout, probe, drafter, kept_sets, tokenizer, other,

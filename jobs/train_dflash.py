@@ -92,7 +92,8 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact | None 
         with torch.no_grad():  # the frozen LM head reads the drafter's norm: start it at the target's own scale
             drafter.norm.weight.copy_(final_norm.weight)
     data = CalibrationRows(calibration.path / "data", max_length=tc.max_length, eval_fraction=tc.eval_fraction,
-                           eval_max_rows=tc.eval_max_rows, min_length=3, what="the DFlash drafter")
+                           eval_max_rows=tc.eval_max_rows, min_length=3, what="the DFlash drafter",
+                           fraction_key="train_dflash.eval_fraction")
     return Prepared(target, tokenizer, config, drafter, data, pad)
 
 

@@ -74,7 +74,8 @@ def prepare(cfg: PipelineConfig, calibration: Artifact, counts: Artifact) -> Pre
     if td.head_init == "target":
         drafter.init_head_from(target)
     data = CalibrationRows(calibration.path / "data", max_length=td.max_length, eval_fraction=td.eval_fraction,
-                           eval_max_rows=td.eval_max_rows, min_length=td.ttt_steps + 2)
+                           eval_max_rows=td.eval_max_rows, min_length=td.ttt_steps + 2, what="the EAGLE-3 drafter",
+                           fraction_key="train_drafter.eval_fraction")
     return Prepared(target, tokenizer, config, drafter, data, pad)
 
 

@@ -58,7 +58,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     clustering = Clustering.load(clusters.path)
     clustering.check_head(head, f"drafter {cfg.cluster.drafter!r}")
     data = CalibrationRows(calibration.path / "data", max_length=tr.max_length, eval_fraction=tr.eval_fraction,
-                           eval_max_rows=tr.eval_max_rows, min_length=2, what="the DynaSpec router")
+                           eval_max_rows=tr.eval_max_rows, min_length=2, what="the DynaSpec router",
+                           fraction_key="train_router.eval_fraction")
     pad = pad_id(tokenizer)
     # the checkpoint is chosen on half of the held-out chats and the routing curves are measured on the others
     choose, report = split_by_chat(data.heldout)

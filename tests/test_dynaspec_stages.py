@@ -134,7 +134,8 @@ def _routing_inputs(routed: tuple, eval_max_rows: int) -> tuple:
     target = load_model(cfg.target.model, dtype="float32", device="cpu").eval()
     router, _ = load_router(artifacts["train_router"].path, clustering, drafter.get_output_embeddings().weight)
     rows = CalibrationRows(artifacts["generate"].path / "data", max_length=128, eval_fraction=0.2,
-                           eval_max_rows=eval_max_rows, min_length=2).heldout
+                           eval_max_rows=eval_max_rows, min_length=2, what="the DynaSpec router",
+                           fraction_key="train_router.eval_fraction").heldout
     return clustering, drafter, target, router, rows, frequency_ranking(artifacts["count"])
 
 
@@ -196,7 +197,8 @@ def test_the_router_is_chosen_on_some_held_out_chats_and_measured_on_the_others(
     art = artifacts["train_router"]
     tr = cfg.train_router
     heldout = CalibrationRows(artifacts["generate"].path / "data", max_length=tr.max_length,
-                              eval_fraction=tr.eval_fraction, eval_max_rows=tr.eval_max_rows, min_length=2).heldout
+                              eval_fraction=tr.eval_fraction, eval_max_rows=tr.eval_max_rows, min_length=2,
+                              what="the DynaSpec router", fraction_key="train_router.eval_fraction").heldout
     choose, report = split_by_chat(heldout)
     assert choose and report and {r.group for r in choose}.isdisjoint(r.group for r in report)
     assert (art.metrics["choose_rows"], art.metrics["report_rows"]) == (len(choose), len(report))

@@ -204,6 +204,19 @@ def test_the_targets_remote_code_setting_never_runs_a_drafters_code(tmp_path: Pa
     assert marker.read_text() == "ran"
 
 
+def test_a_target_tokenizer_with_more_ids_than_the_models_embedding_is_refused_at_plan(tmp_path: Path,
+                                                                                     tiny_kit) -> None:
+    """target.tokenizer was never compared with the model: one with more ids than the embedding has rows planned and
+    then failed inside generate (an IndexError on a CPU, a device assert on a GPU). Planning now refuses it, naming
+    both sizes; a tokenizer with fewer ids (a padded embedding) plans."""
+    small = _copy_model(tiny_kit.path("drafter_other"), tmp_path / "small-model")  # 768 embedding rows
+    large = _copy_model(tiny_kit.path("target"), tmp_path / "large-tokenizer")  # 1,024 ids
+    with pytest.raises(DrafterError, match=r"more token ids than the target model has embeddings(.|\n)*at most 768 "
+                                           r"ids(.|\n)*found:    1024 ids"):
+        plan(small_cfg(tmp_path, f"target.model={small}", f"target.tokenizer={large}"))
+    plan(small_cfg(tmp_path, f"target.model={large}", f"target.tokenizer={small}"))
+
+
 def test_a_tiny_target_with_a_tokenizer_of_its_own_keeps_the_kits_weights_in_its_ids(tmp_path: Path,
                                                                                    tiny_kit) -> None:
     """Only a target whose tokenizer was a tiny ref too got the kit's weights digest: with a tokenizer directory the

@@ -173,3 +173,26 @@ def test_shortlist_methods_without_shortlists_are_refused_at_plan_time(tmp_path:
     with pytest.raises(DrafterError, match="at least one shortlist name when method shortlist is on"):
         plan(small_cfg(tmp_path, "evaluate.methods=[full,shortlist]", "evaluate.shortlists=[]"), ["evaluate"])
     plan(small_cfg(tmp_path, "evaluate.methods=[full]", "evaluate.shortlists=[]"), ["evaluate"])
+
+
+def test_chat_with_nothing_held_out_is_refused_at_plan_and_a_short_held_out_share_is_said(tmp_path: Path,
+                                                                                         tiny_kit) -> None:
+    """generate.heldout_fraction=0 with the chat task planned, and failed only in evaluate, after every trainer. A
+    held-out share with fewer chats than evaluate.prompts_per_task was cut silently: the gates were decided on
+    those few, and the evaluation now says how many."""
+    from pipeline.evaluation.matrix import eval_prompts
+    from pipeline.models.target import Target
+
+    with pytest.raises(DrafterError, match=r"evaluate.tasks has chat, but generate.heldout_fraction is 0"):
+        plan(small_cfg(tmp_path, "generate.heldout_fraction=0"), ["evaluate"])
+    plan(small_cfg(tmp_path, "generate.heldout_fraction=0", "evaluate.tasks=[code]"), ["evaluate"])
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question {i}?"}]})
+                              + "\n" for i in range(40)))
+    cfg = small_cfg(tmp_path, f"generate.source={source}", "generate.heldout_fraction=0.25", "evaluate.tasks=[chat]",
+                    "evaluate.prompts_per_task=40")
+    said: list[str] = []
+    prompts = eval_prompts(cfg, Target(cfg.target).tokenizer(), said.append)
+    assert 0 < len(prompts["chat"]) < 40
+    assert said == [f"evaluate: {len(prompts['chat'])} chat prompts, not evaluate.prompts_per_task=40: the held-out "
+                    "share holds no more (raise generate.heldout_fraction for more)"]

@@ -63,7 +63,8 @@ def test_moments_equal_a_direct_recomputation(estimated) -> None:
     er = cfg.estimate_rdk
     calibration = plan(cfg, ["estimate_rdk"])["estimate_rdk"].input("generate")
     rows = CalibrationRows(calibration.path / "data", max_length=er.max_length, eval_fraction=er.heldout_fraction,
-                           eval_max_rows=10**9, min_length=2).train
+                           eval_max_rows=10**9, min_length=2, what="the RDK moments",
+                           fraction_key="estimate_rdk.heldout_fraction").train
     target = load_model(cfg.target.model, dtype=cfg.target.dtype, device="cpu").eval()
     mu, second, n = None, {}, 0
     with torch.no_grad():
@@ -149,7 +150,8 @@ def test_the_analysed_positions_spread_over_every_held_out_chat(estimated) -> No
     cfg, artifact = estimated
     calibration = artifact.path.parent / json.loads(artifact.file("rdk.json").read_text())["calibration"]
     rows = CalibrationRows(calibration / "data", max_length=cfg.estimate_rdk.max_length,
-                           eval_fraction=cfg.estimate_rdk.heldout_fraction, eval_max_rows=10**9, min_length=2).heldout
+                           eval_fraction=cfg.estimate_rdk.heldout_fraction, eval_max_rows=10**9, min_length=2,
+                           what="the RDK moments", fraction_key="estimate_rdk.heldout_fraction").heldout
     chats = answer_chats(rows)
     order = spread(len(chats), 32)
     assert len(order) == 32 == len(set(order)) and order == sorted(order) and len(chats) > 64

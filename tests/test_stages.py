@@ -421,7 +421,8 @@ def test_the_trainers_held_out_rows_keep_a_chats_parts_together(tmp_path: Path, 
     art = generate.main(small_cfg(tmp_path, f"generate.source={source}", f"generate.kind={kind}",
                                   "generate.max_new_tokens=8", "generate.limit=null"))
     chat_of = {tuple(r["input_ids"]): r["prompt_id"].rsplit("_", 1)[0] for r in iter_rows(art.path / "data")}
-    rows = CalibrationRows(art.path / "data", max_length=256, eval_fraction=0.3, eval_max_rows=1000, min_length=2)
+    rows = CalibrationRows(art.path / "data", max_length=256, eval_fraction=0.3, eval_max_rows=1000, min_length=2,
+                           what="the EAGLE-3 drafter", fraction_key="train_drafter.eval_fraction")
     held = {chat_of[tuple(r.input_ids)] for r in rows.heldout}
     trained = {chat_of[tuple(r.input_ids)] for r in rows.train}
     assert held and trained and held.isdisjoint(trained)

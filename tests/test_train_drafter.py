@@ -88,7 +88,8 @@ def test_the_kept_checkpoint_is_the_best_by_held_out_simulated_tau(trained) -> N
     drafter = load_drafter(art.path, target)
     calibration = art.path.parent / record["calibration"]
     rows = CalibrationRows(calibration / "data", max_length=cfg.train_drafter.max_length, eval_fraction=0.2,
-                           eval_max_rows=64, min_length=5)
+                           eval_max_rows=64, min_length=5, what="the EAGLE-3 drafter",
+                           fraction_key="train_drafter.eval_fraction")
     again = Eagle3Task(drafter, target, rows.heldout, ttt_steps=3, decay=0.8, pad_id=2).evaluate()
     assert again["simulated_tau"] == pytest.approx(record["best"]["score"], abs=1e-6)
 
@@ -249,7 +250,25 @@ def test_a_calibration_set_without_loss_mask_is_refused(tmp_path: Path) -> None:
             pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     with pytest.raises(DrafterError, match=r"no loss_mask column(.|\n)*columns \['input_ids', 'prompt_id'\]"):
-        CalibrationRows(tmp_path / "data", max_length=64, eval_fraction=0.1, eval_max_rows=4, min_length=4)
+        CalibrationRows(tmp_path / "data", max_length=64, eval_fraction=0.1, eval_max_rows=4, min_length=4,
+                        what="the EAGLE-3 drafter", fraction_key="train_drafter.eval_fraction")
+
+
+def test_too_few_rows_name_the_stages_own_fraction_key(tmp_path: Path) -> None:
+    """The errors for no training or no held-out rows told every stage to change train_drafter's or train_router's
+    eval_fraction; estimate_rdk's share is estimate_rdk.heldout_fraction, and its own messages were never reached."""
+    import pyarrow as pa
+
+    table = pa.table({"input_ids": [[1, 2, 3, 4, 5, 6]], "loss_mask": [[0, 0, 1, 1, 1, 1]], "prompt_id": ["a"]})
+    (tmp_path / "data").mkdir()
+    with pa.OSFile(str(tmp_path / "data" / "shard-00000.arrow"), "wb") as sink, \
+            pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    for fraction, problem, advice in ((1e-9, "No held-out calibration rows", "Raise estimate_rdk.heldout_fraction"),
+                                      (1 - 1e-9, "leaves no rows to train", "lower estimate_rdk.heldout_fraction")):
+        with pytest.raises(DrafterError, match=rf"{problem}(.|\n)*what to do: .*{advice}"):
+            CalibrationRows(tmp_path / "data", max_length=64, eval_fraction=fraction, eval_max_rows=4, min_length=2,
+                            what="the RDK moments", fraction_key="estimate_rdk.heldout_fraction")
 
 
 def test_a_draft_vocabulary_from_another_tokenizer_is_refused(trained, tmp_path: Path) -> None:

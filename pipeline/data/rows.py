@@ -49,10 +49,11 @@ class CalibrationRows:
         eval_max_rows: most held-out rows kept (the evaluation's cost).
         min_length: shortest row kept (the unrolled test needs ``ttt_steps + 2`` tokens).
         what: what is trained, for error messages.
+        fraction_key: the config key that sets ``eval_fraction``, which an error tells to raise or lower.
     """
 
     def __init__(self, directory: Path, *, max_length: int, eval_fraction: float, eval_max_rows: int,
-                 min_length: int, what: str = "the EAGLE-3 drafter") -> None:
+                 min_length: int, what: str, fraction_key: str) -> None:
         files = shard_files(directory)
         if not files:
             raise DrafterError(f"The calibration set at {directory} holds no shards.",
@@ -86,12 +87,12 @@ class CalibrationRows:
                 f"The calibration set at {directory} leaves no rows to train {what} on.",
                 expected="at least one row with assistant (loss-masked) tokens outside the held-out share",
                 found=f"{len(self.heldout)} held-out rows; dropped {self.dropped}",
-                fix="Generate more calibration data (generate.limit), or lower the stage's eval_fraction.")
+                fix=f"Generate more calibration data (generate.limit), or lower {fraction_key}.")
         if not self.heldout:
             raise DrafterError(
                 f"No held-out calibration rows to choose the checkpoint of {what} on.",
                 expected=f"some of the {len(self.train)} rows' conversations under eval_fraction",
-                found="none", fix="Raise the stage's eval_fraction (train_drafter, train_router) or generate more calibration data.")
+                found="none", fix=f"Raise {fraction_key} or generate more calibration data (generate.limit).")
 
     @property
     def train_tokens(self) -> int:

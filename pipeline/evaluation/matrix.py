@@ -29,8 +29,10 @@ from pipeline.models.target import Target
 from pipeline.timing import device_name
 
 
-def eval_prompts(cfg: PipelineConfig, tokenizer: Any) -> dict[str, list[list[int]]]:
-    """Token ids of the prompts of each task, under the target's chat template."""
+def eval_prompts(cfg: PipelineConfig, tokenizer: Any, log: Callable[[str], None] | None = None
+                 ) -> dict[str, list[list[int]]]:
+    """Token ids of the prompts of each task, under the target's chat template; ``log`` is told of a task with fewer
+    than ``evaluate.prompts_per_task`` (its gates are decided on those)."""
     ev = cfg.evaluate
     prompts: dict[str, list[list[int]]] = {}
     if "chat" in ev.tasks:
@@ -52,6 +54,9 @@ def eval_prompts(cfg: PipelineConfig, tokenizer: Any) -> dict[str, list[list[int
         if not items:
             raise DrafterError(f"No evaluation prompts for task {task!r}.",
                                fix="Raise generate.heldout_fraction or use a larger source.")
+        if len(items) < ev.prompts_per_task and log is not None:
+            log(f"evaluate: {len(items)} {task} prompts, not evaluate.prompts_per_task={ev.prompts_per_task}: the "
+                "held-out share holds no more (raise generate.heldout_fraction for more)")
     return prompts
 
 
@@ -93,7 +98,7 @@ def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_
     target_ = Target(cfg.target)
     tokenizer = target_.tokenizer()
     target = target_.model(device)
-    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer), artifacts, device, log, staging)
+    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer, log), artifacts, device, log, staging)
     rows, checks = evaluator.run()
     thresholds = {"speed_metric": speed_metric(ev, device), "tau_min": ev.gate_tau_min,
                   "speed_min": ev.gate_speed_min}

@@ -11,6 +11,7 @@ read through ``AutoConfig`` from the local directory or the hub revision the con
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 from pipeline.errors import DrafterError
 from pipeline.models.loading import TINY_PREFIX, resolve_ref
@@ -19,6 +20,24 @@ from pipeline.tiny.spec import get_profile
 
 
 @lru_cache(maxsize=32)
+def _text_config(name: str, revision: str | None, trust_remote_code: bool) -> Any:
+    """The text config of a local directory or hub id (``AutoConfig``, its text part for a multimodal one)."""
+    from transformers import AutoConfig
+
+    ref = resolve_ref(name, revision)
+    try:
+        config = AutoConfig.from_pretrained(ref.location, revision=None if ref.is_local else ref.revision,
+                                            trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise DrafterError(
+            f"Could not read the config of {name!r} to check its shape: {type(err).__name__}",
+            expected="a local directory with config.json, a tiny-kit ref, or a hub id reachable from this machine",
+            found=str(err).splitlines()[0] if str(err) else type(err).__name__,
+            fix="Check the name; without network access download the checkpoint elsewhere and pass its path.",
+        ) from err
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def context_length(name: str, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
     """Positions ``name`` was built for (its ``max_position_embeddings``); None when its config names none.
 
@@ -31,23 +50,17 @@ def context_length(name: str, revision: str | None = None, trust_remote_code: bo
         DrafterError: The model's config cannot be read (a missing directory, no network for a hub id).
     """
     if name.startswith(TINY_PREFIX):
-
         profile, role = parse_tiny_ref(name)
         spec = get_profile(profile)
         return spec.byte_context if role == "drafter_bytes" else spec.context
-    from transformers import AutoConfig
+    value = getattr(_text_config(name, revision, trust_remote_code), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
-    ref = resolve_ref(name, revision)
-    try:
-        config = AutoConfig.from_pretrained(ref.location, revision=None if ref.is_local else ref.revision,
-                                            trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise DrafterError(
-            f"Could not read the config of {name!r} to check its context length: {type(err).__name__}",
-            expected="a local directory with config.json, a tiny-kit ref, or a hub id reachable from this machine",
-            found=str(err).splitlines()[0] if str(err) else type(err).__name__,
-            fix="Check the name; without network access download the checkpoint elsewhere and pass its path.",
-        ) from err
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    value = getattr(text, "max_position_embeddings", None)
+
+def embedding_rows(name: str, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
+    """Token ids ``name``'s embedding holds (its config's ``vocab_size``); None for a tiny-kit ref (built with its
+    own tokenizer) or a config that names none. Raises as :func:`context_length`."""
+    if name.startswith(TINY_PREFIX):
+        return None
+    value = getattr(_text_config(name, revision, trust_remote_code), "vocab_size", None)
     return int(value) if isinstance(value, int) and value > 0 else None

@@ -51,7 +51,7 @@ from pipeline.data.sources import holds_humaneval, unseen_humaneval
 from pipeline.engine.inputs import ShortlistInputs
 from pipeline.engine.methods import methods_reading, methods_with, models_read, stages_read
 from pipeline.errors import DrafterError
-from pipeline.models.context import context_length
+from pipeline.models.context import context_length, embedding_rows
 
 
 def _context(cfg: PipelineConfig, name: str) -> int | None:
@@ -163,6 +163,11 @@ def _using(cfg: PipelineConfig, need: str) -> str:
 def _check_evaluate(cfg: PipelineConfig) -> None:
 
     ev = cfg.evaluate
+    if "chat" in ev.tasks and cfg.generate.heldout_fraction == 0:  # found out only after every trainer, otherwise
+        raise DrafterError("evaluate.tasks has chat, but generate.heldout_fraction is 0: no chat is held out of the "
+                           "calibration set to evaluate on.", expected="generate.heldout_fraction > 0 (e.g. 0.05)",
+                           found="generate.heldout_fraction=0",
+                           fix="Hold out a share of the chats (generate.heldout_fraction=0.05), or evaluate.tasks=[code].")
     static = [m for m in ev.methods if m in methods_with(ShortlistInputs)]  # one row per named shortlist
     if static and not ev.shortlists:
         raise DrafterError("Set evaluate.shortlists.", expected=f"at least one shortlist name when method "
@@ -240,6 +245,22 @@ def check_rdk_code_problems(cfg: PipelineConfig, unseen: int | None = None) -> N
 
 _CHECKS = {"generate": _check_generate, "train_drafter": _check_train_drafter, "train_dflash": _check_train_dflash,
            "train_router": _check_train_router, "evaluate": _check_evaluate, "estimate_rdk": _check_estimate_rdk}
+
+
+def check_tokenizer_fits(cfg: PipelineConfig, tokenizer_size: int | None) -> None:
+    """Refuse a ``target.tokenizer`` with more ids than the target's embedding has rows: its high ids would index
+    past the embedding (a raw IndexError, or a CUDA assert, deep in generate). Fewer ids is the usual padded
+    embedding. Checked only for a tokenizer named apart from the model (the model's own always fits)."""
+    if not cfg.target.tokenizer or cfg.target.tokenizer == cfg.target.model or tokenizer_size is None:
+        return
+    rows = embedding_rows(cfg.target.model, cfg.target.revision, cfg.target.trust_remote_code)
+    if rows is not None and tokenizer_size > rows:
+        raise DrafterError(
+            f"target.tokenizer {cfg.target.tokenizer!r} has more token ids than the target model has embeddings.",
+            expected=f"at most {rows} ids (the vocab_size of {cfg.target.model!r})",
+            found=f"{tokenizer_size} ids",
+            fix="Name the tokenizer the target was trained with (or leave target.tokenizer unset to use the "
+                "model's own).")
 
 
 def check_settings(cfg: PipelineConfig, stages: Collection[str]) -> None:
