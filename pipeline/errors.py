@@ -32,6 +32,11 @@ def _secrets(uris: tuple[str | None, ...]) -> list[str]:
     return sorted({v for v in values if v and len(v) >= _SHORTEST_SECRET}, key=len, reverse=True)
 
 
+def redact(uri: str) -> str:
+    """Hide a password or token embedded in a URI before it is printed or logged."""
+    return USERINFO.sub("//***@", uri)
+
+
 def scrub(text: str, *uris: str | None) -> str:
     """``text`` with every credential it could carry replaced by ``***``: a URL's user and password (``//user:pw@``),
     the user and password of ``uris`` and of ``$MLFLOW_TRACKING_URI`` wherever they appear (an error may quote them

@@ -1,4 +1,5 @@
-"""How run records read in MLflow and in logs: configs flattened into parameters, credentials cut from URIs.
+"""How run records read in MLflow and in logs: configs flattened into parameters (credentials are cut from URIs by
+:func:`pipeline.errors.redact`).
 
 A leaf every layer may import (training logs its per-step runs, orchestration its stage runs, the CLI prints
 tracking URIs).
@@ -7,13 +8,6 @@ tracking URIs).
 from __future__ import annotations
 
 from typing import Any
-
-from pipeline.errors import USERINFO
-
-
-def redact(uri: str) -> str:
-    """Hide a password or token embedded in a URI before it is printed or logged."""
-    return USERINFO.sub("//***@", uri)
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:

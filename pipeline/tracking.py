@@ -34,8 +34,8 @@ from pipeline.artifacts import Artifact, write_json_atomic
 from pipeline.cache import default_cache_dir
 from pipeline.checksums import sha256_file
 from pipeline.config.sections import MlflowConfig
-from pipeline.errors import DrafterError, scrub
-from pipeline.runlog import flatten, redact  # noqa: F401 - re-exported for the CLI and the registry
+from pipeline.errors import DrafterError, redact, scrub  # redact: re-exported for the CLI and the registry
+from pipeline.runlog import flatten
 
 LOGGED_MARKER = "mlflow_runs.json"  # beside, not inside, the artifact: the artifact stays immutable
 

@@ -10,10 +10,10 @@ from typing import Any
 from pipeline.artifacts import Artifact, write_json_atomic
 from pipeline.config.sections import PipelineConfig
 from pipeline.engine.methods import GATE_SETS
+from pipeline.errors import redact
 from pipeline.evaluation.results import EvaluationResults
 from pipeline.progress import log
 from pipeline.registry import Bundle, register, registered_name
-from pipeline.runlog import redact
 from pipeline.tracking import tracking_uri
 
 REGISTRATION_FILES = {gate.name: gate.registration for gate in GATE_SETS.values()}

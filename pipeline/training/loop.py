@@ -23,9 +23,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from pipeline.errors import DrafterError
+from pipeline.errors import DrafterError, redact
 from pipeline.progress import Progress
-from pipeline.runlog import flatten, redact
+from pipeline.runlog import flatten
 from pipeline.tracking import seed_local_store
 from pipeline.training import checkpoints as ckpt
 from pipeline.training.plan import RunPlan, trainable_parameters
