@@ -165,7 +165,7 @@ def test_every_shipped_yaml_fits_its_models(name: str, monkeypatch: pytest.Monke
     monkeypatch.setattr(limits, "_context", lambda cfg, model: published[model] if model in published
                         else real(cfg, model))
     cfg = load_config(ROOT / "configs" / name)
-    limits.check_settings(cfg, STAGE_NAMES)
+    limits.check_settings(cfg, STAGE_NAMES, {})
 
 
 def test_shortlist_methods_without_shortlists_are_refused_at_plan_time(tmp_path: Path) -> None:

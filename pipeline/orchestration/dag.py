@@ -39,7 +39,7 @@ from pipeline.engine.methods import models_read, stages_read
 from pipeline.errors import DrafterError
 from pipeline.models.loading import fingerprint
 from pipeline.models.target import Target
-from pipeline.orchestration.limits import check_settings, check_tokenizer_fits
+from pipeline.orchestration.limits import check_settings
 from pipeline.tiny import kit_status, parse_tiny_ref
 
 
@@ -396,7 +396,6 @@ def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
     for name in wanted:
         spec(name)
     fingerprint = Target(cfg.target).fingerprint
-    check_tokenizer_fits(cfg, fingerprint.get("vocab_size"))
     store = cfg.workdir_path / "artifacts"
     planned: dict[str, StagePlan] = {}
 
@@ -429,7 +428,7 @@ def plan(cfg: PipelineConfig, stages: Iterable[str] | None = None) -> Plan:
 
     for name in wanted:
         visit(name)
-    check_settings(cfg, planned)
+    check_settings(cfg, planned, fingerprint)
     if "evaluate" in planned:
         check_heldout(cfg, planned["evaluate"], planned, store)
     return Plan({name: planned[name] for name in STAGE_NAMES if name in planned}, kits(cfg))

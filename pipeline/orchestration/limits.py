@@ -263,13 +263,16 @@ def check_tokenizer_fits(cfg: PipelineConfig, tokenizer_size: int | None) -> Non
                 "model's own).")
 
 
-def check_settings(cfg: PipelineConfig, stages: Collection[str]) -> None:
-    """Refuse settings that do not fit the models of ``stages`` (the stages a plan will build or reuse).
+def check_settings(cfg: PipelineConfig, stages: Collection[str], fingerprint: dict) -> None:
+    """Refuse settings that do not fit the models of ``stages`` (the stages a plan will build or reuse), or a
+    tokenizer that does not fit the target (its ``fingerprint`` holds the tokenizer's size).
 
     Raises:
         DrafterError: A length beyond a model's context, or a γ beyond the EAGLE-3 drafter's ``ttt_steps``;
-            the message names the keys, the sum and the limit (see the module docstring).
+            the message names the keys, the sum and the limit (see the module docstring). A ``target.tokenizer``
+            with more ids than the target's embedding.
     """
+    check_tokenizer_fits(cfg, fingerprint.get("vocab_size"))
     for name in stages:
         if name in _CHECKS:
             _CHECKS[name](cfg)
