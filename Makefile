@@ -3,8 +3,9 @@
 #   make test   # the test suite (GPU and Slurm tests skip where there is none)
 # Extra arguments pass through: make run ARGS="--config configs/tiny-raw.yaml", make test ARGS="-k dag".
 # The first call creates .venv and installs the project; later calls reuse it (reinstalling only when
-# pyproject.toml changes). TORCH picks the torch to install: the default is the CPU build this project is
-# tested with; on a GPU box install your CUDA torch into .venv first and pass TORCH= (empty).
+# pyproject.toml changes). TORCH picks the torch to install: the default is the version this project is tested with
+# (the CPU build where pip finds one, as PIP_FIND_LINKS does on the CI machine; PyPI's default Linux wheel is the CUDA
+# build, which runs on a CPU too); on a GPU box install your CUDA torch into .venv first and pass TORCH= (empty).
 
 PYTHON ?= python3
 VENV ?= .venv

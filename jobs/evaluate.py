@@ -5,8 +5,9 @@ artifact). For each task (held-out chat prompts, HumanEval code prompts) it deco
 autoregressively, then with each method of the matrix — same-tokenizer drafter with its full head and
 with each shortlist from ``count``; different-tokenizer drafter with TLI, Union and SLEM — for each γ.
 Losslessness is checked, not assumed: every method's greedy output must equal the autoregressive
-greedy output token for token on every prompt, and at temperature 1 the first emitted token's empirical
-distribution must pass a chi-square test against the target's p. Gates (losslessness, τ, speed) decide
+greedy output token for token on every prompt, and the first emitted token's empirical distribution, drawn under
+the law the rows decode with (at temperature 1 when they decode greedily), must pass a chi-square test against the
+target's p. Gates (losslessness, τ, speed) decide
 whether the bundle (the count artifact's draft vocabularies + this report) is registered in MLflow; with
 method ``eagle3`` the EAGLE-3 drafter of ``train_drafter`` is decoded too and, gated on its own best γ,
 registered as a second bundle (weights, config, serving exports, draft vocabulary, report). With

@@ -8,6 +8,8 @@ import pytest
 
 from jobs import STAGES
 from jobs.cli import build_parser, main
+from pipeline.config.sections import PipelineConfig, load_config
+from pipeline.engine.methods import stages_read
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +60,31 @@ def test_every_bench_names_a_function_that_takes_its_options() -> None:
 def test_bench_eval_without_counts_exits_2_naming_the_option(capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "eval"]) == 2
     assert "`drafter bench eval` needs --counts DIR" in capsys.readouterr().err
+
+
+def test_bench_eval_runs_the_methods_its_count_artifact_serves_and_says_which_it_leaves_out(
+        tmp_path: Path, tiny_kit, capsys: pytest.CaptureFixture) -> None:
+    """`drafter bench eval --counts DIR` on the default methods failed: DynaSpec, EAGLE-3 and RDK read artifacts
+    besides the count artifact, which is all it is given. It now runs the others and names those it leaves out."""
+    from jobs import run
+    from tests.helpers import SMALL
+
+    overrides = [f"workdir={tmp_path}", *SMALL, "evaluate.prompts_per_task=1", "evaluate.max_new_tokens=4",
+                 "evaluate.gammas=[2]", "evaluate.sampling_check_samples=0", "evaluate.shortlists=[top_k_16]",
+                 "evaluate.dynaspec_match=top_k_16",
+                 "evaluate.tasks=[code]"]
+    counts = run(load_config(None, overrides), ["count"])["count"]
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    assert main(["bench", "eval", "--config", str(empty), "--counts", str(counts.path), *overrides]) == 0
+    out, err = capsys.readouterr()
+    left = [m for m in PipelineConfig().evaluate.methods if stages_read([m])]
+    assert left and f"bench eval: leaving out {', '.join(left)}" in err
+    ran = [m for m in PipelineConfig().evaluate.methods if m not in left]
+    assert all(f"| {m} " in out for m in ran), out
+    assert main(["bench", "eval", "--config", str(empty), "--counts", str(counts.path), *overrides,
+                 "evaluate.methods=[eagle3]"]) == 2
+    assert "has no method to run" in capsys.readouterr().err
 
 
 def test_library_never_imports_jobs() -> None:

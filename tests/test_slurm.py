@@ -88,6 +88,11 @@ def test_the_stages_that_run_as_one_process_get_one_task_whatever_the_sections_d
     wider = small_cfg(tmp_path, "slurm.stages={evaluate: {ntasks_per_node: 2}}")
     with pytest.raises(DrafterError, match=r"evaluate runs as one process(.|\n)*ntasks_per_node: 2"):
         slurm.Resources.of(wider, "evaluate")
+    # its own gpus_per_node was let through: 8 GPUs held for one process
+    gpus = small_cfg(tmp_path, "slurm.stages={evaluate: {gpus_per_node: 8}, count: {gpus_per_node: 0}}")
+    with pytest.raises(DrafterError, match=r"evaluate runs as one process(.|\n)*gpus_per_node: 8"):
+        slurm.Resources.of(gpus, "evaluate")
+    assert slurm.Resources.of(gpus, "count").gpus_per_node == 0
 
 
 def test_dry_run_prints_each_script_with_its_resources(tmp_path: Path, tiny_kit, capsys) -> None:

@@ -36,8 +36,9 @@ class TrainDFlashConfig:
     forward, so evaluate.gammas with method dflash are at most B - 1 (checked at plan time)."""
     target_layer_ids: list[int] | None = None
     """Tapped target layers in the reference numbering (id i = output of layer i = output_hidden_states[i + 1]).
-    null: the reference spread over 1 .. L - 3 (Qwen3-8B, 5 layers: [1, 9, 17, 25, 33]); shallower targets spread
-    over 0 .. L - 2. The speculators export stores these + 1 (aux_hidden_state_layer_ids)."""
+    null: one draft layer taps the middle layer L // 2 (at most L - 2); more take the reference spread over
+    1 .. L - 3 (Qwen3-8B, 5 layers: [1, 9, 17, 25, 33]), and shallower targets over 0 .. L - 2. The speculators export
+    stores these + 1 (aux_hidden_state_layer_ids)."""
     mask_token_id: int | None = None
     """The token whose frozen target embedding fills the masked rows; null: the tokenizer's pad token, else its
     unknown token, else the last id of the vocabulary."""

@@ -378,8 +378,9 @@ class EvaluateConfig:
     top_p: float = 1.0
     """Nucleus mass for sampled decoding (applied to both p and q)."""
     sampling_check_samples: int = 400
-    """Draws of the first emitted token at temperature 1 per method, compared with the target's p by a
-    chi-square test (0 disables)."""
+    """Draws of the first emitted token per method, under the law the rows decode with (temperature and top_p; at
+    temperature 1 when they decode greedily), compared with the target's p by a chi-square test (0 disables; too few
+    draws for two bins fail the check)."""
     sampling_check_alpha: float = 1e-4
     """The sampling check fails when its chi-square p-value falls below this."""
     tie_tolerance: float = 1e-4

@@ -8,6 +8,7 @@ figures are printed for a person (and the README) to read.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from collections import Counter
@@ -17,6 +18,7 @@ import numpy as np
 
 from pipeline.artifacts import load_artifact
 from pipeline.data.calibration import read_shard, shard_files, shard_name, write_shard
+from pipeline.engine.methods import METHOD_NAMES, stages_read
 from pipeline.errors import DrafterError
 from pipeline.models.target import Target
 from pipeline.vocab import counting
@@ -108,9 +110,23 @@ def bench_eval(cfg, counts: str | None, out: str | None = None) -> str:  # noqa:
     if not counts:
         raise DrafterError("`drafter bench eval` needs --counts DIR (a count artifact).",
                            fix="Run `drafter count` first; its artifact is under <workdir>/artifacts/count-*.")
+    say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    # the count artifact is all it is given: the methods that read another stage's (a trained drafter, the
+    # clustering, the router, RDK's moments) are left out, and said to be
+    runnable = [m for m in cfg.evaluate.methods if not stages_read([m])]
+    if not runnable:
+        raise DrafterError("`drafter bench eval` has no method to run: every method of evaluate.methods reads an "
+                           "artifact besides the count artifact.", expected="a method that reads only --counts "
+                           f"(e.g. {', '.join(m for m in METHOD_NAMES if not stages_read([m]))})",
+                           found=", ".join(cfg.evaluate.methods), fix="Name such methods in evaluate.methods=[...], "
+                           "or run `drafter evaluate`, which builds the others' artifacts.")
+    if left := [m for m in cfg.evaluate.methods if m not in runnable]:
+        say(f"bench eval: leaving out {', '.join(left)} (each reads an artifact besides --counts; `drafter evaluate` "
+            "runs them)")
+    cfg = dataclasses.replace(cfg, evaluate=dataclasses.replace(cfg.evaluate, methods=runnable))
     fp = Target(cfg.target).fingerprint
     artifacts = {"count": load_artifact(counts, kind="token_counts", fingerprint=fp)}
-    results = evaluate_matrix(cfg, artifacts, fp, lambda m: print(m, file=sys.stderr, flush=True))
+    results = evaluate_matrix(cfg, artifacts, fp, say)
     provenance = {"command": " ".join(sys.argv), "host": platform.node()}
     if out:
         write_report(results, Path(out), provenance=provenance)

@@ -76,9 +76,10 @@ class Resources:
         base = {key: getattr(cfg.slurm, key) for key in SLURM_RESOURCES}
         own = cfg.slurm.stages.get(stage, {})
         if spec(stage).one_process:
-            if wider := {k: v for k, v in own.items() if k in ("nodes", "ntasks_per_node") and v > 1}:
+            if wider := {k: v for k, v in own.items() if k in ("nodes", "ntasks_per_node", "gpus_per_node") and v > 1}:
                 raise DrafterError(f"Stage {stage} runs as one process, but slurm.stages.{stage} asks for more.",
-                                   expected="nodes: 1 and ntasks_per_node: 1 (or neither set)",
+                                   expected="nodes: 1, ntasks_per_node: 1 and gpus_per_node: 0 or 1 (or none set): "
+                                            "one process uses one GPU",
                                    found=", ".join(f"{k}: {v}" for k, v in wider.items()),
                                    fix=f"Remove them from slurm.stages.{stage}; only generate, estimate_rdk and the "
                                        "trainers run on several ranks.")
