@@ -33,6 +33,7 @@ from pipeline.orchestration import dag, slurm
 from pipeline.orchestration.dag import default_stages, plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import log
+from pipeline.progress import LOG_INTERVAL_S, duration
 from pipeline.registry import pull
 from pipeline.tiny import build_kit
 from pipeline.tiny.spec import BUILD_MINUTES
@@ -359,8 +360,22 @@ def _slurm(args: argparse.Namespace, cfg) -> int:
     wanted = list(_wanted(args, cfg))
     if args.command == "status":
         rows = [row.to_dict() for row in slurm.status(cfg, wanted)]
+        started = last = time.monotonic()
+        said = None
         while args.wait is not None and any(row["state"] in slurm.ACTIVE for row in rows):
-            time.sleep(args.wait)
+            # a chain waited on for hours (CI's --wait 300): a line on stderr when the states change and at least
+            # every 30 s, between two polls too
+            states = ", ".join(f"{row['stage']} {row['state']}" for row in rows if row["state"] in slurm.ACTIVE)
+            slept = 0.0
+            while True:
+                if states != said or time.monotonic() - last >= LOG_INTERVAL_S:
+                    log("status", f"waiting ({duration(time.monotonic() - started)}): {states}")
+                    said, last = states, time.monotonic()
+                if slept >= args.wait:
+                    break
+                chunk = min(LOG_INTERVAL_S, args.wait - slept)
+                time.sleep(chunk)
+                slept += chunk
             rows = [row.to_dict() for row in slurm.status(cfg, wanted)]
         # with --wait the verdict is the store's: a job can end COMPLETED without publishing, or vanish from
         # Slurm's memory after failing, or sit SUSPENDED or PREEMPTED; only the artifacts say the chain is done

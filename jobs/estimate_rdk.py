@@ -29,7 +29,7 @@ from pipeline.orchestration.dag import plan
 from pipeline.orchestration.limits import check_rdk_code_problems
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
-from pipeline.progress import Progress
+from pipeline.progress import Progress, heartbeat
 from pipeline.staged import staged_ok, write_staged
 from pipeline.training.harness import predict_shards, shard_trainer
 from pipeline.training.ranks import took_part
@@ -170,8 +170,10 @@ def _estimate(cfg: PipelineConfig, run: StageRun, train: list, vocab: int) -> tu
                            f"estimation: {', '.join(unsound[:8])}{' …' if len(unsound) > 8 else ''}.",
                            fix="Rerun the same command: sound shards are kept and only these are redone.")
     total = MomentSums(vocab, er.top_k)
-    for i in range(len(shards)):
-        total.merge(MomentSums.load(run.staging / SHARD.format(i)))
+    with Progress("estimate_rdk: merging shard sums", len(shards), "shard", log=run.log) as merging:
+        for i in range(len(shards)):
+            total.merge(MomentSums.load(run.staging / SHARD.format(i)))
+            merging.update(1)
     seconds = module.seconds if module is not None else 0.0
     figures = {"positions": total.count, "rows": len(train), "shards": len(shards),
                "resumed_shards": len(shards) - len(pending), "estimate_seconds": round(time.perf_counter() - started, 2),
@@ -310,10 +312,13 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
         other = (other_model, other_tok, inter_d)
     started = time.perf_counter()
     drafter = load_model(ev.drafter, dtype="float32", device="cpu").eval()
-    inputs, chats = _heldout_inputs(cfg, data.heldout, probe, drafter, kept_sets, tokenizer, other,
-                                    "held-out calibration rows")
-    code = _heldout_inputs(cfg, code_rows, probe, drafter, kept_sets, tokenizer, other,
-                           "HumanEval solutions")[0] if code_rows else {}
+    run.log(f"held-out analysis: the target's and drafters' distributions on {len(data.heldout)} held-out rows"
+            + (f" and {len(code_rows)} HumanEval solutions" if code_rows else "") + ", on the CPU")
+    with heartbeat("estimate_rdk: held-out distributions", run.log):
+        inputs, chats = _heldout_inputs(cfg, data.heldout, probe, drafter, kept_sets, tokenizer, other,
+                                        "held-out calibration rows")
+        code = _heldout_inputs(cfg, code_rows, probe, drafter, kept_sets, tokenizer, other,
+                               "HumanEval solutions")[0] if code_rows else {}
     levels = {}
     for name, kept in kept_sets.items():
         required = () if name == INTERSECTION else special

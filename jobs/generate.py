@@ -172,9 +172,13 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     tokenizer = target.tokenizer()
     if gen.kind == "raw":
         prompts = [(c.id, c) for c in convs]
-    else:
-        prompts = [(c.id, encode_prompt(tokenizer, msgs, gen.max_prompt_tokens))
-                   for c in convs if (msgs := first_prompt(c)) is not None]
+    else:  # a chat template and a tokenizer over every prompt: a minute for the 68k of a ShareGPT dump
+        prompts = []
+        with Progress("generate: encoding prompts", len(convs), "prompt", log=run.log) as encoding:
+            for c in convs:
+                if (msgs := first_prompt(c)) is not None:
+                    prompts.append((c.id, encode_prompt(tokenizer, msgs, gen.max_prompt_tokens)))
+                encoding.update(1)
     n_shards = (len(prompts) + gen.shard_size - 1) // gen.shard_size
     # a staged shard counts as done only if it matches its checksum; a damaged one is deleted (logged) and redone
     pending = [i for i in range(n_shards) if not staged_ok(run.staging / shard_name(i), run.log)]
@@ -183,10 +187,12 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     generated, gen_seconds, ranks = 0, 0.0, []
     if gen.kind == "raw":
         stops = set(stop_ids(tokenizer, target))  # a turn's mask ends at its end-of-turn id, as a generated answer
-        for shard in pending:
-            rows = [r for _, c in prompts[shard * gen.shard_size : (shard + 1) * gen.shard_size]
-                    if (r := raw_row(tokenizer, c, gen.max_prompt_tokens + gen.max_new_tokens, stops)) is not None]
-            write_staged(run.staging / shard_name(shard), lambda tmp, rows=rows: write_shard(tmp, rows))
+        with Progress("generate: raw rows", len(pending), "shard", log=run.log) as rendering:
+            for shard in pending:
+                rows = [r for _, c in prompts[shard * gen.shard_size : (shard + 1) * gen.shard_size]
+                        if (r := raw_row(tokenizer, c, gen.max_prompt_tokens + gen.max_new_tokens, stops)) is not None]
+                write_staged(run.staging / shard_name(shard), lambda tmp, rows=rows: write_shard(tmp, rows))
+                rendering.update(1)
     elif pending:
         module = _make_module(cfg, prompts, pending, run.staging, {c.id: c.split_key for c in convs})
         trainer = shard_trainer("generate", gen.accelerator, gen.devices, gen.num_nodes, gen.collective_timeout)

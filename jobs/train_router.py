@@ -27,6 +27,7 @@ from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
+from pipeline.progress import heartbeat
 from pipeline.tracking import tracking_uri
 from pipeline.training.harness import fit
 from pipeline.training.plan import pad_id
@@ -86,8 +87,10 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     router = task.router.float().cpu().eval()
     target = target_.model(device="cpu", dtype="float32").eval()
     keep = stop_ids(tokenizer, target)  # every id a turn ends at (an end-of-turn id may be the config's alone)
-    curves = routing_curves(router, drafter, target, report, clustering, frequency_ranking(counts),
-                            top_l=tr.top_l, keep_ids=keep, pad_id=pad)
+    run.log(f"routing curves on {len(report)} held-out rows (the target on the CPU)")
+    with heartbeat("train_router: routing curves", run.log):
+        curves = routing_curves(router, drafter, target, report, clustering, frequency_ranking(counts),
+                                top_l=tr.top_l, keep_ids=keep, pad_id=pad)
     best = result.best or {}
     metrics = {"train_steps": result.steps, "train_rows": len(data.train), "heldout_rows": len(data.heldout),
                "choose_rows": len(choose), "report_rows": len(report),

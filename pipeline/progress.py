@@ -11,8 +11,10 @@ every ``interval`` seconds, and a last one, so a log is never silent for long an
 from __future__ import annotations
 
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TextIO
 
 LOG_INTERVAL_S = 30.0
@@ -127,3 +129,30 @@ class Progress:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+@contextmanager
+def heartbeat(what: str, log: Callable[[str], None] | None = None, *, interval: float = LOG_INTERVAL_S,
+              grace: float = GRACE_S) -> Iterator[None]:
+    """A line every ``interval`` seconds while one blocking call runs (a FAISS k-means, a download, an upload, a lock
+    wait): ``what: still running, 1m30s``, the first once it has run ``grace`` seconds, and ``what: took 2m05s`` at
+    the end if any was written. A call that returns sooner writes nothing. ``log`` defaults to stderr, timestamped."""
+    say = log or (lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True))
+    start, stop, beats = time.monotonic(), threading.Event(), []
+
+    def beat() -> None:
+        wait = grace
+        while not stop.wait(wait):
+            beats.append(None)
+            say(f"{what}: still running, {duration(time.monotonic() - start)}")
+            wait = interval
+
+    thread = threading.Thread(target=beat, name=f"heartbeat: {what}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        if beats:
+            say(f"{what}: took {duration(time.monotonic() - start)}")

@@ -35,6 +35,7 @@ from pipeline.cache import default_cache_dir
 from pipeline.checksums import sha256_file
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError, redact, scrub  # redact: re-exported for the CLI and the registry
+from pipeline.progress import heartbeat
 from pipeline.runlog import flatten
 
 LOGGED_MARKER = "mlflow_runs.json"  # beside, not inside, the artifact: the artifact stays immutable
@@ -404,7 +405,8 @@ def log_stage_run(artifact: Artifact, cfg: MlflowConfig, workdir: Path, *, param
                 mlflow.log_metrics(numeric)
             mlflow.set_tags(all_tags)
             if cfg.log_artifacts:
-                mlflow.log_artifacts(str(artifact.path), artifact_path=artifact.id)
+                with heartbeat(f"uploading {artifact.id} to MLflow"):
+                    mlflow.log_artifacts(str(artifact.path), artifact_path=artifact.id)
             run_id = run.info.run_id
     marker = artifact.path.parent / f"{artifact.id}.{LOGGED_MARKER}"
     runs = json.loads(marker.read_text()) if marker.is_file() else {}

@@ -76,3 +76,29 @@ def test_a_terminal_gets_a_bar_and_no_log_lines(clock: Clock) -> None:
 def test_duration_formats_seconds_minutes_and_hours() -> None:
     written = [duration(s) for s in (0, 59.4, 95, 4000)]
     assert written == ["0s", "59s", "1m35s", "1h06m"]
+
+
+def test_a_heartbeat_speaks_while_one_blocking_call_runs_and_says_nothing_for_a_short_one() -> None:
+    """A FAISS k-means, a download or a lock wait is one call: no update() to hang a line on. The heartbeat writes
+    one from a thread every interval while the call runs, then how long it took; a call shorter than the grace
+    writes nothing."""
+    import threading
+
+    from pipeline.progress import heartbeat
+
+    lines: list[str] = []
+    two = threading.Event()
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if len(lines) >= 2:
+            two.set()
+
+    with heartbeat("cluster: k-means", log, interval=0.01, grace=0.01):
+        assert two.wait(timeout=60)  # the "blocking call" lasts until two beats were written
+    assert all(line.startswith("cluster: k-means: still running, ") for line in lines[:-1]), lines
+    assert len(lines) >= 3 and lines[-1].startswith("cluster: k-means: took "), lines
+    quiet: list[str] = []
+    with heartbeat("pull", quiet.append, grace=60.0):
+        pass
+    assert quiet == []

@@ -418,6 +418,12 @@ def test_failing_stage_cancels_its_dependants_and_status_says_why(tmp_path: Path
     broken.write_text('{"conversations": [{"from": "human", "value": "hi"}\n')  # not JSON: generate fails
     cfg = _cfg(tmp_path, mlflow_server.uri, f"generate.source={broken}")
     rows = slurm.submit(cfg, CHAIN, [])
+    capsys.readouterr()
+    # CI's wait: it says what it waits on (the jobs were queued a moment ago), then fails (nothing was built)
+    assert cli_main(["status", "--wait", "0.2", f"workdir={tmp_path}", *SUBMIT,
+                     f"mlflow.tracking_uri={mlflow_server.uri}", f"generate.source={broken}"]) == 1
+    waited = capsys.readouterr().err
+    assert re.search(r"status: waiting \(\d+s\): generate (PENDING|RUNNING|CONFIGURING)", waited), waited
     slurm_cluster.wait([r.job_id for r in rows])
     status = {row.stage: row for row in slurm.status(cfg, CHAIN)}
     assert status["generate"].state == "FAILED" and not status["generate"].artifact

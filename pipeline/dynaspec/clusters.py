@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import DrafterError
+from pipeline.progress import heartbeat
 
 CLUSTERS_FILE = "clusters.safetensors"
 SUMMARY_FILE = "clusters.json"
@@ -245,7 +246,7 @@ def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int =
     result = None
     if use_gpu or (use_gpu is None and gpus):
         try:
-            result = _kmeans(faiss, x, clusters, niter, redo, seed, max_points_per_centroid, verbose, gpu=True)
+            result = _kmeans(faiss, x, clusters, niter, redo, seed, max_points_per_centroid, verbose, gpu=True, log=log)
         except Exception as error:  # a GPU run that fails (memory, CUDA runtime) falls back when not forced
             if use_gpu:
                 raise
@@ -253,7 +254,7 @@ def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int =
     if result is None:
         if use_gpu is None and log is not None:
             log(f"k-means on the CPU index: {cpu_reason}")
-        result = _kmeans(faiss, x, clusters, niter, redo, seed, max_points_per_centroid, verbose, gpu=False)
+        result = _kmeans(faiss, x, clusters, niter, redo, seed, max_points_per_centroid, verbose, gpu=False, log=log)
     centroids, nearest, objective, on_gpu = result
     meta = {"backend": f"faiss-{'gpu' if on_gpu else 'cpu'} {faiss.__version__}",
             "seconds": round(time.perf_counter() - started, 4), "niter": niter, "redo": redo, "seed": seed,
@@ -264,20 +265,22 @@ def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int =
 
 
 def _kmeans(faiss: Any, x: np.ndarray, clusters: int, niter: int, redo: int, seed: int,
-            max_points_per_centroid: int | None, verbose: bool, gpu: bool
+            max_points_per_centroid: int | None, verbose: bool, gpu: bool, log: Callable[[str], None] | None = None
             ) -> tuple[np.ndarray, np.ndarray, float, bool]:
-    """FAISS spherical k-means on one backend: centroids, every row's nearest centroid, objective, on GPU."""
+    """FAISS spherical k-means on one backend: centroids, every row's nearest centroid, objective, on GPU. Two calls
+    that can run minutes at a production vocabulary: a line every 30 s while they do (:func:`heartbeat`)."""
     vocab, dim = x.shape
     kmeans = faiss.Kmeans(dim, clusters, niter=niter, nredo=redo, seed=seed, spherical=True, gpu=gpu,
                           verbose=verbose, max_points_per_centroid=max_points_per_centroid or vocab,
                           min_points_per_centroid=1)
-    kmeans.train(x)
-    centroids = np.ascontiguousarray(kmeans.centroids, dtype=np.float32)
-    index = faiss.IndexFlatIP(dim)
-    if gpu:
-        index = faiss.index_cpu_to_all_gpus(index)
-    index.add(centroids)
-    _, nearest = index.search(x, 1)
+    with heartbeat(f"k-means of {vocab:,} rows into {clusters:,} clusters ({'GPU' if gpu else 'CPU'} index)", log):
+        kmeans.train(x)
+        centroids = np.ascontiguousarray(kmeans.centroids, dtype=np.float32)
+        index = faiss.IndexFlatIP(dim)
+        if gpu:
+            index = faiss.index_cpu_to_all_gpus(index)
+        index.add(centroids)
+        _, nearest = index.search(x, 1)
     objective = float(kmeans.obj[-1]) if len(kmeans.obj) else float("nan")
     return centroids, nearest[:, 0].astype(np.int64), objective, gpu
 

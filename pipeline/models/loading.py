@@ -24,6 +24,7 @@ from pipeline.cache import default_cache_dir
 from pipeline.checksums import StatCache, tree_digest
 from pipeline.errors import DrafterError
 from pipeline.hub import cached_snapshot, pinned_commit, require_hub
+from pipeline.progress import heartbeat
 from pipeline.tiny import kit_hash, kit_weights, parse_tiny_ref, resolve_tiny_ref
 from pipeline.tiny.spec import ROLE_TOKENIZERS
 from pipeline.vocab.tokens import vocab_hash
@@ -153,8 +154,11 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a weight-loading bar per model is noise in a stage's log
     try:
-        model = _pretrained(AutoModelForCausalLM.from_pretrained, ref, pinned, dtype=getattr(torch, _DTYPES[dtype]),
-                            trust_remote_code=trust_remote_code, use_safetensors=True)
+        # a download (the hub's own bar is off with transformers') or a multi-GB load: a line every 30 s
+        with heartbeat(f"loading {name} ({dtype})"):
+            model = _pretrained(AutoModelForCausalLM.from_pretrained, ref, pinned,
+                                dtype=getattr(torch, _DTYPES[dtype]), trust_remote_code=trust_remote_code,
+                                use_safetensors=True)
     except DrafterError:
         raise
     except Exception as err:  # noqa: BLE001 - a cut safetensors file raises SafetensorError, a bad config TypeError

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import DrafterError
+from pipeline.progress import heartbeat
 
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
 """A process is a run's first rank when none of these is set to anything but 0 (Lightning's subprocess
@@ -98,7 +99,8 @@ def artifact_lock(workdir: Path, artifact_id: str, stage: str, log: Callable[[st
                     from err
             log(f"waiting for {holder}, which is building {artifact_id} in this workdir ({path})")
             started = time.monotonic()
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            with heartbeat(f"waiting for the lock on {artifact_id}", log):
+                fcntl.flock(fd, fcntl.LOCK_EX)
             log(f"lock on {artifact_id} acquired after {time.monotonic() - started:.1f} s")
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "stage": stage,

@@ -22,6 +22,7 @@ from typing import Any
 from pipeline.artifacts import canonical_json, fingerprint_mismatch
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
+from pipeline.progress import heartbeat
 from pipeline.registry.bundle import (
     Bundle,
     bundle_sha256,
@@ -275,7 +276,8 @@ def _create_version(
                 run_id, metrics=[Metric(k, float(v), step_ms, 0) for k, v in document["metrics"].items()]
             )
         try:
-            client.log_artifacts(run_id, str(bundle_dir), artifact_path)
+            with heartbeat(f"uploading bundle {name}"):  # gigabytes of weights and moments to a remote store
+                client.log_artifacts(run_id, str(bundle_dir), artifact_path)
         except Exception:
             if new_run:
                 _quietly(client.set_terminated, run_id, "FAILED")

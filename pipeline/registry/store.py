@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError, scrub
+from pipeline.progress import heartbeat
 from pipeline.tracking import (
     check_reachable,
     is_remote,
@@ -147,4 +148,5 @@ def download_version(client: Any, uri: str, name: str, number: str, to: Path) ->
 
     source = client.get_model_version_download_uri(name, number)
     to.mkdir()
-    get_artifact_repository(source, tracking_uri=uri, registry_uri=uri).download_artifacts("", dst_path=str(to))
+    with heartbeat(f"downloading {name} version {number}"):  # MLflow's own bar counts files, not bytes
+        get_artifact_repository(source, tracking_uri=uri, registry_uri=uri).download_artifacts("", dst_path=str(to))
