@@ -33,6 +33,7 @@ from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan, spec
 from pipeline.orchestration.lock import Launch, artifact_lock
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
+from pipeline.progress import heartbeat
 from pipeline.vocab.tokens import stop_ids
 
 SUMMARY: tuple[str, ...] = ("lossless_passed",
@@ -189,8 +190,9 @@ def bench_decode(cfg: PipelineConfig, shape: str = "tiny", steps: int = 20, meth
     curves: list[str] = []
 
     def curve(shape: str, model: Any, shape_prompts: list[list[int]]) -> None:
-        line = verify_curve_line(shape, verify_curve(model, shape_prompts, ev.max_new_tokens, max(ev.gammas) + 1,
-                                                     options, steps, cold))
+        with heartbeat(f"bench decode {shape}: the target's forward by tokens fed", log):
+            line = verify_curve_line(shape, verify_curve(model, shape_prompts, ev.max_new_tokens,
+                                                         max(ev.gammas) + 1, options, steps, cold))
         log(f"bench decode {line}")
         curves.append(line)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pipeline.progress import heartbeat
 from pipeline.timing import device_name, interleaved_medians, median_seconds
 
 
@@ -123,9 +124,10 @@ def bench_head(vocab: int = 128_256, hidden: int = 4096, clusters: int = 1024, s
         if not (path == "kernel" and interpreted):
             fns |= {f"head_{path}": on(path, head_only), f"routed_{path}": on(path, routed_step)}
     ms = {name: 1e3 * s for name, s in interleaved_medians(fns, dev, repeats).items()}
-    if "kernel" in paths and interpreted:  # no compilation to warm up
-        ms["head_kernel"] = 1e3 * median_seconds(on("kernel", head_only), dev, interpreted_repeats, warmup=0)
-        ms["routed_kernel"] = 1e3 * median_seconds(on("kernel", routed_step), dev, interpreted_repeats, warmup=0)
+    if "kernel" in paths and interpreted:  # no compilation to warm up; ~20 s a call at 128k × 4096
+        with heartbeat(f"the routed head's kernel in Triton's interpreter ({vocab:,} × {hidden:,})"):
+            ms["head_kernel"] = 1e3 * median_seconds(on("kernel", head_only), dev, interpreted_repeats, warmup=0)
+            ms["routed_kernel"] = 1e3 * median_seconds(on("kernel", routed_step), dev, interpreted_repeats, warmup=0)
     name = device_name(dev)
     return {"device": name, "dtype": str(dt).replace("torch.", ""), "shape": [vocab, hidden], "clusters": clusters,
             "k": k, "rows": {"full": vocab, "static": static, "routed": rows, "capacity": routed.capacity(k)},
@@ -177,6 +179,7 @@ def bench_cluster(rows: int = 32_768, dim: int = 1024, clusters: int = 256, nite
         gpu = spherical_kmeans(weight, clusters, niter=niter, redo=1, use_gpu=True).meta["seconds"]
         lines.append(f"| faiss-gpu (spherical) | {gpu:.2f} | {gpu / cpu:.2f}× |")
     if sklearn:
-        sk = sklearn_kmeans_seconds(weight, clusters, niter=niter)
+        with heartbeat("scikit-learn KMeans"):
+            sk = sklearn_kmeans_seconds(weight, clusters, niter=niter)
         lines.append(f"| scikit-learn KMeans (lloyd) | {sk:.2f} | {sk / cpu:.2f}× |")
     return "\n".join(lines)

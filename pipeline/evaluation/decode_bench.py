@@ -53,6 +53,7 @@ from pipeline.engine.metrics import expected_tokens_per_round, summarize
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.session import TargetState
 from pipeline.engine.static import DecodeOptions, decode_capacity, session_for
+from pipeline.progress import heartbeat
 from pipeline.timing import CacheFlusher, device_name, interleaved_times, median_seconds
 from pipeline.vocab.counting import eagle3_offset_maps
 
@@ -429,7 +430,7 @@ def llama3_8b_models(device: torch.device, dtype: torch.dtype = torch.bfloat16, 
     from transformers import LlamaConfig, LlamaForCausalLM  # deferred: pulls in transformers
 
     def build(shape: dict) -> torch.nn.Module:
-        with torch.device(device):
+        with torch.device(device), heartbeat(f"building a random {shape.get('num_hidden_layers')}-layer model"):
             model = LlamaForCausalLM._from_config(LlamaConfig(**scaled_shape(shape, scale)), dtype=dtype)
         return model.eval()
 
