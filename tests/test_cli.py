@@ -181,36 +181,35 @@ def test_type_error_names_the_type_with_the_right_article(capsys: pytest.Capture
     assert "Set generate.max_new_tokens to an int." in err and " a int" not in err
 
 
-def test_plan_columns_line_up_with_long_ids(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_plan_columns_line_up_with_its_json(tmp_path: Path, tiny_kit, capsys: pytest.CaptureFixture) -> None:
+    """`drafter plan`'s table on a real plan (ids and inputs of several lengths) holds the rows its --json gives, each
+    value starting at its column; and the table itself keeps its columns with ids far longer than the header."""
+    import json
     import re
 
     from jobs import cli
+    from tests.helpers import SMALL
 
-    rows = [{"stage": "generate", "artifact_id": "generate-" + "0" * 40, "status": "cached", "inputs": {}},
-            {"stage": "count", "artifact_id": "count-1a2b", "status": "to run",
-             "inputs": {"generate": "generate-" + "0" * 40}},
-            {"stage": "evaluate", "artifact_id": "evaluate-" + "f" * 30, "status": "to run",
-             "inputs": {"count": "count-1a2b"}}]
-
-    class FakePlan:
-        kits: list = []
-        provisional = False
-
-        def needed(self, wanted: list[str]) -> list[str]:
-            return ["count", "evaluate"]
-
-        def table(self) -> list[dict]:
-            return [dict(row) for row in rows]
-
-    monkeypatch.setattr(cli, "plan", lambda cfg, wanted: FakePlan())
-    assert main(["plan", "--stages", "generate,count,evaluate"]) == 0
-    header, *lines = capsys.readouterr().out.splitlines()[:4]
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    args = ["plan", "--config", str(empty), f"workdir={tmp_path}", *SMALL, "--stages", "generate,count,evaluate"]
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    header, *lines = capsys.readouterr().out.splitlines()[: 1 + len(rows)]
+    assert len({len(row["artifact_id"]) for row in rows}) > 1 and any(row["inputs"] for row in rows)
     columns = {name: header.index(name) for name in ("status", "inputs")}
     columns["artifact_id"] = re.search("artifact[ _]id", header).start()  # type: ignore[union-attr]
     for row, line in zip(rows, lines, strict=True):
+        assert line.startswith(row["stage"] + " "), line
         assert line[columns["artifact_id"]:].startswith(row["artifact_id"] + " "), line
         assert line[columns["status"]:].startswith(row["status"]), line
         assert line[columns["inputs"]:] == (", ".join(f"{k}={v}" for k, v in row["inputs"].items()) or "—")
+    long = [{"stage": "generate", "artifact_id": "generate-" + "0" * 40, "status": "cached", "inputs": None},
+            {"stage": "count", "artifact_id": "count-1a2b", "status": "to run", "inputs": "generate=x"}]
+    table = cli._table(long, ["stage", "artifact_id", "status", "inputs"]).splitlines()
+    at = table[0].index("status")
+    assert [line[at:].split()[0] for line in table[1:]] == ["cached", "to"] and table[1][at - 1] == " "
 
 
 def test_bad_config_key_exits_2_with_one_clear_line(capsys: pytest.CaptureFixture) -> None:

@@ -311,27 +311,22 @@ def test_ids_planned_before_the_kit_is_built_are_provisional(tmp_path: Path, tin
 
 
 def test_run_on_a_fresh_cache_builds_the_kit_then_finds_what_that_kit_built(
-        tmp_path: Path, tiny_kit, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`drafter run` plans with provisional ids, builds the kit, and plans again: a kit built into the same files
-    (same machine, same recipe) finds the artifacts the first one published. The kit's training is replaced by a
-    copy of the session kit's files (its build is ~2.5 min); the build's lock, report and hashes are the real ones."""
-    import shutil
-
+    (same machine, same recipe) finds the artifacts the first one published. Both kits are real builds of the test
+    kit at a twentieth of its data and steps (tests.helpers.small_kit_profile, ~10 s each)."""
     import jobs
-    from pipeline.tiny import ROLES, recipe
+    from pipeline.tiny import PROFILES
+    from tests.helpers import small_kit_profile
 
-    cfg = small_cfg(tmp_path / "work")
+    monkeypatch.setitem(PROFILES, "determinism", small_kit_profile())
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", *(key.replace("tiny:test/", "tiny:determinism/")
+                                                               for key in SMALL)])
+    monkeypatch.setenv("DRAFTER_CACHE", str(tmp_path / "first"))
     first = jobs.run(cfg, ["generate"])["generate"]
-
-    def build_into(spec, out: Path, log, **_) -> dict:
-        for role in ROLES:
-            shutil.copytree(tiny_kit.path(role), out / role)
-        return {key: value for key, value in tiny_kit.report.items()
-                if key not in ("profile", "kit_hash", "build_seconds", "sha256")}
-
-    monkeypatch.setattr(recipe, "build_into", build_into)
     monkeypatch.setenv("DRAFTER_CACHE", str(tmp_path / "fresh"))
     assert plan(cfg).provisional
     again = jobs.run(cfg, ["generate"])["generate"]
-    assert (tmp_path / "fresh" / "tiny" / tiny_kit.root.name / "report.json").is_file()
+    kit = next((tmp_path / "first" / "tiny").glob("determinism-*")).name  # the fresh cache built the same kit
+    assert (tmp_path / "fresh" / "tiny" / kit / "report.json").is_file()
     assert not plan(cfg).provisional and again.id == first.id and again.path == first.path

@@ -214,9 +214,13 @@ def test_a_hub_dataset_datasets_cached_is_read_at_once_without_the_hub_and_only_
     shutil.rmtree(tmp_path / "hub" / "datasets--org--chats")  # the hub cache pruned; datasets' own cache kept
     done = _on_a_node_without_the_hub(
         tmp_path / "hub", setup, load.format(commit), f"load_conversations('org/chats', revision='{commit}')[1].notes[-1]",
-        load.format(other), f"load_conversations('org/absent', revision='{other}')", HF_DATASETS_CACHE=ds_cache)
+        load.format(other), f"load_conversations('org/absent', revision='{other}')", "load_conversations('org/absent')",
+        HF_DATASETS_CACHE=ds_cache)
     assert done.returncode == 0, done.stderr[-2000:]
     answers = done.stdout.split("\x1e")[:-1]
+    # unpinned and never downloaded: refused, saying the hub did not answer and how to download it elsewhere
+    assert answers[4].startswith("refused Could not load 'org/absent'") and "the hub did not answer" in answers[4]
+    assert "`hf download org/absent --repo-type dataset`" in answers[4], answers[4]
     assert answers[0] == f"loaded {want}"
     assert answers[1] == f"loaded read from datasets' own cache of an earlier load of commit {commit[:12]}: the hub " \
                          "did not answer (ConnectError: [Errno 111] Connection refused)"

@@ -157,19 +157,6 @@ def test_missing_empty_and_unusable_files(tmp_path: Path) -> None:
         load_conversations(str(tmp_path / "bad.json"))
 
 
-def test_hub_failure_is_a_drafter_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import datasets
-
-    def offline(*args: object, **kwargs: object) -> None:
-        raise ConnectionError("no route to host")
-
-    monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(DrafterError, match="Could not load 'someone/some-dataset'") as err:
-        load_conversations("someone/some-dataset")
-    assert "ConnectionError" in str(err.value)
-    assert "`hf download someone/some-dataset --repo-type dataset`" in str(err.value)  # what to do without the hub
-
-
 def test_humaneval() -> None:
     convs = load_humaneval()
     assert len(convs) == 164

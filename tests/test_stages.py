@@ -24,7 +24,6 @@ from pipeline.data.sources import load_conversations, load_humaneval, split_held
 from pipeline.errors import DrafterError
 from pipeline.evaluation.matrix import eval_prompts
 from pipeline.models.loading import load_tokenizer
-from pipeline.orchestration import stage
 from pipeline.orchestration.dag import plan
 from pipeline.tracking import tracking_uri
 from tests.helpers import SMALL, small_cfg
@@ -376,14 +375,30 @@ def test_an_unreadable_shard_is_refused_naming_it(tmp_path: Path) -> None:
 
 def test_edited_or_deleted_manifest_is_rebuilt_and_never_logged(tmp_path: Path, tiny_kit, monkeypatch,
                                                                 capsys) -> None:
-    """A published calibration set whose MLflow logging did not happen (the server died right after the publish),
-    then its manifest's metrics edited: the plan no longer calls it cached, and the rerun moves it aside with a line
-    saying so, rebuilds it, and logs the true metrics (before, the cache hit used and logged the edited ones). A
-    deleted manifest is rebuilt the same way instead of blocking the stage."""
-    cfg = small_cfg(tmp_path, "generate.kind=raw", "generate.limit=8", "generate.max_new_tokens=64")
-    with monkeypatch.context() as patch:
-        patch.setattr(stage, "log_stage_run", lambda *_args, **_kwargs: None)
-        first = generate.main(cfg)
+    """A published calibration set whose MLflow logging did not happen (a real server, stopped right after the
+    publish), then its manifest's metrics edited: the plan no longer calls it cached, and the rerun moves it aside
+    with a line saying so, rebuilds it, and logs the true metrics (before, the cache hit used and logged the edited
+    ones). A deleted manifest is rebuilt the same way instead of blocking the stage."""
+    keys = ["generate.kind=raw", "generate.limit=8", "generate.max_new_tokens=64"]
+    cfg = small_cfg(tmp_path, *keys)
+    server = MlflowServer(tmp_path / "server")
+    server.start()
+    real_commit = ArtifactWriter.commit
+
+    def commit_then_the_server_dies(self: ArtifactWriter, *args: object, **kwargs: object) -> object:
+        published = real_commit(self, *args, **kwargs)
+        server.stop()
+        return published
+
+    try:
+        with monkeypatch.context() as patch, pytest.raises(DrafterError, match="The artifact is safe at"):
+            patch.setattr(ArtifactWriter, "commit", commit_then_the_server_dies)
+            # the store is a run setting: the same id as cfg's, whose own (local) store never saw it
+            generate.main(small_cfg(tmp_path, *keys, f"mlflow.tracking_uri={server.uri}", "mlflow.retries=1",
+                                    "mlflow.timeout_s=2"))
+    finally:
+        server.stop()
+    first = load_artifact(plan(cfg, ["generate"])["generate"].path)
     manifest = first.path / "manifest.json"
     edited = json.loads(manifest.read_text())
     edited["metrics"]["rows"] = 10**6

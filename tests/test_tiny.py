@@ -225,53 +225,57 @@ def test_second_build_is_a_cache_hit(tiny_kit: Any) -> None:
     )
 
 
-# --- build machinery, with a fake recipe -----------------------------------------------------------
+# --- build machinery, on the real recipe at a twentieth of the test kit (tests.helpers.small_kit_profile) --------
 
 
-class FakeRecipe:
-    """Stands in for the training recipe: writes what a kit directory needs, counts calls."""
+REAL_RECIPE = recipe.build_into
 
-    def __init__(self, fail: bool = False, pause: threading.Event | None = None) -> None:
-        self.calls = 0
-        self.fail = fail
-        self.pause = pause
 
-    def __call__(self, spec: Any, out: Path, log: Any, **_: Any) -> dict:
+class CountedRecipe:
+    """The real recipe, counted; ``pause`` holds it back until set, ``interrupt`` raises once it has written the
+    kit into the build's temporary directory (before the build renames it into place)."""
+
+    def __init__(self, interrupt: bool = False, pause: threading.Event | None = None) -> None:
+        self.calls, self.interrupt, self.pause = 0, interrupt, pause
+        self.specs: list[Any] = []
+
+    def __call__(self, spec: Any, out: Path, log: Any, **kwargs: Any) -> dict:
         self.calls += 1
+        self.specs.append(spec)
         if self.pause is not None:
-            self.pause.wait(10)
-        for role in ROLES:
-            (out / role).mkdir()
-            (out / role / "config.json").write_text("{}")
-            if self.fail:
-                raise KeyboardInterrupt("half way through writing the kit")  # interrupted mid-write
-        return {"fake": True}
+            self.pause.wait(60)
+        report = REAL_RECIPE(spec, out, log, **kwargs)
+        if self.interrupt:
+            raise KeyboardInterrupt("half way through writing the kit")
+        return report
 
 
 def test_interrupted_build_does_not_break_the_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(recipe, "build_into", FakeRecipe(fail=True))
+    monkeypatch.setitem(PROFILES, "determinism", small_kit_profile())
+    monkeypatch.setattr(recipe, "build_into", CountedRecipe(interrupt=True))
     with pytest.raises(KeyboardInterrupt, match="half way through writing the kit"):
-        build_kit("test", tmp_path, log=lambda _l: None)
+        build_kit("determinism", tmp_path, log=lambda _l: None)
     tiny = tmp_path / "tiny"
-    assert not (tiny / f"test-{kit_hash('test')}").exists()
+    assert not (tiny / f"determinism-{kit_hash('determinism')}").exists()
     # A build killed hard (no cleanup ran) leaves its temp dir behind; the next build removes it.
-    stale = tiny / f".test-{kit_hash('test')}.tmp-killed"
+    stale = tiny / f".determinism-{kit_hash('determinism')}.tmp-killed"
     (stale / "target").mkdir(parents=True)
-    fake = FakeRecipe()
-    monkeypatch.setattr(recipe, "build_into", fake)
+    counted = CountedRecipe()
+    monkeypatch.setattr(recipe, "build_into", counted)
     lines: list[str] = []
-    kit = build_kit("test", tmp_path, log=lines.append)
-    assert fake.calls == 1 and kit.report["fake"] is True
+    kit = build_kit("determinism", tmp_path, log=lines.append)
+    assert counted.calls == 1 and kit.report["target"]["params"] > 0
     assert not stale.exists() and any("interrupted" in line for line in lines)
-    assert all(kit.path(role).is_dir() for role in ROLES)
-    build_kit("test", tmp_path, force=True, log=lambda _l: None)
-    assert fake.calls == 2
+    assert all((kit.path(role) / "config.json").is_file() for role in ROLES)
+    build_kit("determinism", tmp_path, force=True, log=lambda _l: None)
+    assert counted.calls == 2
 
 
 def test_concurrent_builds_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(PROFILES, "determinism", small_kit_profile())
     release = threading.Event()
-    fake = FakeRecipe(pause=release)
-    monkeypatch.setattr(recipe, "build_into", fake)
+    counted = CountedRecipe(pause=release)
+    monkeypatch.setattr(recipe, "build_into", counted)
     waiting = threading.Event()
     kits: list[Any] = []
 
@@ -279,17 +283,17 @@ def test_concurrent_builds_build_once(tmp_path: Path, monkeypatch: pytest.Monkey
         if "waiting" in line:
             waiting.set()
 
-    first = threading.Thread(target=lambda: kits.append(build_kit("test", tmp_path, log=lambda _l: None)))
+    first = threading.Thread(target=lambda: kits.append(build_kit("determinism", tmp_path, log=lambda _l: None)))
     first.start()
-    while fake.calls == 0:  # the first build holds the lock
+    while counted.calls == 0:  # the first build holds the lock
         threading.Event().wait(0.01)
-    second = threading.Thread(target=lambda: kits.append(build_kit("test", tmp_path, log=second_log)))
+    second = threading.Thread(target=lambda: kits.append(build_kit("determinism", tmp_path, log=second_log)))
     second.start()
-    assert waiting.wait(10)  # the second process found the lock taken and waits
+    assert waiting.wait(60)  # the second process found the lock taken and waits
     release.set()
-    first.join(10)
-    second.join(10)
-    assert fake.calls == 1 and len(kits) == 2 and kits[0].root == kits[1].root
+    first.join(300)
+    second.join(300)
+    assert counted.calls == 1 and len(kits) == 2 and kits[0].root == kits[1].root
 
 
 def test_bad_profile_and_refs() -> None:
@@ -305,13 +309,16 @@ def test_bad_profile_and_refs() -> None:
         TinyKit(Path("."), "test", "x").path("teacher")
 
 
-def test_every_role_of_every_profile_resolves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``tiny:<profile>/<role>`` resolves for every role (drafter_bytes included), with the fake recipe."""
-    monkeypatch.setattr(recipe, "build_into", FakeRecipe())
-    for profile in PROFILES:
-        for role in ROLES:
-            path = resolve_tiny_ref(f"tiny:{profile}/{role}", tmp_path)
-            assert path == tmp_path / "tiny" / f"{profile}-{kit_hash(profile)}" / role and path.is_dir()
+def test_every_role_of_a_profile_resolves_to_its_built_kit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tiny:<profile>/<role>`` resolves for every role (drafter_bytes included) to the kit it builds, once."""
+    monkeypatch.setitem(PROFILES, "determinism", small_kit_profile())
+    counted = CountedRecipe()
+    monkeypatch.setattr(recipe, "build_into", counted)
+    for role in ROLES:
+        path = resolve_tiny_ref(f"tiny:determinism/{role}", tmp_path)
+        assert path == tmp_path / "tiny" / f"determinism-{kit_hash('determinism')}" / role
+        assert (path / "config.json").is_file(), role
+    assert counted.calls == 1
 
 
 def test_kit_hash_is_stable_and_per_profile() -> None:
@@ -331,22 +338,18 @@ def test_kit_hash_is_stable_and_per_profile() -> None:
 def test_a_float32_kit_is_another_kit_built_without_autocast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """DRAFTER_KIT_PRECISION=float32 hands the recipe a spec without mixed precision, under its own kit hash and
     directory, so it never meets the kit the CPU's own precision built; another value is refused naming the knob."""
-    seen: list[bool] = []
-
-    class Recording(FakeRecipe):
-        def __call__(self, spec: Any, out: Path, log: Any, **_: Any) -> dict:
-            seen.append(spec.mixed_precision)
-            return super().__call__(spec, out, log)
-
-    monkeypatch.setattr(recipe, "build_into", Recording())
+    monkeypatch.setitem(PROFILES, "determinism", small_kit_profile())
+    counted = CountedRecipe()
+    monkeypatch.setattr(recipe, "build_into", counted)
     monkeypatch.delenv("DRAFTER_KIT_PRECISION", raising=False)
-    auto_hash = kit_hash("test")
-    auto = resolve_tiny_ref("tiny:test/target", tmp_path)
+    auto_hash = kit_hash("determinism")
+    auto = resolve_tiny_ref("tiny:determinism/target", tmp_path)
     monkeypatch.setenv("DRAFTER_KIT_PRECISION", "float32")
-    float32 = resolve_tiny_ref("tiny:test/target", tmp_path)
-    assert seen == [True, False]
-    assert kit_hash("test") != auto_hash and float32 == tmp_path / "tiny" / f"test-{kit_hash('test')}" / "target"
-    assert auto == tmp_path / "tiny" / f"test-{auto_hash}" / "target" and auto.is_dir()
+    float32 = resolve_tiny_ref("tiny:determinism/target", tmp_path)
+    assert [spec.mixed_precision for spec in counted.specs] == [True, False]
+    assert kit_hash("determinism") != auto_hash
+    assert float32 == tmp_path / "tiny" / f"determinism-{kit_hash('determinism')}" / "target" and float32.is_dir()
+    assert auto == tmp_path / "tiny" / f"determinism-{auto_hash}" / "target" and auto.is_dir()
     monkeypatch.setenv("DRAFTER_KIT_PRECISION", "bf16")
     with pytest.raises(DrafterError, match="DRAFTER_KIT_PRECISION") as err:
         kit_hash("test")
