@@ -26,6 +26,7 @@ from pathlib import Path
 from pipeline.cache import default_cache_dir
 from pipeline.checksums import sha256_file
 from pipeline.errors import DrafterError
+from pipeline.progress import heartbeat
 from pipeline.tiny.spec import PROFILES, ROLES, get_profile, kit_hash
 
 REPORT_FILE = "report.json"
@@ -153,7 +154,8 @@ def build_kit(
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log(f"tiny kit {root.name}: another process is building it; waiting")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            with heartbeat(f"tiny kit {root.name}: waiting for the other build", log):
+                fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not force and (kit := _load_kit(root, profile, digest)) is not None:
                 return kit  # built by the process we waited for
