@@ -202,8 +202,8 @@ def _arrived(directory: Path, names: list[str], wait: float = 60.0) -> list[str]
         if time.monotonic() > deadline:
             raise DrafterError(f"A checkpoint's files did not all arrive in {directory}.",
                                expected=", ".join(names), found=f"missing {', '.join(missing)} after {wait:g} s",
-                               fix="Check the shared filesystem every node writes to (train.staging); the last "
-                                   "complete checkpoint is kept, rerun to resume from it.")
+                               fix="Check the shared filesystem the stage's staging directory lives on (every "
+                                   "node writes there); the last complete checkpoint is kept, rerun to resume from it.")
         time.sleep(0.5)
     return names
 
