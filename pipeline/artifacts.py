@@ -36,6 +36,7 @@ from pipeline.checksums import (  # noqa: F401 - sha256_file and write_json_atom
     write_json_atomic,
 )
 from pipeline.errors import DrafterError
+from pipeline.progress import heartbeat
 
 SCHEMA_VERSION = 2
 """2: the manifest carries ``manifest_sha256`` and ``field_sha256`` (1 had neither and is refused)."""
@@ -297,8 +298,10 @@ def verify_payloads(artifact: Artifact) -> None:
             found=(f"missing {missing} " if missing else "") + (f"unlisted {extra}" if extra else ""),
             fix=f"Do not edit artifacts in place. {_redo(artifact.path)}",
         )
+    with heartbeat(f"verifying {artifact.id}"):  # gigabytes of weights or moments: a line every 30 s
+        digests = {name: sha256_file(artifact.path / name) for name in listed}
     for name, meta in listed.items():
-        digest = sha256_file(artifact.path / name)
+        digest = digests[name]
         if digest != meta["sha256"]:
             raise DrafterError(
                 f"Payload {name!r} of artifact {artifact.id} was modified after it was written.",
