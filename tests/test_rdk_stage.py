@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from jobs import evaluate, run
-from pipeline.artifacts import ArtifactWriter
+from pipeline.artifacts import ArtifactStore, ArtifactWriter, artifact_id
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
@@ -275,7 +274,12 @@ def test_code_rows_keep_to_unseen_problems_and_to_the_models_context(tmp_path: P
     cfg = rdk_cfg(tmp_path, f"generate.source={source}", "generate.heldout_fraction=0.3",
                   "evaluate.prompts_per_task=4", "estimate_rdk.code_problems=6", "evaluate.max_prompt_tokens=64")
     tokenizer = Target(cfg.target).tokenizer()
-    drawn = types.SimpleNamespace(manifest={"config": {"generate": {"source": source, "heldout_fraction": 0.3}}})
+    drawn_config = {"generate": {"source": source, "heldout_fraction": 0.3}}  # how the calibration set was drawn
+    writer = ArtifactStore(tmp_path / "drawn").writer(artifact_id("generate", drawn_config, [], {"model": "m"}),
+                                                      kind="calibration", stage="generate", config=drawn_config,
+                                                      inputs=[], fingerprint={"model": "m"})
+    (writer.tmp / "rows.txt").write_text("a calibration set's payload")
+    drawn = writer.commit({})
     rows = _code_rows(cfg, tokenizer, drawn)
     # a calibration set named by path (estimate_rdk.calibration) says how it was drawn: a config whose own generate
     # section names another source took every problem as unseen, the ones the set was drawn from included

