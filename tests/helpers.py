@@ -189,6 +189,17 @@ def kit_evaluator(tmp_path: Path, path: str, *extra: str, staging: Path | None =
                                      lambda _line: None, staging)
 
 
+def offline_hub(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Hugging Face cache at ``cache``, offline. huggingface_hub reads HF_HUB_OFFLINE when it is imported: the
+    variable alone left the loaders asking the unreachable hub first (about 4 minutes of timeouts a test)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
 def hub_cache(root: Path, name: str, commits: dict[str, Path]) -> None:
     """A Hugging Face cache entry as a download leaves it: refs/main -> commit, snapshots/<commit>/ files."""
     repo = root / f"models--{name.replace('/', '--')}"

@@ -18,7 +18,7 @@ from pipeline.checksums import StatCache
 from pipeline.errors import DrafterError
 from pipeline.models import loading
 from pipeline.orchestration.dag import plan
-from tests.helpers import hub_cache, small_cfg
+from tests.helpers import hub_cache, offline_hub, small_cfg
 
 READS_TARGET = {"generate", "count", "train_drafter", "cluster", "train_router", "estimate_rdk", "evaluate"}
 
@@ -71,23 +71,12 @@ def test_a_local_directory_without_safetensors_is_refused(tmp_path: Path, tiny_k
         loading.local_weights_digest(target)
 
 
-def _offline(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Hugging Face cache at ``cache``, offline. huggingface_hub reads HF_HUB_OFFLINE when it is imported: the
-    variable alone left the loaders asking the unreachable hub first (about 4 minutes of timeouts a test)."""
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-
-
 def test_a_hub_models_id_holds_the_commit_its_revision_resolves_to(tmp_path: Path, tiny_kit,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "hub"
     old, new = "a" * 40, "b" * 40
     hub_cache(cache, "org/tiny-target", {old: tiny_kit.path("target"), new: tiny_kit.path("target")})
-    _offline(cache, monkeypatch)
+    offline_hub(cache, monkeypatch)
     (cache / "models--org--tiny-target" / "refs" / "main").write_text(old)
     assert hub.hub_commit("org/tiny-target", None) == old
     (cache / "models--org--tiny-target" / "refs" / "main").write_text(new)
@@ -108,7 +97,7 @@ def test_a_hub_model_loads_at_the_commit_its_ids_name_though_its_branch_moves_on
     old, new = "c" * 40, "d" * 40
     hub_cache(cache, "org/moving-target", {old: tiny_kit.path("target"), new: tiny_kit.path("target")})
     _perturb_in_place(cache / "models--org--moving-target" / "snapshots" / new)
-    _offline(cache, monkeypatch)
+    offline_hub(cache, monkeypatch)
     main = cache / "models--org--moving-target" / "refs" / "main"
     main.write_text(old)
     first = {name: tensor.clone() for name, tensor in loading.load_model(str(cache / "models--org--moving-target"
@@ -133,7 +122,7 @@ def test_a_hub_tokenizer_of_its_own_names_its_commit_in_the_ids(tmp_path: Path, 
     cache = tmp_path / "hub"
     old, new = "e" * 40, "f" * 40
     hub_cache(cache, "org/tok", {old: tiny_kit.path("target"), new: tiny_kit.path("target")})
-    _offline(cache, monkeypatch)
+    offline_hub(cache, monkeypatch)
     target = _copy_model(tiny_kit.path("target"), tmp_path / "my-target")
     (cache / "models--org--tok" / "refs" / "main").write_text(old)
     before = loading.fingerprint(str(target), tokenizer="org/tok")

@@ -21,7 +21,7 @@ from pipeline.config.sections import load_config
 from pipeline.errors import DrafterError
 from pipeline.orchestration import limits
 from pipeline.orchestration.dag import STAGE_NAMES, plan
-from tests.helpers import small_cfg
+from tests.helpers import hub_cache, offline_hub, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,14 +156,20 @@ def test_the_recipe_context_is_the_built_kits(tiny_kit) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
-def test_every_shipped_yaml_fits_its_models(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every stage of every shipped YAML passes the plan-time checks; hub models' contexts are their published
-    max_position_embeddings (the hub is not reachable from tests)."""
-    published = {"meta-llama/Meta-Llama-3-8B-Instruct": 8192, "meta-llama/Llama-3.2-1B-Instruct": 131072,
-                 "Qwen/Qwen2.5-0.5B-Instruct": 32768}
-    real = limits._context
-    monkeypatch.setattr(limits, "_context", lambda cfg, model: published[model] if model in published
-                        else real(cfg, model))
+def test_every_shipped_yaml_fits_its_models(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every stage of every shipped YAML passes the plan-time checks. The hub models' configs come from a Hugging Face
+    cache holding their published model_type and max_position_embeddings, read offline through the real loaders
+    (the hub is not reachable from tests)."""
+    published = {"meta-llama/Meta-Llama-3-8B-Instruct": ("llama", 8192),
+                 "meta-llama/Llama-3.2-1B-Instruct": ("llama", 131072), "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", 32768)}
+    for model, (model_type, positions) in published.items():
+        files = tmp_path / "files" / model
+        files.mkdir(parents=True)
+        (files / "config.json").write_text(json.dumps({"model_type": model_type,
+                                                       "max_position_embeddings": positions}))
+        hub_cache(tmp_path / "hub", model, {"c" * 40: files})
+        (tmp_path / "hub" / f"models--{model.replace('/', '--')}" / "refs" / "main").write_text("c" * 40)
+    offline_hub(tmp_path / "hub", monkeypatch)
     cfg = load_config(ROOT / "configs" / name)
     limits.check_settings(cfg, STAGE_NAMES, {})
 

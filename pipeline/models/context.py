@@ -14,20 +14,17 @@ from functools import lru_cache
 from typing import Any
 
 from pipeline.errors import DrafterError
-from pipeline.models.loading import TINY_PREFIX, resolve_ref
+from pipeline.models.loading import TINY_PREFIX, load_model_config
 from pipeline.tiny import parse_tiny_ref
 from pipeline.tiny.spec import get_profile
 
 
 @lru_cache(maxsize=32)
 def _text_config(name: str, revision: str | None, trust_remote_code: bool) -> Any:
-    """The text config of a local directory or hub id (``AutoConfig``, its text part for a multimodal one)."""
-    from transformers import AutoConfig
-
-    ref = resolve_ref(name, revision)
+    """The text config of a local directory or hub id (its text part for a multimodal one), read as the loaders read
+    it: a hub model's from the local Hugging Face cache without a network call where it holds the commit."""
     try:
-        config = AutoConfig.from_pretrained(ref.location, revision=None if ref.is_local else ref.revision,
-                                            trust_remote_code=trust_remote_code)
+        config = load_model_config(name, revision, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise DrafterError(
             f"Could not read the config of {name!r} to check its shape: {type(err).__name__}",

@@ -142,6 +142,20 @@ def load_generation_config(name: str, revision: str | None = None) -> Any:
         return None
 
 
+def load_model_config(name: str, revision: str | None = None, *, trust_remote_code: bool = False) -> Any:
+    """The model's ``config.json`` through ``AutoConfig`` (no weights), from the local directory, or the hub commit
+    ``revision`` resolves to, read from the local Hugging Face cache where it holds it (as :func:`load_model`).
+
+    Raises:
+        OSError, ValueError: As ``AutoConfig.from_pretrained`` (no config, unreachable hub and nothing cached).
+        DrafterError: An unpinned hub revision that cannot be resolved here.
+    """
+    from transformers import AutoConfig
+
+    ref = resolve_ref(name, revision)
+    return _pretrained(AutoConfig.from_pretrained, ref, _load_revision(ref), trust_remote_code=trust_remote_code)
+
+
 def load_model(name: str, revision: str | None = None, *, dtype: str = "float32",
                trust_remote_code: bool = False, device: str | None = None) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` in eval mode (safetensors only)."""
