@@ -22,7 +22,7 @@ import numpy as np
 from pipeline.config.stages import CountConfig
 from pipeline.data.calibration import flat_arrays, read_shard
 from pipeline.errors import DrafterError
-from pipeline.progress import Progress
+from pipeline.progress import Progress, heartbeat
 
 
 def count_shard(path: str | Path, vocab_size: int) -> np.ndarray:
@@ -57,8 +57,9 @@ def count_shards(paths: Iterable[str | Path], vocab_size: int, workers: int = 1,
         # Map: each worker reduces its own slice of shards, so only `workers` arrays cross processes.
         n = min(workers, len(paths))
         groups = [paths[i::n] for i in range(n)]
+        # each worker answers once, at its group's end: the heartbeat speaks every 30 s until then
         with ProcessPoolExecutor(n, mp_context=get_context("spawn")) as pool, \
-                Progress("count", len(paths), "shard") as progress:
+                Progress("count", len(paths), "shard") as progress, heartbeat(f"count: {n} worker processes"):
             for group, counts in zip(groups, pool.map(_count_group, groups, [vocab_size] * n), strict=True):
                 total += counts
                 progress.update(len(group))
