@@ -360,22 +360,17 @@ def _slurm(args: argparse.Namespace, cfg) -> int:
     wanted = list(_wanted(args, cfg))
     if args.command == "status":
         rows = [row.to_dict() for row in slurm.status(cfg, wanted)]
-        started = last = time.monotonic()
-        said = None
+        started, said, last = time.monotonic(), None, 0.0
         while args.wait is not None and any(row["state"] in slurm.ACTIVE for row in rows):
-            # a chain waited on for hours (CI's --wait 300): a line on stderr when the states change and at least
-            # every 30 s, between two polls too
             states = ", ".join(f"{row['stage']} {row['state']}" for row in rows if row["state"] in slurm.ACTIVE)
-            slept = 0.0
-            while True:
+            poll = time.monotonic() + args.wait
+            while True:  # a line when the states change and every 30 s (CI's --wait 300 lasts hours)
                 if states != said or time.monotonic() - last >= LOG_INTERVAL_S:
                     log("status", f"waiting ({duration(time.monotonic() - started)}): {states}")
                     said, last = states, time.monotonic()
-                if slept >= args.wait:
+                if (left := poll - time.monotonic()) <= 0:
                     break
-                chunk = min(LOG_INTERVAL_S, args.wait - slept)
-                time.sleep(chunk)
-                slept += chunk
+                time.sleep(min(LOG_INTERVAL_S, left))
             rows = [row.to_dict() for row in slurm.status(cfg, wanted)]
         # with --wait the verdict is the store's: a job can end COMPLETED without publishing, or vanish from
         # Slurm's memory after failing, or sit SUSPENDED or PREEMPTED; only the artifacts say the chain is done

@@ -5,12 +5,11 @@ say the drafter model it loads and the upstream stages it reads —, its report 
 gated in) with how it is *built* (its proposer factory). Everything that used to keep a list of method names reads it
 instead: the DAG (which upstream stages and models ``evaluate`` needs), the config (which names ``evaluate.methods``
 accepts), the evaluator (how each configuration is prepared), the report (row order, sections), the gates and their
-bundles (:data:`GATE_SETS`), the CLI summary and the plan-time checks. Adding a method is its proposer module plus
-one entry in :data:`METHODS` and its name in :mod:`pipeline.config.method_names` (see the README's "Adding a method").
+bundles (:data:`GATE_SETS`), the CLI summary and the plan-time checks. Adding a method is its proposer module, one
+entry in :data:`METHODS` and its name in :mod:`pipeline.config.method_names` (README, "Adding a method").
 
-Importing this module is light (no torch): the config layer keeps its own :data:`METHOD_NAMES`
-(:mod:`pipeline.config.method_names`, torch-free), which this module checks its registry against at import, and each
-factory imports the engine only when it builds.
+Importing this module is light (no torch): the config layer keeps its own torch-free :data:`METHOD_NAMES`, which this
+module checks its registry against at import, and each factory imports the engine only when it builds.
 """
 
 from __future__ import annotations
