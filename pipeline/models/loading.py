@@ -246,7 +246,9 @@ def local_weights_digest(directory: Path, cache: StatCache | None = None) -> str
                            found=", ".join(sorted(p.name for p in directory.iterdir())[:8]) or "nothing",
                            fix="Save the model with save_pretrained(safe_serialization=True) or convert its .bin "
                                "weights to safetensors.")
-    return "sha256:" + tree_digest({f.name: cache.sha256(f) for f in files})
+    # the first plan on a 16 GB checkpoint hashes it (about a minute): a line every 30 s while it does
+    with heartbeat(f"hashing the weights of {directory} (once; a stat per file after)"):
+        return "sha256:" + tree_digest({f.name: cache.sha256(f) for f in files})
 
 
 def local_files_digest(directory: Path, cache: StatCache | None = None) -> str | None:

@@ -45,6 +45,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.cache import default_cache_dir
 from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache
 from pipeline.drafters.export import SPECULATORS_KEYS, export_eagle3, export_speculators
+from pipeline.progress import heartbeat
 from pipeline.vocab.counting import eagle3_offset_maps
 from tests.tool_envs import tool_env_dir
 
@@ -171,13 +172,17 @@ def ensure_speculators_venv() -> Path:
             return python
         shutil.rmtree(venv, ignore_errors=True)  # a half-built one, from an interrupted run
         started = time.monotonic()
-        _run([sys.executable, "-m", "venv", str(venv)], "creating the venv", 300)
-        if not _uv_install(python):
-            pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
-            _run([*pip, "install", "-q", *PINS], f"pip install {' '.join(PINS)}", INSTALL_TIMEOUT_S)
-            _run([*pip, "uninstall", "-y", "-q", "torchvision", "torchaudio"], "removing torchvision/torchaudio", 300)
-        _run([str(python), "-c", "from speculators.models.eagle3 import Eagle3DraftModel"],
-             "importing speculators", 300)
+        # minutes of installing with its output captured: a line every 30 s on the terminal pytest does not capture
+        say = lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.__stderr__, flush=True)  # noqa: E731
+        with heartbeat(f"building the speculators venv in {venv}", say):
+            _run([sys.executable, "-m", "venv", str(venv)], "creating the venv", 300)
+            if not _uv_install(python):
+                pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+                _run([*pip, "install", "-q", *PINS], f"pip install {' '.join(PINS)}", INSTALL_TIMEOUT_S)
+                _run([*pip, "uninstall", "-y", "-q", "torchvision", "torchaudio"], "removing torchvision/torchaudio",
+                     300)
+            _run([str(python), "-c", "from speculators.models.eagle3 import Eagle3DraftModel"],
+                 "importing speculators", 300)
         stamp.write_text(json.dumps({"pins": list(PINS), "build_seconds": round(time.monotonic() - started, 1)}))
         return python
 
