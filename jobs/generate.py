@@ -39,7 +39,7 @@ from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
-from pipeline.progress import LOG_INTERVAL_S, Progress, heartbeat
+from pipeline.progress import LOG_INTERVAL_S, Progress, heartbeat, silent
 from pipeline.staged import staged_about, staged_ok, write_staged
 from pipeline.training.harness import predict_shards, shard_trainer
 from pipeline.training.ranks import took_part
@@ -128,7 +128,7 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
             rows, start = [], time.perf_counter()
             for _, batch in chunks(items, gen.batch_size):
                 # a batch of long answers on one GPU can outlast the progress line's 30 s: it speaks then
-                with heartbeat(f"generate: answering {len(batch)} prompts", None if self.progress else _quiet,
+                with heartbeat(f"generate: answering {len(batch)} prompts", None if self.progress else silent,
                                grace=LOG_INTERVAL_S):
                     rows += self._answer(batch)
                 if self.progress is not None:
@@ -164,10 +164,6 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
             return rows
 
     return GenerateModule()
-
-
-def _quiet(_line: str) -> None:
-    """The log of a rank that is not rank zero: its pace is rank zero's."""
 
 
 def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:

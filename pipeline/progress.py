@@ -28,6 +28,15 @@ def log(phase: str, message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {phase}: {message}", file=sys.stderr, flush=True)
 
 
+def stamped(stream: TextIO) -> Callable[[str], None]:
+    """Where a phase's lines go by default: ``[12:00:40] line`` on ``stream``."""
+    return lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=stream, flush=True)
+
+
+def silent(_line: str) -> None:
+    """The log of a rank that is not rank zero: its pace is rank zero's, which speaks for the job."""
+
+
 def duration(seconds: float) -> str:
     """``95`` → ``1m35s``; ``4000`` → ``1h06m``."""
     seconds = max(0, int(round(seconds)))
@@ -65,8 +74,7 @@ class Progress:
         self.lines = 0
         self.logged_done = -1
         self.stream = stream if stream is not None else sys.stderr
-        self.log = log or (lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=self.stream,
-                                                flush=True))
+        self.log = log or stamped(self.stream)
         self.done, self.info = 0, {}
         self.start = time.monotonic()
         self.last = self.start - interval + grace  # the first line comes after `grace` seconds
@@ -137,7 +145,7 @@ def heartbeat(what: str, log: Callable[[str], None] | None = None, *, interval: 
     """A line every ``interval`` seconds while one blocking call runs (a FAISS k-means, a download, an upload, a lock
     wait): ``what: still running, 1m30s``, the first once it has run ``grace`` seconds, and ``what: took 2m05s`` at
     the end if any was written. A call that returns sooner writes nothing. ``log`` defaults to stderr, timestamped."""
-    say = log or (lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True))
+    say = log or stamped(sys.stderr)
     start, stop, beats = time.monotonic(), threading.Event(), []
 
     def beat() -> None:

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from pipeline.errors import DrafterError, redact
-from pipeline.progress import Progress, heartbeat
+from pipeline.progress import Progress, heartbeat, silent
 from pipeline.runlog import flatten
 from pipeline.tracking import seed_local_store
 from pipeline.training import checkpoints as ckpt
@@ -153,7 +153,7 @@ class HarnessModule(L.LightningModule):
         self.inner.eval()
         # the held-out evaluation can run a minute or more between two steps' progress lines: a line every 30 s
         with torch.no_grad(), heartbeat(f"{self.plan.run_name}: held-out evaluation at step {step}",
-                                        None if self.trainer.is_global_zero else (lambda _line: None)):
+                                        None if self.trainer.is_global_zero else silent):
             scores = {k: float(v) for k, v in self.inner.evaluate().items()}
         self.inner.train(was_training)
         metric = getattr(self.inner, "selection_metric", None)

@@ -45,7 +45,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.cache import default_cache_dir
 from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache
 from pipeline.drafters.export import SPECULATORS_KEYS, export_eagle3, export_speculators
-from pipeline.progress import heartbeat
+from pipeline.progress import heartbeat, stamped
 from pipeline.vocab.counting import eagle3_offset_maps
 from tests.tool_envs import tool_env_dir
 
@@ -173,8 +173,7 @@ def ensure_speculators_venv() -> Path:
         shutil.rmtree(venv, ignore_errors=True)  # a half-built one, from an interrupted run
         started = time.monotonic()
         # minutes of installing with its output captured: a line every 30 s on the terminal pytest does not capture
-        say = lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.__stderr__, flush=True)  # noqa: E731
-        with heartbeat(f"building the speculators venv in {venv}", say):
+        with heartbeat(f"building the speculators venv in {venv}", stamped(sys.__stderr__)):
             _run([sys.executable, "-m", "venv", str(venv)], "creating the venv", 300)
             if not _uv_install(python):
                 pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
