@@ -2,10 +2,12 @@
 
 Two layouts, both on this machine alone. The one-node cluster (``slurm_cluster``) runs ``slurmctld`` and one
 ``slurmd`` named after this host. The two-node cluster (``two_node_slurm``) runs two ``slurmd`` (Debian builds
-Slurm with multiple-slurmd support), ``nodeA`` and ``nodeB``, each with one CPU, on 127.0.0.1 at its own port
-and in its own UTS namespace (``unshare --uts``), so a job step on each node sees that node's name as its host
-name — as on a real cluster. Those names resolve nowhere: a job must reach its first node by ``NodeAddr``,
-which is what ``slurm/stage.sbatch`` does. Both use ``select/cons_tres`` on cores, ``proctrack/linuxproc``,
+Slurm with multiple-slurmd support), ``nodeA`` and ``nodeB``, each with one CPU, at its own loopback address
+(``NodeAddr`` 127.0.0.2 and 127.0.0.3: Linux routes all of 127/8 to ``lo``, and the controller stays on 127.0.0.1),
+at its own port and in its own UTS namespace (``unshare --uts``), so a job step on each node sees that node's name
+as its host name — as on a real cluster. Those names resolve nowhere: a job must reach its first node by
+``NodeAddr``, which is what ``slurm/stage.sbatch`` does, and the distinct addresses tell the first node's from the
+second's and from the controller's. Both use ``select/cons_tres`` on cores, ``proctrack/linuxproc``,
 ``task/none``, state and spool under the temp dir and free ports; ``munged`` runs as the munge user (left
 running if it already was). Daemons are stopped by the pids in their pid files.
 
@@ -39,8 +41,8 @@ TWO_NODE_CLUSTER = "drafter-test-nodes"
 
 
 class SlurmCluster:
-    """A test cluster under ``root``. ``nodes`` None: one node, this host; else one ``slurmd`` per name, each
-    in its own UTS namespace, all on 127.0.0.1."""
+    """A test cluster under ``root``. ``nodes`` None: one node, this host, on 127.0.0.1; else one ``slurmd`` per
+    name, each in its own UTS namespace at its own address (:attr:`addresses`)."""
 
     def __init__(self, root: Path, nodes: tuple[str, ...] | None = None) -> None:
         self.root = root
@@ -48,6 +50,8 @@ class SlurmCluster:
         self.host = socket.gethostname()
         self.multi = nodes is not None
         self.nodes = nodes or (self.host,)
+        self.addresses = {name: f"127.0.0.{2 + i}" if self.multi else "127.0.0.1" for i, name in enumerate(self.nodes)}
+        """Each node's ``NodeAddr``."""
 
     @property
     def env(self) -> dict[str, str]:
@@ -76,6 +80,12 @@ class SlurmCluster:
             time.sleep(0.5)
         self.tool("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=True)
 
+    def first_node(self, job_id: str) -> str:
+        """The first node of job ``job_id``'s allocation (the controller keeps an ended job for MinJobAge)."""
+        shown = self.tool("scontrol", "show", "job", "-o", job_id, check=True).stdout
+        (node_list,) = (field.split("=", 1)[1] for field in shown.split() if field.startswith("NodeList="))
+        return self.tool("scontrol", "show", "hostnames", node_list, check=True).stdout.split()[0]
+
     def write_conf(self) -> None:
         mem_mb = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
                           if line.startswith("MemTotal"))) // 1024 // 2
@@ -85,12 +95,12 @@ class SlurmCluster:
             for name in self.nodes:
                 (self.root / "spool" / name).mkdir(exist_ok=True)
             spool, pid, log = self.root / "spool" / "%n", self.root / "slurmd-%n.pid", self.root / "log" / "slurmd-%n.log"
-            node_lines = [f"NodeName={name} NodeHostname={name} NodeAddr=127.0.0.1 Port={free_port()} CPUs=1 "
-                          f"RealMemory={mem_mb // len(self.nodes)} State=UNKNOWN" for name in self.nodes]
+            node_lines = [f"NodeName={name} NodeHostname={name} NodeAddr={self.addresses[name]} Port={free_port()} "
+                          f"CPUs=1 RealMemory={mem_mb // len(self.nodes)} State=UNKNOWN" for name in self.nodes]
             name = TWO_NODE_CLUSTER
         else:
             spool, pid, log = self.root / "spool", self.root / "slurmd.pid", self.root / "log" / "slurmd.log"
-            node_lines = [f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} RealMemory={mem_mb} "
+            node_lines = [f"NodeName={self.host} NodeAddr={self.addresses[self.host]} CPUs={os.cpu_count() or 1} RealMemory={mem_mb} "
                           "State=UNKNOWN"]
             name = "drafter-test"
         self.conf.write_text("\n".join([

@@ -1,11 +1,12 @@
-"""Multi-node: the launch path without Slurm, then every rank-parallel stage on a real two-node Slurm.
+"""Multi-node: the launch path, then every rank-parallel stage on a real two-node Slurm.
 
-Without Slurm: the job script, run under a faked two-node allocation (stub ``scontrol``/``srun``), exports the
-first node's ``NodeAddr`` as ``MASTER_ADDR`` and a ``MASTER_PORT`` from the job id (whatever the submitting shell
-had) and the configured network interface; the script and environment ``drafter submit`` writes for a 2-node x 8-GPU train_drafter of
-``configs/llama3-8b.yaml``; the DeepSpeed strategy on those 16 ranks handed Lightning's Slurm environment
-(checked where the harness builds its trainer: there is no GPU here to run it); the collective timeout reaching
-the strategies.
+The launch path on the real two-node cluster (``nodeA`` at 127.0.0.2, ``nodeB`` at 127.0.0.3): the job script
+exports the first node's ``NodeAddr`` as ``MASTER_ADDR`` and a ``MASTER_PORT`` from the job id to every rank
+(whatever the submitting shell had) and the configured network interface; the script ``drafter submit`` writes for
+a 2-node x 8-GPU train_drafter of ``configs/llama3-8b.yaml``, submitted with sbatch options that fit it to the test
+nodes, starts each rank with its arguments and environment. Without Slurm: the DeepSpeed strategy on those 16 ranks
+handed Lightning's Slurm environment (checked where the harness builds its trainer: there is no GPU here to run
+it); the collective timeout reaching the strategies.
 
 With the ``two_node_slurm`` fixture (``nodeA`` and ``nodeB``, one CPU each, names that resolve nowhere): the tiny
 DAG submitted with generate, train_drafter, train_router and estimate_rdk on two nodes (one task per node, CPU,
@@ -73,77 +74,95 @@ WEIGHT_TOL = {"rtol": 1e-5, "atol": 1e-5}
 MOMENT_TOL = {"rtol": 1e-5, "atol": 1e-7}
 
 
-# --- the launch path, without Slurm ----------------------------------------------------------------
+# --- the launch path --------------------------------------------------------------------------------
 
 
-def _stub(path: Path, text: str) -> None:
-    path.write_text("#!/bin/bash\n" + text)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-
-
-def _run_script(tmp_path: Path, script: str, *args: str, **environ: str) -> tuple[dict[str, str], list[str]]:
-    """Run a rendered job script as sbatch would on the first node of job 4242 on ``gpu[07-08]``, with stub
-    ``scontrol`` (the nodes' addresses) and ``srun`` (records its arguments and the environment it was given)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    _stub(bin_dir / "scontrol", 'case "$1 $2" in\n'
-                                '  "show hostnames") printf "gpu07\\ngpu08\\n" ;;\n'
-                                '  "show node") echo "NodeName=$4 Arch=x86_64 CoresPerSocket=48 NodeAddr=10.1.0.${4#gpu0} '
-                                'NodeHostName=$4 State=ALLOCATED" ;;\n'
-                                '  *) exit 1 ;;\nesac\n')
-    _stub(bin_dir / "srun", f'printf "%s\\n" "$@" > {tmp_path}/srun.args\nenv > {tmp_path}/srun.env\n')
+def _run_script(cluster: SlurmCluster, tmp_path: Path, script: str, *args: str, fit: tuple[str, ...] = (),
+                **environ: str) -> tuple[str, list[dict[str, str]], list[list[str]]]:
+    """Submit a rendered job script to the real two-node cluster from a shell that has ``environ``, one task on each
+    node (sbatch run from ``tmp_path``, where a relative ``--output`` lands), its stage command replaced by a recorder of the arguments and environment each rank starts with. ``fit``:
+    sbatch options that override the script's header where the test nodes lack what it asks for (GPUs, cores).
+    Returns the job id and, by rank, the environment and arguments each task saw."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    recorder = tmp_path / "record.sh"
+    recorder.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path}/args.$SLURM_PROCID\n'
+                        f'env > {tmp_path}/env.$SLURM_PROCID\n')
+    recorder.chmod(recorder.stat().st_mode | stat.S_IXUSR)
     (tmp_path / "job.sbatch").write_text(script)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]",
-           "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "12",
-           "DRAFTER_CMD": "python -m jobs.cli", **environ}
-    done = subprocess.run(["bash", str(tmp_path / "job.sbatch"), *args], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    seen = dict(line.split("=", 1) for line in (tmp_path / "srun.env").read_text().splitlines() if "=" in line)
-    return seen, (tmp_path / "srun.args").read_text().splitlines()
+    env = {**cluster.env, "DRAFTER_CMD": str(recorder), **environ}
+    done = subprocess.run(["sbatch", "--parsable", "--wait", "--nodes=2", "--ntasks-per-node=1", *fit,
+                           str(tmp_path / "job.sbatch"), *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    job_id = done.stdout.strip().split(";")[0]
+    assert done.returncode == 0, (done.stderr, *(p.read_text() for p in tmp_path.glob("*.out")))
+    seen = [dict(line.split("=", 1) for line in (tmp_path / f"env.{rank}").read_text().splitlines() if "=" in line)
+            for rank in range(2)]
+    return job_id, seen, [(tmp_path / f"args.{rank}").read_text().splitlines() for rank in range(2)]
 
 
-def test_job_script_meets_at_the_first_nodes_address_on_a_port_from_the_job_id(tmp_path: Path) -> None:
-    """Node names need not resolve from the nodes, so the rendezvous is the first node's NodeAddr, never its name,
-    whatever the shell had; the interface variables appear only when set (here: passed through from the shell)."""
+@pytest.mark.slurm
+def test_job_script_meets_at_the_first_nodes_address_on_a_port_from_the_job_id(tmp_path: Path,
+                                                                              two_node_slurm: SlurmCluster) -> None:
+    """On a real two-node allocation, whose node names resolve nowhere: both ranks meet at the first node's
+    NodeAddr (nodeA's 127.0.0.2, not nodeB's or the controller's), on a port from the job id, whatever the submitting
+    shell had; each task computes with its own cores, not a login shell's thread count; the interface variables
+    appear only when set (here: passed through from the shell)."""
     text = slurm.TEMPLATE.read_text()
-    seen, args = _run_script(tmp_path / "plain", text, "generate", "cfg.yaml")
-    assert (seen["MASTER_ADDR"], seen["MASTER_PORT"]) == ("10.1.0.7", str(15000 + 4242))
-    assert seen["OMP_NUM_THREADS"] == "12"  # the task's own cores, not every core of the node
-    assert "GLOO_SOCKET_IFNAME" not in seen and "NCCL_SOCKET_IFNAME" not in seen
-    assert args == ["--kill-on-bad-exit=1", "python", "-m", "jobs.cli", "generate", "--config", "cfg.yaml"]
-    seen, _ = _run_script(tmp_path / "shell", text, "generate", "cfg.yaml", MASTER_ADDR="10.9.9.9", MASTER_PORT="1",
-                          NCCL_SOCKET_IFNAME="ib0", OMP_NUM_THREADS="1")
-    assert (seen["MASTER_ADDR"], seen["MASTER_PORT"], seen["NCCL_SOCKET_IFNAME"]) == ("10.1.0.7", "19242", "ib0")
-    assert seen["OMP_NUM_THREADS"] == "12"  # a login shell's module-set value would leave the task's other cores idle
+    nodes = two_node_slurm.addresses
+    job_id, seen, args = _run_script(two_node_slurm, tmp_path / "plain", text, "generate", "cfg.yaml",
+                                     fit=("--cpus-per-task=1",))
+    for rank, (env, node) in enumerate(zip(seen, TWO_NODES, strict=True)):
+        assert (env["SLURM_PROCID"], env["SLURMD_NODENAME"]) == (str(rank), node)
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (nodes["nodeA"], str(15000 + int(job_id) % 10000))
+        assert env["OMP_NUM_THREADS"] == "1"  # the task's own cores (--cpus-per-task), not every core of the node
+        assert "GLOO_SOCKET_IFNAME" not in env and "NCCL_SOCKET_IFNAME" not in env
+    assert args == [["generate", "--config", "cfg.yaml"]] * 2
+    log = (tmp_path / "plain" / f"drafter-stage-{job_id}.out").read_text()  # the template's --output=%x-%j.out
+    assert f"generate on 2 node(s) x 1 task(s), job {job_id}, restart 0, rendezvous {nodes['nodeA']}:" in log
+    job_id, seen, _ = _run_script(two_node_slurm, tmp_path / "shell", text, "generate", "cfg.yaml",
+                                  fit=("--cpus-per-task=1",), MASTER_ADDR="10.9.9.9", MASTER_PORT="1",
+                                  NCCL_SOCKET_IFNAME="lo", OMP_NUM_THREADS="7")
+    for env in seen:
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (nodes["nodeA"], str(15000 + int(job_id) % 10000))
+        assert env["NCCL_SOCKET_IFNAME"] == "lo"
+        assert env["OMP_NUM_THREADS"] == "1"  # a login shell's module-set value would leave the task's cores idle
 
 
-def test_llama3_8b_train_drafter_on_2_nodes_x_8_gpus_script_and_environment(tmp_path: Path) -> None:
-    """What `drafter submit` writes for the production config's EAGLE-3 training on 2 nodes x 8 GPUs (rendered and
-    run with stubs; planning the hub model needs the network, and running it GPUs): one srun task per GPU over both
-    nodes, the run settings of that allocation, the interface exports, and the environment every rank starts in."""
+@pytest.mark.slurm
+def test_llama3_8b_train_drafter_on_2_nodes_x_8_gpus_script_and_environment(tmp_path: Path,
+                                                                             two_node_slurm: SlurmCluster) -> None:
+    """What `drafter submit` writes for the production config's EAGLE-3 training on 2 nodes x 8 GPUs: one srun task
+    per GPU over both nodes, the run settings of that allocation, the interface exports. Then that very script on
+    the real two-node cluster, with its GPUs, tasks, cores and memory overridden on sbatch's command line to what
+    the test nodes have (planning the hub model needs the network, and running it GPUs): the arguments and
+    environment each rank starts with."""
     cfg = load_config(ROOT / "configs" / "llama3-8b.yaml", [
-        f"workdir={tmp_path}", "slurm.socket_ifname=ib0",
+        f"workdir={tmp_path}", "slurm.socket_ifname=lo",
         "slurm.stages={train_drafter: {nodes: 2, ntasks_per_node: 8, gpus_per_node: 8, cpus_per_task: 12, "
         "mem: 900G, time: '24:00:00'}}"])
     script = slurm.render(cfg, "train_drafter", tmp_path / "logs")
     for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=12", "--mem=900G",
                  "--time=24:00:00", "--requeue", f"--output={tmp_path / 'logs' / 'train_drafter-%j.out'}"):
         assert f"#SBATCH {line}\n" in script, line
-    assert slurm.job_environment(cfg) == {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert slurm.job_environment(cfg) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
     header_end = max(i for i, line in enumerate(script.splitlines()) if line.startswith("#SBATCH"))
     exports = script.splitlines()[header_end + 1 : header_end + 3]
-    assert exports == ["export GLOO_SOCKET_IFNAME=ib0", "export NCCL_SOCKET_IFNAME=ib0"]  # after the header
+    assert exports == ["export GLOO_SOCKET_IFNAME=lo", "export NCCL_SOCKET_IFNAME=lo"]  # after the header
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     settings = slurm.run_settings("train_drafter", slurm.Resources.of(cfg, "train_drafter"))
     assert settings == ["train_drafter.train.accelerator=gpu", "train_drafter.train.devices=8",
                         "train_drafter.train.num_nodes=2"]
-    seen, args = _run_script(tmp_path, script, "train_drafter", "resolved.yaml", *settings)
-    assert args == ["--kill-on-bad-exit=1", "python", "-m", "jobs.cli", "train_drafter", "--config", "resolved.yaml",
-                    *settings]
-    assert {k: seen[k] for k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-                                 "OMP_NUM_THREADS")} == {"MASTER_ADDR": "10.1.0.7", "MASTER_PORT": "19242",
-                                                         "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0",
-                                                         "OMP_NUM_THREADS": "12"}
+    (tmp_path / "logs").mkdir()  # drafter submit makes it; Slurm does not
+    job_id, seen, args = _run_script(two_node_slurm, tmp_path / "job", script, "train_drafter", "resolved.yaml",
+                                     *settings, fit=("--partition=test", "--gpus-per-node=0",
+                                                               "--cpus-per-task=1", "--mem=0"))
+    assert args == [["train_drafter", "--config", "resolved.yaml", *settings]] * 2
+    for rank, env in enumerate(seen):
+        assert {k: env[k] for k in ("SLURM_PROCID", "SLURM_NNODES", "MASTER_ADDR", "MASTER_PORT",
+                                    "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")} == {
+            "SLURM_PROCID": str(rank), "SLURM_NNODES": "2", "MASTER_ADDR": two_node_slurm.addresses["nodeA"],
+            "MASTER_PORT": str(15000 + int(job_id) % 10000), "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    assert (tmp_path / "logs" / f"train_drafter-{job_id}.out").is_file()  # the header's --output, not sbatch's default
     train = load_config(ROOT / "configs" / "llama3-8b.yaml", settings).train_drafter.train
     assert (train.strategy, train.zero_stage, train.devices, train.num_nodes) == ("deepspeed", 2, 8, 2)
     assert train.batch_layout(16) == (1, 4)  # global batch 64 on 16 ranks: micro 1 x accumulation 4
@@ -314,7 +333,10 @@ def test_dag_with_four_stages_on_two_nodes_ends_in_registered_bundles(dag, two_n
         nodes = 2 if stage in PARALLEL else 1
         log = _log(cfg, stage, row.job_id)
         assert f"drafter: {stage} on {nodes} node(s) x 1 task(s)" in log
-        assert f"rendezvous 127.0.0.1:{15000 + int(row.job_id) % 10000}" in log  # nodeA's NodeAddr, not its name
+        first = two_node_slurm.first_node(row.job_id)
+        assert first == "nodeA" or nodes == 1, (stage, first)
+        port = 15000 + int(row.job_id) % 10000  # the first node's NodeAddr, not its name
+        assert f"rendezvous {two_node_slurm.addresses[first]}:{port}" in log, (stage, first)
     assert "generate: 2 rank(s) on 2 node(s) answer" in _log(cfg, "generate", rows["generate"].job_id)
     assert "trained 24 steps on 2 rank(s) (ddp)" in _log(cfg, "train_drafter", rows["train_drafter"].job_id)
     the_plan = plan(cfg, ["evaluate"])

@@ -33,7 +33,7 @@ from pipeline.drafters.dflash import ContextCache, DFlashDrafter, StaticContextC
 from pipeline.engine.proposers import Proposal, require_context
 from pipeline.engine.sampling import SamplingParams, draw, standardise
 from pipeline.engine.session import TargetState, common_prefix_length
-from pipeline.engine.static import DecodeOptions, bucket, compiled, rounded_capacity, static_addresses
+from pipeline.engine.static import Compiled, DecodeOptions, bucket, rounded_capacity, static_addresses
 from pipeline.errors import DrafterError
 
 
@@ -79,7 +79,7 @@ class DFlashProposer:
         generations, so CUDA graphs are captured once) and bucketed context rows, compiled on path ``graphs``."""
         self._options = options
         if options.graphs and self._compiled is None:
-            self._compiled = compiled(self.drafter.forward)
+            self._compiled = Compiled(self.drafter.forward, "the DFlash drafter's forward")
         self._forward = self._compiled if options.graphs else self.drafter.forward
         if not options.static:
             return

@@ -41,7 +41,7 @@ from pipeline.drafters.eagle3 import Eagle3Drafter
 from pipeline.engine.proposers import Proposal, require_context
 from pipeline.engine.sampling import SamplingParams, draw, standardise
 from pipeline.engine.session import TargetState, common_prefix_length
-from pipeline.engine.static import DecodeOptions, bucket, compiled, rounded_capacity, static_addresses
+from pipeline.engine.static import Compiled, DecodeOptions, bucket, rounded_capacity, static_addresses
 from pipeline.errors import DrafterError
 
 
@@ -90,7 +90,7 @@ class Eagle3Proposer:
         generations, so CUDA graphs are captured once) and fixed-shape steps, compiled on path ``graphs``."""
         self._options = options
         if options.graphs and self._compiled is None:
-            self._compiled = compiled(self.drafter.step)
+            self._compiled = Compiled(self.drafter.step, "the EAGLE-3 drafter's step")
         self._step = self._compiled if options.graphs else self.drafter.step
         if not options.static:
             return

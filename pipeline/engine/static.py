@@ -42,6 +42,7 @@ from pipeline.engine.session import (
     device_tokens,
 )
 from pipeline.errors import DrafterError
+from pipeline.progress import GRACE_S, heartbeat
 
 PATHS = ("eager", "static", "graphs")
 """Decode paths: ``eager`` (dynamic cache, shapes as fed), ``static`` (static cache, bucketed shapes),
@@ -206,7 +207,8 @@ class StaticSession(SessionBase):
         with torch.no_grad():
             self._forward(torch.zeros(1, 1, dtype=torch.long, device=self.device), 1)
         roll_back(self.cache, 1)
-        self._compiled = compiled(self._bucket_forward) if graphs else None
+        what = "a draft model's forward" if body_only else "the target's forward"
+        self._compiled = Compiled(self._bucket_forward, what) if graphs else None
 
     # -- the interface ModelSession shares --------------------------------------------------------------------
 
@@ -314,12 +316,37 @@ def static_addresses(*tensors: Tensor) -> None:
         torch._dynamo.mark_static_address(tensor)
 
 
-def compiled(fn: Any) -> Any:
-    """``fn`` compiled for path ``graphs`` (:data:`GRAPH_COMPILE`), with room for a graph per bucket."""
-    import torch._dynamo
+COMPILE_NOTICE_S = GRACE_S
+"""Seconds a first call at a new shape may compile before :class:`Compiled` says so (then every 30 s)."""
 
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_FUNCTION)
-    return torch.compile(fn, **GRAPH_COMPILE)
+
+class Compiled:
+    """``fn`` compiled for path ``graphs`` (:data:`GRAPH_COMPILE`), with room for a graph per bucket.
+
+    The first call at each shape of its tensor arguments compiles that shape (inductor: tens of seconds on a GPU,
+    for each bucket of each model), under a :func:`~pipeline.progress.heartbeat` naming ``what`` and the shapes, so
+    a first decode's compiles are never silent; later calls at that shape replay it. The shapes are host metadata:
+    the check costs no device synchronisation.
+    """
+
+    def __init__(self, fn: Any, what: str) -> None:
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_FUNCTION)
+        self.what = what
+        self.shapes: set[tuple[tuple[int, ...], ...]] = set()
+        """Shapes already compiled."""
+        self._fn = torch.compile(fn, **GRAPH_COMPILE)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        shape = tuple(tuple(value.shape) for value in (*args, *kwargs.values()) if isinstance(value, Tensor))
+        if shape in self.shapes:
+            return self._fn(*args, **kwargs)
+        sizes = ", ".join("x".join(map(str, dims)) or "scalar" for dims in shape)
+        with heartbeat(f"compiling {self.what} for inputs {sizes}", grace=COMPILE_NOTICE_S):
+            out = self._fn(*args, **kwargs)
+        self.shapes.add(shape)
+        return out
 
 
 _SESSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -6,6 +6,8 @@ device → host read per round — checked on the CPU with the trained tiny kit.
   compiled with :data:`~pipeline.engine.static.GRAPH_COMPILE` swapped to a tracing backend that runs on a CPU
   (``backend="eager"``, ``fullgraph=True``: any graph break — a host read inside a forward — raises).
 * **No recompiles as positions move.** A second generation at other positions adds no graph.
+* **Compiles speak.** The first call at each new shape (a bucket's compile: tens of seconds on a GPU) runs under a
+  heartbeat naming the function and the shapes; a later call at that shape says nothing.
 * **One host read per round.** A ``TorchFunctionMode`` counts every call that reads a tensor on the host
   (``tolist``, ``item``, ``bool``, ``int``, ``float``, ``index``, ``numpy``) inside each round: exactly one for every
   method whose drafts stay on the device, on both paths.
@@ -19,6 +21,7 @@ The CUDA half (graphs captured for real, ``torch.cuda.set_sync_debug_mode("error
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import traceback
@@ -31,10 +34,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import pipeline.engine.rounds as rounds_module
+from pipeline.engine import static
 from pipeline.engine.loop import first_rounds, generate_autoregressive, generate_speculative
 from pipeline.engine.methods import METHOD_NAMES
 from pipeline.engine.sampling import SamplingParams, standardise
-from pipeline.engine.static import GRAPH_COMPILE, DecodeOptions, StaticSession, resolve_path
+from pipeline.engine.static import GRAPH_COMPILE, Compiled, DecodeOptions, StaticSession, resolve_path
 from pipeline.errors import DrafterError
 
 GREEDY = SamplingParams()
@@ -100,15 +104,22 @@ def test_static_path_equals_autoregressive(method: str, kit, proposers, prompts,
             assert got.tokens == want, (method, gamma)
 
 
+def compiled_shapes() -> dict[Compiled, set[tuple[tuple[int, ...], ...]]]:
+    """Every live compiled function (kept sessions' and drafters') and a copy of the shapes it has compiled."""
+    return {c: set(c.shapes) for c in gc.get_objects() if type(c) is Compiled}  # not isinstance: dead proxies
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", GRAPH_METHODS)
 def test_graph_path_traces_whole_and_equals_autoregressive(method: str, kit, proposers, prompts, reference,
-                                                           traced) -> None:
+                                                           traced, monkeypatch, capsys) -> None:
     """Greedy equality on path graphs; then a sampled generation at other positions, whose recompiles (a new
     bucket's shape, or another session's forward) never come from a value or a layout: no guard on a position, a
     length or a stride."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setattr(static, "COMPILE_NOTICE_S", 0.0)
+    before = compiled_shapes()
     target, tokenizer = kit["target"]
     proposer = proposers[method]
     options = DecodeOptions("graphs")
@@ -118,6 +129,13 @@ def test_graph_path_traces_whole_and_equals_autoregressive(method: str, kit, pro
     first = generate_speculative(target, proposer, prompts[0], NEW_TOKENS, GAMMA, GREEDY, torch.Generator(),
                                  tokenizer.eos_token_id, options)
     assert first.tokens == reference[0] and counters["stats"]["unique_graphs"] > 0
+    # every shape a compiled function saw first in this test said so, once (an earlier method's kept session has
+    # compiled some already): the target's, and the drafter's unless it shares an earlier method's model
+    compiles = capsys.readouterr().err
+    fresh = sorted(f"compiling {c.what} for inputs {', '.join('x'.join(map(str, d)) or 'scalar' for d in shape)}"
+                   for c, shapes in compiled_shapes().items() for shape in shapes - before.get(c, set()))
+    assert fresh and sorted(re.findall(r"\] (compiling .+): still running", compiles)) == fresh, (fresh, compiles)
+    assert "the target's forward" in compiles or any(c.what == "the target's forward" for c in before)
     traced.clear()
     assert len(prompts[1]) != len(prompts[0])  # every round of the second generation is at other positions
     again = generate_speculative(target, proposer, prompts[1], NEW_TOKENS, GAMMA, SAMPLED,
@@ -129,6 +147,20 @@ def test_graph_path_traces_whole_and_equals_autoregressive(method: str, kit, pro
     # never a stride (a graph per layout) nor a host value such as a position or a length
     allowed = ("size mismatch", "self.", "check_obj_id", "check_type_id")
     assert not [r for r in reasons if not any(a in r for a in allowed)], (method, reasons)
+
+
+def test_each_new_shape_compiles_under_a_heartbeat_and_a_compiled_shape_replays_silently(traced, monkeypatch,
+                                                                                          capsys) -> None:
+    monkeypatch.setattr(static, "COMPILE_NOTICE_S", 0.0)  # a line at once: the CPU's tracing backend is quick
+    function = Compiled(lambda x, scale: (x * scale).sum(-1), "the test function")
+    first, again = function(torch.ones(2, 3), torch.tensor(2.0)), function(torch.ones(2, 3), torch.tensor(3.0))
+    assert first.tolist() == [6.0, 6.0] and again.tolist() == [9.0, 9.0]
+    err = capsys.readouterr().err
+    assert err.count("compiling the test function for inputs 2x3, scalar: still running") == 1, err
+    assert err.count("compiling the test function for inputs 2x3, scalar: took") == 1, err
+    assert function(torch.ones(4, 3), scale=torch.tensor(1.0)).tolist() == [3.0] * 4
+    assert "compiling the test function for inputs 4x3, scalar: took" in capsys.readouterr().err
+    assert function.shapes == {((2, 3), ()), ((4, 3), ())}
 
 
 class HostReads(TorchFunctionMode):
