@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from jobs.evaluate import other_devices
 from pipeline.artifacts import ArtifactWriter
@@ -129,42 +128,30 @@ def test_a_resumed_evaluation_warms_up_and_decodes_only_the_pieces_it_lacks(tiny
 
 def test_the_timed_cells_feed_no_compiled_function_a_shape_the_warm_up_did_not(tiny_kit, monkeypatch,
                                                                               tmp_path: Path) -> None:
-    """Path ``graphs`` on the CPU, with each function it would compile recorded instead (no CUDA graphs here): every
-    (function, argument shapes) the timed cells call was already called in the warm-up, so no timed cell pays for a
-    compile. Which shapes a generation feeds depends on what it accepts: its last round's drafts left (a one-,
+    """Path ``graphs`` on the CPU: the same ``torch.compile`` call with a backend that runs here (no CUDA graphs), so
+    dynamo compiles each shape for real. The timed cells compile nothing: every function and shape they call was
+    compiled in the warm-up (dynamo's count of compiled graphs and each compiled function's shapes stand still
+    after it). Which shapes a generation feeds depends on what it accepts: its last round's drafts left (a one-,
     two- or four-token verify) and the drafter's catch-up after each round. A warm-up over one prompt per prefill
     bucket (here: the first prompt) left a two-token verify and a four-token catch-up to the timed cell, the way the
     H100 evaluation of the kit timed a one-token verify's compile inside EAGLE-3's chat cell (0.20×)."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
     import pipeline.engine.static as static_module
-    from pipeline.engine.static import DecodeOptions
+    from pipeline.engine.static import Compiled, DecodeOptions
 
-    def shapes(value) -> object:  # noqa: ANN001
-        if isinstance(value, torch.Tensor):
-            return tuple(value.shape)
-        if hasattr(value, "__dict__"):  # a cache: its buffers
-            return tuple((k, tuple(v.shape)) for k, v in vars(value).items() if isinstance(v, torch.Tensor))
-        return type(value).__name__
+    monkeypatch.delitem(static_module.GRAPH_COMPILE, "mode")
+    monkeypatch.setitem(static_module.GRAPH_COMPILE, "backend", "eager")
 
-    seen: set[tuple] = set()
-    timed: list[tuple] = []
-    timed_calls: list[tuple] = []
+    def compiled() -> dict[tuple[int, str], frozenset]:
+        """Each live compiled function (by identity and name) and the shapes it has compiled."""
+        return {(id(c), c.what): frozenset(c.shapes) for c in gc.get_objects()
+                if type(c) is Compiled}  # not isinstance: a dead weak proxy raises
+
     phase = ["warm-up"]
-
-    def recorded(fn):  # noqa: ANN001, ANN202
-        owner = id(getattr(fn, "__self__", fn))
-
-        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            key = (fn.__qualname__, owner, tuple(map(shapes, args)),
-                   tuple((k, shapes(v)) for k, v in sorted(kwargs.items())))
-            if phase[0] == "timed":
-                timed_calls.append(key)
-                if key not in seen:
-                    timed.append(key)
-            seen.add(key)
-            return fn(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(static_module, "compiled", recorded)
+    after_warm_up: dict = {}
     # one prefill bucket: a warm-up over one prompt per prefill bucket decoded only the first prompt
     prompts = {"chat": [[40 + 7 * i + j for j in range(5)] for i in range(12)]}
     evaluator = kit_evaluator(tmp_path, "static", "evaluate.max_new_tokens=9", "evaluate.gammas=[7]")(prompts)
@@ -174,8 +161,13 @@ def test_the_timed_cells_feed_no_compiled_function_a_shape_the_warm_up_did_not(t
     def warm_up(configs) -> None:  # noqa: ANN001
         real_warm_up(configs)
         phase[0] = "timed"
+        after_warm_up.update(graphs=counters["stats"]["unique_graphs"], compiled=compiled())
 
     monkeypatch.setattr(evaluator, "_warm_up", warm_up)
+    graphs_before, others = counters["stats"]["unique_graphs"], compiled()  # others: earlier tests' kept sessions
     evaluator.run()
-    assert phase[0] == "timed" and len(seen) >= 4  # the sessions' and drafter's bucket forwards were recorded
-    assert timed_calls and timed == []  # the timed cells called compiled functions, each at a warmed-up shape
+    assert phase[0] == "timed" and after_warm_up["graphs"] - graphs_before >= 4  # the warm-up compiled the buckets
+    whats = {key[1] for key in after_warm_up["compiled"] if key not in others}
+    assert whats == {"the target's forward", "a draft model's forward"}, whats
+    assert counters["stats"]["unique_graphs"] == after_warm_up["graphs"]  # no timed cell compiled a graph
+    assert compiled() == after_warm_up["compiled"]  # nor met a shape (or a function) the warm-up had not
