@@ -41,10 +41,12 @@ setup: $(DEV)
 
 # `make run` installs what the pipeline needs; `make test` adds the test tools (the dev extra) on top.
 $(RUNTIME): pyproject.toml
+	@echo "make: installing $(or $(TORCH),your torch) and the pipeline into $(VENV) (once; 1-2 minutes, silent)"
 	$(PYTHON) -m venv $(VENV)
 	$(call install,$(TORCH) -e .)
 	touch $@
 
 $(DEV): $(RUNTIME)
+	@echo "make: adding the test tools (pytest, ruff, triton, ...) to $(VENV) (once; under a minute, silent)"
 	$(call install,$(TORCH) -e ".[dev]")
 	touch $@
