@@ -302,6 +302,27 @@ def test_a_damaged_local_checkpoint_is_refused_naming_it(tmp_path: Path, tiny_ki
     assert "damaged or incomplete" in err.value.found and "again" in err.value.fix
 
 
+@pytest.mark.parametrize("damage", [lambda f: _cut(f), lambda f: f.write_text("[1, 2]"), lambda f: f.write_bytes(b"\xff")],
+                         ids=["cut", "a-list", "not-utf8"])
+def test_a_damaged_generation_config_is_refused_not_taken_for_a_missing_one(tmp_path: Path, tiny_kit,
+                                                                            damage) -> None:
+    """transformers reads a damaged generation_config.json as an absent one (the config reader raises OSError, the
+    model loader logs at info level and uses defaults): the end-of-turn ids it names would stop ending answers and
+    drop out of every shortlist, exit 0. Both loaders refuse it; without the file, both load as before."""
+    target = _copy_model(tiny_kit.path("target"), tmp_path / "damaged")
+    sound = loading.load_generation_config(str(target))
+    assert sound is not None and sound.eos_token_id is not None
+    damage(target / "generation_config.json")
+    for load in (loading.load_generation_config, loading.load_model):
+        with pytest.raises(DrafterError, match="its generation_config.json (is not valid JSON|holds JSON that is not)"
+                           ) as err:
+            load(str(target))
+        assert str(target / "generation_config.json") in err.value.found and "again" in err.value.fix
+    (target / "generation_config.json").unlink()
+    assert loading.load_generation_config(str(target)) is None
+    assert loading.load_model(str(target)).generation_config is not None
+
+
 @pytest.mark.parametrize("report", [b"{not json", b"[1, 2]", b"\xff\xfe"])
 def test_a_tiny_kit_whose_report_is_damaged_is_refused_at_plan_time(tmp_path: Path, tiny_kit,
                                                                    monkeypatch: pytest.MonkeyPatch,

@@ -14,6 +14,7 @@ files are checked against the hashes recorded at build time whenever they are lo
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -23,13 +24,14 @@ from typing import Any
 from pipeline.cache import default_cache_dir
 from pipeline.checksums import StatCache, tree_digest
 from pipeline.errors import DrafterError
-from pipeline.hub import cached_snapshot, pinned_commit, require_hub
+from pipeline.hub import cached_snapshot, pinned_commit, require_hub, snapshot_dir
 from pipeline.progress import heartbeat
 from pipeline.tiny import kit_hash, kit_weights, parse_tiny_ref, resolve_tiny_ref
 from pipeline.tiny.spec import ROLE_TOKENIZERS
 from pipeline.vocab.tokens import vocab_hash
 
 TINY_PREFIX = "tiny:"
+GENERATION_CONFIG = "generation_config.json"
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
 
 
@@ -136,10 +138,35 @@ def load_generation_config(name: str, revision: str | None = None) -> Any:
 
     ref = resolve_ref(name, revision)
     pinned = _load_revision(ref)
+    _refuse_damaged_generation_config(ref, pinned)  # transformers would raise TypeError, or OSError as for none
     try:
         return _pretrained(GenerationConfig.from_pretrained, ref, pinned)
-    except OSError:  # no generation_config.json: the tokenizer's end-of-sequence id is the only stop
+    except OSError as err:  # no generation_config.json: the tokenizer's end-of-sequence id is the only stop
+        _refuse_damaged_generation_config(ref, pinned, err)  # one a download has just brought
         return None
+
+
+
+def _refuse_damaged_generation_config(ref: ModelRef, pinned: str | None, err: Exception | None = None) -> None:
+    """Raise where the checkpoint holds a ``generation_config.json`` that is not a JSON object. transformers takes
+    such a file for a missing one (an ``OSError`` from the config reader, an info-level line from the model loader),
+    and its end-of-turn ids (Gemma's ``<end_of_turn>``, Llama 3.1's ``<|eom_id|>``) would silently stop ending
+    answers and drop out of every shortlist."""
+    path = Path(ref.location) / GENERATION_CONFIG if ref.is_local else (
+        snapshot_dir(ref.name, pinned) / GENERATION_CONFIG if pinned else None)
+    if path is None or not path.is_file():
+        return
+    try:
+        if isinstance(json.loads(path.read_bytes()), dict):
+            return
+        problem = "holds JSON that is not an object"
+    except (UnicodeDecodeError, json.JSONDecodeError) as bad:
+        problem = f"is not valid JSON ({bad})"
+    raise DrafterError(f"{ref.name!r}: its {GENERATION_CONFIG} {problem}.",
+                       expected=f"{GENERATION_CONFIG} as save_pretrained writes it (a JSON object), or no such file",
+                       found=f"{path}" + (f" ({type(err).__name__} from transformers)" if err else ""),
+                       fix="Copy or download the checkpoint again: a cut copy (a full disk, an interrupted transfer) "
+                           "leaves this. The stop ids it names decide where answers end.")
 
 
 def load_model_config(name: str, revision: str | None = None, *, trust_remote_code: bool = False) -> Any:
@@ -165,6 +192,7 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
 
     ref = resolve_ref(name, revision)
     pinned = _load_revision(ref)  # outside the try: its error says to pin a commit
+    _refuse_damaged_generation_config(ref, pinned)  # transformers would load defaults in its place, or a TypeError
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a weight-loading bar per model is noise in a stage's log
     try:
@@ -180,6 +208,7 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+    _refuse_damaged_generation_config(ref, pinned)  # one a download has just brought
     model.eval()
     if device is not None:
         model.to(device)
