@@ -240,11 +240,14 @@ def _summary(cfg, artifacts: dict) -> str:
         for suffix in REGISTRATION_FILES.values():
             registration = art.path.parent / f"{art.id}.{suffix}"
             if registration.is_file():
-                reg = json.loads(registration.read_text())
-                if reg.get("store", store) != store:
-                    continue  # registered in another store, not in this one
-                lines.append(f"{'':<14} registered {reg['name']} version {reg['version']} aliases "
-                             f"{reg['aliases']} ({reg['reason']})")
+                try:
+                    reg = json.loads(registration.read_text())
+                    if reg.get("store", store) != store:
+                        continue  # registered in another store, not in this one
+                    lines.append(f"{'':<14} registered {reg['name']} version {reg['version']} aliases "
+                                 f"{reg['aliases']} ({reg['reason']})")
+                except (OSError, ValueError, AttributeError, KeyError):  # rerunning evaluate registers it again
+                    lines.append(f"{'':<14} {registration.name} is damaged: run again to check the registration")
     if "evaluate" in artifacts:
         lines += ["", artifacts["evaluate"].file("report.md").read_text().rstrip(),
                   f"report: {artifacts['evaluate'].file('report.html')}"]

@@ -368,21 +368,37 @@ def _mlflow_errors(uri: str, artifact: Artifact | None) -> Iterator[None]:
         ) from err
 
 
+def _logged_runs(artifact: Artifact) -> dict[str, str]:
+    """The artifact's record of the MLflow runs holding it, by store. A damaged record (a kill or a full disk is
+    not how it is written, but a hand edit or a broken copy can be) counts as none: the stage logs its run again and
+    writes the record afresh, where a ``JSONDecodeError`` stopped this stage and every later one before."""
+    marker = artifact.path.parent / f"{artifact.id}.{LOGGED_MARKER}"
+    try:
+        runs = json.loads(marker.read_text()) if marker.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in runs.items() if isinstance(v, str)} if isinstance(runs, dict) else {}
+
+
+def _finished_run(uri: str, experiment_id: str, artifact_id: str) -> str | None:
+    """A finished run of ``experiment_id`` already holding ``artifact_id``: one a killed process logged in full
+    before it could write the local record, or one whose record was damaged. Reused, not logged twice."""
+    from mlflow.tracking import MlflowClient
+
+    runs = MlflowClient(tracking_uri=uri).search_runs(
+        [experiment_id], f"tags.`drafter.artifact_id` = '{artifact_id}' and attributes.status = 'FINISHED'",
+        max_results=1, order_by=["attributes.start_time DESC"])
+    return runs[0].info.run_id if runs else None
+
+
 def logged_run(artifact: Artifact, uri: str) -> str | None:
     """The MLflow run id already holding this artifact in store ``uri``, if any."""
-    import json
-
-    marker = artifact.path.parent / f"{artifact.id}.{LOGGED_MARKER}"
-    if not marker.is_file():
-        return None
-    return json.loads(marker.read_text()).get(redact(uri))
+    return _logged_runs(artifact).get(redact(uri))
 
 
 def log_stage_run(artifact: Artifact, cfg: MlflowConfig, workdir: Path, *, params: dict,
                   metrics: dict[str, float], tags: dict[str, str] | None = None) -> str:
     """Record a finished artifact as an MLflow run (once per store); returns the run id."""
-    import json
-
     import mlflow
 
     uri = tracking_uri(cfg, workdir)
@@ -398,18 +414,20 @@ def log_stage_run(artifact: Artifact, cfg: MlflowConfig, workdir: Path, *, param
                 **(tags or {})}
     with _mlflow_errors(uri, artifact), http_limits(cfg):
         experiment_id = ensure_experiment(uri, cfg.experiment, workdir)
-        with mlflow.start_run(experiment_id=experiment_id, run_name=artifact.id) as run:
-            mlflow.log_params(flatten(params))
-            numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-            if numeric:
-                mlflow.log_metrics(numeric)
-            mlflow.set_tags(all_tags)
-            if cfg.log_artifacts:
-                with heartbeat(f"uploading {artifact.id} to MLflow"):
-                    mlflow.log_artifacts(str(artifact.path), artifact_path=artifact.id)
-            run_id = run.info.run_id
-    marker = artifact.path.parent / f"{artifact.id}.{LOGGED_MARKER}"
-    runs = json.loads(marker.read_text()) if marker.is_file() else {}
+        run_id = _finished_run(uri, experiment_id, artifact.id)
+        if run_id is None:
+            # tagged from the start, so that a run a kill leaves unfinished is known for what it is (its status
+            # stays RUNNING or FAILED, and the rerun logs a finished one)
+            with mlflow.start_run(experiment_id=experiment_id, run_name=artifact.id, tags=all_tags) as run:
+                mlflow.log_params(flatten(params))
+                numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+                if numeric:
+                    mlflow.log_metrics(numeric)
+                if cfg.log_artifacts:
+                    with heartbeat(f"uploading {artifact.id} to MLflow"):
+                        mlflow.log_artifacts(str(artifact.path), artifact_path=artifact.id)
+                run_id = run.info.run_id
+    runs = _logged_runs(artifact)
     runs[redact(uri)] = run_id
-    write_json_atomic(marker, runs)
+    write_json_atomic(artifact.path.parent / f"{artifact.id}.{LOGGED_MARKER}", runs)
     return run_id

@@ -14,6 +14,7 @@ from typing import ClassVar
 import pytest
 from mlflow.tracking import MlflowClient
 
+from jobs import cli as cli_module
 from jobs import evaluate, run
 from jobs.cli import main as cli
 from pipeline.config.sections import PipelineConfig, load_config
@@ -324,8 +325,17 @@ def test_eagle3_rows_sit_beside_simulated_tau_and_the_bundle_is_registered_and_p
     gates = results["eagle3_gates"]
     assert gates["chosen"]["shortlist"] is None and gates["chosen"]["gamma"] in (1, 4)
     assert gates["passed"], gates
-    record = json.loads((artifact.path.parent / f"{artifact.id}.registration-eagle3.json").read_text())
+    registration = artifact.path.parent / f"{artifact.id}.registration-eagle3.json"
+    record = json.loads(registration.read_text())
     assert record["name"].endswith("-eagle3") and "champion" in record["aliases"]
+    assert f"registered {record['name']} version {record['version']}" in cli_module._summary(cfg, {"evaluate": artifact})
+    kept = registration.read_bytes()
+    try:  # a damaged record: a line saying so in `drafter run`'s summary, where a JSONDecodeError ended the run
+        for damage in (b"{not json", b"[1]"):
+            registration.write_bytes(damage)
+            assert f"{registration.name} is damaged: run again" in cli_module._summary(cfg, {"evaluate": artifact})
+    finally:
+        registration.write_bytes(kept)
     common = [f"workdir={cfg.workdir}", f"mlflow.tracking_uri={mlflow_server.uri}"]
     dest = tmp_path / "eagle3"
     assert cli(["pull", f"{record['name']}@champion", "--to", str(dest), "--expect-target", "tiny:test/target",

@@ -246,6 +246,13 @@ def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server
         pull(f"{name}@champion", to, cfg, tmp_path / "work")
     assert result.bundle_sha256 in str(err.value)
     assert not to.exists()
+    # bundle.json replaced by JSON that is not an object, or by bytes that are not UTF-8: refused as corrupt, where an
+    # AttributeError or UnicodeDecodeError reached the user before
+    for garbage in (b"[1, 2]", b"\xff\xfe{}"):
+        (stored / "bundle.json").write_bytes(garbage)
+        with pytest.raises(DrafterError, match="bundle.json is corrupt") as err:
+            pull(f"{name}@champion", to, cfg, tmp_path / "work")
+        assert "again" in err.value.fix and not to.exists()
 
     # the fingerprint tag garbled or removed: refused, not read as an empty fingerprint that checks nothing
     (stored / "bundle.json").write_text(registered)

@@ -75,6 +75,15 @@ def test_stage_run_is_logged_and_read_back(tmp_path: Path, mlflow_server: Mlflow
     assert again.id == art.id and len(calls) == 1
     assert len(client.search_runs([exp.experiment_id], f"tags.`drafter.artifact_id` = '{art.id}'")) == 1
     assert not set(HTTP_LIMIT_VARIABLES) & set(os.environ), "MLflow's HTTP limits leaked into the environment"
+    # the local record of that run damaged (a JSONDecodeError stopped every later run before), or gone (a kill after
+    # the run finished, before the record was written): the finished run is found by its tag and reused
+    marker = art.path.parent / f"{art.id}.mlflow_runs.json"
+    for damage in (lambda: marker.write_text("{not json"), lambda: marker.write_text("[1]"), marker.unlink):
+        damage()
+        assert _stage(cfg, calls).id == art.id and len(calls) == 1
+        assert [r.info.run_id for r in client.search_runs([exp.experiment_id],
+                                                          f"tags.`drafter.artifact_id` = '{art.id}'")] == [run.info.run_id]
+        assert json.loads(marker.read_text()) == {redact(mlflow_server.uri): run.info.run_id}
 
 
 def test_unreachable_server_fails_fast_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

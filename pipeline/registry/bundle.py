@@ -220,8 +220,11 @@ def read_bundle_json(path: Path) -> dict:
         document = json.loads(file.read_text())
     except FileNotFoundError as err:
         raise DrafterError(f"{path} is not a bundle: it has no {BUNDLE_JSON}.") from err
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DrafterError(f"{file} is corrupt: {err}.", fix="Pull the bundle again.") from err
+    if not isinstance(document, dict):
+        raise DrafterError(f"{file} is corrupt: not a JSON object.", expected="the bundle's manifest, a JSON object",
+                           found=type(document).__name__, fix="Pull the bundle again.")
     if document.get("format") != BUNDLE_FORMAT or document.get("schema_version") != BUNDLE_SCHEMA:
         raise DrafterError(
             f"{file} is not a bundle this pipeline reads.",
