@@ -102,6 +102,13 @@ def test_register_moves_candidate_and_champion_by_primary_metric(
     later = register(make_bundle(name, components, 2.5), cfg, tmp_path / "work")
     assert (later.version, later.reused) == (3, True)
     assert len(_client(mlflow_server).search_model_versions(f"name = '{name}'")) == 4
+    # the champion's metric tag edited in the registry to something that is not a number: kept, saying why (a
+    # ValueError reached the user before)
+    _client(mlflow_server).set_model_version_tag(name, "4", "drafter.metric.tau", "n/a")
+    edited = register(make_bundle(name, components, 3.0), cfg, tmp_path / "work")
+    assert (edited.version, edited.promoted) == (5, False)
+    assert edited.reason == ("champion version 4 has no tau to compare with (its drafter.metric.tau tag reads "
+                             "'n/a'); pass promote=True to replace it")
 
 
 def test_champion_moves_to_a_version_built_for_the_new_weights_of_the_same_target(

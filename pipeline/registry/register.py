@@ -338,17 +338,22 @@ def _champion_decision(
                     f"{bundle.measured_on or 'a device it does not record'}")
         if note:
             metric, ours = "tau", float(bundle.metrics["tau"])
-    theirs = current.tags.get(f"{METRIC_PREFIX}{metric}")
+    tag = current.tags.get(f"{METRIC_PREFIX}{metric}")
+    try:
+        theirs = None if tag is None else float(tag)
+    except ValueError:
+        theirs = None  # edited in the registry: nothing to compare with, as when it is missing
     if theirs is None:
         return False, (
-            f"champion version {current.version} has no {metric} to compare with; "
-            "pass promote=True to replace it"
+            f"champion version {current.version} has no {metric} to compare with"
+            + ("" if tag is None else f" (its {METRIC_PREFIX}{metric} tag reads {tag[:40]!r})")
+            + "; pass promote=True to replace it"
         )
-    if ours > float(theirs):
-        return True, f"{metric} {ours:.6g} beats champion version {current.version} ({float(theirs):.6g}){note}"
+    if ours > theirs:
+        return True, f"{metric} {ours:.6g} beats champion version {current.version} ({theirs:.6g}){note}"
     return (
         False,
-        f"{metric} {ours:.6g} does not beat champion version {current.version} ({float(theirs):.6g}){note}",
+        f"{metric} {ours:.6g} does not beat champion version {current.version} ({theirs:.6g}){note}",
     )
 
 

@@ -249,11 +249,15 @@ def read_checkpoint(path: Path, expected: dict) -> dict:
     try:
         state = json.loads((path / STATE).read_text())
         files = state["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        world_size = int(state.get("world_size") or 1)
+        if not isinstance(files, dict) or not all(isinstance(meta, dict) and isinstance(meta.get("size"), int)
+                                                  and isinstance(meta.get("sha256"), str) for meta in files.values()):
+            raise TypeError("files is not a map of name to {size, sha256}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise _damaged(path, f"{STATE} is missing or unreadable ({type(err).__name__})") from err
     if state.get("format") != FORMAT:
         raise _damaged(path, f"format {state.get('format')!r}, this harness writes {FORMAT}")
-    required = checkpoint_files(int(state.get("world_size") or 1), bool(state.get("optimizer_sharded")))
+    required = checkpoint_files(world_size, bool(state.get("optimizer_sharded")))
     if unlisted := [name for name in required if name not in files]:
         raise _damaged(path, f"{STATE} lists no {', '.join(unlisted)}")
     for name, meta in files.items():

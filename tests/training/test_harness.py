@@ -319,9 +319,13 @@ def test_corrupt_or_truncated_checkpoint_is_refused(tmp_path: Path) -> None:
     (last / ckpt.STATE).write_text(json.dumps(state))
     with pytest.raises(DrafterError, match="state.json lists no optimizer.rank0.safetensors"):
         fit(TinyRegressor(), data, cfg, tmp_path)
-    (last / ckpt.STATE).write_text("{not json")
-    with pytest.raises(DrafterError, match="state.json is missing or unreadable"):
-        fit(TinyRegressor(), data, cfg, tmp_path)
+    # damaged, or valid JSON of another shape (an AttributeError, KeyError or ValueError reached the user before)
+    for damaged in ("{not json", json.dumps({**state, "files": list(state["files"])}),
+                    json.dumps({**state, "files": {ckpt.WEIGHTS: {"sha256": "0" * 64}}}),
+                    json.dumps({**state, "world_size": "two"})):
+        (last / ckpt.STATE).write_text(damaged)
+        with pytest.raises(DrafterError, match="state.json is missing or unreadable"):
+            fit(TinyRegressor(), data, cfg, tmp_path)
 
 
 def test_a_checkpoint_waits_for_every_ranks_file_and_refuses_one_that_never_shows(tmp_path: Path) -> None:
