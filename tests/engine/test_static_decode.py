@@ -12,8 +12,8 @@ device → host read per round — checked on the CPU with the trained tiny kit.
   (``tolist``, ``item``, ``bool``, ``int``, ``float``, ``index``, ``numpy``) inside each round: exactly one for every
   method whose drafts stay on the device, on both paths.
 * **Same law.** ``first_rounds`` on the static path emits the target's p at temperature 1 (chi-square over 300
-  draws per method, pooled tail, at least three bins, fails below p = 1e-4; no zero-probability token), with first
-  drafts both accepted and rejected.
+  draws per method, pooled tail, at least three bins, fails below p = 1e-4), with first
+  drafts both accepted and rejected (a round that drafted nothing counts as neither).
 
 The CUDA half (graphs captured for real, ``torch.cuda.set_sync_debug_mode("error")`` around the rounds) is in
 ``tests/engine/test_cuda.py``.
@@ -223,16 +223,16 @@ def test_first_token_law_on_the_static_path(method: str, kit, proposers, prompts
     with torch.no_grad():
         p = standardise(target(torch.tensor([context])).logits[0, -1], params).numpy()
     counts = np.zeros(p.size, dtype=np.int64)
-    accepted = 0
+    accepted = rejected = 0
     for step in first_rounds(target, proposers[method], context, GAMMA, params, torch.Generator().manual_seed(1), 300,
                              options=DecodeOptions("static")):
         counts[step.emitted[0]] += 1
         accepted += step.accepted > 0
-    assert counts[p == 0].sum() == 0
+        rejected += step.accepted < step.drafted  # a draft rejected (a round that drafted nothing is neither)
     pvalue, bins = chi_square_first_token(counts, p)
     # three bins or more (one tests nothing), and both verification branches taken: accepted and rejected drafts
     assert bins >= 3 and pvalue >= 1e-4, (method, pvalue, bins)
-    assert 0 < accepted < 300, (method, accepted)
+    assert 0 < accepted and rejected > 0, (method, accepted, rejected)
 
 
 def test_static_session_rolls_back_and_pads_like_a_dynamic_cache(kit) -> None:
