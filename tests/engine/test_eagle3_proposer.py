@@ -29,6 +29,7 @@ from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.methods import build_proposer
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import TargetState
+from pipeline.engine.static import DecodeOptions
 from pipeline.errors import DrafterError
 from tests.engine.conftest import assert_acceptance_law, assert_counts_match, verify_blocks
 from tests.engine.eagle3_support import (
@@ -95,15 +96,19 @@ def test_each_target_row_is_computed_once(target, eagle3, prompts) -> None:
     assert sum(fused) == len(proposer.rounds[-1][0]) - 1
 
 
+@pytest.mark.parametrize("path", ["eager", "static"])
 @pytest.mark.parametrize("gamma", [1, 3, 5])
-def test_greedy_equals_autoregressive(target, eagle3, prompts, gamma: int) -> None:
+def test_greedy_equals_autoregressive(target, eagle3, prompts, gamma: int, path: str) -> None:
     """Every prompt, 40 new tokens: greedy speculative decoding emits the autoregressive tokens exactly,
-    with some drafts accepted and some rejected."""
+    with some drafts accepted and some rejected, on the eager path and on the static one (its head's static
+    buffers and the target's static cache through commits after accepted drafts and rollbacks after rejected
+    ones: the kit's tests run it with an untrained head, which accepts nothing)."""
+    options = DecodeOptions(path)
     proposer = Eagle3Proposer(eagle3)
     results = []
     for prompt in prompts:
-        ar = generate_autoregressive(target, prompt, 40, GREEDY, torch.Generator())
-        spec = generate_speculative(target, proposer, prompt, 40, gamma, GREEDY, torch.Generator())
+        ar = generate_autoregressive(target, prompt, 40, GREEDY, torch.Generator(), options=options)
+        spec = generate_speculative(target, proposer, prompt, 40, gamma, GREEDY, torch.Generator(), options=options)
         assert spec.tokens == ar.tokens, (prompt, gamma)
         assert spec.target_forwards == len(spec.accepted_per_round) + 1  # prefill + one per round
         results.append(spec)
