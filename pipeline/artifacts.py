@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checksums import (  # noqa: F401 - sha256_file and write_json_atomic re-exported for the stages
+    fsync_path,
     sha256_file,
     temp_sibling,
     write_json_atomic,
@@ -358,6 +359,7 @@ class ArtifactWriter:
             rel = str(path.relative_to(self.tmp))
             refuse_unsafe([rel], f"to store payload {rel!r}")
             files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+            fsync_path(path)  # on the disk before the rename publishes it: a crash never leaves an empty payload
         if not files:
             raise DrafterError(f"Artifact {self.id} has no payload to publish: its temporary directory {self.tmp} "
                                "holds nothing (removed while it was written?). Nothing was published.",
@@ -368,9 +370,12 @@ class ArtifactWriter:
                     "metrics": metrics or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     **(extra or {})}
         write_json_atomic(self.tmp / MANIFEST, seal_manifest(manifest))
+        for directory in (self.tmp, *(p for p in self.tmp.rglob("*") if p.is_dir())):
+            fsync_path(directory)  # the payloads' names, as their bytes above
         final = self.store / self.id
         try:
             os.rename(self.tmp, final)
+            fsync_path(self.store)  # the rename itself: after this, the trainers drop their checkpoints
         except OSError:
             # Another process published the same id first; ids are content hashes, so theirs is ours.
             shutil.rmtree(self.tmp, ignore_errors=True)

@@ -59,6 +59,33 @@ def test_write_then_load_verifies(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".tmp-*")), "temporary directory must be gone after commit"
 
 
+def test_payloads_and_their_names_reach_the_disk_before_the_rename_publishes_them(tmp_path: Path, monkeypatch) -> None:
+    """Only the manifest was fsynced: a crash soon after a trainer published (and dropped its checkpoints) could
+    bring the artifact back with empty payloads. Every payload, every directory and the rename are flushed now,
+    in that order (the real ``os.fsync``, with each call's path and each rename recorded)."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src, dst) -> None:  # noqa: ANN001
+        events.append(("rename", str(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    art = _make(ArtifactStore(tmp_path))
+    published = events.index(("rename", str(art.path)))
+    synced = [Path(path).relative_to(tmp_path).parts for kind, path in events[:published] if kind == "fsync"]
+    before = {parts[1:] for parts in synced if parts and parts[0].startswith(".tmp-")}  # in the writer's directory
+    for name in ("counts.safetensors", "info.json", "sub/x.txt", "sub"):  # (the manifest: its own atomic write)
+        assert tuple(Path(name).parts) in before, (name, events)
+    assert () in before  # the temporary directory's own entries
+    assert ("fsync", str(tmp_path)) in events[published:]  # and the store's, after the rename
+
+
 def test_edited_payload_is_refused_naming_both_hashes(tmp_path: Path) -> None:
     art = _make(ArtifactStore(tmp_path))
     before = art.manifest["files"]["info.json"]["sha256"]
