@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -353,6 +354,47 @@ def test_a_queued_job_is_reused_and_says_when_this_submission_would_run_it_other
         assert other.job_id == row.job_id and other.status.startswith("queued with its own settings (scancel it")
     finally:
         slurm_cluster.tool("scancel", row.job_id)
+
+
+@pytest.mark.slurm
+def test_two_submissions_at_once_from_one_workdir_take_turns(tmp_path: Path, tiny_kit, slurm_cluster: SlurmCluster,
+                                                             mlflow_server: MlflowServer, capfd) -> None:
+    """Two `drafter submit` of one workdir started together: each read jobs.json before the other wrote it, so both
+    submitted every stage (and one's records were lost). They take turns now: the first submits, the second waits
+    for it (naming it) and finds its jobs queued."""
+    cfg = _cfg(tmp_path, mlflow_server.uri, "slurm.extra=[--hold]")
+    start, results, errors = threading.Barrier(2), [], []
+
+    def submit() -> None:
+        start.wait()
+        try:
+            results.append(slurm.submit(cfg, ["count"], []))
+        except Exception as err:  # noqa: BLE001 - reported below, with the thread's error
+            errors.append(err)
+
+    threads = [threading.Thread(target=submit) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    try:
+        assert not errors and len(results) == 2, errors
+        statuses = sorted([row.status for row in rows] for rows in results)
+        assert statuses == [["queued", "queued"], ["submitted", "submitted"]], statuses
+        assert {row.job_id for row in results[0]} == {row.job_id for row in results[1]}
+        records = json.loads((cfg.workdir_path / "slurm" / "jobs.json").read_text())
+        assert sorted(r["stage"] for r in records.values()) == ["count", "generate"]
+        queued = slurm_cluster.tool("squeue", "-h", "-o", "%i %j").stdout.split("\n")
+        assert sum("drafter-" in line for line in queued) == 2, queued  # two jobs, not four
+        assert "which is submitting jobs from this workdir" in capfd.readouterr().err
+        # the resolved config the jobs read, cut short (a crash while it was written): the next submit writes it again
+        (config,) = (cfg.workdir_path / "slurm" / "configs").glob("*.yaml")
+        whole = config.read_text()
+        config.write_text(whole[: len(whole) // 2])
+        assert [row.status for row in slurm.submit(cfg, ["count"], [])] == ["queued", "queued"]
+        assert config.read_text() == whole
+    finally:
+        slurm_cluster.tool("scancel", *{row.job_id for rows in results for row in rows if row.job_id})
 
 
 @pytest.mark.slurm

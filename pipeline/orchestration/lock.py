@@ -78,7 +78,24 @@ def artifact_lock(workdir: Path, artifact_id: str, stage: str, log: Callable[[st
     if not launch.first_rank:
         yield
         return
-    path = workdir / "locks" / f"{artifact_id}.lock"
+
+    def cannot_wait(holder: str, path: Path) -> DrafterError:
+        return DrafterError(f"Artifact {artifact_id} is being built in this workdir by {holder}.",
+                            expected="one run building each artifact of a workdir", found=f"{path} held",
+                            fix="Wait for that run (the rerun then reuses its artifact) or give this run another "
+                                "workdir; this multi-rank launch cannot wait with its peers.")
+
+    with held(workdir / "locks" / f"{artifact_id}.lock", artifact_id, f"building {artifact_id} in this workdir",
+              stage, log, refuse=cannot_wait if launch.external_peers else None):
+        yield
+
+
+@contextmanager
+def held(path: Path, subject: str, doing: str, stage: str, log: Callable[[str], None], *,
+         refuse: Callable[[str, Path], DrafterError] | None = None) -> Iterator[None]:
+    """Hold the ``flock`` of ``path`` while the body runs. Held by another process: wait for it, naming the holder
+    (``waiting for pid … on host …, which is <doing>``, then a line every 30 s), or raise ``refuse(holder, path)``
+    where this process cannot wait."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -86,22 +103,17 @@ def artifact_lock(workdir: Path, artifact_id: str, stage: str, log: Callable[[st
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise DrafterError(f"Cannot lock {path} for stage {stage}.", found=f"{type(err).__name__}: {err}",
+                raise DrafterError(f"Cannot lock {path} for {stage}.", found=f"{type(err).__name__}: {err}",
                                    fix="Put workdir on a filesystem with file locks (local disk, NFSv4, Lustre "
                                        "mounted with flock).") from err
             holder = _holder(path)
-            if launch.external_peers:
-                raise DrafterError(f"Artifact {artifact_id} is being built in this workdir by {holder}.",
-                                   expected="one run building each artifact of a workdir",
-                                   found=f"{path} held",
-                                   fix="Wait for that run (the rerun then reuses its artifact) or give this run "
-                                       "another workdir; this multi-rank launch cannot wait with its peers.") \
-                    from err
-            log(f"waiting for {holder}, which is building {artifact_id} in this workdir ({path})")
+            if refuse is not None:
+                raise refuse(holder, path) from err
+            log(f"waiting for {holder}, which is {doing} ({path})")
             started = time.monotonic()
-            with heartbeat(f"waiting for the lock on {artifact_id}", log):
+            with heartbeat(f"waiting for the lock on {subject}", log):
                 fcntl.flock(fd, fcntl.LOCK_EX)
-            log(f"lock on {artifact_id} acquired after {time.monotonic() - started:.1f} s")
+            log(f"lock on {subject} acquired after {time.monotonic() - started:.1f} s")
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "stage": stage,
                                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)

@@ -34,13 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import load_artifact, write_json_atomic
+from pipeline.artifacts import load_artifact, temp_sibling, write_json_atomic
 from pipeline.config.schema import to_dict
 from pipeline.config.sections import SLURM_RESOURCES, PipelineConfig
 from pipeline.config.stage_names import STAGE_NAMES
 from pipeline.config.training import TrainConfig
 from pipeline.errors import DrafterError, scrub
 from pipeline.orchestration.dag import plan, spec
+from pipeline.orchestration.lock import held
+from pipeline.progress import stamped
 from pipeline.tracking import log_stage_run, logged_run, tracking_uri
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "stage.sbatch"
@@ -51,6 +53,8 @@ ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED
 ENDED_BADLY = frozenset({"FAILED", "TIMEOUT", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
 """Job states whose log says why (``status`` quotes it); NODE_FAIL too, which Slurm may suffix."""
 RECORDS = "jobs.json"
+SUBMIT_LOCK = "submit.lock"
+"""Held while a submission reads and writes the job records (two submissions from one workdir take turns)."""
 LAUNCH_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                               "MASTER_ADDR", "MASTER_PORT"})
 """Variables of a torch.distributed launch that ``submit`` keeps out of its jobs' environment: a job's ranks and
@@ -285,7 +289,19 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
     Returns:
         One row per planned stage, in DAG order: ``cached``, ``queued`` (a live job for the same artifact
         id is reused), ``submitted`` or ``dry run``.
+
+    Two submissions from one workdir take turns (``<workdir>/slurm/submit.lock``): each reads the job records the
+    other wrote, so a stage is never submitted twice and no record is lost.
     """
+    if dry_run:
+        return _submit(cfg, stages, overrides, dry_run=True, python=python)
+    with held(_slurm_dir(cfg) / SUBMIT_LOCK, "this workdir's submissions", "submitting jobs from this workdir",
+              "submit", stamped(sys.stderr)):
+        return _submit(cfg, stages, overrides, dry_run=False, python=python)
+
+
+def _submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_run: bool,
+            python: str | None) -> list[Submitted]:
     import yaml
 
 
@@ -307,9 +323,12 @@ def submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry_
         _need("sbatch")
         logs.mkdir(parents=True, exist_ok=True)
         config_path.parent.mkdir(parents=True, exist_ok=True)
-        if not config_path.is_file():
-            tmp = config_path.with_suffix(".tmp")
-            tmp.write_text(resolved)
+        if not config_path.is_file() or config_path.read_text(errors="replace") != resolved:  # absent, or cut
+            tmp = temp_sibling(config_path)
+            with open(tmp, "w") as fh:
+                fh.write(resolved)
+                fh.flush()
+                os.fsync(fh.fileno())
             os.replace(tmp, config_path)
     # the launch variables of this process (an srun/torchrun or Lightning launch it runs in) say nothing of the jobs'
     env = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES},
