@@ -26,7 +26,9 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -458,22 +460,44 @@ class ArtifactStore:
         a temp dir of *this* host is removed when its writer's pid is dead; one of another host (or of
         unknown origin) only once it is older than ``foreign_max_age_s``.
         """
-        removed = 0
-        now = time.time()
-        here = socket.gethostname()
-        for tmp in self.root.glob(".tmp-*"):
-            owner = temp_owner(tmp.name)
-            if owner is not None and owner[0] == here:
-                dead = not _pid_alive(owner[1])
-            else:
-                try:
-                    dead = now - tmp.stat().st_mtime >= foreign_max_age_s
-                except FileNotFoundError:
-                    continue
-            if dead:
-                shutil.rmtree(tmp, ignore_errors=True)
-                removed += 1
-        return removed
+        return sweep_temporaries(self.root, ".tmp-*", foreign_max_age_s)
+
+
+def sweep_temporaries(root: Path, pattern: str, foreign_max_age_s: float = FOREIGN_TMP_MAX_AGE_S) -> int:
+    """Remove the temporary directories under ``root`` matching ``pattern`` (named by :func:`temp_name`) whose
+    writer is gone: one of this host whose pid is dead, one of another host (or of no known writer) once it is
+    older than ``foreign_max_age_s``. Returns how many were removed."""
+    removed = 0
+    now = time.time()
+    here = socket.gethostname().replace("@", "_")
+    for tmp in Path(root).glob(pattern):
+        owner = temp_owner(tmp.name)
+        if owner is not None and owner[0] == here:
+            dead = not _pid_alive(owner[1])
+        else:
+            try:
+                dead = now - tmp.stat().st_mtime >= foreign_max_age_s
+            except FileNotFoundError:
+                continue
+        if dead:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+@contextmanager
+def owned_temp_dir(parent: Path, label: str) -> Iterator[Path]:
+    """A temporary directory ``<parent>/.tmp-<label>@<host>@<pid>@<ns>``, removed after the block; one a killed
+    process left behind is removed by :func:`sweep_temporaries` (``.tmp-<label>@*``) when the next one is made."""
+    label = label.replace("@", "_").replace("/", "_")
+    parent.mkdir(parents=True, exist_ok=True)
+    sweep_temporaries(parent, f".tmp-{glob_escape(label)}@*")
+    path = parent / temp_name(label)
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def temp_name(artifact_id_: str) -> str:

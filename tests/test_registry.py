@@ -11,6 +11,8 @@ import contextlib
 import importlib
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.artifacts import sha256_file
+from pipeline.artifacts import sha256_file, temp_name
 from pipeline.errors import DrafterError
 from pipeline.registry import (
     bundle_sha256,
@@ -229,6 +231,37 @@ def test_pull_round_trip_is_verified_and_identical(tmp_path: Path, mlflow_server
     assert json.loads((Path(plain) / "bundle.json").read_text()) == document
 
 
+def _left_by_a_killed_process(parent: Path, label: str) -> Path:
+    """The temporary directory a process killed (SIGKILL) while registering or pulling leaves in ``parent``."""
+    code = ("import os, sys; from pathlib import Path; from pipeline.artifacts import temp_name; "
+            "p = Path(sys.argv[1]) / temp_name(sys.argv[2]); p.mkdir(); (p / 'weights.safetensors').write_bytes("
+            "b'0' * 4096); print(p, flush=True); os.kill(os.getpid(), 9)")
+    done = subprocess.run([sys.executable, "-c", code, str(parent), label], capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr
+    left = Path(done.stdout.strip())
+    assert left.is_dir()
+    return left
+
+
+def test_a_killed_registration_or_pull_leaves_nothing_after_the_next_one(tmp_path: Path,
+                                                                         mlflow_server: MlflowServer) -> None:
+    """A registration's bundle copy, its check of a stored version and a pull's download live in temporary
+    directories; a kill left them in the workdir (the bundle copy holds every weight). The next registration or pull
+    removes those whose process is dead, and keeps a live one's."""
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-leftovers", "drafter")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    left = [_left_by_a_killed_process(workdir, label) for label in ("bundle", "stored")]
+    live = workdir / temp_name("bundle")  # this process's own: alive
+    live.mkdir()
+    register(make_bundle(name, make_components(tmp_path), 2.0), cfg, workdir)
+    assert not any(path.exists() for path in left) and live.is_dir()
+    pulled = _left_by_a_killed_process(tmp_path, "pulled.pull")
+    pull(f"{name}@champion", tmp_path / "pulled", cfg, workdir)
+    assert not pulled.exists() and (tmp_path / "pulled" / "bundle.json").is_file()
+    assert sorted(p.name for p in tmp_path.glob(".tmp-*")) == []
+
+
 def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server: MlflowServer) -> None:
     cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-tamper", "drafter")
     components = make_components(tmp_path)
@@ -241,7 +274,7 @@ def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server
     with pytest.raises(DrafterError, match="weights.safetensors") as err:
         pull(f"{name}@champion", to, cfg, tmp_path / "work")
     assert components[1].manifest["files"]["weights.safetensors"]["sha256"] in str(err.value)
-    assert not to.exists() and list(tmp_path.glob(".pulled*")) == []
+    assert not to.exists() and list(tmp_path.glob(".tmp-*")) == []
 
     # bundle.json itself edited (e.g. to claim the tampered payload's hash): refused on the bundle sha.
     payload.write_bytes(original)

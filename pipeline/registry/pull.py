@@ -13,13 +13,11 @@ A refused pull therefore leaves nothing at the destination.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import owned_temp_dir
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
 from pipeline.registry.bundle import BUNDLE_JSON, publish_dir, verify_bundle
@@ -98,9 +96,8 @@ def _pull(
             found=f"{STATUS}={tags.get(STATUS)}",
             fix="Pull by alias (@champion or @candidate), or rerun register to finish it.",
         )
-    to.parent.mkdir(parents=True, exist_ok=True)
-    tmp = to.parent / f".{to.name}.pull-{os.getpid()}-{time.monotonic_ns()}"
-    try:
+    with owned_temp_dir(to.parent, f"{to.name}.pull") as work:  # a killed pull's leftovers go with the next pull
+        tmp = work / "bundle"
         with registry_errors(
             uri, f"Downloading {name} version {number}", state=f" Nothing was written to {to}."
         ):
@@ -120,8 +117,6 @@ def _pull(
                 fix=err.fix,
             ) from err
         publish_dir(tmp, to)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return to
 
 

@@ -13,13 +13,12 @@ target (other weights, revision or vocabulary under the same model name), or whe
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import canonical_json, fingerprint_mismatch
+from pipeline.artifacts import canonical_json, fingerprint_mismatch, owned_temp_dir, sweep_temporaries
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
 from pipeline.progress import heartbeat
@@ -150,7 +149,8 @@ def _register(
     workdir = Path(workdir)
     uri, client = connect(cfg, workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".bundle-", dir=workdir) as tmp:
+    sweep_temporaries(workdir, ".tmp-stored@*")  # a killed check of a stored version (the bundle's: below)
+    with owned_temp_dir(workdir, "bundle") as tmp:
         bundle_dir = write_bundle(bundle, Path(tmp) / "bundle")
         document = read_bundle_json(bundle_dir)
         sha = bundle_sha256(document)
@@ -398,7 +398,7 @@ def _stored_problem(client: Any, uri: str, name: str, number: str, sha: str, wor
         status = str(client.get_model_version(name, number).status)
     if status != "READY":
         return f"MLflow status {status}"
-    with tempfile.TemporaryDirectory(prefix=".stored-", dir=workdir) as tmp:
+    with owned_temp_dir(workdir, "stored") as tmp:
         try:
             with registry_errors(uri, f"Downloading {name} version {number}"):
                 download_version(client, uri, name, number, Path(tmp) / "bundle")
