@@ -378,19 +378,24 @@ def test_verify_level_output_law_and_acceptance_law(kit, method: str, oov: float
     assert_acceptance_law(p, q, n_accepted, n)
 
 
-def test_drafted_tokens_follow_q(kit) -> None:
-    """3,000 γ = 1 RDK proposals from one context at temperature 1: drafted-token counts match the reported q
-    (Bernstein bound as above)."""
-    proposer = build_proposer("rdk", _inputs(kit, "rdk"))
+@pytest.mark.parametrize("method", SAME + OTHER)
+def test_drafted_tokens_follow_q(kit, method: str) -> None:
+    """3,000 γ = 1 proposals of each method from one context at the sampled settings: every call reports the same
+    q row, and the drafted-token counts match it (Bernstein bound as above). For the cross-tokenizer methods
+    (TLI + RDK) this is the only check of q against what they draft."""
+    proposer = build_proposer(method, _inputs(kit, method))
     context = kit["prompts"][2]
     gen = torch.Generator().manual_seed(3)
     counts = torch.zeros(kit["target"].config.vocab_size)
     q0 = None
     for _ in range(3000):
         tokens, q = drafted(proposer.propose(context, 1, SAMPLED, gen, TargetState()))
-        q0 = q[0] if q0 is None else q0
+        if q0 is None:
+            q0 = q[0]
+        torch.testing.assert_close(q[0], q0, rtol=0, atol=0)  # the same context, the same law
         counts[tokens[0]] += 1
-    assert_counts_match(counts, q0, 3000, "rdk drafts")
+    assert int((q0 > 0).sum()) > 1  # a law with a choice to make
+    assert_counts_match(counts, q0, 3000, f"{method} drafts")
 
 
 def test_bad_input_is_refused(kit) -> None:
