@@ -250,7 +250,7 @@ def test_verify_level_output_law_and_acceptance_law(kit, method: str, head: str)
     assert_acceptance_law(p, q, n_accepted, n)
 
 
-@pytest.mark.parametrize("method", ["dynaspec_pa", "pa_fr"])
+@pytest.mark.parametrize("method", ["dynaspec", "dynaspec_pa", "pa_fr"])
 def test_drafted_tokens_follow_q(kit, method: str) -> None:
     """3,000 γ = 1 proposals from one context at temperature 1: the drafted token's counts match the q the
     proposer reported (Bernstein bound as above): q is the law the drafts are drawn from."""
