@@ -21,6 +21,7 @@ from pipeline.data.sources import load_conversations
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.stage import STAGED_INPUTS
+from pipeline.staged import staged_about, write_staged_json
 from tests.helpers import SMALL, TIMED_ROW_FIELDS, skip_unless, small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,12 +117,18 @@ def test_an_evaluation_killed_midway_keeps_its_finished_cells_and_the_rerun_deco
     staged = _pieces(staging)
     assert 3 <= _pieces(staging, cells=True) < cells  # killed midway
 
+    # one staged cell as a build whose rows had another field would have left it (sound checksum, other record):
+    # decoded again, where EvalRow(**row) raised TypeError before
+    other = sorted(f for f in staging.glob("*-g*.json") if not f.name.endswith(".sha256.json"))[0]
+    piece = json.loads(other.read_text())
+    write_staged_json(other, {**piece, "row": {**piece["row"], "retired_field": 1}}, about=staged_about(other))
     capfd.readouterr()
     resumed = run(cfg, ["evaluate"])["evaluate"]
     said = capfd.readouterr().err
     keys = 2 + cells + cells // 4  # per task its autoregressive runs; the cells; per configuration (2 tasks × 2 γ
     # cells each) its first-token check
-    assert f"resuming an interrupted evaluation: {staged} of {keys} pieces kept" in said
+    assert f"{other.name}: staged with records of another shape: decoding it again" in said
+    assert f"resuming an interrupted evaluation: {staged - 1} of {keys} pieces kept" in said
     assert resumed.id == uninterrupted.id
     assert _decoded(json.loads((resumed.path / "report.json").read_text())) == _decoded(first)
     assert not staging.exists()  # the staged pieces go once the evaluation is published

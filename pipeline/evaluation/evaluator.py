@@ -163,16 +163,21 @@ class Evaluator:
 
     # -- pieces an interrupted run finished ----------------------------------------------------------------
 
-    def _kept(self, key: str) -> Any | None:
-        """What an interrupted run of this evaluation staged under ``key`` (JSON), if it is sound and was decoded on
-        this kind of device; else None (a damaged file is deleted with a line naming it, :func:`staged_ok`)."""
+    def _kept(self, key: str, shape: str) -> Any | None:
+        """What an interrupted run of this evaluation staged under ``key`` (JSON), if it is sound, was decoded on
+        this kind of device and holds the records of ``shape`` (``ar``, ``cell`` or ``check``) as this code writes
+        them; else None (a damaged file is deleted with a line naming it, :func:`staged_ok`)."""
         path = None if self.staging is None else self.staging / f"{key}.json"
         if path is None or not staged_ok(path, self.log):
             return None
         if (device := staged_about(path).get("device")) != self.device_label:
             self.log(f"{path.name}: decoded on {device}, not on this {self.device_label}: decoding it again")
             return None
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
+        if not _piece_fits(value, shape):  # staged by code whose records had other fields
+            self.log(f"{path.name}: staged with records of another shape: decoding it again")
+            return None
+        return value
 
     def _keep(self, key: str, value: Any) -> None:
         if self.staging is not None:
@@ -194,7 +199,9 @@ class Evaluator:
         first_token = ({index: f"first-token-{index}-{config.method}" for index, config in enumerate(configs)}
                        if self.ev.sampling_check_samples > 0 else {})
         keys = [*ar_keys.values(), *cell_keys.values(), *first_token.values()]
-        kept = {key: value for key in keys if (value := self._kept(key)) is not None}
+        shapes = {**dict.fromkeys(ar_keys.values(), "ar"), **dict.fromkeys(cell_keys.values(), "cell"),
+                  **dict.fromkeys(first_token.values(), "check")}
+        kept = {key: value for key in keys if (value := self._kept(key, shapes[key])) is not None}
         if kept:
             self.log(f"resuming an interrupted evaluation: {len(kept)} of {len(keys)} pieces kept (decoded on "
                      f"{self.device_label})")
@@ -366,3 +373,20 @@ def _drafter_counts(proposer: Any) -> tuple[int, int] | None:
     if proposer is None or not hasattr(proposer, "drafter_calls"):
         return None
     return proposer.drafter_calls, getattr(proposer, "drafter_rows", 0)
+
+
+def _fields_fit(record: Any, cls: type) -> bool:
+    return isinstance(record, dict) and set(record) == {f.name for f in dataclasses.fields(cls)}
+
+
+def _piece_fits(value: Any, shape: str) -> bool:
+    """Whether a staged evaluation piece holds the records :meth:`Evaluator.run` reads: a task's autoregressive runs
+    (``ar``: two lists of generation results), a cell (``cell``: a row and its greedy check), a first-token check."""
+    if shape == "ar":
+        return (isinstance(value, list) and len(value) == 2
+                and all(isinstance(part, list) and all(_fields_fit(r, GenerationResult) for r in part)
+                        for part in value))
+    if shape == "cell":
+        return (isinstance(value, dict) and set(value) == {"row", "check"} and _fields_fit(value["row"], EvalRow)
+                and _fields_fit(value["check"], LosslessCheck))
+    return _fields_fit(value, LosslessCheck)
