@@ -369,9 +369,9 @@ def _mlflow_errors(uri: str, artifact: Artifact | None) -> Iterator[None]:
 
 
 def _logged_runs(artifact: Artifact) -> dict[str, str]:
-    """The artifact's record of the MLflow runs holding it, by store. A damaged record (a kill or a full disk is
-    not how it is written, but a hand edit or a broken copy can be) counts as none: the stage logs its run again and
-    writes the record afresh, where a ``JSONDecodeError`` stopped this stage and every later one before."""
+    """The artifact's record of the MLflow runs holding it, by store. A damaged record (a hand edit or a broken
+    copy: it is written atomically) counts as none: the stage finds its finished run by tag (:func:`_finished_run`)
+    or logs one, and writes the record afresh, where a ``JSONDecodeError`` stopped this stage and every later one."""
     marker = artifact.path.parent / f"{artifact.id}.{LOGGED_MARKER}"
     try:
         runs = json.loads(marker.read_text()) if marker.is_file() else {}

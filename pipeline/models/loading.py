@@ -146,7 +146,6 @@ def load_generation_config(name: str, revision: str | None = None) -> Any:
         return None
 
 
-
 def _refuse_damaged_generation_config(ref: ModelRef, pinned: str | None, err: Exception | None = None) -> None:
     """Raise where the checkpoint holds a ``generation_config.json`` that is not a JSON object. transformers takes
     such a file for a missing one (an ``OSError`` from the config reader, an info-level line from the model loader),

@@ -103,7 +103,7 @@ def held(path: Path, subject: str, doing: str, stage: str, log: Callable[[str], 
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise DrafterError(f"Cannot lock {path} for {stage}.", found=f"{type(err).__name__}: {err}",
+                raise DrafterError(f"Cannot lock {path}, needed while {doing}.", found=f"{type(err).__name__}: {err}",
                                    fix="Put workdir on a filesystem with file locks (local disk, NFSv4, Lustre "
                                        "mounted with flock).") from err
             holder = _holder(path)
