@@ -13,17 +13,19 @@ heterogeneous proposers use, so both accept a ``tokenizers.Tokenizer`` or any Hu
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.checksums import fsync_path, sha256_file, temp_sibling, write_json_atomic
 from pipeline.errors import DrafterError
 from pipeline.vocab.tokens import as_backend, representatives, vocab_hash
 
 # 2: tensors keyed drafter_to_target / target_to_drafter; fingerprints are pipeline.vocab.tokens.vocab_hash.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: the tensors' sha256 in the metadata
 TENSORS_FILE = "vocab_map.safetensors"
 META_FILE = "vocab_map.json"
 _TENSOR_KEYS = ("drafter_to_target", "target_to_drafter")
@@ -142,16 +144,20 @@ class VocabMap:
         directory.mkdir(parents=True, exist_ok=True)
         tensors_path, meta_path = directory / TENSORS_FILE, directory / META_FILE
         tensors = (self.drafter_to_target.contiguous(), self.target_to_drafter.contiguous())
-        save_file(dict(zip(_TENSOR_KEYS, tensors, strict=True)), str(tensors_path))
+        tmp = temp_sibling(tensors_path)  # renamed into place whole: a kill never leaves a cut file
+        save_file(dict(zip(_TENSOR_KEYS, tensors, strict=True)), str(tmp))
+        fsync_path(tmp)
+        os.replace(tmp, tensors_path)
         meta = {
             "schema_version": SCHEMA_VERSION,
+            "tensors_sha256": sha256_file(tensors_path),
             "target_fingerprint": self.target_fingerprint,
             "drafter_fingerprint": self.drafter_fingerprint,
             "target_vocab_size": self.target_vocab_size,
             "drafter_vocab_size": self.drafter_vocab_size,
             "intersection_size": self.intersection_size,
         }
-        meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        write_json_atomic(meta_path, meta)
         return [tensors_path, meta_path]
 
     @classmethod
@@ -175,13 +181,23 @@ class VocabMap:
                     found="no such file",
                     fix="rebuild it with VocabMap.build(...).save(directory)",
                 )
-        meta = json.loads(meta_path.read_text())
-        if meta.get("schema_version") != SCHEMA_VERSION:
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (UnicodeDecodeError, ValueError) as err:
+            meta = {"schema_version": f"unreadable ({err})"}
+        if not isinstance(meta, dict) or meta.get("schema_version") != SCHEMA_VERSION:
             raise DrafterError(
                 "vocabulary map has an unknown schema version",
                 expected=str(SCHEMA_VERSION),
-                found=str(meta.get("schema_version")),
+                found=str(meta.get("schema_version") if isinstance(meta, dict) else type(meta).__name__)[:200],
                 fix="rebuild the map with this version of the pipeline",
+            )
+        if (digest := sha256_file(tensors_path)) != meta.get("tensors_sha256"):
+            raise DrafterError(
+                f"vocabulary map in {directory}: {TENSORS_FILE} is not the file its metadata names",
+                expected=f"sha256 {meta.get('tensors_sha256')}",
+                found=f"sha256 {digest}",
+                fix="rebuild the map with VocabMap.build(...).save(directory); the file was cut or modified",
             )
         tensors = load_file(str(tensors_path))
         for key in _TENSOR_KEYS:

@@ -303,9 +303,19 @@ def test_load_refuses_other_tokenizers_and_missing_files(
     with pytest.raises(DrafterError, match="different drafter tokenizer"):
         VocabMap.load(tmp_path, drafter_tokenizer=target_tok)
     meta = json.loads((tmp_path / "vocab_map.json").read_text())
-    (tmp_path / "vocab_map.json").write_text(json.dumps({**meta, "schema_version": 1}))
-    with pytest.raises(DrafterError, match="unknown schema version"):
-        VocabMap.load(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vocab_map.json", "vocab_map.safetensors"]  # no temp
+    # the tensors cut short or edited (written in place before, with no checksum: read as they were)
+    tensors = (tmp_path / "vocab_map.safetensors").read_bytes()
+    for damaged in (tensors[: len(tensors) // 2], tensors[:-1] + bytes([tensors[-1] ^ 1])):
+        (tmp_path / "vocab_map.safetensors").write_bytes(damaged)
+        with pytest.raises(DrafterError, match="vocab_map.safetensors is not the file its metadata names"):
+            VocabMap.load(tmp_path)
+    (tmp_path / "vocab_map.safetensors").write_bytes(tensors)
+    VocabMap.load(tmp_path)
+    for text in ("{not json", "[1]", json.dumps({**meta, "schema_version": 1})):  # a JSONDecodeError before
+        (tmp_path / "vocab_map.json").write_text(text)
+        with pytest.raises(DrafterError, match="unknown schema version"):
+            VocabMap.load(tmp_path)
     (tmp_path / "vocab_map.safetensors").unlink()
     with pytest.raises(DrafterError, match="missing"):
         VocabMap.load(tmp_path)
