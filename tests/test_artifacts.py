@@ -11,7 +11,6 @@ import pytest
 from safetensors.numpy import save_file
 
 from pipeline.artifacts import (
-    FOREIGN_TMP_MAX_AGE_S,
     SCHEMA_VERSION,
     ArtifactStore,
     artifact_id,
@@ -19,10 +18,10 @@ from pipeline.artifacts import (
     load_artifact,
     seal_manifest,
     sha256_file,
-    temp_owner,
 )
 from pipeline.checksums import temp_sibling
 from pipeline.errors import DrafterError
+from pipeline.temporaries import FOREIGN_TMP_MAX_AGE_S, temp_owner
 
 FP = {"model": "tiny:test/target", "revision": "abc", "vocab_hash": "v1"}
 

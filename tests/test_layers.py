@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"pipeline.data", "pipeline.artifacts", "pipeline.staged"},
     {"pipeline.config", "pipeline.hub"},
     {"pipeline.errors", "pipeline.progress", "pipeline.checksums", "pipeline.runlog", "pipeline.timing", "pipeline.cache",
-     "pipeline"},
+     "pipeline.temporaries", "pipeline"},
 ]
 """Top to bottom. ``pipeline`` itself is the package's ``__init__``."""
 

@@ -21,7 +21,7 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.artifacts import sha256_file, temp_name
+from pipeline.artifacts import sha256_file
 from pipeline.errors import DrafterError
 from pipeline.registry import (
     bundle_sha256,
@@ -33,6 +33,7 @@ from pipeline.registry import (
     verify_bundle,
     write_bundle,
 )
+from pipeline.temporaries import temp_name
 from tests.mlflow_server import MlflowServer
 from tests.registry_support import FP, make_bundle, make_components, registry_cfg, stored_copy
 
@@ -233,7 +234,7 @@ def test_pull_round_trip_is_verified_and_identical(tmp_path: Path, mlflow_server
 
 def _left_by_a_killed_process(parent: Path, label: str) -> Path:
     """The temporary directory a process killed (SIGKILL) while registering or pulling leaves in ``parent``."""
-    code = ("import os, sys; from pathlib import Path; from pipeline.artifacts import temp_name; "
+    code = ("import os, sys; from pathlib import Path; from pipeline.temporaries import temp_name; "
             "p = Path(sys.argv[1]) / temp_name(sys.argv[2]); p.mkdir(); (p / 'weights.safetensors').write_bytes("
             "b'0' * 4096); print(p, flush=True); os.kill(os.getpid(), 9)")
     done = subprocess.run([sys.executable, "-c", code, str(parent), label], capture_output=True, text=True)

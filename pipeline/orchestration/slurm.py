@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import load_artifact, temp_sibling, write_json_atomic
+from pipeline.artifacts import load_artifact, write_json_atomic
+from pipeline.checksums import temp_sibling
 from pipeline.config.schema import to_dict
 from pipeline.config.sections import SLURM_RESOURCES, PipelineConfig
 from pipeline.config.stage_names import STAGE_NAMES

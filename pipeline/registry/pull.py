@@ -17,7 +17,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import owned_temp_dir
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
 from pipeline.registry.bundle import BUNDLE_JSON, publish_dir, verify_bundle
@@ -31,6 +30,7 @@ from pipeline.registry.store import (
     error_code,
     registry_errors,
 )
+from pipeline.temporaries import owned_temp_dir
 from pipeline.tracking import http_limits
 
 _REF = re.compile(r"^(?:models:/)?(?P<name>[^/@:]+)(?:@(?P<alias>[\w-]+)|/(?P<version>[0-9]+))$")

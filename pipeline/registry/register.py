@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import canonical_json, fingerprint_mismatch, owned_temp_dir, sweep_temporaries
+from pipeline.artifacts import canonical_json, fingerprint_mismatch
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import DrafterError
 from pipeline.progress import heartbeat
@@ -51,6 +51,7 @@ from pipeline.registry.store import (
     versions_of,
     versions_of_bundle,
 )
+from pipeline.temporaries import owned_temp_dir, sweep_temporaries
 from pipeline.tracking import ensure_experiment, git_sha, http_limits
 
 
