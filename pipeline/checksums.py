@@ -41,10 +41,15 @@ def fsync_path(path: str | Path) -> None:
 
 def write_json_atomic(path: Path, obj: object) -> None:
     """Write JSON so a reader sees the old file or the new one, never a torn one."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` so a reader sees the old file or the new one, never a torn one (fsynced before the rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(path)
     with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+        fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)

@@ -276,6 +276,8 @@ def test_plan_and_status_build_no_kit_and_name_it_as_a_row(tmp_path: Path, monke
     assert set(the_plan.stages) == set(default_stages(cfg))
     rows = slurm.status(cfg, list(STAGE_NAMES))
     assert [r.stage for r in rows] == list(STAGE_NAMES) and not any(r.artifact for r in rows)
+    assert all(r.why == "not submitted (drafter submit); provisional id until the tiny kit is built (drafter tiny)"
+               for r in rows), [r.why for r in rows]
     assert not cache.exists() or not any(cache.rglob("*.safetensors")), "planning must not build the kit"
     out = subprocess.run([sys.executable, "-m", "jobs.cli", "plan", "--config", str(ROOT / "configs" / "tiny.yaml"),
                           f"workdir={tmp_path / 'work'}"], capture_output=True, text=True, cwd=ROOT,

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import load_artifact, write_json_atomic
-from pipeline.checksums import temp_sibling
+from pipeline.checksums import write_text_atomic
 from pipeline.config.schema import to_dict
 from pipeline.config.sections import SLURM_RESOURCES, PipelineConfig
 from pipeline.config.stage_names import STAGE_NAMES
@@ -325,12 +325,7 @@ def _submit(cfg: PipelineConfig, stages: list[str], overrides: list[str], *, dry
         logs.mkdir(parents=True, exist_ok=True)
         config_path.parent.mkdir(parents=True, exist_ok=True)
         if not config_path.is_file() or config_path.read_text(errors="replace") != resolved:  # absent, or cut
-            tmp = temp_sibling(config_path)
-            with open(tmp, "w") as fh:
-                fh.write(resolved)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, config_path)
+            write_text_atomic(config_path, resolved)
     # the launch variables of this process (an srun/torchrun or Lightning launch it runs in) say nothing of the jobs'
     env = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES},
            "DRAFTER_CMD": f"{shlex.quote(python or sys.executable)} -m jobs.cli"}
@@ -482,8 +477,9 @@ def status(cfg: PipelineConfig, stages: list[str]) -> list[StageStatus]:
                                     "registers it)", pending))
             continue
         if record is None:
+            unbuilt = "; provisional id until the tiny kit is built (drafter tiny)" if the_plan.provisional else ""
             rows.append(StageStatus(name, step.id, step.cached, None, None,
-                                    None if step.cached else "not submitted (drafter submit)"))
+                                    None if step.cached else f"not submitted (drafter submit){unbuilt}"))
             continue
         why = state.reason
         if state.state in ENDED_BADLY or (state.state or "").startswith("NODE_FAIL"):
