@@ -19,8 +19,9 @@ two-rank run. Faults across nodes: killing one node's task, or stopping it so th
 (``srun --kill-on-bad-exit``, the collective timeout) and publishes nothing; the rerun completes to the
 uninterrupted model.
 
-The module shares one two-node cluster and one DAG, and runs eleven Slurm job runs in all (eight on two nodes) of
-20-40 s each here, most of it two processes importing Lightning on the machine's two cores.
+The module shares one two-node cluster and one DAG, and runs eleven Slurm job runs of the stages (eight on two
+nodes) of 20-40 s each here, most of it two processes importing Lightning on the machine's two cores, and three
+short two-node jobs of the launch tests.
 """
 
 from __future__ import annotations
