@@ -1,20 +1,26 @@
 """The README's pull line from a fresh shell (issue 20): a new process with no MLFLOW_* variables, run from a
 directory other than the store's, names the store only by its config (workdir, mlflow.tracking_uri or a --config
 file); MLflow's own defaults (./mlflow.db, ./mlruns) are never opened or created there. Tampered bundles are refused
-on this path too, and the line says which target was (or was not) checked."""
+on this path too, and the line says which target was (or was not) checked. Then pull's refusals through the API
+(a tampered payload, an edited or corrupt bundle.json, a garbled fingerprint tag, an unlisted file or a pickle) and
+what a killed registration or pull leaves for the next one to remove."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from pipeline.errors import DrafterError
 from pipeline.models.loading import fingerprint
-from pipeline.registry import bundle_sha256, pull, read_bundle_json, register, registered_name
+from pipeline.registry import bundle_sha256, pull, read_bundle_json, register, registered_name, verify_bundle
+from pipeline.temporaries import temp_name
 from tests.mlflow_server import MlflowServer
 from tests.registry_support import make_bundle, make_components, registry_cfg, stored_copy
 
@@ -117,3 +123,105 @@ def test_pull_from_a_missing_local_store_says_so_and_creates_nothing(
         pull("m@champion", elsewhere / "bundle", registry_cfg(f"sqlite:///{missing}"), tmp_path / "work")
     assert list(elsewhere.iterdir()) == [] and not (tmp_path / "nowhere").exists()
     assert not (tmp_path / "work").exists()
+
+
+# --- tampered bundles and killed pulls (moved from test_registry.py) -------------------------------
+
+
+def _left_by_a_killed_process(parent: Path, label: str) -> Path:
+    """The temporary directory a process killed (SIGKILL) while registering or pulling leaves in ``parent``."""
+    code = ("import os, sys; from pathlib import Path; from pipeline.temporaries import temp_name; "
+            "p = Path(sys.argv[1]) / temp_name(sys.argv[2]); p.mkdir(); (p / 'weights.safetensors').write_bytes("
+            "b'0' * 4096); print(p, flush=True); os.kill(os.getpid(), 9)")
+    done = subprocess.run([sys.executable, "-c", code, str(parent), label], capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr
+    left = Path(done.stdout.strip())
+    assert left.is_dir()
+    return left
+
+
+def test_a_killed_registration_or_pull_leaves_nothing_after_the_next_one(tmp_path: Path,
+                                                                         mlflow_server: MlflowServer) -> None:
+    """A registration's bundle copy, its check of a stored version and a pull's download live in temporary
+    directories; a kill left them in the workdir (the bundle copy holds every weight). The next registration or pull
+    removes those whose process is dead, and keeps a live one's."""
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-leftovers", "drafter")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    left = [_left_by_a_killed_process(workdir, label) for label in ("bundle", "stored")]
+    live = workdir / temp_name("bundle")  # this process's own: alive
+    live.mkdir()
+    register(make_bundle(name, make_components(tmp_path), 2.0), cfg, workdir)
+    assert not any(path.exists() for path in left) and live.is_dir()
+    pulled = _left_by_a_killed_process(tmp_path, "pulled.pull")
+    pull(f"{name}@champion", tmp_path / "pulled", cfg, workdir)
+    assert not pulled.exists() and (tmp_path / "pulled" / "bundle.json").is_file()
+    assert sorted(p.name for p in tmp_path.glob(".tmp-*")) == []
+
+
+def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server: MlflowServer) -> None:
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-tamper", "drafter")
+    components = make_components(tmp_path)
+    result = register(make_bundle(name, components, 2.0), cfg, tmp_path / "work")
+    stored = stored_copy(mlflow_server, result.source)
+    payload = stored / "components" / components[1].id / "weights.safetensors"
+    original = payload.read_bytes()
+    payload.write_bytes(original[:-1] + bytes([original[-1] ^ 0xFF]))
+    to = tmp_path / "pulled"
+    with pytest.raises(DrafterError, match="weights.safetensors") as err:
+        pull(f"{name}@champion", to, cfg, tmp_path / "work")
+    assert components[1].manifest["files"]["weights.safetensors"]["sha256"] in str(err.value)
+    assert not to.exists() and list(tmp_path.glob(".tmp-*")) == []
+
+    # bundle.json itself edited (e.g. to claim the tampered payload's hash): refused on the bundle sha.
+    payload.write_bytes(original)
+    registered = (stored / "bundle.json").read_text()
+    document = json.loads(registered)
+    document["metrics"]["tau"] = 9.0
+    (stored / "bundle.json").write_text(json.dumps(document))
+    with pytest.raises(DrafterError, match="bundle.json") as err:
+        pull(f"{name}@champion", to, cfg, tmp_path / "work")
+    assert result.bundle_sha256 in str(err.value)
+    assert not to.exists()
+    # bundle.json replaced by JSON that is not an object, or by bytes that are not UTF-8: refused as corrupt, where an
+    # AttributeError or UnicodeDecodeError reached the user before
+    for garbage in (b"[1, 2]", b"\xff\xfe{}"):
+        (stored / "bundle.json").write_bytes(garbage)
+        with pytest.raises(DrafterError, match="bundle.json is corrupt") as err:
+            pull(f"{name}@champion", to, cfg, tmp_path / "work")
+        assert "again" in err.value.fix and not to.exists()
+
+    # the fingerprint tag garbled or removed: refused, not read as an empty fingerprint that checks nothing
+    (stored / "bundle.json").write_text(registered)
+    client = MlflowClient(tracking_uri=cfg.tracking_uri)
+    version = client.get_model_version_by_alias(name, "champion").version
+    pull(f"{name}@champion", tmp_path / "intact", cfg, tmp_path / "work")  # the bundle as registered pulls
+    for garble in ("{not json", None):
+        if garble is None:
+            client.delete_model_version_tag(name, version, "drafter.fingerprint")
+        else:
+            client.set_model_version_tag(name, version, "drafter.fingerprint", garble)
+        with pytest.raises(DrafterError, match="drafter.fingerprint tag is not a target fingerprint"):
+            pull(f"{name}@champion", to, cfg, tmp_path / "work")
+        assert not to.exists()
+
+
+def test_a_bundle_file_outside_its_components_is_hashed_and_a_pickle_refused(tmp_path: Path,
+                                                                              mlflow_server: MlflowServer) -> None:
+    """verify_bundle hashed a file under components/ only through the component it belongs to, so a listed file in a
+    directory no component names was never hashed; and a listed pickle passed as long as its hash matched."""
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-extra", "drafter")
+    result = register(make_bundle(name, make_components(tmp_path), 2.0), cfg, tmp_path / "work")
+    bundle = tmp_path / "copy"
+    shutil.copytree(stored_copy(mlflow_server, result.source), bundle)
+    document = json.loads((bundle / "bundle.json").read_text())
+    for rel, refused in (("components/unlisted/weights.safetensors", "was modified after it was registered"),
+                         ("components/unlisted/model.pkl", "not a safe format")):
+        extra = bundle / rel
+        extra.parent.mkdir(exist_ok=True)
+        extra.write_bytes(b"payload")
+        listed = {**document["files"], rel: {"sha256": "0" * 64, "bytes": 7}}
+        (bundle / "bundle.json").write_text(json.dumps({**document, "files": listed}))
+        with pytest.raises(DrafterError, match=refused):
+            verify_bundle(bundle)
+        extra.unlink()
