@@ -125,7 +125,7 @@ NO_FIRST_ACCEPT_AT_T1 = {"slem_bytes"}
 """Methods whose first draft the target never accepts in the 300 sampled first rounds below: the untrained byte
 drafter's strings never spell the token the target samples there. It verifies by exact match, so its first token is
 the target's own sample whichever branch runs; the exact-match accept branch's law is tested in
-``test_verify.py::test_exact_match_verification``."""
+``test_verify.py::test_exact_match_verification``, and in the real loop at a lower temperature below."""
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)
@@ -163,3 +163,36 @@ def test_first_rounds_repeat_the_loops_first_round_after_one_prefill(kit, propos
     # three bins or more (one tests nothing), and both verification branches taken: accepted and rejected drafts
     assert bins >= 3 and pvalue >= 1e-4, (method, pvalue, bins)
     assert (0 if method in NO_FIRST_ACCEPT_AT_T1 else 1) <= accepted and rejected > 0, (method, accepted, rejected)
+
+
+REPEATED = "def add(a, b):\n    return a + b\n\n" * 4 + "def add(a, b):\n    return"
+"""A context the kit's target continues with some confidence (its largest probability at temperature 0.3: 0.45)."""
+
+
+@pytest.mark.parametrize("method", sorted(NO_FIRST_ACCEPT_AT_T1))
+def test_the_exact_match_accept_branch_runs_at_a_lower_temperature(method: str, kit, proposers) -> None:
+    """What the temperature-1 test above cannot reach: at temperature 0.3 on a repeated context the byte drafter's
+    first draft spells the target's sample in some rounds, so the accept branch of exact-match verification runs
+    in the real loop (and the reject branch in others), and the first emitted tokens are still samples of the
+    target's p at that temperature (300 rounds, chi-square as above: pooled tail, at least three bins, fails below
+    p = 1e-4)."""
+    import numpy as np
+
+    from pipeline.engine.loop import first_rounds
+    from pipeline.engine.sampling import standardise
+    from pipeline.evaluation.evaluator import chi_square_first_token
+
+    target, tokenizer = kit["target"]
+    prompt = [tokenizer.bos_token_id] + tokenizer(REPEATED, add_special_tokens=False).input_ids
+    params = SamplingParams(temperature=0.3)
+    with torch.no_grad():
+        p = standardise(target(torch.tensor([prompt])).logits[0, -1], params).numpy()
+    counts = np.zeros(p.size, dtype=np.int64)
+    accepted = rejected = 0
+    for step in first_rounds(target, proposers[method], prompt, GAMMA, params, torch.Generator().manual_seed(1), 300):
+        counts[step.emitted[0]] += 1
+        accepted += step.accepted > 0
+        rejected += step.accepted < step.drafted
+    pvalue, bins = chi_square_first_token(counts, p)
+    assert bins >= 3 and pvalue >= 1e-4, (method, pvalue, bins)
+    assert accepted > 0 and rejected > 0, (method, accepted, rejected)
