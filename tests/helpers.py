@@ -174,6 +174,44 @@ def drafted(proposal: Any) -> tuple[list[int], Any]:
     return proposal.token_list(), proposal.q
 
 
+def first_token_law(target: Any, proposer: Any, context: list[int], gamma: int, params: Any, draws: int = 300,
+                    options: Any = None) -> tuple[float, int, int, int]:
+    """``draws`` first rounds from ``context`` (``first_rounds``, seed 1): the chi-square of the first emitted tokens
+    against the target's p under ``params`` (pooled tail, :func:`chi_square_first_token`), and how many rounds took
+    each verification branch. Returns ``(p-value, bins, rounds that accepted a draft, rounds that rejected one)``; a
+    round that drafted nothing counts as neither."""
+    import numpy as np
+    import torch
+
+    from pipeline.engine.loop import first_rounds  # deferred: pulls in torch and the engine
+    from pipeline.engine.sampling import standardise  # deferred: pulls in torch
+    from pipeline.evaluation.evaluator import (
+        chi_square_first_token,  # deferred: pulls in torch and the engine
+    )
+
+    with torch.no_grad():
+        p = standardise(target(torch.tensor([context])).logits[0, -1], params).numpy()
+    counts = np.zeros(p.size, dtype=np.int64)
+    accepted = rejected = 0
+    for step in first_rounds(target, proposer, context, gamma, params, torch.Generator().manual_seed(1), draws,
+                             options=options):
+        counts[step.emitted[0]] += 1
+        accepted += step.accepted > 0
+        rejected += step.accepted < step.drafted
+    pvalue, bins = chi_square_first_token(counts, p)
+    return pvalue, bins, accepted, rejected
+
+
+def compiled_shapes() -> dict[Any, frozenset]:
+    """Every live compiled function of path ``graphs`` (kept sessions' and drafters'
+    :class:`~pipeline.engine.static.Compiled`) and the shapes it has compiled so far."""
+    import gc
+
+    from pipeline.engine.static import Compiled  # deferred: pulls in torch and the engine
+
+    return {c: frozenset(c.shapes) for c in gc.get_objects() if type(c) is Compiled}  # not isinstance: dead proxies
+
+
 def kit_evaluator(tmp_path: Path, path: str, *extra: str, staging: Path | None = None):  # noqa: ANN201
     """An :class:`~pipeline.evaluation.evaluator.Evaluator` over the test kit with full drafts at γ 2 and 3 (staging
     its finished pieces in ``staging``, where given)."""

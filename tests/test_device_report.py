@@ -14,7 +14,14 @@ from jobs.evaluate import other_devices
 from pipeline.artifacts import ArtifactWriter
 from pipeline.evaluation.report import write_report
 from pipeline.orchestration.dag import plan, spec
-from tests.helpers import TIMED_ROW_FIELDS, kit_evaluator, small_cfg, synthetic_results, typed_results
+from tests.helpers import (
+    TIMED_ROW_FIELDS,
+    compiled_shapes,
+    kit_evaluator,
+    small_cfg,
+    synthetic_results,
+    typed_results,
+)
 
 
 def _store_evaluation(cfg, device_name: str, speedup: float) -> str:
@@ -135,21 +142,13 @@ def test_the_timed_cells_feed_no_compiled_function_a_shape_the_warm_up_did_not(t
     two- or four-token verify) and the drafter's catch-up after each round. A warm-up over one prompt per prefill
     bucket (here: the first prompt) left a two-token verify and a four-token catch-up to the timed cell, the way the
     H100 evaluation of the kit timed a one-token verify's compile inside EAGLE-3's chat cell (0.20×)."""
-    import gc
-
     from torch._dynamo.utils import counters
 
     import pipeline.engine.static as static_module
-    from pipeline.engine.static import Compiled, DecodeOptions
+    from pipeline.engine.static import DecodeOptions
 
     monkeypatch.delitem(static_module.GRAPH_COMPILE, "mode")
     monkeypatch.setitem(static_module.GRAPH_COMPILE, "backend", "eager")
-
-    def compiled() -> dict[tuple[int, str], frozenset]:
-        """Each live compiled function (by identity and name) and the shapes it has compiled."""
-        return {(id(c), c.what): frozenset(c.shapes) for c in gc.get_objects()
-                if type(c) is Compiled}  # not isinstance: a dead weak proxy raises
-
     phase = ["warm-up"]
     after_warm_up: dict = {}
     # one prefill bucket: a warm-up over one prompt per prefill bucket decoded only the first prompt
@@ -161,13 +160,14 @@ def test_the_timed_cells_feed_no_compiled_function_a_shape_the_warm_up_did_not(t
     def warm_up(configs) -> None:  # noqa: ANN001
         real_warm_up(configs)
         phase[0] = "timed"
-        after_warm_up.update(graphs=counters["stats"]["unique_graphs"], compiled=compiled())
+        after_warm_up.update(graphs=counters["stats"]["unique_graphs"], compiled=compiled_shapes())
 
     monkeypatch.setattr(evaluator, "_warm_up", warm_up)
-    graphs_before, others = counters["stats"]["unique_graphs"], compiled()  # others: earlier tests' kept sessions
+    # others: the kept sessions of earlier tests in this process
+    graphs_before, others = counters["stats"]["unique_graphs"], compiled_shapes()
     evaluator.run()
     assert phase[0] == "timed" and after_warm_up["graphs"] - graphs_before >= 4  # the warm-up compiled the buckets
-    whats = {key[1] for key in after_warm_up["compiled"] if key not in others}
+    whats = {c.what for c in after_warm_up["compiled"] if c not in others}
     assert whats == {"the target's forward", "a draft model's forward"}, whats
     assert counters["stats"]["unique_graphs"] == after_warm_up["graphs"]  # no timed cell compiled a graph
-    assert compiled() == after_warm_up["compiled"]  # nor met a shape (or a function) the warm-up had not
+    assert compiled_shapes() == after_warm_up["compiled"]  # nor met a shape (or a function) the warm-up had not

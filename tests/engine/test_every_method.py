@@ -20,6 +20,7 @@ import torch
 from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.methods import METHOD_NAMES
 from pipeline.engine.sampling import SamplingParams
+from tests.helpers import first_token_law
 
 SETTINGS = {
     "greedy": SamplingParams(),
@@ -135,11 +136,7 @@ def test_first_rounds_repeat_the_loops_first_round_after_one_prefill(kit, propos
     decode loop's first round emits, and the proposer must draft in every round it drafts in the loop; at
     temperature 1 the first tokens are samples of the target's p (chi-square over 300 draws, pooled tail, at least
     three bins, fails below p = 1e-4), with first drafts both accepted and rejected."""
-    import numpy as np
-
     from pipeline.engine.loop import first_rounds
-    from pipeline.engine.sampling import standardise
-    from pipeline.evaluation.evaluator import chi_square_first_token
 
     target, _ = kit["target"]
     prompt, _ = cases["ordinary"]
@@ -150,16 +147,7 @@ def test_first_rounds_repeat_the_loops_first_round_after_one_prefill(kit, propos
                           torch.Generator().manual_seed(0), 3)
     assert [r.emitted for r in rounds] == [first] * 3
     assert [r.drafted for r in rounds] == [loop.drafted_per_round[0]] * 3
-    params = SETTINGS["t1"]
-    with torch.no_grad():
-        p = standardise(target(torch.tensor([prompt])).logits[0, -1], params).numpy()
-    counts = np.zeros(p.size, dtype=np.int64)
-    accepted = rejected = 0
-    for step in first_rounds(target, proposers[method], prompt, GAMMA, params, torch.Generator().manual_seed(1), 300):
-        counts[step.emitted[0]] += 1
-        accepted += step.accepted > 0
-        rejected += step.accepted < step.drafted  # a draft rejected (a round that drafted nothing is neither)
-    pvalue, bins = chi_square_first_token(counts, p)
+    pvalue, bins, accepted, rejected = first_token_law(target, proposers[method], prompt, GAMMA, SETTINGS["t1"])
     # three bins or more (one tests nothing), and both verification branches taken: accepted and rejected drafts
     assert bins >= 3 and pvalue >= 1e-4, (method, pvalue, bins)
     assert (0 if method in NO_FIRST_ACCEPT_AT_T1 else 1) <= accepted and rejected > 0, (method, accepted, rejected)
@@ -176,23 +164,9 @@ def test_the_exact_match_accept_branch_runs_at_a_lower_temperature(method: str, 
     in the real loop (and the reject branch in others), and the first emitted tokens are still samples of the
     target's p at that temperature (300 rounds, chi-square as above: pooled tail, at least three bins, fails below
     p = 1e-4)."""
-    import numpy as np
-
-    from pipeline.engine.loop import first_rounds
-    from pipeline.engine.sampling import standardise
-    from pipeline.evaluation.evaluator import chi_square_first_token
-
     target, tokenizer = kit["target"]
     prompt = [tokenizer.bos_token_id] + tokenizer(REPEATED, add_special_tokens=False).input_ids
-    params = SamplingParams(temperature=0.3)
-    with torch.no_grad():
-        p = standardise(target(torch.tensor([prompt])).logits[0, -1], params).numpy()
-    counts = np.zeros(p.size, dtype=np.int64)
-    accepted = rejected = 0
-    for step in first_rounds(target, proposers[method], prompt, GAMMA, params, torch.Generator().manual_seed(1), 300):
-        counts[step.emitted[0]] += 1
-        accepted += step.accepted > 0
-        rejected += step.accepted < step.drafted
-    pvalue, bins = chi_square_first_token(counts, p)
+    pvalue, bins, accepted, rejected = first_token_law(target, proposers[method], prompt, GAMMA,
+                                                       SamplingParams(temperature=0.3))
     assert bins >= 3 and pvalue >= 1e-4, (method, pvalue, bins)
     assert accepted > 0 and rejected > 0, (method, accepted, rejected)

@@ -21,25 +21,24 @@ The CUDA half (graphs captured for real, ``torch.cuda.set_sync_debug_mode("error
 
 from __future__ import annotations
 
-import gc
 import logging
 import re
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
 import pipeline.engine.rounds as rounds_module
 from pipeline.engine import static
-from pipeline.engine.loop import first_rounds, generate_autoregressive, generate_speculative
+from pipeline.engine.loop import generate_autoregressive, generate_speculative
 from pipeline.engine.methods import METHOD_NAMES
-from pipeline.engine.sampling import SamplingParams, standardise
+from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.static import GRAPH_COMPILE, Compiled, DecodeOptions, StaticSession, resolve_path
 from pipeline.errors import DrafterError
+from tests.helpers import compiled_shapes, first_token_law
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
@@ -104,11 +103,6 @@ def test_static_path_equals_autoregressive(method: str, kit, proposers, prompts,
             assert got.tokens == want, (method, gamma)
 
 
-def compiled_shapes() -> dict[Compiled, set[tuple[tuple[int, ...], ...]]]:
-    """Every live compiled function (kept sessions' and drafters') and a copy of the shapes it has compiled."""
-    return {c: set(c.shapes) for c in gc.get_objects() if type(c) is Compiled}  # not isinstance: dead proxies
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", GRAPH_METHODS)
 def test_graph_path_traces_whole_and_equals_autoregressive(method: str, kit, proposers, prompts, reference,
@@ -133,7 +127,7 @@ def test_graph_path_traces_whole_and_equals_autoregressive(method: str, kit, pro
     # compiled some already): the target's, and the drafter's unless it shares an earlier method's model
     compiles = capsys.readouterr().err
     fresh = sorted(f"compiling {c.what} for inputs {', '.join('x'.join(map(str, d)) or 'scalar' for d in shape)}"
-                   for c, shapes in compiled_shapes().items() for shape in shapes - before.get(c, set()))
+                   for c, shapes in compiled_shapes().items() for shape in shapes - before.get(c, frozenset()))
     assert fresh and sorted(re.findall(r"\] (compiling .+): still running", compiles)) == fresh, (fresh, compiles)
     assert "the target's forward" in compiles or any(c.what == "the target's forward" for c in before)
     traced.clear()
@@ -215,21 +209,10 @@ def test_autoregressive_reads_the_host_once_per_token(kit, prompts, monkeypatch)
 
 @pytest.mark.parametrize("method", DEVICE_METHODS)
 def test_first_token_law_on_the_static_path(method: str, kit, proposers, prompts) -> None:
-    from pipeline.evaluation.evaluator import chi_square_first_token
-
     target, _ = kit["target"]
-    params = SamplingParams(temperature=1.0)
-    context = prompts[0]
-    with torch.no_grad():
-        p = standardise(target(torch.tensor([context])).logits[0, -1], params).numpy()
-    counts = np.zeros(p.size, dtype=np.int64)
-    accepted = rejected = 0
-    for step in first_rounds(target, proposers[method], context, GAMMA, params, torch.Generator().manual_seed(1), 300,
-                             options=DecodeOptions("static")):
-        counts[step.emitted[0]] += 1
-        accepted += step.accepted > 0
-        rejected += step.accepted < step.drafted  # a draft rejected (a round that drafted nothing is neither)
-    pvalue, bins = chi_square_first_token(counts, p)
+    pvalue, bins, accepted, rejected = first_token_law(target, proposers[method], prompts[0], GAMMA,
+                                                       SamplingParams(temperature=1.0),
+                                                       options=DecodeOptions("static"))
     # three bins or more (one tests nothing), and both verification branches taken: accepted and rejected drafts
     assert bins >= 3 and pvalue >= 1e-4, (method, pvalue, bins)
     assert 0 < accepted and rejected > 0, (method, accepted, rejected)
