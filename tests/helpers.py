@@ -86,6 +86,13 @@ def small_kit_profile() -> Any:
                                drafter_steps=25, other_steps=40, byte_steps=25, gen_prompts=8)
 
 
+DEVICE_METHODS = ("full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "pruned", "rdk", "rdk_taylor", "rdk_prior",
+                  "eagle3", "dflash", "dflash_draft_head")
+"""Methods whose drafts stay on the device (the others read their text: string-level and cross-tokenizer): the ones
+the static decode path runs; and DFlash with its own draft-vocabulary head (``tests/engine``'s ``proposers`` fixture's
+``dflash_draft_head``)."""
+
+
 # --- evaluation results without decoding (the report and the gates) ---
 GAMMA = 3
 SHORTLISTS = [("top-k 512", 512), ("top-p 0.95", 2048), ("top-k 8192", 8192)]
@@ -220,7 +227,8 @@ def kit_evaluator(tmp_path: Path, path: str, *extra: str, staging: Path | None =
     from pipeline.models.target import Target  # deferred: pulls in transformers
 
     cfg = load_config(None, [f"workdir={tmp_path}", *SMALL, "evaluate.methods=[full]", "evaluate.gammas=[2,3]",
-                             f"evaluate.decode_path={path}", "evaluate.sampling_check_samples=0", *extra])
+                             f"evaluate.decode_path={path}", "evaluate.sampling_check_samples=0",
+                             "evaluate.law_check_generations=0", *extra])
     counts = run(cfg, ["count"])["count"]  # full drafts over the kit's drafter; the count artifact is read regardless
     target = Target(cfg.target)
     return lambda prompts: Evaluator(cfg, target.model("cpu"), target.tokenizer(), prompts, {"count": counts}, "cpu",

@@ -70,7 +70,8 @@ def test_bench_eval_runs_the_methods_its_count_artifact_serves_and_says_which_it
     from tests.helpers import SMALL
 
     overrides = [f"workdir={tmp_path}", *SMALL, "evaluate.prompts_per_task=1", "evaluate.max_new_tokens=4",
-                 "evaluate.gammas=[2]", "evaluate.sampling_check_samples=0", "evaluate.shortlists=[top_k_16]",
+                 "evaluate.gammas=[2]", "evaluate.sampling_check_samples=0",
+                 "evaluate.law_check_generations=0", "evaluate.shortlists=[top_k_16]",
                  "evaluate.dynaspec_match=top_k_16",
                  "evaluate.tasks=[code]"]
     counts = run(load_config(None, overrides), ["count"])["count"]

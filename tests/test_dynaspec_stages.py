@@ -322,6 +322,7 @@ def test_bad_input(routed, tmp_path: Path) -> None:
     names = json.loads(artifacts["train_router"].file("router_config.json").read_text())
     shared = [f"evaluate.counts={artifacts['count'].path}", "evaluate.methods=[dynaspec]",
               "evaluate.prompts_per_task=1", "evaluate.max_new_tokens=4", "evaluate.sampling_check_samples=0",
+              "evaluate.law_check_generations=0",
               "evaluate.register=false", "evaluate.dynaspec_match=top_k_64", "evaluate.tasks=[code]"]
     other = cluster.main(ds_cfg(tmp_path, "cluster.clusters=8"))  # another clustering of the same head
     with pytest.raises(DrafterError, match="trained for another token clustering"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,6 +187,31 @@ def test_the_chi_square_pools_thin_bins_and_one_bin_tests_nothing() -> None:
     assert chi_square_first_token(np.array([4, 0, 0, 0, 0, 0, 0, 0, 0, 0]), flat) == (1.0, 1)  # all pooled
 
 
+class UniformQ:
+    """A proposer that reports a uniform q over the ``vocab`` target ids for each of its γ drafts. ``honest`` draws
+    them from it (lossless); ``lossy`` drafts ``top`` every time (verification keeps it whenever the target gives it
+    more than 1/V); ``silent`` drafts nothing."""
+
+    name, target_layers = "uniform", ()
+
+    def __init__(self, vocab: int, top: int, kind: str) -> None:
+        self.vocab, self.top, self.kind = vocab, top, kind
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, context, gamma, params, generator, state):  # noqa: ANN001, ANN201
+        import torch
+
+        from pipeline.engine.proposers import Proposal
+
+        if self.kind == "silent":
+            return Proposal([], None)
+        tokens = (torch.randint(self.vocab, (gamma,), generator=generator).tolist() if self.kind == "honest"
+                  else [self.top] * gamma)
+        return Proposal(tokens, torch.full((gamma, self.vocab), 1.0 / self.vocab, dtype=torch.float64))
+
+
 def test_the_first_token_check_fails_a_lossy_proposer_and_too_few_draws(tmp_path: Path, tiny_kit) -> None:
     """The evaluation's first-token check against a proposer that drafts uniformly and says so (lossless), one that
     always drafts the target's top token but reports a uniform q (lossy: verification accepts that token whenever it
@@ -193,7 +219,6 @@ def test_the_first_token_check_fails_a_lossy_proposer_and_too_few_draws(tmp_path
     and says why the third tests nothing."""
     import torch
 
-    from pipeline.engine.proposers import Proposal
     from tests.helpers import kit_evaluator
 
     prompt = [5, 6, 7]
@@ -203,27 +228,39 @@ def test_the_first_token_check_fails_a_lossy_proposer_and_too_few_draws(tmp_path
         logits = evaluator.target(torch.tensor([prompt])).logits[0, -1]
     vocab, top = logits.numel(), int(logits.argmax())
 
-    class UniformQ:
-        name, target_layers = "uniform", ()
-
-        def __init__(self, honest: bool) -> None:
-            self.honest = honest
-
-        def reset(self) -> None:
-            pass
-
-        def propose(self, context, gamma, params, generator, state) -> Proposal:  # noqa: ANN001
-            token = int(torch.randint(vocab, (1,), generator=generator)) if self.honest else top
-            return Proposal([token], torch.full((1, vocab), 1.0 / vocab, dtype=torch.float64))
-
-    honest = evaluator.sampling_check("uniform", None, UniformQ(honest=True))
-    lossy = evaluator.sampling_check("uniform", None, UniformQ(honest=False))
+    honest = evaluator.sampling_check("uniform", None, UniformQ(vocab, top, "honest"))
+    lossy = evaluator.sampling_check("uniform", None, UniformQ(vocab, top, "lossy"))
     assert honest.passed and "n=400" in honest.detail, honest
     assert not lossy.passed and "first draft accepted in 400/400 draws" in lossy.detail, lossy
     few = kit_evaluator(tmp_path / "few", "eager", "evaluate.max_new_tokens=4",
                         "evaluate.sampling_check_samples=2")({"chat": [prompt]})
-    vacuous = few.sampling_check("uniform", None, UniformQ(honest=True))
+    vacuous = few.sampling_check("uniform", None, UniformQ(vocab, top, "honest"))
     assert not vacuous.passed and "over 1 bins" in vacuous.detail and "one bin tests nothing" in vacuous.detail, vacuous
+
+
+def test_the_every_position_check_fails_a_lossy_proposer_and_one_that_never_drafts(tmp_path: Path, tiny_kit) -> None:
+    """The evaluation's every-position check (evaluate.law_check_generations sampled generations at the largest γ)
+    against a proposer that drafts γ uniform tokens and says so (lossless), one that drafts the prompt's top token γ
+    times but reports a uniform q (lossy: verification keeps it whenever the target gives it more than 1/V), and one
+    that never drafts (nothing to test): it passes only the first, and says why the others fail."""
+    import torch
+
+    from tests.helpers import kit_evaluator
+
+    prompts = [[5, 6, 7], [5, 9, 11]]
+    build = kit_evaluator(tmp_path, "eager", "evaluate.max_new_tokens=32", "evaluate.law_check_generations=12")
+    evaluator = build({"chat": prompts})
+    with torch.no_grad():
+        logits = evaluator.target(torch.tensor([prompts[0]])).logits[0, -1]
+    vocab, top = logits.numel(), int(logits.argmax())
+
+    honest = evaluator.position_check("uniform", None, UniformQ(vocab, top, "honest"))
+    assert honest.passed and "12 generations of up to 32 tokens at γ=3" in honest.detail, honest
+    assert "draft-order z" in honest.detail and "FAILED" not in honest.detail, honest
+    lossy = evaluator.position_check("uniform", None, UniformQ(vocab, top, "lossy"))
+    assert not lossy.passed and re.search("FAILED: .*target-order z", lossy.detail), lossy
+    silent = evaluator.position_check("uniform", None, UniformQ(vocab, top, "silent"))
+    assert not silent.passed and "drafts verified: 0 (a check with none would be vacuous)" in silent.detail, silent
 
 
 def test_metrics_are_sane(evaluated) -> None:
@@ -350,7 +387,8 @@ def test_eagle3_rows_sit_beside_simulated_tau_and_the_bundle_is_registered_and_p
 
 def test_failed_gates_register_nothing(tmp_path: Path, tiny_kit, mlflow_server: MlflowServer) -> None:
     cfg = eval_cfg(tmp_path, mlflow_server.uri, "evaluate.gate_tau_min=50", "evaluate.methods=[shortlist]",
-                   "evaluate.sampling_check_samples=0", "evaluate.tasks=[code]", "evaluate.gammas=[2]",
+                   "evaluate.sampling_check_samples=0",
+                   "evaluate.law_check_generations=0", "evaluate.tasks=[code]", "evaluate.gammas=[2]",
                    "mlflow.experiment=gates-fail")
     artifact = run(cfg, ["evaluate"])["evaluate"]
     results = json.loads(artifact.file("report.json").read_text())

@@ -125,8 +125,8 @@ def test_an_evaluation_killed_midway_keeps_its_finished_cells_and_the_rerun_deco
     capfd.readouterr()
     resumed = run(cfg, ["evaluate"])["evaluate"]
     said = capfd.readouterr().err
-    keys = 2 + cells + cells // 4  # per task its autoregressive runs; the cells; per configuration (2 tasks × 2 γ
-    # cells each) its first-token check
+    keys = 2 + cells + 2 * (cells // 4)  # per task its autoregressive runs; the cells; per configuration (2 tasks ×
+    # 2 γ cells each) its first-token and its every-position check
     assert f"{other.name}: staged with records of another shape: decoding it again" in said
     assert f"resuming an interrupted evaluation: {staged - 1} of {keys} pieces kept" in said
     assert resumed.id == uninterrupted.id

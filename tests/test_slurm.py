@@ -38,6 +38,7 @@ GPU_ALLOCATION = slurm.Resources(nodes=2, ntasks_per_node=8, gpus_per_node=8, cp
 CHAIN = ["generate", "count", "evaluate"]
 SUBMIT = [*SMALL, "evaluate.methods=[shortlist]", "evaluate.tasks=[code]", "evaluate.prompts_per_task=2",
           "evaluate.max_new_tokens=8", "evaluate.gammas=[2]", "evaluate.sampling_check_samples=0",
+          "evaluate.law_check_generations=0",
           "evaluate.shortlists=[top_k_64]", "evaluate.gate_tau_min=1.0", "evaluate.gate_speed_min=0.0",
           "slurm.cpus_per_task=1", "mlflow.experiment=slurm"]
 

@@ -67,7 +67,8 @@ RDK = ["estimate_rdk.top_k=16", "estimate_rdk.shard_rows=2", "estimate_rdk.batch
        "estimate_rdk.keep_fractions=[0.05,0.01]", "estimate_rdk.taus=[1e-2,1e-3]", "estimate_rdk.accelerator=cpu"]
 EVAL = ["evaluate.methods=[eagle3,dynaspec,rdk]", "evaluate.rdk_levels=[keep_0.01]", "evaluate.dynaspec_match=top_k_64",
         "evaluate.tasks=[code]", "evaluate.prompts_per_task=2", "evaluate.max_new_tokens=8", "evaluate.gammas=[2]",
-        "evaluate.sampling_check_samples=0", "evaluate.gate_tau_min=1.0", "evaluate.gate_speed_min=0.0"]
+        "evaluate.sampling_check_samples=0",
+        "evaluate.law_check_generations=0", "evaluate.gate_tau_min=1.0", "evaluate.gate_speed_min=0.0"]
 DAG = [*SMALL, *TRAIN, *ROUTER, *RDK, *EVAL, "mlflow.experiment=two-nodes", "slurm.cpus_per_task=1",
        "slurm.socket_ifname=lo", ON_TWO]
 LOSS_RTOL = 1e-5  # tests/training/test_harness.py::test_two_process_cpu_ddp_trains_on_disjoint_shards

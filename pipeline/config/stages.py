@@ -381,8 +381,13 @@ class EvaluateConfig:
     """Draws of the first emitted token per method, under the law the rows decode with (temperature and top_p; at
     temperature 1 when they decode greedily), compared with the target's p by a chi-square test (0 disables; too few
     draws for two bins fail the check)."""
+    law_check_generations: int = 8
+    """Sampled generations per method (the tasks' prompts in turn, ``max_new_tokens`` each, at the largest γ) whose
+    every emitted position is tested against the target's law there, under the first-token check's law: per offset in
+    the round and in the order of the method's q over p (pipeline/evaluation/position_law.py; 0 disables)."""
     sampling_check_alpha: float = 1e-4
-    """The sampling check fails when its chi-square p-value falls below this."""
+    """The sampling checks fail when a chi-square p-value falls below this, and the every-position check when any of
+    its statistics does below this share of it (family-wise)."""
     tie_tolerance: float = 1e-4
     """A greedy mismatch counts as a floating-point tie (not a losslessness failure) only when the target's
     two candidate logits at the divergence differ by at most this, relative to the largest logit. Batched
@@ -437,6 +442,8 @@ class EvaluateConfig:
             check_value(getattr(self, key) > 0, f"evaluate.{key}", "a positive integer", getattr(self, key))
         check_value(self.sampling_check_samples >= 0, "evaluate.sampling_check_samples", "an integer >= 0",
                self.sampling_check_samples)
+        check_value(self.law_check_generations >= 0, "evaluate.law_check_generations", "an integer >= 0",
+                    self.law_check_generations)
         check_value(math.isfinite(self.temperature) and self.temperature >= 0, "evaluate.temperature",
                     "a finite number >= 0", self.temperature)
         check_value(0 < self.top_p <= 1, "evaluate.top_p", "a number in (0, 1]", self.top_p)

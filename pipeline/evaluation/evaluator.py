@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Iterator
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from pipeline.engine.metrics import summarize
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.static import DecodeOptions, resolve_path
 from pipeline.evaluation.configurations import Configuration, Configurations
+from pipeline.evaluation.position_law import position_law, sampled_decodes
 from pipeline.evaluation.results import EvalRow, LosslessCheck
 from pipeline.progress import Progress
 from pipeline.staged import staged_about, staged_ok, write_staged_json
@@ -198,9 +200,11 @@ class Evaluator:
         ar_keys = {task: f"{task}-ar" for task in self.prompts}
         first_token = ({index: f"first-token-{index}-{config.method}" for index, config in enumerate(configs)}
                        if self.ev.sampling_check_samples > 0 else {})
-        keys = [*ar_keys.values(), *cell_keys.values(), *first_token.values()]
+        every_position = ({index: f"position-law-{index}-{config.method}" for index, config in enumerate(configs)}
+                          if self.ev.law_check_generations > 0 else {})
+        keys = [*ar_keys.values(), *cell_keys.values(), *first_token.values(), *every_position.values()]
         shapes = {**dict.fromkeys(ar_keys.values(), "ar"), **dict.fromkeys(cell_keys.values(), "cell"),
-                  **dict.fromkeys(first_token.values(), "check")}
+                  **dict.fromkeys([*first_token.values(), *every_position.values()], "check")}
         kept = {key: value for key in keys if (value := self._kept(key, shapes[key])) is not None}
         if kept:
             self.log(f"resuming an interrupted evaluation: {len(kept)} of {len(keys)} pieces kept (decoded on "
@@ -236,17 +240,28 @@ class Evaluator:
                     rows.append(row)
                     checks.append(check)
         decoding.close()
-        if first_token:
-            left_checks = sum(first_token[index] not in kept for index in first_token)
-            with Progress("evaluate: losslessness (first-token law)", left_checks * self.ev.sampling_check_samples,
-                          "draw") as draws:
-                for index, config in enumerate(configs):
-                    if (kept_check := kept.get(first_token[index])) is not None:
-                        checks.append(LosslessCheck(**kept_check))
-                        continue
-                    checks.append(self.sampling_check(config.method, config.shortlist, config.proposer, draws))
-                    self._keep(first_token[index], dataclasses.asdict(checks[-1]))
+        checks += self._law_checks(configs, kept, first_token, "first-token law", self.ev.sampling_check_samples,
+                                   "draw", self.sampling_check)
+        checks += self._law_checks(configs, kept, every_position, "every position's law",
+                                   self.ev.law_check_generations, "generation", self.position_check)
         return rows, checks
+
+    def _law_checks(self, configs: list[Configuration], kept: dict[str, Any], keys: dict[int, str], what: str,
+                    per_config: int, unit: str, check: Callable[..., LosslessCheck]) -> list[LosslessCheck]:
+        """One sampling-law check per configuration (``keys``: its staged piece), the pieces kept by an interrupted
+        run read back, the others run and staged as each ends."""
+        if not keys:
+            return []
+        checks = []
+        left = sum(keys[index] not in kept for index in keys)
+        with Progress(f"evaluate: losslessness ({what})", left * per_config, unit) as progress:
+            for index, config in enumerate(configs):
+                if (kept_check := kept.get(keys[index])) is not None:
+                    checks.append(LosslessCheck(**kept_check))
+                    continue
+                checks.append(check(config.method, config.shortlist, config.proposer, progress))
+                self._keep(keys[index], dataclasses.asdict(checks[-1]))
+        return checks
 
     def _cell(self, task: str, items: list[list[int]], config: Configuration, gamma: int,
               ar_greedy: list[GenerationResult], ar: list[GenerationResult],
@@ -322,8 +337,7 @@ class Evaluator:
         # its law involves only the first draft, so one draft per round tests exactly that law, at a fraction of
         # the drafting (SLRS enumerates a byte trie per draft). The matrix rows cover every draft position.
         n, gamma = self.ev.sampling_check_samples, 1
-        # a sampled evaluation's τ is measured under its own temperature and nucleus: the check tests that law
-        params = self.params if self.params.temperature > 0 else SamplingParams(temperature=1.0)
+        params = self._check_params()
         context = next(iter(self.prompts.values()))[0]
         with torch.no_grad():
             logits = self.target(torch.tensor([context], device=self.device)).logits[0, -1]
@@ -352,6 +366,37 @@ class Evaluator:
                   f"p={pvalue:.3g} over {bins} bins (fails below {self.ev.sampling_check_alpha}{vacuous}); "
                   f"zero-probability tokens emitted: {impossible}; first-round drafts verified: {drafted} (a check "
                   f"with none would be vacuous), first draft accepted in {first_accepted}/{n} draws")
+        return LosslessCheck(name=name, passed=passed, detail=detail)
+
+    def _check_params(self) -> SamplingParams:
+        """The law the sampling checks test: a sampled evaluation's own (its τ is measured under its temperature and
+        nucleus), temperature 1 when the rows decode greedily."""
+        return self.params if self.params.temperature > 0 else SamplingParams(temperature=1.0)
+
+    def position_check(self, method: str, shortlist: str | None, proposer: Any,
+                       progress: Progress | None = None) -> LosslessCheck:
+        """Every emitted position of ``evaluate.law_check_generations`` sampled generations (the tasks' prompts in
+        turn, ``max_new_tokens`` each, at the largest γ) against the target's law there (:mod:`position_law`): the
+        first-token check tests one position with one draft; this one every draft position, correction and bonus."""
+        n, gamma, alpha = self.ev.law_check_generations, max(self.ev.gammas), self.ev.sampling_check_alpha
+        params = self._check_params()
+        turns = [prompt for group in zip_longest(*self.prompts.values()) for prompt in group if prompt is not None]
+        prompts = [turns[i % len(turns)] for i in range(n)]
+
+        def done(_result: GenerationResult) -> None:
+            if progress is not None:
+                progress.update(1, method=method)
+
+        decodes = sampled_decodes(self.target, proposer, prompts, self.ev.max_new_tokens, gamma, params,
+                                  self._generator(11), self.eos, self.options, done)
+        law = position_law(self.target, decodes, params, seed=self.ev.seed)
+        failures = law.failures(alpha)
+        drafted = sum(sum(d.result.drafted_per_round) for d in decodes)
+        passed = not failures and law.positions > 0 and drafted > 0
+        name = f"position_law[{method}{'/' + shortlist if shortlist else ''}]"
+        detail = (f"{n} generations of up to {self.ev.max_new_tokens} tokens at γ={gamma}, temperature "
+                  f"{params.temperature:g}, top-p {params.top_p:g}; {law.detail(alpha)}; drafts verified: {drafted} "
+                  f"(a check with none would be vacuous)" + (f"; FAILED: {'; '.join(failures)}" if failures else ""))
         return LosslessCheck(name=name, passed=passed, detail=detail)
 
     def _row(self, task: str, method: str, drafter: str | None, gamma: int, shortlist: str | None,

@@ -38,16 +38,12 @@ from pipeline.engine.methods import METHOD_NAMES
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.static import GRAPH_COMPILE, Compiled, DecodeOptions, StaticSession, resolve_path
 from pipeline.errors import DrafterError
-from tests.helpers import compiled_shapes, first_token_law
+from tests.helpers import DEVICE_METHODS, compiled_shapes, first_token_law
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
 GAMMA = 4
 NEW_TOKENS = 20
-DEVICE_METHODS = ("full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "pruned", "rdk", "rdk_taylor", "rdk_prior",
-                  "eagle3", "dflash", "dflash_draft_head")
-"""Methods whose drafts stay on the device (the others read their text: string-level and cross-tokenizer); and
-DFlash with its own draft-vocabulary head (the ``proposers`` fixture's ``dflash_draft_head``)."""
 GRAPH_METHODS = ("full", "dynaspec", "eagle3", "dflash", "dflash_draft_head")
 """One method per drafter family, traced whole on path graphs (tracing every method would take minutes)."""
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy"}

@@ -1,0 +1,145 @@
+"""Every emitted position follows the target's law, for every method, on the eager and the static path.
+
+The first-token tests (``test_every_method.py``, ``test_static_decode.py``) bin one position's draws. These decode
+whole sampled generations and test every position through :mod:`pipeline.evaluation.position_law`: each token's
+randomised probability integral transform under the target's law at its position must look uniform, per offset in its
+round (so a correction or bonus token taken from the wrong row shows at its offset) and in the order of the method's
+own ``q`` over ``p`` (so drafts kept too often or too rarely show). Sample size: :data:`GENERATIONS` generations of
+:data:`NEW_TOKENS` tokens a method (1,280 positions, fewer where a generation ends at EOS); bound: family-wise
+``alpha`` = :data:`ALPHA` over each method's statistics (|z| within about 4.4 for five to eight of them).
+
+The negative controls break the verifier the way a real fault would (the residual drawn from p instead of
+``max(p - q, 0)``; the bonus token drawn from the last draft's row) and require the same check to fail on the same
+decodes' settings: without them a check that could not fail would pass here too. Measured on this kit: the lossless
+decodes stay within |z| 2.4; the residual fault gives draft-order z -6.7 to -13.4, the bonus fault target-order z
++4.9 (TLI) and +10.0 (full) at the last offset.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import pipeline.engine.rounds as rounds_module
+from pipeline.engine.loop import GenerationResult, generate_autoregressive
+from pipeline.engine.methods import METHOD_NAMES
+from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.static import DecodeOptions
+from pipeline.engine.verify import verify_speculative
+from pipeline.evaluation.position_law import Decode, _grouped, position_law, round_offsets, sampled_decodes
+from tests.helpers import DEVICE_METHODS
+
+GAMMA = 4
+GENERATIONS = 40
+NEW_TOKENS = 32
+ALPHA = 1e-4
+T1 = SamplingParams(temperature=1.0)
+NUCLEUS = SamplingParams(temperature=0.7, top_p=0.9)
+ORDINARY = "def add(a, b):\n    return"
+EXACT_MATCH = {"slem", "slem_bytes"}
+"""Methods that verify by exact match and report no q: their check has no draft-order statistic."""
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def prompt(kit) -> list[int]:
+    _, tokenizer = kit["target"]
+    return [tokenizer.bos_token_id] + tokenizer(ORDINARY, add_special_tokens=False).input_ids
+
+
+def decode(kit, proposer, prompt: list[int], params: SamplingParams, options: DecodeOptions | None = None,
+           generations: int = GENERATIONS) -> list[Decode]:
+    target, tokenizer = kit["target"]
+    return sampled_decodes(target, proposer, [prompt] * generations, NEW_TOKENS, GAMMA, params,
+                           torch.Generator().manual_seed(0), tokenizer.eos_token_id, options)
+
+
+def assert_lossless(kit, decodes: list[Decode], params: SamplingParams, method: str) -> None:
+    law = position_law(kit["target"][0], decodes, params)
+    assert not law.failures(ALPHA), (method, law.failures(ALPHA), law.detail(ALPHA))
+    # later positions were reached and tested, and every draft row the method reported took part
+    assert sum(n for label, n, _ in law.groups if label != "0") >= 30, (method, law.detail(ALPHA))
+    assert (law.draft_z is None) == (method in EXACT_MATCH), (method, law.detail(ALPHA))
+    assert method in EXACT_MATCH or law.draft_positions >= 300, (method, law.detail(ALPHA))
+
+
+@pytest.mark.parametrize("method", [*METHOD_NAMES, "dflash_draft_head"])
+def test_every_position_follows_the_targets_law(method: str, kit, proposers, prompt) -> None:
+    assert_lossless(kit, decode(kit, proposers[method], prompt, T1), T1, method)
+
+
+@pytest.mark.parametrize("method", ["full", "tli", "eagle3", "dflash"])
+def test_every_position_follows_the_targets_nucleus_law(method: str, kit, proposers, prompt) -> None:
+    """At temperature 0.7 and top-p 0.9, for one method of each family (same vocabulary, another tokenizer, a
+    chain head, a block head): truncation applied to p and q alike keeps the law."""
+    assert_lossless(kit, decode(kit, proposers[method], prompt, NUCLEUS), NUCLEUS, method)
+
+
+@pytest.mark.parametrize("method", DEVICE_METHODS)
+def test_every_position_follows_the_targets_law_on_the_static_path(method: str, kit, proposers, prompt) -> None:
+    assert_lossless(kit, decode(kit, proposers[method], prompt, T1, DecodeOptions("static")), T1, method)
+
+
+def _residual_from_p(p, q, tokens, generator, *, strict=True):  # noqa: ANN001, ANN202
+    """The fault: on a rejection, a fresh sample of the row's p instead of its residual ``max(p - q, 0)``."""
+    n_accepted, _ = verify_speculative(p, q, tokens, generator, strict=strict)
+    rows = p if p.dim() == 3 else p.unsqueeze(0)
+    at = torch.as_tensor(n_accepted, device=rows.device).reshape(-1)
+    token = torch.multinomial(rows[torch.arange(rows.shape[0]), at].double(), 1, generator=generator).squeeze(-1)
+    return (n_accepted, token) if isinstance(n_accepted, torch.Tensor) else (n_accepted, int(token[0]))
+
+
+def _bonus_from_the_last_draft_row(p, q, tokens, generator, *, strict=True):  # noqa: ANN001, ANN202
+    """The fault: after every draft is accepted, the bonus token drawn from the last draft's row."""
+    drafted = q.shape[-2]
+    if drafted:
+        p = p.clone()
+        p[..., drafted, :] = p[..., drafted - 1, :]
+    return verify_speculative(p, q, tokens, generator, strict=strict)
+
+
+@pytest.mark.parametrize(("fault", "method", "found"), [
+    (_residual_from_p, "shortlist", "draft-order"),
+    (_residual_from_p, "eagle3", "draft-order"),
+    (_residual_from_p, "rdk", "draft-order"),
+    (_bonus_from_the_last_draft_row, "full", "target-order z .* at offsets 4 "),
+    (_bonus_from_the_last_draft_row, "tli", "target-order z .* at offsets 4 "),
+])
+def test_a_lossy_verifier_fails_the_check(fault, method: str, found: str, kit, proposers, prompt,
+                                          monkeypatch) -> None:
+    monkeypatch.setattr(rounds_module, "verify_speculative", fault)
+    law = position_law(kit["target"][0], decode(kit, proposers[method], prompt, T1), T1)
+    assert any(re.search(found, failure) for failure in law.failures(ALPHA)), law.detail(ALPHA)
+
+
+def test_autoregressive_samples_pass_and_another_temperatures_fail(kit, prompt) -> None:
+    """The check on the target's own samples: those drawn at the checked temperature pass; the same check at another
+    temperature than the one sampled fails (no draft rows here: the target-order statistics alone)."""
+    target, tokenizer = kit["target"]
+    generator = torch.Generator().manual_seed(0)
+
+    def sampled(params: SamplingParams) -> list[Decode]:
+        return [Decode(prompt, generate_autoregressive(target, prompt, NEW_TOKENS, params, generator,
+                                                       tokenizer.eos_token_id)) for _ in range(GENERATIONS)]
+
+    law = position_law(target, sampled(T1), T1)
+    assert not law.failures(ALPHA) and law.draft_z is None, law.detail(ALPHA)
+    colder = position_law(target, sampled(SamplingParams(temperature=0.8)), T1)
+    assert any("target-order" in failure for failure in colder.failures(ALPHA)), colder.detail(ALPHA)
+
+
+def test_offsets_follow_the_rounds() -> None:
+    """A prefill token is a round of its own; each round's tokens count from 0; a last round cut by EOS or the length
+    budget keeps only the tokens emitted."""
+    result = GenerationResult(tokens=[5, 6, 7, 8, 9, 10, 11], prompt_length=3, method="m", gamma=4, prefill_tokens=1,
+                              accepted_per_round=[2, 0, 3])
+    assert round_offsets(result) == [0, 0, 1, 2, 0, 0, 1]
+
+
+def test_sparse_offsets_join_the_ones_before() -> None:
+    groups = _grouped({0: [0.5] * 40, 1: [0.5] * 35, 2: [0.5] * 4, 3: [0.5] * 7, 4: [0.5] * 12, 5: [0.5] * 3})
+    assert [(label, len(values)) for label, values in groups] == [("0", 40), ("1", 35), ("2-3", 11), ("4-5", 15)]
+    assert [label for label, _ in _grouped({0: [0.5] * 40, 1: [0.5] * 5})] == ["0-1"]
