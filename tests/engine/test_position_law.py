@@ -18,6 +18,7 @@ decodes stay within |z| 2.4; the residual fault gives draft-order z -6.7 to -13.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def decode(kit, proposer, prompt: list[int], params: SamplingParams, options: De
 
 def assert_lossless(kit, decodes: list[Decode], params: SamplingParams, method: str) -> None:
     law = position_law(kit["target"][0], decodes, params)
-    assert not law.failures(ALPHA), (method, law.failures(ALPHA), law.detail(ALPHA))
+    assert not law.failures(ALPHA) and law.outside_nucleus == 0, (method, law.failures(ALPHA), law.detail(ALPHA))
     # later positions were reached and tested, and every draft row the method reported took part
     assert sum(n for label, n, _ in law.groups if label != "0") >= 30, (method, law.detail(ALPHA))
     assert (law.draft_z is None) == (method in EXACT_MATCH), (method, law.detail(ALPHA))
@@ -129,6 +130,32 @@ def test_autoregressive_samples_pass_and_another_temperatures_fail(kit, prompt) 
     assert not law.failures(ALPHA) and law.draft_z is None, law.detail(ALPHA)
     colder = position_law(target, sampled(SamplingParams(temperature=0.8)), T1)
     assert any("target-order" in failure for failure in colder.failures(ALPHA)), colder.detail(ALPHA)
+    # samples that ignored the nucleus: tokens outside it (inside the support) come last in target order
+    untruncated = position_law(target, sampled(SamplingParams(temperature=0.7)), NUCLEUS)
+    assert untruncated.outside_nucleus > 0 and untruncated.impossible == 0, untruncated.detail(ALPHA)
+    assert any("target-order" in failure for failure in untruncated.failures(ALPHA)), untruncated.detail(ALPHA)
+
+
+def test_a_token_outside_the_targets_support_fails_the_check_outright() -> None:
+    """A target whose logits rule token 3 out (``-inf``, as a model masking padded vocabulary rows does): a decode that
+    emitted it fails whatever the statistics say, and one that did not passes."""
+
+    class NoThree(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, ids: torch.Tensor) -> SimpleNamespace:
+            logits = torch.zeros(*ids.shape, 8) * self.scale
+            logits[..., 3] = float("-inf")
+            return SimpleNamespace(logits=logits)
+
+    def law(tokens: list[int]) -> list[str]:
+        result = GenerationResult(tokens=tokens, prompt_length=1, method="autoregressive")
+        return position_law(NoThree(), [Decode([0], result)], T1).failures(ALPHA)
+
+    assert law([1, 2, 4, 5]) == []
+    assert law([1, 3, 4, 5]) == ["1 emitted tokens outside the target's support"]
 
 
 def test_offsets_follow_the_rounds() -> None:
