@@ -391,7 +391,7 @@ class Evaluator:
                                   self._generator(11), self.eos, self.options, done)
         law = position_law(self.target, decodes, params, seed=self.ev.seed)
         failures = law.failures(alpha)
-        drafted = sum(sum(d.result.drafted_per_round) for d in decodes)
+        drafted = law.drafted
         passed = not failures and law.positions > 0 and drafted > 0
         name = f"position_law[{method}{'/' + shortlist if shortlist else ''}]"
         detail = (f"{n} generations of up to {self.ev.max_new_tokens} tokens at γ={gamma}, temperature "

@@ -31,8 +31,9 @@ emits such tokens often and moves the statistics.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from inspect import signature
 from typing import Any
 
 import numpy as np
@@ -51,8 +52,9 @@ keeps offsets that a few rounds reached from each taking a share of alpha."""
 
 
 class DraftLog:
-    """A proposer that drafts with ``inner`` and keeps each round's reported ``q`` rows (on the host, float64), keyed by
-    the round's context length. It reads each round's ``q`` from the device: for the check, not for timed decodes."""
+    """A proposer that drafts with ``inner`` and keeps each round's reported ``q`` rows of the current generation (on
+    the host, float32), keyed by the round's context length. It reads each round's ``q`` from the device: for the check,
+    not for timed decodes."""
 
     def __init__(self, inner: Proposer) -> None:
         self.inner = inner
@@ -74,7 +76,7 @@ class DraftLog:
         proposal = self.inner.propose(context, gamma, params, generator, state)
         if proposal.q is not None:
             drafted = min(len(proposal.tokens), gamma)
-            self.rows[len(context)] = proposal.q[:drafted].detach().to("cpu", torch.float64)
+            self.rows[len(context)] = proposal.q[:drafted].detach().to("cpu", torch.float32)
         return proposal
 
 
@@ -123,6 +125,8 @@ class PositionLaw:
     draft_positions: int
     draft_z: float | None
     ks_pvalue: float
+    drafted: int = 0
+    """Drafts the decodes' rounds verified (a check over none tests no draft)."""
 
     def statistics(self) -> int:
         return len(self.groups) + (self.draft_z is not None) + 1
@@ -170,23 +174,27 @@ def _grouped(by_offset: dict[int, list[float]]) -> list[tuple[str, list[float]]]
 
 
 @torch.no_grad()
-def position_law(target: torch.nn.Module, decodes: Sequence[Decode], params: SamplingParams,
+def position_law(target: torch.nn.Module, decodes: Iterable[Decode], params: SamplingParams,
                  seed: int = 0) -> PositionLaw:
-    """The statistics of ``decodes`` against ``target``'s law under ``params`` (see the module docstring)."""
+    """The statistics of ``decodes`` against ``target``'s law under ``params`` (see the module docstring). ``decodes``
+    is read once, each as it comes: from :func:`sampled_decodes`, a generation's ``q`` rows (γ rows of the target's
+    vocabulary a round) are dropped once it is scored."""
     from scipy.stats import kstest  # deferred: pulls in scipy
 
     rng = np.random.default_rng(seed)
     device = next(target.parameters()).device
     by_offset: dict[int, list[float]] = {}
     draft_u: list[float] = []
-    impossible = outside_nucleus = 0
+    impossible = outside_nucleus = drafted = 0
     untruncated = replace(params, top_k=0, top_p=1.0)
     for decode in decodes:
         tokens, start = decode.result.tokens, len(decode.prompt)
+        drafted += sum(decode.result.drafted_per_round)
         if not tokens:
             continue
         ids = torch.tensor([decode.prompt + tokens[:-1]], device=device)
-        logits = target(ids).logits[0, start - 1 :].double()
+        keep = {"logits_to_keep": len(tokens)} if "logits_to_keep" in signature(target.forward).parameters else {}
+        logits = target(ids, **keep).logits[0, -len(tokens) :].double()  # the rows that drew the new tokens
         rows = standardise(logits, params).to("cpu", torch.float64)
         round_start = start
         for i, (p, token, offset) in enumerate(zip(rows, tokens, round_offsets(decode.result), strict=True)):
@@ -197,27 +205,26 @@ def position_law(target: torch.nn.Module, decodes: Sequence[Decode], params: Sam
             by_offset.setdefault(offset, []).append(_transform(p, p, token, rng.random()))
             q = decode.q_rows.get(round_start)
             if q is not None and offset < q.shape[0]:
-                ratio = q[offset] / p.clamp(min=torch.finfo(torch.float64).tiny)
+                ratio = q[offset].double() / p.clamp(min=torch.finfo(torch.float64).tiny)
                 draft_u.append(_transform(p, ratio, token, rng.random()))
     every = [u for values in by_offset.values() for u in values]
     return PositionLaw(
         positions=len(every), impossible=impossible, outside_nucleus=outside_nucleus,
         groups=[(label, len(values), _z(values)) for label, values in _grouped(by_offset)],
         draft_positions=len(draft_u), draft_z=_z(draft_u) if draft_u else None,
-        ks_pvalue=float(kstest(every, "uniform").pvalue) if every else 1.0)
+        ks_pvalue=float(kstest(every, "uniform").pvalue) if every else 1.0, drafted=drafted)
 
 
 def sampled_decodes(target: torch.nn.Module, proposer: Proposer, prompts: Sequence[list[int]], new_tokens: int,
                     gamma: int, params: SamplingParams, generator: torch.Generator,
                     eos_token_id: int | Sequence[int] | None = None, options: DecodeOptions | None = None,
-                    on_decode: Any = None) -> list[Decode]:
-    """One sampled speculative generation per prompt, each with the ``q`` rows its rounds reported."""
+                    on_decode: Any = None) -> Iterator[Decode]:
+    """One sampled speculative generation per prompt, each with the ``q`` rows its rounds reported, decoded as the
+    caller asks for it."""
     log = DraftLog(proposer)
-    decodes = []
     for prompt in prompts:
         result = generate_speculative(target, log, prompt, new_tokens, gamma, params, generator, eos_token_id,
                                       options)
-        decodes.append(Decode(list(prompt), result, log.rows))
         if on_decode is not None:
             on_decode(result)
-    return decodes
+        yield Decode(list(prompt), result, log.rows)

@@ -54,8 +54,8 @@ def prompt(kit) -> list[int]:
 def decode(kit, proposer, prompt: list[int], params: SamplingParams, options: DecodeOptions | None = None,
            generations: int = GENERATIONS) -> list[Decode]:
     target, tokenizer = kit["target"]
-    return sampled_decodes(target, proposer, [prompt] * generations, NEW_TOKENS, GAMMA, params,
-                           torch.Generator().manual_seed(0), tokenizer.eos_token_id, options)
+    return list(sampled_decodes(target, proposer, [prompt] * generations, NEW_TOKENS, GAMMA, params,
+                                torch.Generator().manual_seed(0), tokenizer.eos_token_id, options))
 
 
 def assert_lossless(kit, decodes: list[Decode], params: SamplingParams, method: str) -> None:
@@ -170,3 +170,15 @@ def test_sparse_offsets_join_the_ones_before() -> None:
     groups = _grouped({0: [0.5] * 40, 1: [0.5] * 35, 2: [0.5] * 4, 3: [0.5] * 7, 4: [0.5] * 12, 5: [0.5] * 3})
     assert [(label, len(values)) for label, values in groups] == [("0", 40), ("1", 35), ("2-3", 11), ("4-5", 15)]
     assert [label for label, _ in _grouped({0: [0.5] * 40, 1: [0.5] * 5})] == ["0-1"]
+
+
+def test_generations_are_decoded_as_the_check_reads_them(kit, proposers, prompt) -> None:
+    """``sampled_decodes`` decodes a generation only when the check asks for it, so the check holds one generation's
+    q rows at a time (γ rows of the target's vocabulary a round: gigabytes over an evaluation's generations at 128k)."""
+    target, tokenizer = kit["target"]
+    decoded: list[GenerationResult] = []
+    decodes = sampled_decodes(target, proposers["full"], [prompt] * 3, 4, GAMMA, T1, torch.Generator().manual_seed(0),
+                              tokenizer.eos_token_id, on_decode=decoded.append)
+    first = next(decodes)
+    assert len(decoded) == 1 and first.result is decoded[0] and first.q_rows
+    assert len(list(decodes)) == 2 and len(decoded) == 3
