@@ -74,9 +74,11 @@ class DraftLog:
     def propose(self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator,
                 state: TargetState) -> Proposal:
         proposal = self.inner.propose(context, gamma, params, generator, state)
-        if proposal.q is not None:
-            drafted = min(len(proposal.tokens), gamma)
-            self.rows[len(context)] = proposal.q[:drafted].detach().to("cpu", torch.float32)
+        tokens = proposal.tokens
+        drafted = min(tokens.numel() if isinstance(tokens, Tensor) else len(tokens), gamma)
+        if proposal.q is not None and drafted:
+            self.rows[len(context)] = proposal.q.reshape(-1, proposal.q.shape[-1])[:drafted].detach().to(
+                "cpu", torch.float32)
         return proposal
 
 
@@ -205,7 +207,8 @@ def position_law(target: torch.nn.Module, decodes: Iterable[Decode], params: Sam
             by_offset.setdefault(offset, []).append(_transform(p, p, token, rng.random()))
             q = decode.q_rows.get(round_start)
             if q is not None and offset < q.shape[0]:
-                ratio = q[offset].double() / p.clamp(min=torch.finfo(torch.float64).tiny)
+                row = torch.nn.functional.pad(q[offset].double(), (0, p.shape[0] - q.shape[1]))  # ids it lacks: 0
+                ratio = row / p.clamp(min=torch.finfo(torch.float64).tiny)
                 draft_u.append(_transform(p, ratio, token, rng.random()))
     every = [u for values in by_offset.values() for u in values]
     return PositionLaw(

@@ -1,5 +1,5 @@
 """The engine on a CUDA GPU with the trained tiny kit: greedy equality for every method, the first
-emitted token's law at temperature 1, and CPU/GPU agreement; plus EAGLE-3 with a head trained on the GPU
+emitted token's law at temperature 1, every position's law on path graphs, and CPU/GPU agreement; plus EAGLE-3 with a head trained on the GPU
 (tests/engine/test_eagle3_proposer.py's checks). Marked ``gpu``: skipped without CUDA.
 
 Models run in float64 on the GPU so batched verification and one-token decoding agree far below any
@@ -124,6 +124,25 @@ def test_eagle3_trained_head_on_cuda(target, prompts) -> None:
 GRAPH_METHODS = ("full", "shortlist", "dynaspec", "pa_fr", "rdk", "eagle3", "dflash", "dflash_draft_head")
 """The methods whose drafts stay on the device: on CUDA they run on path graphs by default (and DFlash with its own
 draft-vocabulary head: tests/engine/conftest.py's kit_proposer)."""
+
+
+@pytest.mark.parametrize("method", GRAPH_METHODS)
+def test_every_position_follows_the_targets_law_on_the_graph_path(cuda_kit, method: str) -> None:
+    """Sampled generations on path graphs (the path evaluate decodes on with CUDA), every emitted position tested
+    against the target's law there (pipeline/evaluation/position_law.py; tests/engine/test_position_law.py does the
+    same on the CPU's paths): 24 generations of 32 tokens at temperature 1, family-wise alpha 1e-4."""
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.engine.static import DecodeOptions
+    from pipeline.evaluation.position_law import position_law, sampled_decodes
+
+    target, tok = cuda_kit["target"]
+    params = SamplingParams(temperature=1.0)
+    prompts = _prompts(tok) * 8
+    decodes = sampled_decodes(target, _proposer(cuda_kit, method), prompts, 32, 4, params,
+                              torch.Generator(device="cuda").manual_seed(0), tok.eos_token_id, DecodeOptions("graphs"))
+    law = position_law(target, decodes, params)
+    assert not law.failures(1e-4) and law.outside_nucleus == 0, (method, law.detail(1e-4))
+    assert law.drafted > 0 and law.draft_positions > 0, (method, law.detail(1e-4))
 
 
 def _strict_rounds(monkeypatch) -> list[int]:

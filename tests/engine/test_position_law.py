@@ -182,3 +182,26 @@ def test_generations_are_decoded_as_the_check_reads_them(kit, proposers, prompt)
     first = next(decodes)
     assert len(decoded) == 1 and first.result is decoded[0] and first.q_rows
     assert len(list(decodes)) == 2 and len(decoded) == 3
+
+
+def test_a_q_narrower_than_the_targets_vocabulary_counts_as_zero_beyond_it(kit, prompt) -> None:
+    """A proposer may report q over the ids it knows, fewer than the target's (the loop pads the rest with 0): the
+    check reads it the same way, and a lossless one passes with its drafted positions in the draft-order statistic."""
+    from pipeline.engine.proposers import Proposal
+
+    target, _ = kit["target"]
+    known = target.get_output_embeddings().weight.shape[0] // 2
+
+    class FirstHalf:
+        name, target_layers = "first_half", ()
+
+        def reset(self) -> None:
+            pass
+
+        def propose(self, context, gamma, params, generator, state) -> Proposal:  # noqa: ANN001
+            tokens = torch.randint(known, (gamma,), generator=generator).tolist()
+            return Proposal(tokens, torch.full((gamma, known), 1.0 / known, dtype=torch.float64))
+
+    law = position_law(target, decode(kit, FirstHalf(), prompt, T1, generations=12), T1)
+    # every position but the bonus tokens after a full acceptance (rare here) had a drafted q
+    assert not law.failures(ALPHA) and law.draft_positions > 0.9 * law.positions, law.detail(ALPHA)
