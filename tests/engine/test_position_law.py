@@ -205,3 +205,46 @@ def test_a_q_narrower_than_the_targets_vocabulary_counts_as_zero_beyond_it(kit, 
     law = position_law(target, decode(kit, FirstHalf(), prompt, T1, generations=12), T1)
     # every position but the bonus tokens after a full acceptance (rare here) had a drafted q
     assert not law.failures(ALPHA) and law.draft_positions > 0.9 * law.positions, law.detail(ALPHA)
+
+
+def test_the_check_fails_a_lossless_decode_at_most_alpha_of_the_time() -> None:
+    """Calibration: 300 independent sets of exact samples of a small target's law (each token drawn from p given the
+    previous one; 6 sequences of 20 tokens, cut into rounds of random lengths with random q rows, which a lossless
+    decode's law does not depend on) fail the check at alpha 0.2 in at most 0.2 of the sets, within 3 binomial
+    standard deviations (the Bonferroni split makes it conservative: 54 of 300 here); the same samples checked at
+    another temperature fail it almost always (50 of 50)."""
+
+    class Table(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.logits = torch.nn.Parameter(2 * torch.randn(16, 16, generator=torch.Generator().manual_seed(3)))
+
+        def forward(self, ids: torch.Tensor) -> SimpleNamespace:
+            return SimpleNamespace(logits=self.logits[ids])
+
+    target, rng = Table(), torch.Generator().manual_seed(0)
+    probs = torch.softmax(target.logits.detach().double(), dim=-1)
+
+    def decodes() -> list[Decode]:
+        out = []
+        for _ in range(6):
+            tokens, last = [], 0
+            for _ in range(20):
+                last = int(torch.multinomial(probs[last], 1, generator=rng))
+                tokens.append(last)
+            accepted = []
+            while sum(a + 1 for a in accepted) < len(tokens):
+                accepted.append(int(torch.randint(4, (1,), generator=rng)))
+            q_rows, start = {}, 1
+            for a in accepted:
+                q_rows[start] = torch.rand(3, 16, generator=rng)  # rows for the round's first three offsets
+                start += a + 1
+            result = GenerationResult(tokens=tokens, prompt_length=1, method="m", gamma=3, accepted_per_round=accepted)
+            out.append(Decode([0], result, q_rows))
+        return out
+
+    sets = [decodes() for _ in range(300)]
+    failed = sum(bool(position_law(target, d, T1).failures(0.2)) for d in sets)
+    assert failed <= 300 * (0.2 + 3 * (0.2 * 0.8 / 300) ** 0.5), failed
+    colder = sum(bool(position_law(target, d, SamplingParams(temperature=0.5)).failures(0.2)) for d in sets[:50])
+    assert colder >= 45, colder
