@@ -335,7 +335,7 @@ class Evaluator:
         with (``evaluate.temperature`` and ``top_p``), or at temperature 1 when they decode greedily."""
         # The first emitted token is the first draft (accepted) or a residual sample of p_0 and q_0 (rejected):
         # its law involves only the first draft, so one draft per round tests exactly that law, at a fraction of
-        # the drafting (SLRS enumerates a byte trie per draft). The matrix rows cover every draft position.
+        # the drafting (SLRS enumerates a byte trie per draft). position_check covers every draft position.
         n, gamma = self.ev.sampling_check_samples, 1
         params = self._check_params()
         context = next(iter(self.prompts.values()))[0]
