@@ -19,7 +19,7 @@ point at the two ways a fault moves a law:
   another ``q``) pull ``u`` toward 0 or toward 1.
 
 The statistics: the mean of the target-order ``u`` for each offset in the round (0 = the round's first token; offsets
-with fewer than :data:`MIN_GROUP` positions join the one before), the mean of every draft-order ``u`` (each a z-score:
+with fewer than :data:`MIN_GROUP` positions merged with their neighbours), the mean of every draft-order ``u`` (each a z-score:
 ``(mean - 1/2) · sqrt(12 n)``, exact uniforms, so the normal approximation holds at small n), and a Kolmogorov-Smirnov
 test of all target-order ``u``. Each is tested at ``alpha / m`` (m statistics): the check fails a lossless decode with
 probability at most ``alpha``. An emitted token outside the target's support (probability 0 before any top-k or top-p
@@ -46,10 +46,10 @@ from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.static import DecodeOptions
 
 MIN_GROUP = 10
-"""Fewest positions an offset's statistic is computed over; sparser offsets join the offset before them. The mean of
-ten uniforms has lighter tails than the normal (|z| beyond 4: probability 1.1e-5, Irwin-Hall, against the normal's
-6.3e-5), so the normal bound stays conservative; the floor keeps offsets that a few rounds reached from each taking a
-share of alpha."""
+"""Fewest positions an offset group's statistic is computed over (sparse offsets are merged with their neighbours,
+:func:`_grouped`). The mean of ten uniforms has lighter tails than the normal (|z| beyond 4: probability 1.1e-5,
+Irwin-Hall, against the normal's 6.3e-5), so the normal bound stays conservative; the floor keeps offsets that a few
+rounds reached from each taking a share of alpha."""
 
 
 class DraftLog:
@@ -157,12 +157,13 @@ class PositionLaw:
                  else f"draft-order z {self.draft_z:+.2f} (n={self.draft_positions})")
         return (f"{self.positions} positions; target-order z by offset in the round {groups}; {draft}; KS p="
                 f"{self.ks_pvalue:.3g}; each |z| must stay within {self.critical_z(alpha):.2f} (family-wise alpha "
-                f"{alpha:g} over {self.statistics()} statistics); tokens emitted outside the target's support: {self.impossible}, "
-                f"outside the recomputed nucleus: {self.outside_nucleus}")
+                f"{alpha:g} over {self.statistics()} statistics); tokens emitted outside the target's support: "
+                f"{self.impossible}, outside the recomputed nucleus: {self.outside_nucleus}")
 
 
 def _grouped(by_offset: dict[int, list[float]]) -> list[tuple[str, list[float]]]:
-    """Offsets in order, each sparse one (fewer than MIN_GROUP) joined with the offsets before it."""
+    """Offsets in order, merged with the offsets after them until a group holds MIN_GROUP positions; a sparse last
+    group joins the one before it."""
     groups: list[tuple[int, int, list[float]]] = []
     for offset in sorted(by_offset):
         if groups and len(groups[-1][2]) < MIN_GROUP:

@@ -1,6 +1,6 @@
 """The engine on a CUDA GPU with the trained tiny kit: greedy equality for every method, the first
-emitted token's law at temperature 1, every position's law on path graphs, and CPU/GPU agreement; plus EAGLE-3 with a head trained on the GPU
-(tests/engine/test_eagle3_proposer.py's checks). Marked ``gpu``: skipped without CUDA.
+emitted token's law at temperature 1, every position's law on path graphs, and CPU/GPU agreement; plus EAGLE-3 with
+a head trained on the GPU (tests/engine/test_eagle3_proposer.py's checks). Marked ``gpu``: skipped without CUDA.
 
 Models run in float64 on the GPU so batched verification and one-token decoding agree far below any
 argmax gap (cuBLAS picks different kernels for different shapes; in float32 an exact near-tie could flip).

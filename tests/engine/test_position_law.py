@@ -166,7 +166,7 @@ def test_offsets_follow_the_rounds() -> None:
     assert round_offsets(result) == [0, 0, 1, 2, 0, 0, 1]
 
 
-def test_sparse_offsets_join_the_ones_before() -> None:
+def test_sparse_offsets_are_merged_with_their_neighbours() -> None:
     groups = _grouped({0: [0.5] * 40, 1: [0.5] * 35, 2: [0.5] * 4, 3: [0.5] * 7, 4: [0.5] * 12, 5: [0.5] * 3})
     assert [(label, len(values)) for label, values in groups] == [("0", 40), ("1", 35), ("2-3", 11), ("4-5", 15)]
     assert [label for label, _ in _grouped({0: [0.5] * 40, 1: [0.5] * 5})] == ["0-1"]
