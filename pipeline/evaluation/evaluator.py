@@ -391,11 +391,10 @@ class Evaluator:
                                   self._generator(11), self.eos, self.options, done)
         law = position_law(self.target, decodes, params, seed=self.ev.seed)
         failures = law.failures(alpha)
-        drafted = law.drafted
-        passed = not failures and law.positions > 0 and drafted > 0
+        passed = not failures and law.positions > 0 and law.drafted > 0
         name = f"position_law[{method}{'/' + shortlist if shortlist else ''}]"
         detail = (f"{n} generations of up to {self.ev.max_new_tokens} tokens at γ={gamma}, temperature "
-                  f"{params.temperature:g}, top-p {params.top_p:g}; {law.detail(alpha)}; drafts verified: {drafted} "
+                  f"{params.temperature:g}, top-p {params.top_p:g}; {law.detail(alpha)}; drafts verified: {law.drafted} "
                   f"(a check with none would be vacuous)" + (f"; FAILED: {'; '.join(failures)}" if failures else ""))
         return LosslessCheck(name=name, passed=passed, detail=detail)
 

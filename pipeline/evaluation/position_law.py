@@ -191,13 +191,14 @@ def position_law(target: torch.nn.Module, decodes: Iterable[Decode], params: Sam
     draft_u: list[float] = []
     impossible = outside_nucleus = drafted = 0
     untruncated = replace(params, top_k=0, top_p=1.0)
+    keeps = "logits_to_keep" in signature(target.forward).parameters
     for decode in decodes:
         tokens, start = decode.result.tokens, len(decode.prompt)
         drafted += sum(decode.result.drafted_per_round)
         if not tokens:
             continue
         ids = torch.tensor([decode.prompt + tokens[:-1]], device=device)
-        keep = {"logits_to_keep": len(tokens)} if "logits_to_keep" in signature(target.forward).parameters else {}
+        keep = {"logits_to_keep": len(tokens)} if keeps else {}
         logits = target(ids, **keep).logits[0, -len(tokens) :].double()  # the rows that drew the new tokens
         rows = standardise(logits, params).to("cpu", torch.float64)
         round_start = start
