@@ -19,9 +19,9 @@ point at the two ways a fault moves a law:
   another ``q``) pull ``u`` toward 0 or toward 1.
 
 The statistics: the mean of the target-order ``u`` for each offset in the round (0 = the round's first token; offsets
-with fewer than :data:`MIN_GROUP` positions merged with their neighbours), the mean of every draft-order ``u`` (each a z-score:
-``(mean - 1/2) · sqrt(12 n)``, exact uniforms, so the normal approximation holds at small n), and a Kolmogorov-Smirnov
-test of all target-order ``u``. Each is tested at ``alpha / m`` (m statistics): the check fails a lossless decode with
+with fewer than :data:`MIN_GROUP` positions merged with their neighbours), the mean of every draft-order ``u`` (each a
+z-score: ``(mean - 1/2) · sqrt(12 n)``, exact uniforms, so the normal approximation holds at small n), and a
+Kolmogorov-Smirnov test of all target-order ``u``. Each is tested at ``alpha / m`` (m statistics): the check fails a lossless decode with
 probability at most ``alpha``. An emitted token outside the target's support (probability 0 before any top-k or top-p
 truncation) fails it outright. One inside the support but outside the recomputed nucleus is counted and takes ``u = 1``
 (last in target order): the decode's own forwards and the check's one forward over the whole generation round apart
