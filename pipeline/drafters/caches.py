@@ -15,32 +15,52 @@ import torch
 import torch.nn.functional as F
 
 
-@dataclass
+def reserve(buffer: torch.Tensor | None, kept: int, needed: int, like: torch.Tensor) -> torch.Tensor:
+    """A ``(B, heads, ·, d)`` buffer of at least ``needed`` positions along dim 2, shaped and typed like ``like``:
+    ``buffer`` itself when it is long enough, else a new one of twice ``needed`` (at least 64) holding its first
+    ``kept`` positions. A cache that grows by doubling copies each position O(1) times over a generation, where
+    concatenating every feed copied the whole cache each time (seven times a round for an EAGLE-3 chain)."""
+    if buffer is not None and buffer.shape[2] >= needed:
+        return buffer
+    grown = like.new_empty(*like.shape[:2], max(64, 2 * needed), like.shape[3])
+    if buffer is not None and kept:
+        grown[:, :, :kept] = buffer[:, :, :kept]
+    return grown
+
+
 class KVCache:
     """Keys and values of every position fed so far, ``(B, kv_heads, P, head_dim)``, RoPE applied.
 
-    Inference: prefill with the verified prefix, then feed draft tokens; :meth:`crop` drops rejected ones.
+    Inference: prefill with the verified prefix, then feed draft tokens; :meth:`crop` drops rejected ones. The rows
+    live in buffers that double when full (:func:`reserve`): a feed writes only its own rows, and attention reads
+    views of the buffers.
     """
 
-    key: torch.Tensor | None = None
-    value: torch.Tensor | None = None
+    def __init__(self) -> None:
+        self._key: torch.Tensor | None = None
+        self._value: torch.Tensor | None = None
+        self.length = 0
 
     @property
-    def length(self) -> int:
-        return 0 if self.key is None else self.key.shape[2]
+    def key(self) -> torch.Tensor | None:
+        return None if self._key is None else self._key[:, :, : self.length]
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        return None if self._value is None else self._value[:, :, : self.length]
 
     def crop(self, length: int) -> None:
-        if self.key is not None:
-            self.key, self.value = self.key[:, :, :length], self.value[:, :, :length]
+        self.length = min(self.length, length)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        past = self.length
-        if past:
-            k, v = torch.cat([self.key, k], dim=2), torch.cat([self.value, v], dim=2)
-        self.key, self.value = k, v
-        # New queries see every cached position and, among themselves, only earlier ones.
-        visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+        past, end = self.length, self.length + k.shape[2]
+        self._key, self._value = reserve(self._key, past, end, k), reserve(self._value, past, end, v)
+        self._key[:, :, past:end], self._value[:, :, past:end] = k, v
+        self.length = end
+        # New queries see every cached position and, among themselves, only earlier ones: one query sees everything.
+        visible = None if q.shape[2] == 1 else torch.ones(q.shape[2], end, dtype=torch.bool,
+                                                               device=q.device).tril(diagonal=past)
+        return F.scaled_dot_product_attention(q, self.key, self.value, attn_mask=visible, enable_gqa=True)
 
 
 class StaticKVCache:

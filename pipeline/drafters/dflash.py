@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.drafters.caches import reserve
 from pipeline.drafters.layers import (
     MLP,
     RMSNorm,
@@ -224,16 +225,8 @@ class ContextCache:
         start = self._lengths[layer]
         end = start + key.shape[2]
         total = end + block_key.shape[2]
-        buffer = self._keys[layer]
-        if buffer is None or buffer.shape[2] < total:
-            capacity = max(64, 2 * total)
-            keys = key.new_empty(*key.shape[:2], capacity, key.shape[3])
-            values = value.new_empty(*value.shape[:2], capacity, value.shape[3])
-            if buffer is not None and start:
-                keys[:, :, :start] = buffer[:, :, :start]
-                values[:, :, :start] = self._values[layer][:, :, :start]
-            self._keys[layer], self._values[layer] = keys, values
-        keys, values = self._keys[layer], self._values[layer]
+        keys = self._keys[layer] = reserve(self._keys[layer], start, total, key)
+        values = self._values[layer] = reserve(self._values[layer], start, total, value)
         keys[:, :, start:end], keys[:, :, end:total] = key, block_key
         values[:, :, start:end], values[:, :, end:total] = value, block_value
         self._lengths[layer] = end

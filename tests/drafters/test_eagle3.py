@@ -244,6 +244,28 @@ def test_kv_cache_decoding_matches_one_forward() -> None:
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
 
 
+def test_a_kv_cache_feed_writes_only_its_own_rows() -> None:
+    """A draft step writes its one row into the cache's buffer: no copy of the cached rows per feed (they were
+    concatenated afresh at every step, seven times a round). After a crop the next feed overwrites the dropped rows,
+    and the decode still equals one forward over the kept and new rows."""
+    drafter = make_drafter()
+    batch = random_batch(length=12)
+    ids, fused = batch["input_ids"], drafter.fc(batch["hidden"])
+    with torch.no_grad():
+        cache = KVCache()
+        drafter.step(ids[:, :6], fused[:, :6], cache=cache)
+        storage = cache.key.untyped_storage().data_ptr()
+        prefix = cache.key.clone()
+        rows = [drafter.step(ids[:, t : t + 1], fused[:, t : t + 1], cache=cache) for t in range(6, 9)]
+        assert cache.key.untyped_storage().data_ptr() == storage
+        assert torch.equal(cache.key[:, :, :6], prefix) and cache.key.shape[2] == 9
+        cache.crop(7)
+        kept = drafter.step(ids[:, 7:12], fused[:, 7:12], cache=cache)
+        assert cache.length == 12 and cache.key.untyped_storage().data_ptr() == storage
+        full = drafter.step(ids, fused)
+    torch.testing.assert_close(torch.cat([rows[0], kept], dim=1), full[:, 6:], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_the_fused_rms_norm_is_llamas_in_every_dtype(dtype: torch.dtype) -> None:
     """The decoding layout's one ``rms_norm`` gives Llama's norm (statistics in float32, the weight applied after the
