@@ -436,7 +436,7 @@ class DFlashDrafter(RopeDrafter):
 
     def forward(self, block_ids: torch.Tensor, target_hidden: torch.Tensor, block_positions: torch.Tensor,
                 context_positions: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: ContextCache | StaticContextCache | None = None) -> torch.Tensor:
+                cache: ContextCache | StaticContextCache | None = None, bound: int | None = None) -> torch.Tensor:
         """The final-normed hidden state of every block row, ``(B, L, H)``; :meth:`logits` turns it into logits.
 
         Args:
@@ -449,13 +449,16 @@ class DFlashDrafter(RopeDrafter):
             cache: a :class:`ContextCache` (inference); the new context rows are appended to it. Or a
                 :class:`StaticContextCache` (static shapes): the new rows are written at its position and the block
                 sees the slots before its end (``mask`` must then be None).
+            bound: a host bound every position is below, if the caller knows one (a static cache's is its slots);
+                decoding then reads RoPE from a table (:meth:`~pipeline.drafters.layers.RopeDrafter.rope`).
         """
         context = self.project_context(target_hidden)
         if isinstance(cache, StaticContextCache):
             mask = cache.mask(block_ids.shape[1])
+            bound = cache.capacity + cache.block_rows
         with torch.no_grad():
             block = self.embed_tokens(block_ids).to(context.dtype)
-        rope = self.rotary_emb(block, torch.cat([context_positions, block_positions], dim=1))
+        rope = self.rope(block, torch.cat([context_positions, block_positions], dim=1), bound)
         for index, layer in enumerate(self.layers):
             block = layer(block, context, rope, mask, cache, index)
         return self.norm(block)

@@ -323,14 +323,17 @@ class Eagle3Drafter(RopeDrafter):
         """
         hidden = self.fuse(hidden)
         batch, length = input_ids.shape
+        bound = None  # every position is below it, when the host knows one (decoding reads RoPE from a table then)
         if position_ids is None and isinstance(cache, StaticKVCache):
             position_ids = (cache.position + torch.arange(length, device=input_ids.device)).expand(batch, length)
+            bound = cache.capacity
         if position_ids is None:
             start = cache.length if isinstance(cache, KVCache) else cache.steps if cache is not None else 0
             position_ids = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
+            bound = start + length
         with torch.no_grad():
             embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        cos, sin = self.rotary_emb(hidden, position_ids)
+        cos, sin = self.rope(hidden, position_ids, bound)
         return self.midlayer(embeds, hidden, cos, sin, cache)
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@ RMSNorm, RoPE and gated MLP, and a base module whose RoPE frequencies stay float
 
 **Decoding layout.** The proposers switch a drafter to :meth:`RopeDrafter.stack_for_decoding`: each layer's
 projections that read the same input (queries, keys and values; the MLP's gate and up) run as one matrix product over
-their weights stacked row-wise, and the norms as one fused ``rms_norm``. Fewer, larger operations per forward: on a GPU
+their weights stacked row-wise, the norms as one fused ``rms_norm``, and RoPE as two row lookups in a table
+(:meth:`RopeDrafter.rope`). Fewer, larger operations per forward: on a GPU
 fewer kernels, on a CPU fewer dispatches (a block of rows gains most). The stacks are non-persistent buffers, in no
 state dict, and each layer's weight becomes a view of its rows, so no weight is held twice and the two cannot part;
 training, checkpoints and exports see the separate layers only, and leaving decoding (``.train()``,
@@ -176,6 +177,35 @@ class RopeDrafter(nn.Module):
     decoding = False
     """Whether the layers are in the decoding layout (:meth:`stack_for_decoding`)."""
 
+    _rope_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, bound: int | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` ``(B, T, d)`` of ``positions`` in ``x``'s dtype, as ``rotary_emb`` gives them.
+
+        Decoding, given ``bound`` (every position is below it, known on the host): two row lookups in a table that
+        ``rotary_emb`` computed once (:meth:`reserve_rope`). ``rotary_emb``'s own call costs several operations and a
+        Python wrapper per step, about 20 µs on a CPU (an EAGLE-3 chain runs it seven times a round). Without a bound,
+        in training, or for a RoPE whose frequencies depend on the sequence length (``dynamic``, ``longrope``):
+        ``rotary_emb`` itself.
+        """
+        if bound is None or not self.decoding or self.rotary_emb.rope_type in ("dynamic", "longrope"):
+            return self.rotary_emb(x, positions)
+        cos, sin = self.reserve_rope(bound, x)
+        return F.embedding(positions, cos), F.embedding(positions, sin)
+
+    def reserve_rope(self, bound: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE table :meth:`rope` reads, ``cos``, ``sin`` ``(P, d)`` for positions ``0 … P − 1`` with
+        ``P ≥ bound``, in ``like``'s dtype and on its device: ``rotary_emb``'s output for those positions, computed
+        again (twice ``bound`` rows) only when it is too short or of another dtype or device. A decode path that
+        captures a graph reserves its longest position before the capture, so no forward builds it."""
+        rows = self._rope_rows
+        if rows is None or rows[0].shape[0] < bound or rows[0].dtype != like.dtype or rows[0].device != like.device:
+            positions = torch.arange(max(64, 2 * bound), device=like.device).unsqueeze(0)
+            cos, sin = self.rotary_emb(like, positions)
+            rows = self._rope_rows = (cos[0], sin[0])
+        return rows
+
     def stack_for_decoding(self, on: bool = True) -> None:
         """Switch every layer to the decoding layout (see the module doc), or back with ``on=False``."""
         for module in self.modules():
@@ -184,6 +214,7 @@ class RopeDrafter(nn.Module):
             elif module is not self and callable(getattr(module, "stack", None)):
                 module.stack(on)
         self.decoding = on
+        self._rope_rows = None
 
     def train(self, mode: bool = True) -> RopeDrafter:
         if mode:
@@ -200,6 +231,7 @@ class RopeDrafter(nn.Module):
         if rotary is not None:
             exact = self._rope_inv_freq.to(rotary.inv_freq.device)
             rotary.inv_freq, rotary.original_inv_freq = exact, exact.clone()
+            self._rope_rows = None
         if self.decoding:  # a conversion copies the weights and the stacks apart: stack the converted weights again
             self.stack_for_decoding()
         return self

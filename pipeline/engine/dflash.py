@@ -91,6 +91,7 @@ class DFlashProposer:
                                               weight.device)
             cache = self._static
             static_addresses(*cache.keys, *cache.values, cache.position, cache.end, cache.slots)
+        self.drafter.reserve_rope(self._static.capacity + self._static.block_rows, weight)  # before any capture
 
     def reset(self) -> None:
         """Forget the cached context; see :class:`~pipeline.engine.proposers.Proposer`."""
@@ -148,7 +149,8 @@ class DFlashProposer:
         else:
             context_positions = torch.arange(valid, rows, device=weight.device).unsqueeze(0)
             block_positions = (rows + steps).unsqueeze(0)
-            out = self.drafter(block, features, block_positions, context_positions, cache=self.cache)
+            out = self.drafter(block, features, block_positions, context_positions, cache=self.cache,
+                               bound=rows + self.block_size)
         self._ids = list(context[:rows])
         self.drafter_calls += 1
         return self.drafter.logits(out[0, 1 : 1 + (self.block_size - 1 if drafts is None else drafts)])

@@ -165,10 +165,10 @@ def test_both_context_caches_equal_a_fresh_forward_across_rounds_and_a_rollback(
 
 
 def test_the_decoding_layout_drafts_the_same_block_and_holds_each_weight_once(target, tmp_path: Path) -> None:
-    """Stacked projections and fused norms (what the proposer switches on) give the separate layers' block over the
-    eager cache; each layer's weight is a view of the stack (held once, so the two cannot part), a dtype conversion
-    stacks again, and the state dict stays the reference layout and saves as safetensors; loaded weights or training
-    mode give the layers their own weights back, and the next stack follows the new ones."""
+    """Stacked projections, fused norms and RoPE read from a table (what the proposer switches on) give the separate
+    layers' block over the eager cache; each layer's weight is a view of the stack (held once, so the two cannot
+    part), a dtype conversion stacks again, and the state dict stays the reference layout and saves as safetensors;
+    loaded weights or training mode give the layers their own weights back, and the next stack follows the new ones."""
     drafter = _drafter(target, block=4)
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(3))
     features = _features(target, drafter, ids)
@@ -180,7 +180,7 @@ def test_the_decoding_layout_drafts_the_same_block_and_holds_each_weight_once(ta
             block = drafter.block_ids(ids[0, rows:rows + 1])
             out.append(drafter(block, features[:, valid:rows].to(drafter.fc.weight.dtype),
                                torch.arange(rows, rows + 4).unsqueeze(0), torch.arange(valid, rows).unsqueeze(0),
-                               cache=cache)[0])
+                               cache=cache, bound=rows + 4)[0])
         return out
 
     with torch.no_grad():
@@ -190,6 +190,7 @@ def test_the_decoding_layout_drafts_the_same_block_and_holds_each_weight_once(ta
             getattr(drafter.layers[0].self_attn, name).out_features for name in ("q_proj", "k_proj", "v_proj"))
         for got, want in zip(blocks(), separate, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert drafter._rope_rows[0].shape[0] >= 16  # RoPE was read from the decoding table
         attention = drafter.layers[0].self_attn
         storage = attention.qkv.untyped_storage().data_ptr()
         assert all(getattr(attention, name).weight.untyped_storage().data_ptr() == storage

@@ -314,6 +314,45 @@ def test_the_decoding_layout_steps_alike_and_never_outlives_the_weights_it_stack
         assert drafter.midlayer.mlp.gate_up is None and not drafter.midlayer.input_layernorm.fused
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"rope_type": "llama3", "factor": 8.0,
+                                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 16},
+                                  {"rope_type": "dynamic", "factor": 2.0}], ids=lambda r: r["rope_type"])
+def test_decoding_reads_rope_from_a_table_rotary_emb_computed_once(rope: dict) -> None:
+    """In the decoding layout a step reads cos/sin as rows of a table ``rotary_emb`` built once (and again only to
+    grow it), equal to ``rotary_emb``'s own values, scaled RoPE included; a RoPE whose frequencies follow the sequence
+    length (``dynamic``) calls ``rotary_emb`` at every step, as training does."""
+    torch.manual_seed(0)
+    target = llama()
+    target.rope_parameters = {**rope, "rope_theta": 1e4}
+    drafter = Eagle3Drafter(Eagle3Config.from_target(target, VD), nn.Embedding(V, H)).double().eval()
+    batch = random_batch(length=40)
+    ids, fused = batch["input_ids"][:1], drafter.fc(batch["hidden"][:1].double()).detach()
+    calls = []
+    forward = drafter.rotary_emb.forward
+    drafter.rotary_emb.forward = lambda x, positions: calls.append(positions.shape[-1]) or forward(x, positions)
+
+    def steps() -> torch.Tensor:
+        cache = KVCache()
+        parts = [drafter.step(ids[:, :6], fused[:, :6], cache=cache)]
+        parts += [drafter.step(ids[:, t : t + 1], fused[:, t : t + 1], cache=cache) for t in range(6, 40)]
+        return torch.cat(parts, dim=1)
+
+    with torch.no_grad():
+        plain = steps()
+        assert len(calls) == 35
+        drafter.stack_for_decoding()
+        calls.clear()
+        decoded = steps()
+        assert calls == ([6] + [1] * 34 if rope["rope_type"] == "dynamic" else [64])
+        cos, sin = drafter.rope(fused, torch.arange(40).unsqueeze(0), 40)
+        want = forward(fused, torch.arange(40).unsqueeze(0))
+        assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+        drafter.train()
+        assert drafter._rope_rows is None
+    torch.testing.assert_close(decoded, plain, rtol=0, atol=1e-12)
+
+
 def test_ttt_steps_see_what_a_chain_drafter_sees_at_inference() -> None:
     """Row t of step s equals drafting at inference: prefill step-0 rows 0..t (the verified prefix),
     then feed the drafts of steps 1..s one at a time (position t+j, its own previous hidden)."""
