@@ -198,7 +198,8 @@ class RopeDrafter(nn.Module):
         """The RoPE table :meth:`rope` reads, ``cos``, ``sin`` ``(P, d)`` for positions ``0 … P − 1`` with
         ``P ≥ bound``, in ``like``'s dtype and on its device: ``rotary_emb``'s output for those positions, computed
         again (twice ``bound`` rows) only when it is too short or of another dtype or device. A decode path that
-        captures a graph reserves its longest position before the capture, so no forward builds it."""
+        captures a graph reserves its longest position before the capture, so no forward builds it, and marks the
+        table's address static, so a CUDA graph reads it in place."""
         rows = self._rope_rows
         if rows is None or rows[0].shape[0] < bound or rows[0].dtype != like.dtype or rows[0].device != like.device:
             positions = torch.arange(max(64, 2 * bound), device=like.device).unsqueeze(0)

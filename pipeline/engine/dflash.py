@@ -91,7 +91,7 @@ class DFlashProposer:
                                               weight.device)
             cache = self._static
             static_addresses(*cache.keys, *cache.values, cache.position, cache.end, cache.slots)
-        self.drafter.reserve_rope(self._static.capacity + self._static.block_rows, weight)  # before any capture
+        static_addresses(*self.drafter.reserve_rope(self._static.capacity + self._static.block_rows, weight))
 
     def reset(self) -> None:
         """Forget the cached context; see :class:`~pipeline.engine.proposers.Proposer`."""

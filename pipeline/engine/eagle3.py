@@ -100,7 +100,7 @@ class Eagle3Proposer:
             self._static = StaticKVCache(capacity, config.num_key_value_heads, config.head_dim, weight.dtype,
                                          weight.device)
             static_addresses(self._static.key, self._static.value, self._static.position, self._static.slots)
-        self.drafter.reserve_rope(self._static.capacity, weight)  # before any graph is captured
+        static_addresses(*self.drafter.reserve_rope(self._static.capacity, weight))  # before any graph is captured
 
     def reset(self) -> None:
         """Forget the cached rows; see :class:`~pipeline.engine.proposers.Proposer`."""
