@@ -19,8 +19,10 @@ def reserve(buffer: torch.Tensor | None, kept: int, needed: int, like: torch.Ten
     """A ``(B, heads, ·, d)`` buffer of at least ``needed`` positions along dim 2, shaped and typed like ``like``:
     ``buffer`` itself when it is long enough, else a new one of twice ``needed`` (at least 64) holding its first
     ``kept`` positions. A cache that grows by doubling copies each position O(1) times over a generation, where
-    concatenating every feed copied the whole cache each time (seven times a round for an EAGLE-3 chain)."""
-    if buffer is not None and buffer.shape[2] >= needed:
+    concatenating every feed copied the whole cache each time (seven times a round for an EAGLE-3 chain). A buffer of
+    another batch, head shape, dtype or device is not reused (its kept rows are converted into the new one)."""
+    if buffer is not None and buffer.shape[2] >= needed and buffer.dtype == like.dtype and \
+            buffer.device == like.device and buffer.shape[:2] == like.shape[:2] and buffer.shape[3] == like.shape[3]:
         return buffer
     grown = like.new_empty(*like.shape[:2], max(64, 2 * needed), like.shape[3])
     if buffer is not None and kept:

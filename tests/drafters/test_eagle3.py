@@ -247,7 +247,8 @@ def test_kv_cache_decoding_matches_one_forward() -> None:
 def test_a_kv_cache_feed_writes_only_its_own_rows() -> None:
     """A draft step writes its one row into the cache's buffer: no copy of the cached rows per feed (they were
     concatenated afresh at every step, seven times a round). After a crop the next feed overwrites the dropped rows,
-    and the decode still equals one forward over the kept and new rows."""
+    and the decode still equals one forward over the kept and new rows. A drafter converted to another dtype under a
+    live cache carries the kept rows over, converted (the old buffer would have cast the new rows down)."""
     drafter = make_drafter()
     batch = random_batch(length=12)
     ids, fused = batch["input_ids"], drafter.fc(batch["hidden"])
@@ -263,6 +264,11 @@ def test_a_kv_cache_feed_writes_only_its_own_rows() -> None:
         kept = drafter.step(ids[:, 7:12], fused[:, 7:12], cache=cache)
         assert cache.length == 12 and cache.key.untyped_storage().data_ptr() == storage
         full = drafter.step(ids, fused)
+        drafter.double()  # a drafter converted under a live cache: its kept rows follow, converted
+        cache.crop(11)
+        drafter.step(ids[:, 11:12], fused[:, 11:12].double(), cache=cache)
+        assert cache.length == 12 and cache.key.dtype == torch.float64
+        assert torch.equal(cache.key[:, :, :6], prefix.double())
     torch.testing.assert_close(torch.cat([rows[0], kept], dim=1), full[:, 6:], rtol=0, atol=1e-5)
 
 
