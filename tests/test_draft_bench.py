@@ -63,8 +63,12 @@ def test_a_row_per_variant_each_drafting_one_round_per_timed_call() -> None:
     assert [r.forwards for r in rows] == [5, 1, 1] and all(r.ms > 0 and r.path == "static" for r in rows)
     assert rows[0].time_ratio == 1.0 and rows[0].bytes_ratio == 1.0
     assert rows[1].bytes_ratio > rows[2].bytes_ratio  # the target's 2,004 head rows against its own 100
-    # the prefill of the context, then one forward per call: 1 untimed round and 3 timed, two DFlash variants
-    assert len(forwards) == 2 * (1 + 1 + 3)
+    # the prefill of the context, then one forward per call: 1 untimed round, 3 timed and 1 counted, two variants
+    assert len(forwards) == 2 * (1 + 1 + 3 + 1)
+    # operations: EAGLE-3's five steps each dispatch more than a fifth of one DFlash block forward's (a layer and a
+    # head a step), and the head's width changes no count
+    assert rows[0].operations_ratio == 1.0 and rows[0].operations > rows[1].operations > 0
+    assert rows[1].operations == rows[2].operations and rows[1].operations_ratio == rows[2].operations_ratio
 
 
 @pytest.mark.slow
@@ -83,6 +87,6 @@ def test_drafter_bench_draft_on_the_test_kit(tmp_path, tiny_kit) -> None:
     for shape, draft, vocab in (("target", 64, "1,024"), ("llama3-8b/64", 512, "2,004")):
         shape = re.escape(shape)
         assert re.search(rf"\| {shape} \| cpu [^|]* \| \w+ \| eagle3 \| 5 \| {draft} \| [0-9.,]+ \| 1\.00× \| "
-                         r"[0-9.]+ \| 1\.00× \|", table)
+                         r"[0-9.]+ \| 1\.00× \| [0-9,]+ \| 1\.00× \|$", table, re.MULTILINE)
         assert re.search(rf"\| {shape} \| .* \| dflash 5 layers, own head \| 1 \| {draft} \|", table)
         assert re.search(rf"\| {shape} \| .* \| dflash 2 layers, target head \| 1 \| {vocab} \|", table)

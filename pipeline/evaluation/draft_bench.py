@@ -9,11 +9,13 @@ shape are timed in turn (:func:`~pipeline.timing.interleaved_times`), so their r
 shared machine.
 
 Beside each time the table gives the **weights a round reads**: the bytes of every weight the round's forwards use,
-counted once per forward that uses them (EAGLE-3's layer and head ``γ`` times, DFlash's layers and head once). At a
-serving shape a drafter at batch 1 is bound by those bytes, and its time ratio follows their ratio. At the tiny kit's
-shape it is bound by its operations (a few microseconds each, hundreds a forward) and the time ratio sits far above
-the bytes ratio: a second DFlash layer there adds about a tenth of EAGLE-3's bytes and a sixth of its time. Both
-regimes in one table say what a cost ratio measured on the kit stands for at a serving shape.
+counted once per forward that uses them (EAGLE-3's layer and head ``γ`` times, DFlash's layers and head once), and
+the **operations a round dispatches**: torch's top-level operations in one round, counted by its profiler on the host
+(on a CPU each costs a few microseconds whatever its size; on a GPU each launches at least one kernel). At a serving
+shape a drafter at batch 1 is bound by its bytes, and its time ratio follows their ratio. At the tiny kit's shape it
+is bound by its operations and the time ratio sits far above the bytes ratio: a second DFlash layer there adds about
+a tenth of EAGLE-3's bytes and a sixth of its time. Both regimes in one table say what a cost ratio measured on the kit
+stands for at a serving shape.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from pipeline.config.sections import PipelineConfig
 from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -64,6 +67,8 @@ class DraftRow:
     ms: float
     eagle3_bytes: int
     eagle3_ms: float
+    operations: int
+    eagle3_operations: int
 
     @property
     def bytes_ratio(self) -> float:
@@ -73,9 +78,20 @@ class DraftRow:
     def time_ratio(self) -> float:
         return self.ms / self.eagle3_ms
 
+    @property
+    def operations_ratio(self) -> float:
+        return self.operations / self.eagle3_operations
+
 
 def _bytes(*modules: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for module in modules for p in module.parameters())
+
+
+def operations_of(fn: Callable[[], Any]) -> int:
+    """Top-level torch operations one call of ``fn`` dispatches, counted by torch's profiler on the host."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for event in prof.events() if event.cpu_parent is None)
 
 
 def eagle3_round_bytes(drafter: Eagle3Drafter, gamma: int) -> int:
@@ -134,7 +150,8 @@ def measure_drafting(shape: str, target_config: Any, embedding: nn.Module, head:
                      draft_vocab_size: int, layers: tuple[int, ...], options: DecodeOptions, repeats: int,
                      dflash_shape: dict | None = None, log: Callable[[str], None] = print) -> list[DraftRow]:
     """The rows of one shape: every variant of :func:`drafting_variants` timed in turn, ``repeats`` rounds each
-    (after one untimed), medians in milliseconds."""
+    (after one untimed), medians in milliseconds; then one more round of each, its operations counted
+    (:func:`operations_of`)."""
     device = embedding.weight.device
     gamma = block_size - 1
     sized = replace(options, capacity=CONTEXT + 2 * block_size + 8)
@@ -146,11 +163,12 @@ def measure_drafting(shape: str, target_config: Any, embedding: nn.Module, head:
                for name, (proposer, *_) in variants.items()}
         log(f"bench draft {shape}: timing {len(fns)} drafters in turn, {repeats} rounds each")
         times = interleaved_times(fns, device, repeats, warmup=1)
+        operations = {name: operations_of(fn) for name, fn in fns.items()}
     where = device_name(device)
     ms = {name: 1e3 * float(np.median(seconds)) for name, seconds in times.items()}
     chain = next(iter(variants))  # the chain drafter comes first: every ratio is to its round
     return [DraftRow(shape, where, options.path, name, forwards, head_rows, weight_bytes, ms[name],
-                     variants[chain][3], ms[chain])
+                     variants[chain][3], ms[chain], operations[name], operations[chain])
             for name, (_, forwards, head_rows, weight_bytes) in variants.items()]
 
 
@@ -158,10 +176,11 @@ def draft_table(rows: list[DraftRow], gamma: int) -> str:
     """The rows as a markdown table, each shape's ratios against its own EAGLE-3 row."""
     lines = [f"## Drafting a round at γ = {gamma}: EAGLE-3's chain against one DFlash block forward", "",
              "| shape | device | path | drafter | forwards | head rows | weights read, MB | ÷ EAGLE-3 | ms a round "
-             "| ÷ EAGLE-3 |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| ÷ EAGLE-3 | operations a round | ÷ EAGLE-3 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.shape} | {r.device} | {r.path} | {r.drafter} | {r.forwards} | {r.head_rows:,} | "
-                     f"{r.weight_bytes / 1e6:,.1f} | {r.bytes_ratio:.2f}× | {r.ms:.3f} | {r.time_ratio:.2f}× |")
+                     f"{r.weight_bytes / 1e6:,.1f} | {r.bytes_ratio:.2f}× | {r.ms:.3f} | {r.time_ratio:.2f}× | "
+                     f"{r.operations:,} | {r.operations_ratio:.2f}× |")
     return "\n".join(lines)
 
 
