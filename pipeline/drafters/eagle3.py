@@ -47,6 +47,7 @@ from pipeline.drafters.layers import (
     check_shape,
     check_vocab_maps,
     rotate,
+    rotate_together,
     stacked_products,
     stacked_weights,
     target_shape,
@@ -196,13 +197,16 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         if self.qkv is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            q, k, v = stacked_products(x, self.qkv, (self.q_proj.out_features, self.k_proj.out_features,
-                                                     self.v_proj.out_features))
-        q = q.reshape(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = q.reshape(batch, length, self.heads, self.head_dim).transpose(1, 2)
+            k = k.reshape(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        else:  # decoding: queries and keys from one product, reshaped and rotated together
+            qk, v = stacked_products(x, self.qkv, (self.q_proj.out_features + self.k_proj.out_features,
+                                                   self.v_proj.out_features))
+            qk = rotate_together(qk.reshape(batch, length, self.heads + self.kv_heads, self.head_dim).transpose(1, 2),
+                                 cos, sin)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = v.reshape(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = (cache if cache is not None else KVCache()).attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
 

@@ -135,6 +135,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
+def rotate_together(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate`'s values to the bit, in fewer operations: for queries and keys stacked along the heads (one
+    call for both) ``x · cos + roll(x, d/2) · [−sin₁, sin₂]`` (the roll is ``[second, first]``, and a negated factor
+    gives the same product as a negated operand). The decoding layout's rotation, where the operations, not their
+    size, cost the time."""
+    half = x.shape[-1] // 2
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + x.roll(half, dims=-1) * torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
 class MLP(nn.Module):
     """Llama's gated SiLU MLP."""
 

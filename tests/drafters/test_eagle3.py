@@ -289,6 +289,22 @@ def test_the_fused_rms_norm_is_llamas_in_every_dtype(dtype: torch.dtype) -> None
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotating_queries_and_keys_together_gives_rotates_values_to_the_bit(dtype: torch.dtype) -> None:
+    """The decoding layout's one rotation of the stacked queries and keys equals the training layout's two
+    rotations bit for bit, at several positions (a roll with a negated sin half in place of the chunk, negate and
+    concatenate of the rotated half)."""
+    from pipeline.drafters.layers import rotate, rotate_together
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, heads, 5, 8, generator=gen).to(dtype) for heads in (4, 2))
+    angles = torch.randn(2, 5, 4, generator=gen) * 7
+    cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    together = rotate_together(torch.cat([q, k], dim=1), cos, sin)
+    assert torch.equal(together[:, :4], rotate(q, cos, sin)) and torch.equal(together[:, 4:], rotate(k, cos, sin))
+    assert not torch.equal(together[:, :4], q * cos.unsqueeze(1))  # the rotation did something
+
+
 def test_the_decoding_layout_steps_alike_and_never_outlives_the_weights_it_stacked() -> None:
     """Stacked projections and fused norms (what the proposer switches on) give the separate layers' steps over a
     KV cache, the state dict keeps the serving keys, and loaded weights or training mode drop the stacks."""
