@@ -47,6 +47,7 @@ from pipeline.drafters.layers import (
     check_shape,
     check_vocab_maps,
     rotate,
+    rotate_together,
     stacked_products,
     stacked_weights,
     target_shape,
@@ -310,6 +311,15 @@ class Attention(nn.Module):
         computed and dropped, cheaper than two more products) or three (training)."""
         self.qkv = stacked_weights(on, self.qkv, self.q_proj, self.k_proj, self.v_proj)
 
+    def _norm_together(self, qk: torch.Tensor) -> torch.Tensor:
+        """``q_norm`` on the first ``heads`` and ``k_norm`` on the rest of ``(B, T, heads + kv_heads, d)``: one
+        unweighted norm, then each weight on its heads (the fused norm's values to the bit, with no weight copied)."""
+        dtype = qk.dtype
+        out = F.rms_norm(qk if dtype == torch.float32 else qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(dtype)
+        out[..., : self.heads, :] *= self.q_norm.weight
+        out[..., self.heads :, :] *= self.k_norm.weight
+        return out
+
     def forward(self, block: torch.Tensor, context: torch.Tensor, rope: tuple, mask: torch.Tensor | None,
                 cache: ContextCache | StaticContextCache | None, layer: int) -> torch.Tensor:
         """``rope``: cos/sin ``(B, C + L, d)`` of the context's positions, then the block's."""
@@ -320,14 +330,16 @@ class Attention(nn.Module):
         both = torch.cat([context, block], dim=1)
         if self.qkv is None:
             q, k, v = self.q_proj(block), self.k_proj(both), self.v_proj(both)
-        else:
-            q, k, v = stacked_products(both, self.qkv, (self.q_proj.out_features, self.k_proj.out_features,
-                                                        self.v_proj.out_features))
-            q = q[:, rows:]
-        q = self.q_norm(q.reshape(batch, length, self.heads, self.head_dim)).transpose(1, 2)
-        q = rotate(q, cos[:, rows:], sin[:, rows:])
-        k = self.k_norm(k.reshape(batch, rows + length, self.kv_heads, self.head_dim)).transpose(1, 2)
-        k = rotate(k, cos, sin)
+            q = self.q_norm(q.reshape(batch, length, self.heads, self.head_dim)).transpose(1, 2)
+            q = rotate(q, cos[:, rows:], sin[:, rows:])
+            k = self.k_norm(k.reshape(batch, rows + length, self.kv_heads, self.head_dim)).transpose(1, 2)
+            k = rotate(k, cos, sin)
+        else:  # decoding: queries (of every row; the context's are dropped) and keys normed and rotated together
+            qk, v = stacked_products(both, self.qkv, (self.q_proj.out_features + self.k_proj.out_features,
+                                                      self.v_proj.out_features))
+            qk = self._norm_together(qk.reshape(batch, rows + length, self.heads + self.kv_heads, self.head_dim))
+            qk = rotate_together(qk.transpose(1, 2), cos, sin)
+            q, k = qk[:, : self.heads, rows:], qk[:, self.heads :]
         v = v.reshape(batch, rows + length, self.kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.extend(layer, k[:, :, :rows], v[:, :, :rows], k[:, :, rows:], v[:, :, rows:])

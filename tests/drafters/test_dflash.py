@@ -164,6 +164,29 @@ def test_both_context_caches_equal_a_fresh_forward_across_rounds_and_a_rollback(
         static.mask(5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decoding_layouts_joint_query_key_norm_and_rotation_give_the_separate_ones_values(target, dtype) -> None:
+    """Decoding norms queries and keys with one unweighted norm and each weight on its own heads, and rotates them
+    together: ``q_norm``/``k_norm`` (fused, as decoding had them) and ``rotate`` to the bit, in float32 and bf16."""
+    from pipeline.drafters.layers import rotate, rotate_together
+
+    attention = _drafter(target).to(dtype).layers[0].self_attn
+    with torch.no_grad():
+        for seed, norm in ((4, attention.q_norm), (7, attention.k_norm)):  # two different weights
+            norm.weight.copy_(1 + 0.3 * torch.randn(norm.weight.shape, generator=torch.Generator().manual_seed(seed)))
+            norm.fused = True
+    heads, kv = attention.heads, attention.kv_heads
+    qk = torch.randn(1, 9, heads + kv, attention.head_dim, generator=torch.Generator().manual_seed(5)).to(dtype)
+    angles = 5 * torch.randn(1, 9, attention.head_dim // 2, generator=torch.Generator().manual_seed(6))
+    cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    with torch.no_grad():
+        together = rotate_together(attention._norm_together(qk).transpose(1, 2), cos, sin)
+        q = rotate(attention.q_norm(qk[:, :, :heads]).transpose(1, 2), cos, sin)
+        k = rotate(attention.k_norm(qk[:, :, heads:]).transpose(1, 2), cos, sin)
+    assert together.dtype == dtype
+    assert torch.equal(together[:, :heads], q) and torch.equal(together[:, heads:], k)
+
+
 def test_the_decoding_layout_drafts_the_same_block_and_holds_each_weight_once(target, tmp_path: Path) -> None:
     """Stacked projections, fused norms and RoPE read from a table (what the proposer switches on) give the separate
     layers' block over the eager cache; each layer's weight is a view of the stack (held once, so the two cannot
