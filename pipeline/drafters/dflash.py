@@ -314,8 +314,7 @@ class Attention(nn.Module):
     def _norm_together(self, qk: torch.Tensor) -> torch.Tensor:
         """``q_norm`` on the first ``heads`` and ``k_norm`` on the rest of ``(B, T, heads + kv_heads, d)``: one
         unweighted norm, then each weight on its heads (the fused norm's values to the bit, with no weight copied)."""
-        dtype = qk.dtype
-        out = F.rms_norm(qk if dtype == torch.float32 else qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(dtype)
+        out = F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(qk.dtype)  # float32 statistics
         out[..., : self.heads, :] *= self.q_norm.weight
         out[..., self.heads :, :] *= self.k_norm.weight
         return out
