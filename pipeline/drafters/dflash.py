@@ -334,6 +334,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(batch, rows + length, self.kv_heads, self.head_dim)).transpose(1, 2)
             k = rotate(k, cos, sin)
         else:  # decoding: queries (of every row; the context's are dropped) and keys normed and rotated together
+            # (sin arrives signed, the decoding layout's form: RopeDrafter.rope)
             qk, v = stacked_products(both, self.qkv, (self.q_proj.out_features + self.k_proj.out_features,
                                                       self.v_proj.out_features))
             qk = self._norm_together(qk.reshape(batch, rows + length, self.heads + self.kv_heads, self.head_dim))

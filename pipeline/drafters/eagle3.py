@@ -200,7 +200,7 @@ class Attention(nn.Module):
             q = q.reshape(batch, length, self.heads, self.head_dim).transpose(1, 2)
             k = k.reshape(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        else:  # decoding: queries and keys from one product, reshaped and rotated together
+        else:  # decoding: queries and keys from one product, reshaped and rotated together (sin arrives signed)
             qk, v = stacked_products(x, self.qkv, (self.q_proj.out_features + self.k_proj.out_features,
                                                    self.v_proj.out_features))
             qk = rotate_together(qk.reshape(batch, length, self.heads + self.kv_heads, self.head_dim).transpose(1, 2),

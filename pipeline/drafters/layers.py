@@ -135,14 +135,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
-def rotate_together(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: the factor :func:`rotate_together` multiplies the rolled rows by."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def rotate_together(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
     """:func:`rotate`'s values to the bit, in fewer operations: for queries and keys stacked along the heads (one
-    call for both) ``x · cos + roll(x, d/2) · [−sin₁, sin₂]`` (the roll is ``[second, first]``, and a negated factor
-    gives the same product as a negated operand). The decoding layout's rotation, where the operations, not their
-    size, cost the time."""
-    half = x.shape[-1] // 2
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + x.roll(half, dims=-1) * torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    call for both) ``x · cos + roll(x, d/2) · signed`` with ``signed`` = :func:`signed_sin` of ``sin`` (the roll is
+    ``[second, first]``, and a negated factor gives the same product as a negated operand). The decoding layout's
+    rotation, where the operations, not their size, cost the time: its RoPE table holds the signed ``sin``
+    (:meth:`RopeDrafter.rope`), so a step negates nothing."""
+    cos, signed = cos.unsqueeze(1), signed.unsqueeze(1)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed
 
 
 class MLP(nn.Module):
@@ -191,7 +197,8 @@ class RopeDrafter(nn.Module):
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, bound: int | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``, ``sin`` ``(B, T, d)`` of ``positions`` in ``x``'s dtype, as ``rotary_emb`` gives them.
+        """``cos``, ``sin`` ``(B, T, d)`` of ``positions`` in ``x``'s dtype, as ``rotary_emb`` gives them; in the
+        decoding layout ``sin`` comes as :func:`signed_sin` of it, the form :func:`rotate_together` reads.
 
         Decoding, given ``bound`` (every position is below it, known on the host): two row lookups in a table that
         ``rotary_emb`` computed once (:meth:`reserve_rope`). ``rotary_emb``'s own call costs several operations and a
@@ -200,21 +207,22 @@ class RopeDrafter(nn.Module):
         ``rotary_emb`` itself.
         """
         if bound is None or not self.decoding or self.rotary_emb.rope_type in ("dynamic", "longrope"):
-            return self.rotary_emb(x, positions)
-        cos, sin = self.reserve_rope(bound, x)
-        return F.embedding(positions, cos), F.embedding(positions, sin)
+            cos, sin = self.rotary_emb(x, positions)
+            return (cos, signed_sin(sin)) if self.decoding else (cos, sin)
+        cos, signed = self.reserve_rope(bound, x)
+        return F.embedding(positions, cos), F.embedding(positions, signed)
 
     def reserve_rope(self, bound: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The RoPE table :meth:`rope` reads, ``cos``, ``sin`` ``(P, d)`` for positions ``0 … P − 1`` with
-        ``P ≥ bound``, in ``like``'s dtype and on its device: ``rotary_emb``'s output for those positions, computed
-        again (twice ``bound`` rows) only when it is too short or of another dtype or device. A decode path that
-        captures a graph reserves its longest position before the capture, so no forward builds it, and marks the
-        table's address static, so a CUDA graph reads it in place."""
+        """The RoPE table :meth:`rope` reads, ``cos`` and :func:`signed_sin` of ``sin``, ``(P, d)`` for positions
+        ``0 … P − 1`` with ``P ≥ bound``, in ``like``'s dtype and on its device: ``rotary_emb``'s output for those
+        positions, computed again (twice ``bound`` rows) only when it is too short or of another dtype or device. A
+        decode path that captures a graph reserves its longest position before the capture, so no forward builds it,
+        and marks the table's address static, so a CUDA graph reads it in place."""
         rows = self._rope_rows
         if rows is None or rows[0].shape[0] < bound or rows[0].dtype != like.dtype or rows[0].device != like.device:
             positions = torch.arange(max(64, 2 * bound), device=like.device).unsqueeze(0)
             cos, sin = self.rotary_emb(like, positions)
-            rows = self._rope_rows = (cos[0], sin[0])
+            rows = self._rope_rows = (cos[0], signed_sin(sin[0]))
         return rows
 
     def stack_for_decoding(self, on: bool = True) -> None:

@@ -168,7 +168,7 @@ def test_both_context_caches_equal_a_fresh_forward_across_rounds_and_a_rollback(
 def test_the_decoding_layouts_joint_query_key_norm_and_rotation_give_the_separate_ones_values(target, dtype) -> None:
     """Decoding norms queries and keys with one unweighted norm and each weight on its own heads, and rotates them
     together: ``q_norm``/``k_norm`` (fused, as decoding had them) and ``rotate`` to the bit, in float32 and bf16."""
-    from pipeline.drafters.layers import rotate, rotate_together
+    from pipeline.drafters.layers import rotate, rotate_together, signed_sin
 
     attention = _drafter(target).to(dtype).layers[0].self_attn
     with torch.no_grad():
@@ -180,7 +180,7 @@ def test_the_decoding_layouts_joint_query_key_norm_and_rotation_give_the_separat
     angles = 5 * torch.randn(1, 9, attention.head_dim // 2, generator=torch.Generator().manual_seed(6))
     cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(dtype) for f in (torch.cos, torch.sin))
     with torch.no_grad():
-        together = rotate_together(attention._norm_together(qk).transpose(1, 2), cos, sin)
+        together = rotate_together(attention._norm_together(qk).transpose(1, 2), cos, signed_sin(sin))
         q = rotate(attention.q_norm(qk[:, :, :heads]).transpose(1, 2), cos, sin)
         k = rotate(attention.k_norm(qk[:, :, heads:]).transpose(1, 2), cos, sin)
     assert together.dtype == dtype

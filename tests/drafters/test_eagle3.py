@@ -20,6 +20,7 @@ from pipeline.drafters.eagle3 import (
     TTTCache,
     default_aux_layer_ids,
 )
+from pipeline.drafters.layers import rotate, rotate_together, signed_sin
 from pipeline.errors import DrafterError
 from pipeline.training.eagle3_objective import ttt_loss
 from pipeline.vocab.counting import eagle3_offset_maps, top_k
@@ -263,13 +264,11 @@ def test_rotating_queries_and_keys_together_gives_rotates_values_to_the_bit(dtyp
     """The decoding layout's one rotation of the stacked queries and keys equals the training layout's two
     rotations bit for bit, at several positions (a roll with a negated sin half in place of the chunk, negate and
     concatenate of the rotated half)."""
-    from pipeline.drafters.layers import rotate, rotate_together
-
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, heads, 5, 8, generator=gen).to(dtype) for heads in (4, 2))
     angles = torch.randn(2, 5, 4, generator=gen) * 7
     cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(dtype) for f in (torch.cos, torch.sin))
-    together = rotate_together(torch.cat([q, k], dim=1), cos, sin)
+    together = rotate_together(torch.cat([q, k], dim=1), cos, signed_sin(sin))
     assert torch.equal(together[:, :4], rotate(q, cos, sin)) and torch.equal(together[:, 4:], rotate(k, cos, sin))
     assert not torch.equal(together[:, :4], q * cos.unsqueeze(1))  # the rotation did something
 
@@ -336,9 +335,10 @@ def test_decoding_reads_rope_from_a_table_rotary_emb_computed_once(rope: dict) -
         calls.clear()
         decoded = steps()
         assert calls == ([6] + [1] * 34 if rope["rope_type"] == "dynamic" else [64])
-        cos, sin = drafter.rope(fused, torch.arange(40).unsqueeze(0), 40)
+        cos, signed = drafter.rope(fused, torch.arange(40).unsqueeze(0), 40)
         want = forward(fused, torch.arange(40).unsqueeze(0))
-        assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+        assert torch.equal(cos, want[0]) and torch.equal(signed, signed_sin(want[1]))  # rotate_together's form
+        assert torch.equal(signed[..., :4], -want[1][..., :4]) and torch.equal(signed[..., 4:], want[1][..., 4:])
         drafter.train()
         assert drafter._rope_rows is None
     torch.testing.assert_close(decoded, plain, rtol=0, atol=1e-12)
