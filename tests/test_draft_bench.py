@@ -5,6 +5,7 @@ a time: the bench prints ratios for a person to read."""
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from transformers import LlamaConfig
 
 from pipeline.engine.static import DecodeOptions
 from pipeline.evaluation.decode_bench import LLAMA_3_1_8B, scaled_shape
-from pipeline.evaluation.draft_bench import bench_draft, drafting_variants, measure_drafting
+from pipeline.evaluation.draft_bench import bench_draft, drafting_variants, measure_drafting, operations_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -69,6 +70,14 @@ def test_a_row_per_variant_each_drafting_one_round_per_timed_call() -> None:
     # head a step), and the head's width changes no count
     assert rows[0].operations_ratio == 1.0 and rows[0].operations > rows[1].operations > 0
     assert rows[1].operations == rows[2].operations and rows[1].operations_ratio == rows[2].operations_ratio
+
+
+def test_counting_operations_counts_the_top_level_ones_and_writes_nothing(capfd) -> None:
+    """Three top-level operations (``ones``, ``add_``, ``mul_``; their kernels are not counted again), and torch's
+    profiler writes none of its own lines to the bench's stderr; stderr works again afterwards."""
+    assert operations_of(lambda: torch.ones(3).add_(1).mul_(2)) == 3
+    print("after", file=sys.stderr, flush=True)
+    assert capfd.readouterr().err == "after\n"
 
 
 @pytest.mark.slow

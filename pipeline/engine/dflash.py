@@ -118,7 +118,7 @@ class DFlashProposer:
                      drafts: int | None = None) -> Tensor:
         """One drafter forward and its head: the logits of block rows ``1 .. drafts`` (default ``B − 1``),
         ``(drafts, V)`` in the head's dtype, over the head's rows. The whole block runs (its rows attend to each other,
-        as in training); the head only over the rows drafted.
+        as in training), and so does the head; the rows drafted are sliced from its output.
 
         The context cache is brought to every position of ``context`` but the newest (whose token opens the block).
         On the static paths the new context rows are padded to their bucket and every position is a device value,
@@ -153,7 +153,9 @@ class DFlashProposer:
                                bound=rows + self.block_size)
         self._ids = list(context[:rows])
         self.drafter_calls += 1
-        return self.drafter.logits(out[0, 1 : 1 + (self.block_size - 1 if drafts is None else drafts)])
+        # the head over the whole block, then the drafted rows: one shape whatever ``drafts`` is (on the CPU, MKL's
+        # product of the kit's 2,048-id head by 8 rows also takes 0.7× its time by 7; docs/DFLASH.md)
+        return self.drafter.logits(out[0])[1 : 1 + (self.block_size - 1 if drafts is None else drafts)]
 
     @torch.no_grad()
     def propose(

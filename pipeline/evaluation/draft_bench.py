@@ -20,8 +20,10 @@ stands for at a serving shape.
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -87,9 +89,25 @@ def _bytes(*modules: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for module in modules for p in module.parameters())
 
 
+@contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 pointed at ``/dev/null`` for the block: torch's profiler (Kineto) writes lines such as
+    ``USDT:… profiler_start`` from C++ at each start and stop, whatever its log level, between the bench's own
+    progress lines. Python's exceptions are unaffected (they are printed after the block, once fd 2 is back)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def operations_of(fn: Callable[[], Any]) -> int:
     """Top-level torch operations one call of ``fn`` dispatches, counted by torch's profiler on the host."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return sum(1 for event in prof.events() if event.cpu_parent is None)
 

@@ -103,6 +103,25 @@ def test_one_forward_per_round_and_q_is_the_law_of_each_row(target, prompts) -> 
     assert proposer.drafter_calls == 2
 
 
+def test_the_head_runs_over_the_whole_block_whatever_is_drafted(target, prompts) -> None:
+    """One head shape a round (B rows, the first sliced off after), so the rows drafted are the same bits whether 2
+    or all B − 1 are asked for."""
+    drafter = make_dflash(target, block_size=6).float()
+    proposer = DFlashProposer(drafter)
+    context = prompts[0] + [5, 7]
+    state = _state(target, context, proposer.target_layers)
+    hidden = [h.float() for h in state.hidden]
+    rows = []
+    handle = drafter.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    try:
+        every = proposer.block_logits(context, hidden, state)
+        two = proposer.block_logits(context, hidden, state, drafts=2)
+    finally:
+        handle.remove()
+    assert rows == [6, 6] and every.shape[0] == 5 and two.shape[0] == 2
+    torch.testing.assert_close(two, every[:2], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("head", ["target", "draft"])
 def test_drafts_are_independent_draws_from_their_rows(head: str, target, prompts, shortlist) -> None:
     """3,000 proposals from one context (top-k 3, so each row has 3 outcomes and a pair 9): the joint counts of
