@@ -206,18 +206,28 @@ class RopeDrafter(nn.Module):
         in training, or for a RoPE whose frequencies depend on the sequence length (``dynamic``, ``longrope``):
         ``rotary_emb`` itself.
         """
-        if bound is None or not self.decoding or self.rotary_emb.rope_type in ("dynamic", "longrope"):
+        if bound is None or not self.decoding or not self.reads_rope_table:
             cos, sin = self.rotary_emb(x, positions)
             return (cos, signed_sin(sin)) if self.decoding else (cos, sin)
         cos, signed = self.reserve_rope(bound, x)
         return F.embedding(positions, cos), F.embedding(positions, signed)
 
-    def reserve_rope(self, bound: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def reads_rope_table(self) -> bool:
+        """Whether decoding reads RoPE from the table (:meth:`reserve_rope`): not for a RoPE whose frequencies depend
+        on the sequence length (``dynamic``, ``longrope``), whose ``rotary_emb`` keeps the longest length it has seen
+        (a table of ``2 · bound`` rows built for it would leave it rotating shorter sequences with another set)."""
+        return self.rotary_emb.rope_type not in ("dynamic", "longrope")
+
+    def reserve_rope(self, bound: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The RoPE table :meth:`rope` reads, ``cos`` and :func:`signed_sin` of ``sin``, ``(P, d)`` for positions
         ``0 … P − 1`` with ``P ≥ bound``, in ``like``'s dtype and on its device: ``rotary_emb``'s output for those
         positions, computed again (twice ``bound`` rows) only when it is too short or of another dtype or device. A
         decode path that captures a graph reserves its longest position before the capture, so no forward builds it,
-        and marks the table's address static, so a CUDA graph reads it in place."""
+        and marks the table's address static, so a CUDA graph reads it in place. Nothing (an empty tuple, and
+        ``rotary_emb`` left untouched) where decoding does not read a table (:attr:`reads_rope_table`)."""
+        if not self.reads_rope_table:
+            return ()
         rows = self._rope_rows
         if rows is None or rows[0].shape[0] < bound or rows[0].dtype != like.dtype or rows[0].device != like.device:
             positions = torch.arange(max(64, 2 * bound), device=like.device).unsqueeze(0)
@@ -248,7 +258,9 @@ class RopeDrafter(nn.Module):
         super()._apply(fn, recurse)
         rotary = self._modules.get("rotary_emb")
         if rotary is not None:
-            exact = self._rope_inv_freq.to(rotary.inv_freq.device)
+            # a copy even on the same device: longrope switches frequencies by writing inv_freq in place, which must
+            # not reach the original ones kept here
+            exact = self._rope_inv_freq.to(rotary.inv_freq.device, copy=True)
             rotary.inv_freq, rotary.original_inv_freq = exact, exact.clone()
             self._rope_rows = None
         if self.decoding:  # a conversion copies the weights and the stacks apart: stack the converted weights again

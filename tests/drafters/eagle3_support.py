@@ -15,10 +15,13 @@ H, V, VD = 32, 1000, 40  # V and VD differ from every other size, so a tensor's 
 DRAFT_IDS = np.sort(np.random.default_rng(0).choice(V, VD, replace=False))
 
 
-def llama(num_layers: int = 3, vocab: int = V) -> LlamaConfig:
+def llama(num_layers: int = 3, vocab: int = V, rope: dict | None = None) -> LlamaConfig:
+    """The config; ``rope``: its RoPE parameters (default: plain RoPE), set when it is built, so transformers
+    completes them as it does a loaded config's."""
     return LlamaConfig(hidden_size=H, intermediate_size=88, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=8, num_hidden_layers=num_layers, vocab_size=vocab, rms_norm_eps=1e-6,
-                       max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+                       max_position_embeddings=64,
+                       rope_parameters={**(rope or {"rope_type": "default"}), "rope_theta": 1e4})
 
 
 def make_drafter(seed: int = 0) -> Eagle3Drafter:

@@ -21,6 +21,8 @@ from pipeline.drafters.eagle3 import (
     default_aux_layer_ids,
 )
 from pipeline.drafters.layers import rotate, rotate_together, signed_sin
+from pipeline.engine.eagle3 import Eagle3Proposer
+from pipeline.engine.static import DecodeOptions
 from pipeline.errors import DrafterError
 from pipeline.training.eagle3_objective import ttt_loss
 from pipeline.vocab.counting import eagle3_offset_maps, top_k
@@ -342,6 +344,52 @@ def test_decoding_reads_rope_from_a_table_rotary_emb_computed_once(rope: dict) -
         drafter.train()
         assert drafter._rope_rows is None
     torch.testing.assert_close(decoded, plain, rtol=0, atol=1e-12)
+
+
+LENGTH_DEPENDENT_ROPE = [{"rope_type": "dynamic", "factor": 2.0},
+                         {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0, 3.0, 4.0, 5.0],
+                          "original_max_position_embeddings": 16}]
+
+
+def _drafter_with_rope(rope: dict) -> Eagle3Drafter:
+    torch.manual_seed(0)
+    return Eagle3Drafter(Eagle3Config.from_target(llama(rope=rope), VD), nn.Embedding(V, H)).double().eval()
+
+
+@pytest.mark.parametrize("rope", LENGTH_DEPENDENT_ROPE, ids=lambda r: r["rope_type"])
+def test_a_static_paths_reserve_leaves_a_length_dependent_rope_as_it_was(rope: dict) -> None:
+    """``dynamic`` and ``longrope`` frequencies follow the longest length ``rotary_emb`` has seen, so decoding reads no
+    table for them, and the static path's ``prepare`` (which reserves the table for its capacity) builds none: a step
+    past ``max_position_embeddings`` (64) then rotates as a fresh drafter's does. Reserving 2 × 110 rows for them grew
+    ``dynamic``'s frequencies for 220 positions and left them so: logits at position 80 moved by 0.03, a DFlash
+    block's at 100 by 0.4."""
+    fresh, drafter = _drafter_with_rope(rope), _drafter_with_rope(rope)
+    proposer = Eagle3Proposer(drafter)
+    proposer.prepare(DecodeOptions("static", capacity=110))
+    assert drafter._rope_rows is None and drafter.reserve_rope(110, drafter.fc.weight) == ()
+    torch.testing.assert_close(drafter.rotary_emb.inv_freq, fresh.rotary_emb.inv_freq, rtol=0, atol=0)
+    x, positions = torch.zeros(1, 81, H, dtype=torch.float64), torch.arange(81).unsqueeze(0)
+    fresh.stack_for_decoding()
+    with torch.no_grad():
+        for got, want in zip(drafter.rope(x, positions, 81), fresh.rope(x, positions, 81), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_longropes_original_frequencies_survive_a_long_call_and_a_conversion() -> None:
+    """Longrope switches to its long frequencies by writing ``inv_freq`` in place; a conversion (``.float()``) puts
+    the original ones back from the drafter's own copy, which that write must not reach (after a same-device
+    conversion ``inv_freq`` was that copy itself, so the long frequencies became the originals)."""
+    rope = LENGTH_DEPENDENT_ROPE[1]
+    fresh, drafter = _drafter_with_rope(rope), _drafter_with_rope(rope)
+    x, short = torch.zeros(1, 1, H, dtype=torch.float64), fresh.rotary_emb.inv_freq.clone()
+    with torch.no_grad():
+        drafter.rotary_emb(x, torch.tensor([[40]]))  # past original_max_position_embeddings (16): the long set
+        long = drafter.rotary_emb.inv_freq.clone()
+        drafter.float().double()
+        for position in (5, 40):
+            got = drafter.rotary_emb(x, torch.tensor([[position]]))[0]
+            torch.testing.assert_close(got, fresh.rotary_emb(x, torch.tensor([[position]]))[0], rtol=0, atol=0)
+    assert not torch.equal(long, short)  # the two sets differ, so a leak would show
 
 
 def test_ttt_steps_see_what_a_chain_drafter_sees_at_inference() -> None:
