@@ -9,21 +9,28 @@ whole generation, standardised as the decode was) becomes a randomised probabili
     u = F(x) + U · p(x),   F(x) = the mass of the tokens ordered before x,   U ~ U(0, 1) from a seeded generator,
 
 with the order fixed before ``x`` is drawn. Whatever ``p`` is, ``u`` is uniform on (0, 1) given the past, so a
-lossless decode's ``u`` are independent uniforms, whatever the drafter, the history or the round structure. Two orders
-point at the two ways a fault moves a law:
+lossless decode's ``u`` are independent uniforms, whatever the drafter, the history or the round structure. Three
+orders point at three ways a fault moves a law:
 
 - **target order** (``p`` descending, ties by id): too much or too little mass on the target's likely tokens (a
   residual or bonus taken from another position's row, a temperature applied twice) moves the mean of ``u``;
 - **draft order** (``q(x) / p(x)`` descending, where the round drafted at that position; ``q`` is the row the method
   reported for the draft): drafts kept too often or too rarely (a residual that ignores ``q``, an accept test against
-  another ``q``) pull ``u`` toward 0 or toward 1.
+  another ``q``) pull ``u`` toward 0 or toward 1;
+- **id order** (token id ascending, the order the engine's inverse-CDF sampler walks): mass moved between tokens that
+  sit together in both orders above but apart in id (a residual drawn by inverse CDF with a uniform it already used,
+  the acceptance test's, which leans the corrections to high ids) moves the mean of ``u``.
+
+A fault that keeps the mean of ``u`` in every order, and the target-order ``u``'s distribution, is not seen: a law
+too hot on some histories and too cold on others at one offset, for example.
 
 The statistics: the mean of the target-order ``u`` for each offset in the round (0 = the round's first token; offsets
-with fewer than :data:`MIN_GROUP` positions merged with their neighbours), the mean of every draft-order ``u`` (each a
-z-score: ``(mean - 1/2) · sqrt(12 n)``, exact uniforms, so the normal approximation holds at small n), and a
-Kolmogorov-Smirnov test of all target-order ``u``. Each is tested at ``alpha / m`` (m statistics): the check fails a lossless decode with
-probability at most ``alpha``. An emitted token outside the target's support (probability 0 before any top-k or top-p
-truncation) fails it outright. One inside the support but outside the recomputed nucleus is counted and takes ``u = 1``
+with fewer than :data:`MIN_GROUP` positions merged with their neighbours), the mean of every draft-order ``u``, the
+mean of every id-order ``u`` (each a z-score: ``(mean - 1/2) · sqrt(12 n)``, exact uniforms, so the normal
+approximation holds at small n), and a Kolmogorov-Smirnov test of all target-order ``u``. Each is tested at
+``alpha / m`` (m statistics): the check fails a lossless decode with probability at most ``alpha``. An emitted token
+outside the target's support (probability 0 before any top-k or top-p truncation) fails it outright. One inside the
+support but outside the recomputed nucleus is counted and takes ``u = 1``
 (last in target order): the decode's own forwards and the check's one forward over the whole generation round apart
 (far apart in bf16), so a token on the nucleus's edge may fall either side, while a decode that ignored the nucleus
 emits such tokens often and moves the statistics.
@@ -128,11 +135,13 @@ class PositionLaw:
     draft_positions: int
     draft_z: float | None
     ks_pvalue: float
+    id_z: float | None = None
+    """z of the id-order ``u`` over every position (None: no position)."""
     drafted: int = 0
     """Drafts the decodes' rounds proposed, each verified (a check over none tests no draft)."""
 
     def statistics(self) -> int:
-        return len(self.groups) + (self.draft_z is not None) + 1
+        return len(self.groups) + (self.draft_z is not None) + (self.id_z is not None) + 1
 
     def critical_z(self, alpha: float) -> float:
         from scipy.stats import norm  # deferred: pulls in scipy
@@ -147,6 +156,8 @@ class PositionLaw:
                   if abs(z) > bound]
         if self.draft_z is not None and abs(self.draft_z) > bound:
             found.append(f"draft-order z {self.draft_z:+.2f} ({self.draft_positions} drafted positions)")
+        if self.id_z is not None and abs(self.id_z) > bound:
+            found.append(f"id-order z {self.id_z:+.2f} ({self.positions} positions)")
         if self.ks_pvalue < share:
             found.append(f"Kolmogorov-Smirnov p={self.ks_pvalue:.3g}")
         return found
@@ -155,7 +166,8 @@ class PositionLaw:
         groups = ", ".join(f"{label}: {z:+.2f} (n={n})" for label, n, z in self.groups)
         draft = ("no drafted position reported a q" if self.draft_z is None
                  else f"draft-order z {self.draft_z:+.2f} (n={self.draft_positions})")
-        return (f"{self.positions} positions; target-order z by offset in the round {groups}; {draft}; KS p="
+        ids = "no position" if self.id_z is None else f"id-order z {self.id_z:+.2f}"
+        return (f"{self.positions} positions; target-order z by offset in the round {groups}; {draft}; {ids}; KS p="
                 f"{self.ks_pvalue:.3g}; each |z| must stay within {self.critical_z(alpha):.2f} (family-wise alpha "
                 f"{alpha:g} over {self.statistics()} statistics); tokens emitted outside the target's support: "
                 f"{self.impossible}, outside the recomputed nucleus: {self.outside_nucleus}")
@@ -189,6 +201,7 @@ def position_law(target: torch.nn.Module, decodes: Iterable[Decode], params: Sam
     device = next(target.parameters()).device
     by_offset: dict[int, list[float]] = {}
     draft_u: list[float] = []
+    id_u: list[float] = []
     impossible = outside_nucleus = drafted = 0
     untruncated = replace(params, top_k=0, top_p=1.0)
     keeps = "logits_to_keep" in signature(target.forward).parameters
@@ -208,6 +221,7 @@ def position_law(target: torch.nn.Module, decodes: Iterable[Decode], params: Sam
                 inside = bool(standardise(logits[i], untruncated)[token] > 0)
                 outside_nucleus, impossible = outside_nucleus + inside, impossible + (not inside)
             by_offset.setdefault(offset, []).append(_transform(p, p, token, rng.random()))
+            id_u.append(float(p[:token].sum()) + rng.random() * float(p[token]))
             q = decode.q_rows.get(round_start)
             if q is not None and offset < q.shape[0]:
                 row = torch.nn.functional.pad(q[offset].double(), (0, p.shape[0] - q.shape[1]))  # ids it lacks: 0
@@ -218,7 +232,8 @@ def position_law(target: torch.nn.Module, decodes: Iterable[Decode], params: Sam
         positions=len(every), impossible=impossible, outside_nucleus=outside_nucleus,
         groups=[(label, len(values), _z(values)) for label, values in _grouped(by_offset)],
         draft_positions=len(draft_u), draft_z=_z(draft_u) if draft_u else None,
-        ks_pvalue=float(kstest(every, "uniform").pvalue) if every else 1.0, drafted=drafted)
+        ks_pvalue=float(kstest(every, "uniform").pvalue) if every else 1.0, drafted=drafted,
+        id_z=_z(id_u) if id_u else None)
 
 
 def sampled_decodes(target: torch.nn.Module, proposer: Proposer, prompts: Sequence[list[int]], new_tokens: int,

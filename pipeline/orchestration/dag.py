@@ -209,7 +209,8 @@ STAGES: tuple[StageSpec, ...] = (
               # config's end-of-turn ids end a decode, drafts after an accepted end of sequence not counted as accepted.
               # 3: DynaSpec's and PA-FR's shortlists keep every id a decode stops at; the eager path's warm-up.
               # 4: a figure no row measured is missing, not 0.0; the bundle records where its speed was timed; 5: an RDK
-              version=7),  # row's MBSU charges its redistribution; 6: verdicts on top; 7: every position's law checked
+              version=8),  # row's MBSU charges its redistribution; 6: verdicts on top; 7: every position's law checked
+              # 8: every position's law also in token-id order
 )
 if tuple(s.name for s in STAGES) != STAGE_NAMES:  # the leaf list the config layer validates against
     raise RuntimeError(f"the DAG table's stages {[s.name for s in STAGES]} differ from {list(STAGE_NAMES)}")
