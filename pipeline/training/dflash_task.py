@@ -29,7 +29,6 @@ tokens), averaged over anchors — a greedy round's accepted length if the targe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -296,6 +295,4 @@ class DFlashTask(DrafterTask):
         out["simulated_tau"] = 1 + accepted / max(1, blocks)
         out["loss"] = loss / max(1, len(self.heldout_rows))
         out["blocks"] = float(blocks)
-        if not math.isfinite(out["loss"]):
-            out["simulated_tau"] = 0.0  # never keep weights that diverged
         return out

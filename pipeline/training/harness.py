@@ -32,7 +32,7 @@ from pipeline.config.schema import identity as config_identity
 from pipeline.config.training import TrainConfig
 from pipeline.errors import DrafterError
 from pipeline.training import checkpoints as ckpt
-from pipeline.training.plan import RunPlan, trainable_parameters
+from pipeline.training.plan import RunPlan, all_finite, trainable_parameters
 from pipeline.training.ranks import collectives, participants, took_part
 from pipeline.training.strategy import (
     ddp_strategy,
@@ -283,6 +283,14 @@ def _take_best(module: Any, staging: Path, state: dict) -> dict | None:
     best = state.get("best")
     if best:
         _load_trainable(module, ckpt.load_best(staging, best))
+    bad = [name for name, p in trainable_parameters(module).items() if not all_finite([p])]
+    if bad:  # no evaluation kept finite weights (or none ran): never publish a diverged run
+        raise DrafterError(
+            "Training diverged: the weights it would publish are not finite.",
+            expected="finite weights from the best held-out evaluation or, without one, the last step",
+            found=f"NaN or infinite values in {len(bad)} tensor(s), e.g. {bad[0]}; "
+                  + (f"kept evaluation: step {best['step']}" if best else "no finite held-out evaluation was kept"),
+            fix="Lower train.lr (or raise train.warmup_steps) and rerun: a new config is a new run, started afresh.")
     return best
 
 

@@ -13,6 +13,7 @@ seed each example's draws with its own index.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from pipeline.progress import Progress, heartbeat, silent
 from pipeline.runlog import flatten
 from pipeline.tracking import seed_local_store
 from pipeline.training import checkpoints as ckpt
-from pipeline.training.plan import RunPlan, trainable_parameters
+from pipeline.training.plan import RunPlan, all_finite, trainable_parameters
 from pipeline.training.strategy import build_optimizer, build_scheduler, lr_factor, position_scheduler
 
 COUNT = "count."
@@ -69,6 +70,7 @@ class HarnessModule(L.LightningModule):
         self._client: Any = None
         self._progress: Progress | None = None
         self.best: dict | None = plan.resume[1].get("best") if plan.resume else None
+        self._checkpointed_best = self.best  # the best the last checkpoint names: its file stays until the next one
 
     def train_dataloader(self) -> DataLoader:
         sampler = ckpt.StepBatchSampler(
@@ -140,6 +142,7 @@ class HarnessModule(L.LightningModule):
                 state={**self.plan.expected, "mlflow_run_id": self.mlflow_run_id, "metrics": self.last_metrics,
                        "best": self.best, "train_seconds": round(self.plan.seconds_so_far(), 3)},
                 barrier=self.trainer.strategy.barrier, keep=self.plan.cfg.keep_checkpoints)
+            self._checkpointed_best = self.best
             if self.trainer.is_global_zero and self.best is not None:
                 ckpt.prune_best(self.plan.staging, {self.best["step"]})
 
@@ -164,13 +167,19 @@ class HarnessModule(L.LightningModule):
         self.last_metrics.update({f"eval.{k}": v for k, v in scores.items()})
         if self._progress is not None:
             self._progress.note(**{f"held-out {metric}": scores[metric]})
-        if self.best is None or scores[metric] > self.best["score"]:
+        weights = trainable_parameters(self.inner)
+        # Weights that diverged never win, whatever their selection metric reads (NaN logits still give a top-1).
+        diverged = not all(math.isfinite(v) for v in scores.values()) or not all_finite(weights.values())
+        if diverged and self._progress is not None:
+            self._progress.note(**{f"held-out {metric}": "diverged (not finite), not kept"})
+        if not diverged and (self.best is None or scores[metric] > self.best["score"]):
             record = {"step": step, "score": scores[metric], "metric": metric, "metrics": scores}
             if self.trainer.is_global_zero:
-                record.update(ckpt.save_best(self.plan.staging, step, trainable_parameters(self.inner)))
-                # Keep the best a checkpoint already points at until the next checkpoint lands.
-                on_disk = {step} | ({self.best["step"]} if self.best else set())
-                ckpt.prune_best(self.plan.staging, on_disk)
+                record.update(ckpt.save_best(self.plan.staging, step, weights))
+                # Keep the best the last checkpoint points at until the next checkpoint lands (a run killed before
+                # then resumes from that checkpoint and reads that file).
+                kept = self._checkpointed_best
+                ckpt.prune_best(self.plan.staging, {step} | ({kept["step"]} if kept else set()))
             self.best = record
         if self.trainer.is_global_zero and self._client is not None:
             self._log_mlflow(step, {f"eval.{k}": v for k, v in scores.items()})

@@ -48,6 +48,11 @@ def trainable_parameters(module: Any) -> dict[str, Any]:
     return {name: p for name, p in module.named_parameters() if p.requires_grad}
 
 
+def all_finite(tensors: Any) -> bool:
+    """Whether every value of every tensor is finite (no NaN, no infinity)."""
+    return all(bool(t.isfinite().all()) for t in tensors)
+
+
 @dataclass
 class Prepared:
     """What a drafter trainer stage builds from its config and input artifacts before training (its ``prepare``)."""

@@ -112,7 +112,9 @@ def _one_block(drafter: DFlashDrafter, features: torch.Tensor, ids: torch.Tensor
                    torch.arange(anchor).unsqueeze(0))[0]
 
 
-def test_the_block_is_bidirectional_and_sees_only_the_context_before_it(target) -> None:
+def test_the_block_is_bidirectional_and_reads_every_context_feature(target) -> None:
+    """The inference forward (what training's masked forward must equal for each of its blocks, so that no block
+    reads a feature at or after its anchor: test_many_anchors_in_one_masked_forward_equal_one_forward_per_block)."""
     drafter = _drafter(target)
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
     features = _features(target, drafter, ids)

@@ -290,6 +290,78 @@ def test_best_evaluated_weights_are_kept_and_survive_a_resume(tmp_path: Path,
     assert_bit_identical(trainable_parameters(model), trainable_parameters(resumed))
 
 
+class DivergingRegressor(TinyRegressor):
+    """Its loss is NaN from step ``after + 1`` on, and its held-out score rises at every evaluation, as a top-1
+    agreement over NaN logits still reads a number (argmax picks one fixed id): only the weights say they diverged."""
+
+    selection_metric = "score"
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after, self.evaluations = after, 0
+
+    def training_step(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        loss, metrics = super().training_step(batch)
+        step = (len(self.seen) + 7) // 8  # 8 examples a step (one rank)
+        return (loss * float("nan") if step > self.after else loss), metrics
+
+    def evaluate(self) -> dict[str, float]:
+        self.evaluations += 1
+        return {"score": float(self.evaluations)}
+
+
+def test_weights_that_diverged_are_never_kept_and_a_run_that_only_diverged_publishes_nothing(tmp_path: Path) -> None:
+    """The first evaluation was kept whatever it scored, and a later one on NaN weights could outscore a healthy one:
+    a diverged run finished with exit 0 and handed back NaN weights as its best."""
+    cfg = config(eval_every=2, warmup_steps=0)
+    model = DivergingRegressor(after=6)
+    result = fit(model, dataset(), cfg, tmp_path / "a")
+    assert model.evaluations == 8 and result.best["step"] == 6 and result.best["score"] == 3.0
+    assert all(bool(p.isfinite().all()) for p in trainable_parameters(model).values())
+    with pytest.raises(DrafterError, match=r"Training diverged(.|\n)*no finite held-out evaluation(.|\n)*train.lr"):
+        fit(DivergingRegressor(after=0), dataset(), cfg, tmp_path / "b")
+    with pytest.raises(DrafterError, match=r"Training diverged"):  # no evaluation at all: the last step's weights
+        fit(DivergingRegressor(after=0), dataset(), config(warmup_steps=0), tmp_path / "c")
+
+
+class ScheduledRegressor(TinyRegressor):
+    """Its held-out score at step s is ``SCHEDULE[s]`` (a run started at ``start``)."""
+
+    selection_metric = "score"
+    schedule = {2: 1.0, 4: 2.0, 6: 3.0, 8: 2.5, 10: 4.0, 12: 5.0, 14: 1.0, 16: 1.0}
+
+    def __init__(self, start: int = 0) -> None:
+        super().__init__()
+        self.start = start
+
+    def evaluate(self) -> dict[str, float]:
+        return {"score": self.schedule[self.start + len(self.seen) // 8]}
+
+
+def test_a_kill_after_new_bests_keeps_the_best_the_last_checkpoint_names(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoint 8 names the best of step 6; new bests at 10 and 12 then deleted its file. Killed before checkpoint 16,
+    the run resumed at 8, could not load that best unless its re-evaluation beat it again, and never finished."""
+    cfg, staging = config(eval_every=2, checkpoint_every=8), tmp_path / "s"
+    real_prune = ckpt.prune_best
+
+    def prune_then_kill(where: Path, keep: set[int]) -> None:
+        real_prune(where, keep)
+        if 12 in keep:
+            raise SimulatedCrash("killed after the step-12 evaluation")
+
+    monkeypatch.setattr(ckpt, "prune_best", prune_then_kill)
+    with pytest.raises(SimulatedCrash, match="step-12 evaluation"):
+        fit(ScheduledRegressor(), dataset(), cfg, staging)
+    monkeypatch.undo()
+    assert json.loads((ckpt.checkpoints(staging)[-1] / "state.json").read_text())["best"]["step"] == 6
+    assert (staging / "best-00000006.safetensors").exists()
+    # the resumed run's re-evaluations score lower this time (a GPU's nondeterminism, another micro_batch_size)
+    monkeypatch.setattr(ScheduledRegressor, "schedule", {**ScheduledRegressor.schedule, 10: 2.9, 12: 2.9})
+    result = fit(ScheduledRegressor(start=8), dataset(), cfg, staging)
+    assert result.start_step == 8 and result.best["step"] == 6 and result.best["score"] == 3.0
+
+
 def test_foreign_config_checkpoint_is_refused(tmp_path: Path) -> None:
     data = dataset()
     fit(TinyRegressor(), data, config(max_steps=4), tmp_path)
