@@ -13,8 +13,10 @@ import urllib.parse
 
 CREDENTIAL_VARIABLES = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 """Environment variables whose values are secrets: never printed, logged or put in an error."""
-USERINFO = re.compile(r"//[^/\s]*@")
-"""A URL's ``//user:password@``, up to the netloc's last ``@`` (as urllib splits it: a password may hold an ``@``)."""
+USERINFO = re.compile(r"(?<!/)//(?!/)\S*@")
+"""A URL's ``//user:password@``: from the ``//`` of an authority up to the last ``@`` before white space. A password
+may hold ``@``, ``/``, ``?`` or ``#`` unencoded (where urllib would end the authority and show the rest as a path), so
+this hides too much rather than too little (an ``@`` later in a path); ``sqlite:////a@b`` has no authority."""
 _SHORTEST_SECRET = 4  # a shorter value would hide ordinary words; no real password or token is that short
 
 
@@ -23,13 +25,33 @@ def _secrets(uris: tuple[str | None, ...]) -> list[str]:
     for uri in (*uris, os.environ.get("MLFLOW_TRACKING_URI")):
         try:
             parts = urllib.parse.urlsplit(uri or "")
-            userinfo = [parts.username, parts.password]
-        except ValueError:  # a malformed URI: take what stands between the scheme and the last "@" of its netloc
-            netloc = (uri or "").split("//", 1)[-1].split("/", 1)[0]
-            userinfo = netloc.rpartition("@")[0].split(":", 1) if "@" in netloc else []
-        values += [part for part in userinfo if part]
+            values += [parts.username, parts.password]
+        except ValueError:  # a malformed URI: the user info below is all there is
+            pass
+        values += list(userinfo(uri or "") or ())  # the whole password where urllib cuts it at a "/", "?" or "#"
     values += [urllib.parse.unquote(v) for v in values if v and "%" in v]
     return sorted({v for v in values if v and len(v) >= _SHORTEST_SECRET}, key=len, reverse=True)
+
+
+def userinfo(uri: str) -> tuple[str, str] | None:
+    """``(user, password)`` of a URI's user info (:data:`USERINFO`; password ``""`` for a bare token), else None."""
+    found = USERINFO.search(uri)
+    if found is None:
+        return None
+    user, _, password = found[0][2:-1].partition(":")
+    return user, password
+
+
+def credentials_in_uri(origin: str, why: str) -> DrafterError:
+    """The error for a tracking URI with user info in it (``origin``: where it came from; ``why``: where it would
+    show)."""
+    return DrafterError(
+        f"{origin} holds credentials (user info before the host). {why}, so credentials come from "
+        "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD / MLFLOW_TRACKING_TOKEN only.",
+        expected="a tracking URI without user info, e.g. https://mlflow.example.com",
+        found="user info in the URI (not shown)",
+        fix="Remove user:password@ from the URI and export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+            "MLFLOW_TRACKING_TOKEN) instead. (An @ in the URI's path: write it as %40.)")
 
 
 def redact(uri: str) -> str:

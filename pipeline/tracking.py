@@ -34,7 +34,13 @@ from pipeline.artifacts import Artifact, write_json_atomic
 from pipeline.cache import default_cache_dir
 from pipeline.checksums import sha256_file
 from pipeline.config.sections import MlflowConfig
-from pipeline.errors import DrafterError, redact, scrub  # redact: re-exported for the CLI and the registry
+from pipeline.errors import (  # redact: re-exported for the CLI and the registry
+    DrafterError,
+    credentials_in_uri,
+    redact,
+    scrub,
+    userinfo,
+)
 from pipeline.progress import heartbeat
 from pipeline.runlog import flatten
 
@@ -92,6 +98,8 @@ def _check_uri(uri: str, origin: str) -> Path | None:
         raise refuse("bytes that are not UTF-8 text in the URI") from None
     if _CONTROL.search(uri):
         raise refuse(f"a control character {_CONTROL.search(uri)[0]!r} in the URI")  # type: ignore[index]
+    if userinfo(uri):  # urllib would read it as a host name and report the server unreachable
+        raise credentials_in_uri(origin, "A URI is logged, printed in errors and recorded beside the runs")
     try:
         parts = urllib.parse.urlsplit(uri)
         port = parts.port

@@ -151,7 +151,9 @@ def test_a_losslessness_gate_that_could_not_fail_is_refused(override: str) -> No
         GenerateConfig(temperature=math.inf)
 
 
-@pytest.mark.parametrize("uri", ["https://alice:s3cret@mlflow.example.com", "http://alice@127.0.0.1:5000/x"])
+@pytest.mark.parametrize("uri", ["https://alice:s3cret@mlflow.example.com", "http://alice@127.0.0.1:5000/x",
+                                 "http://alice:s3cret/Et+tok@127.0.0.1:5999", "http://alice:s3cret?x@host",
+                                 "http://alice:s3cret#x@host"])
 def test_credentials_in_the_configs_tracking_uri_are_refused_without_printing_them(uri: str, tmp_path: Path) -> None:
     """A tracking URI with user info was accepted from a config, printed by `drafter config` and copied into every
     submitted job's directory. Credentials come from the environment only; the error does not repeat them."""
@@ -161,7 +163,9 @@ def test_credentials_in_the_configs_tracking_uri_are_refused_without_printing_th
         with pytest.raises(DrafterError, match="holds credentials(.|\n)*MLFLOW_TRACKING_USERNAME") as err:
             attempt()
         assert "alice" not in str(err.value) and "s3cret" not in str(err.value)
-    assert load_config(None, ["mlflow.tracking_uri=https://mlflow.example.com:443/a@b"]).mlflow.tracking_uri
+    assert load_config(None, ["mlflow.tracking_uri=https://mlflow.example.com:443/a%40b"]).mlflow.tracking_uri
+    with pytest.raises(DrafterError, match="write it as %40"):  # an @ after a "/": a password holding "/" looks alike
+        load_config(None, ["mlflow.tracking_uri=https://mlflow.example.com:443/a@b"])
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:

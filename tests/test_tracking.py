@@ -231,6 +231,24 @@ def test_helpers() -> None:
     assert scrub("GET https://alice:s3cr3t@Pa55word@host/api failed; try http://host/x?q=a b@c") == (
         "GET https://***@host/api failed; try http://host/x?q=a b@c")
     assert flatten({"a": {"b": 1, "c": [1, 2]}}) == {"a.b": "1", "a.c": "[1, 2]"}
+    assert redact("sqlite:////home/a@b/mlflow.db") == "sqlite:////home/a@b/mlflow.db"  # a path, no authority
+
+
+@pytest.mark.parametrize("password", ["s3cr/Et+tok", "1234/secret", "pa?ss-word", "pa#ss-word"])
+def test_a_password_urllib_would_cut_short_is_hidden_whole_and_refused_from_the_environment(
+        password: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A password with "/", "?" or "#" in it (base64 tokens hold "/") ends the authority for urllib: the config's
+    guard let it through, redact() left it whole and an error's found: line showed its first part. From
+    $MLFLOW_TRACKING_URI it reached urllib as a host name, and the error said the server was unreachable."""
+    uri = f"http://alice:{password}@127.0.0.1:5999"
+    assert redact(f"see {uri}/x") == "see http://***@127.0.0.1:5999/x"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert str(DrafterError(f"failed: {password}", found=f"for {password}")) == "failed: ***\n  found:    for ***"
+    cfg = load_config(None, [f"workdir={tmp_path}"])
+    with pytest.raises(DrafterError, match=r"MLFLOW_TRACKING_URI holds credentials(.|\n)*not shown") as err:
+        tracking_uri(cfg.mlflow, cfg.workdir_path)
+    shown = str(err.value)
+    assert all(piece not in shown for piece in (password, password[:4], password.split("/")[-1], "alice")), shown
     check_reachable("sqlite:///x.db", load_config(None).mlflow)  # local stores need no probe
 
 

@@ -30,7 +30,7 @@ from pipeline.config.stages import (
     TrainDrafterConfig,
     TrainRouterConfig,
 )
-from pipeline.errors import DrafterError
+from pipeline.errors import credentials_in_uri, userinfo
 
 
 @dataclass
@@ -56,10 +56,6 @@ class TargetConfig:
         check_value(bool(self.model), "target.model", "a hub id, local path or tiny:<profile>/<role>", self.model)
 
 
-_USER_INFO = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@")
-"""A URI whose authority holds ``user[:password]@``."""
-
-
 @dataclass
 class MlflowConfig:
     tracking_uri: str | None = None
@@ -74,15 +70,10 @@ class MlflowConfig:
     """Seconds per attempt to reach a tracking server."""
 
     def __post_init__(self) -> None:
-        if self.tracking_uri and _USER_INFO.match(self.tracking_uri):
-            # the config is printed (drafter config) and copied into every submitted job's directory
-            raise DrafterError(
-                "mlflow.tracking_uri holds credentials (user info before the host). A config file is printed by "
-                "`drafter config` and copied beside every submitted job, so credentials come from the environment "
-                "only.", expected="a tracking URI without user info, e.g. https://mlflow.example.com",
-                found="user info in the URI (not shown)",
-                fix="Remove user:password@ from the URI and export MLFLOW_TRACKING_USERNAME and "
-                    "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead.")
+        if self.tracking_uri and userinfo(self.tracking_uri):
+            # the config is printed (drafter config) and copied beside every submitted job
+            raise credentials_in_uri("mlflow.tracking_uri", "A config file is printed by `drafter config` and copied "
+                                                            "beside every submitted job")
         check_value(self.retries >= 1, "mlflow.retries", "an integer >= 1", self.retries)
         check_value(self.timeout_s > 0, "mlflow.timeout_s", "a positive number", self.timeout_s)
 
