@@ -24,6 +24,7 @@ from pipeline.artifacts import Artifact
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
+from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
@@ -127,7 +128,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
 
     def write(out: Path) -> None:
         save_dflash(drafter, out)
-        export_layouts(drafter, out / "exports", target_model=cfg.target.model, target_config=target.config)
+        export_layouts(drafter, out / "exports", target_model=cfg.target.model, target_config=target.config,
+                       dtype=Target(cfg.target).checkpoint_dtype())  # the engines' dtype for the target
         (out / "training.json").write_text(json.dumps(report, indent=2))
 
     return BuildResult(write, metrics)

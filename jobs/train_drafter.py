@@ -25,6 +25,7 @@ from pipeline.artifacts import Artifact
 from pipeline.config.schema import identity
 from pipeline.config.sections import PipelineConfig
 from pipeline.errors import DrafterError
+from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, run_stage
@@ -123,8 +124,11 @@ def _exports(cfg: PipelineConfig, drafter: object, target: object, out: Path) ->
     """The serving layouts: EAGLE-3 / SGLang (``exports/eagle3``) and ``speculators`` for vLLM."""
     from pipeline.drafters.export import export_eagle3, export_speculators  # deferred: pulls in torch
 
-    export_eagle3(drafter, out / "eagle3", target_model=cfg.target.model, target_config=target.config)
-    export_speculators(drafter, out / "speculators", target_model=cfg.target.model, target_config=target.config)
+    # in the checkpoint's dtype, which the engines load the target in (SGLang reads the draft's own: float32 -> float16)
+    dtype = Target(cfg.target).checkpoint_dtype()
+    export_eagle3(drafter, out / "eagle3", target_model=cfg.target.model, target_config=target.config, dtype=dtype)
+    export_speculators(drafter, out / "speculators", target_model=cfg.target.model, target_config=target.config,
+                       dtype=dtype)
 
 
 def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:

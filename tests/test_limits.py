@@ -64,6 +64,17 @@ def test_train_drafter_max_length_beyond_the_target_context_is_refused(tmp_path:
     plan(small_cfg(tmp_path, "train_drafter.max_length=128"), ["train_drafter"])
 
 
+def test_tapping_the_targets_post_norm_state_is_refused_before_training(tmp_path: Path) -> None:
+    """The last layer's output (HF hidden_states[L]) is taken after the final norm: no server hands it to a drafter.
+    EAGLE-3's export refused it after training; DFlash's trained and exported it. Both are now refused by plan."""
+    with pytest.raises(DrafterError, match=r"aux_layer_ids(.|\n)*\[0, 2\](.|\n)*3-layer target"):
+        plan(small_cfg(tmp_path, "train_drafter.aux_layer_ids=[0,1,3]"), ["train_drafter"])
+    plan(small_cfg(tmp_path, "train_drafter.aux_layer_ids=[0,1,2]"), ["train_drafter"])
+    with pytest.raises(DrafterError, match=r"\[0, 1\](.|\n)*no server captures(.|\n)*\[0, 2\] for a 3-layer target"):
+        plan(small_cfg(tmp_path, "train_dflash.target_layer_ids=[0,2]"), ["train_dflash"])
+    plan(small_cfg(tmp_path, "train_dflash.target_layer_ids=[0,1]"), ["train_dflash"])
+
+
 @pytest.mark.parametrize("stage", ["train_router", "estimate_rdk"])
 def test_the_drafters_reading_calibration_rows_are_held_to_their_context(stage: str, tmp_path: Path,
                                                                         tiny_kit) -> None:
@@ -147,12 +158,14 @@ def test_the_recipe_context_is_the_built_kits(tiny_kit) -> None:
     """Planning reads a tiny ref's context from the recipe; the built models say the same."""
     from transformers import AutoConfig
 
-    from pipeline.models.context import context_length
+    from pipeline.models.context import context_length, depth
 
     for role in ("target", "drafter", "drafter_other", "drafter_bytes"):
         built = AutoConfig.from_pretrained(tiny_kit.path(role)).max_position_embeddings
         assert context_length(f"tiny:test/{role}") == built, role
         assert context_length(str(tiny_kit.path(role))) == built, role
+        layers = AutoConfig.from_pretrained(tiny_kit.path(role)).num_hidden_layers
+        assert depth(f"tiny:test/{role}") == layers == depth(str(tiny_kit.path(role))), role
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))

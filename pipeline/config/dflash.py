@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.config.schema import check_seed, check_value, input_override
 from pipeline.config.training import TrainConfig
+from pipeline.errors import DrafterError
 
 
 def _dflash_training() -> TrainConfig:
@@ -38,7 +40,8 @@ class TrainDFlashConfig:
     """Tapped target layers in the reference numbering (id i = output of layer i = output_hidden_states[i + 1]).
     null: one draft layer taps the middle layer L // 2 (at most L - 2); more take the reference spread over
     1 .. L - 3 (Qwen3-8B, 5 layers: [1, 9, 17, 25, 33]), and shallower targets over 0 .. L - 2. The speculators export
-    stores these + 1 (aux_hidden_state_layer_ids)."""
+    stores these + 1 (aux_hidden_state_layer_ids). At most L - 2: the last layer's output is taken after the final
+    norm, which no server hands a drafter."""
     mask_token_id: int | None = None
     """The token whose frozen target embedding fills the masked rows; null: the tokenizer's pad token, else its
     unknown token, else the last id of the vocabulary."""
@@ -106,3 +109,24 @@ class TrainDFlashConfig:
                     "a non-empty list of layer ids or null", self.target_layer_ids)
         check_value(self.mask_token_id is None or self.mask_token_id >= 0, "train_dflash.mask_token_id",
                     "a token id >= 0 or null", self.mask_token_id)
+
+
+def check_target_layer_ids(ids: Any, num_target_layers: int) -> None:
+    """Raise :class:`DrafterError` unless ``ids`` are ascending layer outputs in ``[0, num_target_layers − 2]``.
+
+    The last layer's output (``L − 1``, HF ``output_hidden_states[L]``) is taken after the final norm, a feature no
+    server hands a drafter: SGLang captures layer inputs up to layer ``L − 1`` only, and vLLM's capture at ``L`` is the
+    residual before the norm. A drafter trained on it drafts from other features when served.
+    """
+    top = num_target_layers - 2
+    ok = (isinstance(ids, (tuple, list)) and len(ids) >= 1 and all(isinstance(i, int) for i in ids)
+          and all(0 <= i <= top for i in ids) and all(a < b for a, b in zip(ids, ids[1:])))
+    if not ok:
+        raise DrafterError(
+            "DFlash target_layer_ids do not name target layers a serving engine hands over.",
+            expected=f"distinct ascending layer outputs in [0, {top}] (reference numbering: id i reads "
+                     f"output_hidden_states[i + 1]; the last layer's output, {num_target_layers - 1}, is taken after "
+                     "the final norm, which no server captures)",
+            found=f"target_layer_ids={ids!r} for a {num_target_layers}-layer target",
+            fix="Leave target_layer_ids unset for the default, or pick increasing layer indices of the target below "
+                f"{num_target_layers - 1}.")

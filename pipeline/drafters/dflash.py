@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.config.dflash import check_target_layer_ids
 from pipeline.drafters.caches import reserve
 from pipeline.drafters.layers import (
     MLP,
@@ -76,19 +77,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     top = num_target_layers - 2
     spread = [int(round(i * top / (num_draft_layers - 1))) for i in range(num_draft_layers)]
     return tuple(sorted(set(spread)))
-
-
-def check_target_layer_ids(ids: Any, num_target_layers: int) -> None:
-    """Raise :class:`DrafterError` unless ``ids`` are ascending layer outputs in ``[0, num_target_layers − 1]``."""
-    ok = (isinstance(ids, (tuple, list)) and len(ids) >= 1 and all(isinstance(i, int) for i in ids)
-          and all(0 <= i < num_target_layers for i in ids) and all(a < b for a, b in zip(ids, ids[1:])))
-    if not ok:
-        raise DrafterError(
-            "DFlash target_layer_ids do not name target layers.",
-            expected=f"distinct ascending layer outputs in [0, {num_target_layers - 1}] (reference numbering: id i "
-                     f"reads output_hidden_states[i + 1])",
-            found=f"target_layer_ids={ids!r}",
-            fix="Leave target_layer_ids unset for the default, or pick increasing layer indices of the target.")
 
 
 @dataclass(frozen=True)

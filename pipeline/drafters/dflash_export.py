@@ -235,21 +235,24 @@ def export_reference(drafter: DFlashDrafter, out_dir: str | Path, *, target_mode
     return _publish(Path(out_dir), doc, tensors)
 
 
-def export_layouts(drafter: DFlashDrafter, exports: Path, *, target_model: str, target_config: Any) -> dict[str, Path]:
+def export_layouts(drafter: DFlashDrafter, exports: Path, *, target_model: str, target_config: Any,
+                   dtype: torch.dtype | None = None) -> dict[str, Path]:
     """Both serving layouts under ``exports``: ``speculators/``, and the reference layout as ``dflash/`` or, for a
     draft-vocabulary head, ``dflash-vllm/``. SGLang 0.5.23 loads a reference checkpoint without a head of its own
     and drops ``lm_head.weight``, ``d2t`` and ``t2d`` without a word, drafting through the target's head, which such
     a drafter never trained for: a folder named for the engine that serves it keeps it from being mistaken for the
     layout both engines load.
 
+    ``dtype``: the tensors' and the configs' (None: the drafter's own).
+
     Returns:
         The written directories, by layout (``reference``, ``speculators``).
     """
     name = "dflash" if drafter.config.draft_vocab_size is None else "dflash-vllm"
     return {"reference": export_reference(drafter, exports / name, target_model=target_model,
-                                          target_config=target_config),
+                                          target_config=target_config, dtype=dtype),
             "speculators": export_speculators(drafter, exports / "speculators", target_model=target_model,
-                                              target_config=target_config)}
+                                              target_config=target_config, dtype=dtype)}
 
 
 def speculators_keys(config: DFlashConfig) -> tuple[str, ...]:

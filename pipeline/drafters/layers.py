@@ -26,6 +26,8 @@ def target_shape(target_config: Any) -> dict[str, Any]:
     """The layer shape a drafter copies from a Llama/Qwen3-style ``transformers`` config: widths, heads, head dim,
     norm epsilon, RoPE theta, context and the non-default RoPE parameters (else None)."""
     rope = dict(getattr(target_config, "rope_parameters", None) or getattr(target_config, "rope_scaling", None) or {})
+    if "type" in rope and "rope_type" not in rope:  # a config object kept from before transformers renamed the key
+        rope["rope_type"] = rope.pop("type")
     theta = float(rope.pop("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
     heads = int(target_config.num_attention_heads)
     return {

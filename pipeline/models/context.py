@@ -61,3 +61,16 @@ def embedding_rows(name: str, revision: str | None = None, trust_remote_code: bo
         return None
     value = getattr(_text_config(name, revision, trust_remote_code), "vocab_size", None)
     return int(value) if isinstance(value, int) and value > 0 else None
+
+
+_SPEC_OF_ROLE = {"target": "target", "drafter": "drafter", "drafter_other": "other", "drafter_bytes": "byte_drafter"}
+
+
+def depth(name: str, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
+    """Decoder layers of ``name`` (its config's ``num_hidden_layers``; a tiny-kit ref's from its recipe); None for a
+    config that names none. Raises as :func:`context_length`."""
+    if name.startswith(TINY_PREFIX):
+        profile, role = parse_tiny_ref(name)
+        return getattr(get_profile(profile), _SPEC_OF_ROLE[role]).layers
+    value = getattr(_text_config(name, revision, trust_remote_code), "num_hidden_layers", None)
+    return int(value) if isinstance(value, int) and value > 0 else None

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config.sections import TargetConfig
-from pipeline.models.loading import fingerprint, load_generation_config, load_model, load_tokenizer
+from pipeline.models.loading import (
+    fingerprint,
+    load_generation_config,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,18 @@ class Target:
         """The target model in ``dtype`` (default ``target.dtype``), eval mode, on ``device`` if given."""
         return load_model(self.cfg.model, self.cfg.revision, dtype=dtype or self.cfg.dtype, device=device,
                           trust_remote_code=self.cfg.trust_remote_code)
+
+    def checkpoint_dtype(self) -> Any:
+        """The floating dtype the checkpoint's ``config.json`` declares (a ``torch.dtype``), else None. A serving
+        engine's ``--dtype auto`` loads the target, and SGLang a drafter, in the dtype its config declares; a stage
+        loads the target in ``target.dtype`` and reads the loaded config's dtype as that, not as the checkpoint's."""
+        import torch
+
+        declared = getattr(load_model_config(self.cfg.model, self.cfg.revision,
+                                             trust_remote_code=self.cfg.trust_remote_code), "dtype", None)
+        if isinstance(declared, str):
+            declared = getattr(torch, declared, None)
+        return declared if isinstance(declared, torch.dtype) and declared.is_floating_point else None
 
     @property
     def generation_config(self) -> Any:

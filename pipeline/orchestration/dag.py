@@ -156,14 +156,14 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("count", "jobs.count", "token_counts", upstream=("generate",),
               reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}, one_process=True,
               version=3),
-    # evaluate's prompts come from generate.source / heldout_fraction (the held-out share), so those two
-    # fields enter its id even when evaluate.counts names the count artifact directly.
+    # evaluate's prompts come from generate.source / heldout_fraction: in its id even where evaluate.counts names count
     # The EAGLE-3 drafter learns from the calibration set with the draft vocabulary of count; the target
     # runs in float32 (CPU, DDP) or as DeepSpeed casts it, so target.dtype does not enter its id.
     # 2: the last step's training figures (final.acc_*, final.train_simulated_tau) pool its micro-batches' rows
+    # 3 (and train_dflash's 5): the serving exports in the dtype the target's checkpoint declares
     StageSpec("train_drafter", "jobs.train_drafter", "eagle3_drafter", upstream=("generate", "count"),
               reads=(*TARGET_IDENTITY, "train_drafter"),
-              overrides={"generate": "train_drafter.calibration", "count": "train_drafter.counts"}, version=2),
+              overrides={"generate": "train_drafter.calibration", "count": "train_drafter.counts"}, version=3),
     # DFlash learns from the calibration set (and, with its own draft-vocabulary head, count's draft vocabulary).
     # Outside the default run unless evaluate decodes it: its training would lengthen the embedded default's `make run`.
     StageSpec("train_dflash", "jobs.train_dflash", "dflash_drafter", upstream=("generate", "count"),
@@ -171,9 +171,9 @@ STAGES: tuple[StageSpec, ...] = (
               overrides={"generate": "train_dflash.calibration", "count": "train_dflash.counts"},
               when={"count": lambda cfg: cfg.train_dflash.head == "draft"},
               opt_in=_read_by_methods("train_dflash"),
-              version=4),  # 2: each row's anchors seeded by its own index, not by its micro-batch (a run setting)
-              # 3: a draft-vocabulary head's reference export is exports/dflash-vllm (SGLang drops its head)
-              # 4: the last step's training figures pool its micro-batches' blocks
+              version=5),  # 2: each row's anchors seeded by its own index, not by its micro-batch (a run setting)
+              # 3: a draft-vocabulary head's reference export is exports/dflash-vllm (SGLang drops its head); 4: the
+              # last step's training figures pool its micro-batches' blocks
     # DynaSpec: the drafter's head is clustered (no upstream: it reads only a model), the router learns from
     # the calibration set with the clustering, and compares itself with count's frequency shortlists.
     # 2: the clustering also records its head's digest rounded to float16 (a float16 load is compared with it)

@@ -46,12 +46,13 @@ from collections.abc import Collection
 from pathlib import Path
 
 from pipeline.artifacts import read_manifest
+from pipeline.config.dflash import check_target_layer_ids
 from pipeline.config.sections import PipelineConfig
 from pipeline.data.sources import holds_humaneval, unseen_humaneval
 from pipeline.engine.inputs import ShortlistInputs
 from pipeline.engine.methods import methods_reading, methods_with, models_read, stages_read
 from pipeline.errors import DrafterError
-from pipeline.models.context import context_length, embedding_rows
+from pipeline.models.context import context_length, depth, embedding_rows
 
 
 def _context(cfg: PipelineConfig, name: str) -> int | None:
@@ -86,11 +87,23 @@ def _check_generate(cfg: PipelineConfig) -> None:
              f"Lower generate.max_prompt_tokens and generate.max_new_tokens to sum to {limit} or less.")
 
 
+def _target_depth(cfg: PipelineConfig) -> int | None:
+    return depth(cfg.target.model, cfg.target.revision, cfg.target.trust_remote_code)
+
+
 def _check_train_drafter(cfg: PipelineConfig) -> None:
     td = cfg.train_drafter
     limit = _context(cfg, cfg.target.model)
     _fit("train_drafter.max_length", [td.max_length], td.max_length, limit, f"the target {cfg.target.model}",
          "tokens", f"Set train_drafter.max_length to {limit} or less.")
+    layers = _target_depth(cfg) if td.aux_layer_ids else None
+    if layers is not None and not all(0 <= i < layers for i in td.aux_layer_ids):  # the export refuses L
+        raise DrafterError(
+            "train_drafter.aux_layer_ids name a hidden state no serving engine hands a drafter.",
+            expected=f"indices into output_hidden_states in [0, {layers - 1}] (index {layers} is taken after the "
+                     "final norm: SGLang never captures it, vLLM captures the residual before the norm)",
+            found=f"aux_layer_ids={td.aux_layer_ids} for the {layers}-layer target {cfg.target.model}",
+            fix="Leave train_drafter.aux_layer_ids unset for the default, or pick indices below the target's depth.")
 
 
 def _check_train_dflash(cfg: PipelineConfig) -> None:
@@ -98,6 +111,9 @@ def _check_train_dflash(cfg: PipelineConfig) -> None:
     limit = _context(cfg, cfg.target.model)
     _fit("train_dflash.max_length", [tc.max_length], tc.max_length, limit, f"the target {cfg.target.model}",
          "tokens", f"Set train_dflash.max_length to {limit} or less.")
+    layers = _target_depth(cfg) if tc.target_layer_ids else None
+    if layers is not None:
+        check_target_layer_ids(list(tc.target_layer_ids), layers)
 
 
 def _rows_read(cfg: PipelineConfig, key: str, max_length: int, override: str | None) -> tuple[str, int]:

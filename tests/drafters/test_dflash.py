@@ -88,6 +88,9 @@ def test_default_tapped_layers() -> None:
     with pytest.raises(DrafterError, match="target_layer_ids"):
         DFlashConfig.from_target(_target(layers=4).config, num_hidden_layers=1, block_size=4, mask_token_id=0,
                                  target_layer_ids=(1, 4))
+    with pytest.raises(DrafterError, match=r"\[0, 2\](.|\n)*no server captures"):  # the last layer's: post-norm
+        DFlashConfig.from_target(_target(layers=4).config, num_hidden_layers=1, block_size=4, mask_token_id=0,
+                                 target_layer_ids=(1, 3))
 
 
 def test_state_dict_is_exactly_the_reference_layout(target) -> None:
@@ -457,9 +460,10 @@ def test_a_draft_vocabulary_heads_reference_export_is_named_for_the_engine_that_
     for draft_ids, name in ((None, "dflash"), (DRAFT_IDS, "dflash-vllm")):
         exports = tmp_path / name / "exports"
         written = export_layouts(_drafter(target, draft_ids=draft_ids), exports, target_model="t",
-                                 target_config=target.config)
+                                 target_config=target.config, dtype=torch.bfloat16)  # the job: the checkpoint's
         assert written == {"reference": exports / name, "speculators": exports / "speculators"}
         assert sorted(p.name for p in exports.iterdir()) == sorted([name, "speculators"])
+        assert all(json.loads((path / "config.json").read_text())["dtype"] == "bfloat16" for path in written.values())
 
 
 def test_block_loss_with_a_draft_vocabulary_head_learns_only_rows_it_can_draft(target) -> None:

@@ -7,6 +7,8 @@ Unit tests use the random 3-layer Llama config of eagle3_support.py.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -69,6 +71,10 @@ def test_scaled_rope_is_carried_over() -> None:
     scaled = Eagle3Drafter(config, nn.Embedding(V, H)).rotary_emb.inv_freq
     plain = 1 / 5e5 ** (torch.arange(0, 8, 2) / 8)
     assert scaled[0] == pytest.approx(plain[0].item()) and scaled[-1] < plain[-1]  # long wavelengths stretched
+    # a config object with the old key name ("type"): its scaling was dropped without a word
+    old = SimpleNamespace(**{k: v for k, v in target.to_dict().items() if k != "rope_parameters"},
+                          rope_scaling={"type": "linear", "factor": 4.0}, rope_theta=1e4)
+    assert Eagle3Config.from_target(old, VD).rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
 
 def test_default_aux_layer_ids_are_valid_for_any_depth() -> None:

@@ -266,3 +266,27 @@ def test_speculators_full_vocabulary_has_no_maps(tmp_path: Path) -> None:
     drafter = make_drafter(vd=V)
     out = export_speculators(drafter, tmp_path / "s", target_model="t", target_config=llama())
     assert keys(out) == set(SPECULATORS_KEYS) - {"d2t", "t2d"}
+
+
+def test_the_training_job_exports_in_the_dtype_the_targets_checkpoint_declares(tmp_path: Path) -> None:
+    """Training loads the target in float32, and the loaded config then says float32: the exports declared that.
+    SGLang builds a draft from its own config's dtype and, under --dtype auto, runs a float32 one in float16 beside a
+    bfloat16 target. They now declare (and hold) the checkpoint's dtype."""
+    from transformers import LlamaForCausalLM
+
+    from jobs.train_drafter import _exports
+    from pipeline.config.sections import load_config
+    from pipeline.models.target import Target
+
+    config = llama()
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "target")
+    cfg = load_config(None, [f"target.model={tmp_path / 'target'}", f"workdir={tmp_path / 'w'}"])
+    target = Target(cfg.target).model()
+    assert target.config.dtype == torch.float32 and Target(cfg.target).checkpoint_dtype() == torch.bfloat16
+    _exports(cfg, make_drafter(config), target, tmp_path / "exports")
+    for layout in ("eagle3", "speculators"):
+        written = read_config(tmp_path / "exports" / layout)
+        assert written["dtype"] == "bfloat16" and written.get("torch_dtype", "bfloat16") == "bfloat16", layout
+        floats = {t.dtype for t in load_file(tmp_path / "exports" / layout / "model.safetensors").values()
+                  if t.is_floating_point()}
+        assert floats == {torch.bfloat16}, layout
