@@ -37,14 +37,29 @@ SUMMARY: tuple[str, ...] = ("train_steps", "best.simulated_tau", "train_seconds"
 time."""
 
 
+SGLANG_MASK_TOKEN = "<|MASK|>"
+"""The mask token SGLang's DFlash worker (0.5.23) checks ``dflash_config.mask_token_id`` against when a drafter's config
+names none: a tokenizer holding it at another id stops the server ("mask_token_id conflicts with tokenizer vocab id")."""
+
+
 def mask_token_id(configured: int | None, tokenizer: Any, vocab_size: int) -> int:
-    """``train_dflash.mask_token_id``, else the tokenizer's pad token, else its unknown token, else the last id."""
+    """``train_dflash.mask_token_id``, else the tokenizer's ``<|MASK|>`` token (the reference drafters' and SGLang's),
+    else its pad token, else its unknown token, else the last id."""
     if configured is not None and not 0 <= configured < vocab_size:
         raise DrafterError("train_dflash.mask_token_id is not a row of the target's embedding.",
                            expected=f"a token id in [0, {vocab_size}) or null", found=str(configured),
                            fix="Leave train_dflash.mask_token_id null for the tokenizer's pad token, or name a token "
                                "id of the target's vocabulary.")
-    for candidate in (configured, getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "unk_token_id", None)):
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    own = vocab.get(SGLANG_MASK_TOKEN)
+    own = own if own is not None and 0 <= own < vocab_size else None
+    if configured is not None and own is not None and configured != own:
+        raise DrafterError(f"train_dflash.mask_token_id is not the target tokenizer's {SGLANG_MASK_TOKEN} token.",
+                           expected=f"{own} (SGLang refuses a DFlash drafter whose mask token id differs from "
+                                    f"the tokenizer's {SGLANG_MASK_TOKEN})",
+                           found=f"train_dflash.mask_token_id={configured}",
+                           fix=f"Leave train_dflash.mask_token_id null (it then takes {own}), or set it to {own}.")
+    for candidate in (configured, own, getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "unk_token_id", None)):
         if candidate is not None:
             return int(candidate)
     return vocab_size - 1

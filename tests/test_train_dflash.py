@@ -209,3 +209,20 @@ def test_dflash_beside_eagle3_is_lossless_one_forward_per_round_and_registered(t
     assert gates["passed"] and gates["chosen"]["gamma"] == 3, gates
     record = json.loads((evaluation.path.parent / f"{evaluation.id}.registration-dflash.json").read_text())
     assert record["name"].endswith("-dflash") and "champion" in record["aliases"]
+
+
+def test_the_mask_token_is_the_tokenizers_own_mask_where_it_has_one() -> None:
+    """SGLang checks dflash_config.mask_token_id against the tokenizer's <|MASK|> and refuses to serve a drafter whose
+    id differs; the default took the pad token whatever the tokenizer held."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"a": 0, "<pad>": 1, "<|MASK|>": 2, "b": 3}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")),
+                                        pad_token="<pad>")
+    assert train_dflash.mask_token_id(None, tokenizer, 4) == 2 and train_dflash.mask_token_id(2, tokenizer, 4) == 2
+    with pytest.raises(DrafterError, match=r"not the target tokenizer's <\|MASK\|>(.|\n)*expected: 2"):
+        train_dflash.mask_token_id(1, tokenizer, 4)
+    del vocab["<|MASK|>"]
+    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")), pad_token="<pad>")
+    assert train_dflash.mask_token_id(None, plain, 4) == 1 and train_dflash.mask_token_id(3, plain, 4) == 3

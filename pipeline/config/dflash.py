@@ -43,8 +43,9 @@ class TrainDFlashConfig:
     stores these + 1 (aux_hidden_state_layer_ids). At most L - 2: the last layer's output is taken after the final
     norm, which no server hands a drafter."""
     mask_token_id: int | None = None
-    """The token whose frozen target embedding fills the masked rows; null: the tokenizer's pad token, else its
-    unknown token, else the last id of the vocabulary."""
+    """The token whose frozen target embedding fills the masked rows; null: the tokenizer's <|MASK|> token (the
+    reference drafters' and the one SGLang checks this id against), else its pad token, else its unknown token, else
+    the last id of the vocabulary."""
     num_key_value_heads: int | None = None
     """Key/value heads of each draft layer; null: the target's. A block row reads the context only through them, so
     more (up to the target's query heads: plain multi-head attention) widen what one layer can read, at a little
