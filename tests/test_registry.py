@@ -91,9 +91,12 @@ def test_register_moves_candidate_and_champion_by_primary_metric(
     assert (again.version, again.reused) == (3, True)
     assert len(_client(mlflow_server).search_model_versions(f"name = '{name}'")) == 4
     # ... and leaves the aliases where the forced rollback put them (it compared metrics again and took champion
-    # back, and candidate with it); it reports the decision made when the version was registered
+    # back, and candidate with it); it moved nothing, and says so beside the decision made when the version was
+    # registered (it reported promoted=True, and the evaluation's registration record a promotion, with champion at 4)
     assert _aliases(mlflow_server, name) == {"candidate": "4", "champion": "4"}
-    assert (again.promoted, again.reason) == (True, "tau 2.5 beats champion version 1 (2)")
+    assert (again.promoted, again.decision) == (False, "promoted: tau 2.5 beats champion version 1 (2)")
+    assert "champion at version 4" in again.reason and again.aliases == []
+    assert (better.decision, forced.decision.startswith("promoted: forced")) == (again.decision, True)
     # from another commit too: the bundle's sha names its content, not the code that registered it (bundle.json
     # held the git sha, so every commit registered the same artifacts as a new version)
     monkeypatch.setenv("DRAFTER_GIT_SHA", "f" * 40)

@@ -183,6 +183,14 @@ def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server
         pull(f"{name}@champion", to, cfg, tmp_path / "work")
     assert result.bundle_sha256 in str(err.value)
     assert not to.exists()
+    # a file added: refused saying what to do, and naming the version, not the deleted download folder (it had
+    # neither)
+    (stored / "bundle.json").write_text(registered)
+    (stored / "notes.txt").write_text("added")
+    with pytest.raises(DrafterError, match=r"Refusing .* version 1: The bundle does not match") as err:
+        pull(f"{name}@champion", to, cfg, tmp_path / "work")
+    assert "notes.txt" in err.value.found and "tampered" in err.value.fix and ".pull" not in str(err.value)
+    (stored / "notes.txt").unlink()
     # bundle.json replaced by JSON that is not an object, or by bytes that are not UTF-8: refused as corrupt, where an
     # AttributeError or UnicodeDecodeError reached the user before
     for garbage in (b"[1, 2]", b"\xff\xfe{}"):
@@ -225,3 +233,27 @@ def test_a_bundle_file_outside_its_components_is_hashed_and_a_pickle_refused(tmp
         with pytest.raises(DrafterError, match=refused):
             verify_bundle(bundle)
         extra.unlink()
+
+
+def test_a_pulled_bundle_is_on_the_disk_before_its_name_is(tmp_path: Path, mlflow_server: MlflowServer,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pull renamed the verified download into place without one fsync: a crash soon after could leave the
+    bundle's name on empty files. Every file and folder is flushed before the rename, and the destination's folder
+    after it."""
+    from pipeline.registry import bundle
+
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-fsync", "drafter")
+    register(make_bundle(name, make_components(tmp_path), 2.0), cfg, tmp_path / "work")
+    flushed: list[tuple[Path, bool]] = []
+    real = bundle.fsync_path
+    to = tmp_path / "pulled"
+
+    def record(path: Path) -> None:
+        flushed.append((Path(path), to.exists()))
+        real(path)
+
+    monkeypatch.setattr(bundle, "fsync_path", record)
+    pull(f"{name}@champion", to, cfg, tmp_path / "work")
+    before = {path.name for path, renamed in flushed if not renamed}
+    assert {p.name for p in to.rglob("*")} <= before and len(before) > 3
+    assert flushed[-1] == (to.parent, True)

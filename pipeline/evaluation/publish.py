@@ -81,7 +81,7 @@ def _register_one(cfg: PipelineConfig, results: EvaluationResults, gates: Any, k
                     fingerprint=results.target, measured_on=results.device)
     result = register(bundle, cfg.mlflow, cfg.workdir_path, promote=cfg.evaluate.promote)
     record = {"name": result.name, "version": result.version, "aliases": result.aliases,
-              "promoted": result.promoted, "reason": result.reason, "uri": result.uri,
+              "promoted": result.promoted, "reason": result.reason, "decision": result.decision, "uri": result.uri,
               "bundle_sha256": result.bundle_sha256, "run_id": result.run_id,
               "store": redact(tracking_uri(cfg.mlflow, cfg.workdir_path))}
     # Beside the artifact, not inside it: the artifact is immutable, registration is an event about it.

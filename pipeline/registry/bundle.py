@@ -30,6 +30,7 @@ from pipeline.artifacts import (
     canonical_json,
     fingerprint_error,
     fingerprint_mismatch,
+    fsync_path,
     load_artifact,
     refuse_unsafe,
     sha256_file,
@@ -194,7 +195,17 @@ def _file_entry(path: Path) -> dict:
 
 
 def publish_dir(tmp: Path, final: Path) -> None:
-    """Rename a finished directory into place; an older bundle there is swapped out, anything else refused."""
+    """Rename a finished directory into place; an older bundle there is swapped out, anything else refused. Its files
+    and folders reach the disk before the rename, and the rename after it: a crash never leaves a verified bundle's
+    name on empty files."""
+    for path in sorted(tmp.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        fsync_path(path)
+    fsync_path(tmp)
+    _rename_into_place(tmp, final)
+    fsync_path(final.parent)
+
+
+def _rename_into_place(tmp: Path, final: Path) -> None:
     if final.exists():
         if final.is_dir() and not any(final.iterdir()):
             final.rmdir()
@@ -281,6 +292,7 @@ def verify_bundle(
             f"Bundle {path} does not match its {BUNDLE_JSON}.",
             expected=f"exactly the {len(listed)} files listed",
             found=(f"missing {missing} " if missing else "") + (f"unlisted {extra}" if extra else ""),
+            fix="Treat the registry copy as tampered with; re-register the bundle.",
         )
     components = {component["id"] for component in document["components"]}
     for rel, meta in sorted(listed.items()):
@@ -297,6 +309,7 @@ def verify_bundle(
                     f"Bundle file {rel!r} disagrees with {BUNDLE_JSON}.",
                     expected=f"sha256 {listed[rel]['sha256']}",
                     found=f"sha256 {meta['sha256']}",
+                    fix="Treat the registry copy as tampered with; re-register the bundle.",
                 )
         _check_same(document["fingerprint"], artifact.fingerprint, f"component {artifact.id}", rel_only=False)
     if fingerprint is not None:
@@ -336,6 +349,7 @@ def _load_component(root: Path, artifact_id: str) -> Artifact:
             f"Bundle component directory {artifact_id} holds another artifact.",
             expected=artifact_id,
             found=artifact.id,
+            fix="Treat the registry copy as tampered with; re-register the bundle.",
         )
     return artifact
 

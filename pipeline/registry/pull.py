@@ -110,11 +110,15 @@ def _pull(
                 expect_fingerprint=expect_fingerprint,
             )
         except DrafterError as err:
+            # the download's temporary folder is gone by the time the user reads this: name the version instead
             raise DrafterError(
-                f"Refusing {name} version {number}: {err.problem} Nothing was written to {to}.",
+                f"Refusing {name} version {number}: "
+                f"{err.problem.replace(f'Bundle {tmp}', 'The bundle').replace(str(tmp), 'the bundle')} Nothing was "
+                f"written to {to}.",
                 expected=err.expected,
                 found=err.found,
-                fix=err.fix,
+                fix=err.fix or f"Treat the registry copy of {name} version {number} as tampered with: re-register the "
+                               "bundle, or pull another version.",
             ) from err
         publish_dir(tmp, to)
     return to

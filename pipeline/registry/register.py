@@ -66,7 +66,7 @@ class RegistrationResult:
     aliases: list[str]
     """Aliases that point at this version after the call."""
     promoted: bool
-    """Whether this call moved ``champion`` to this version."""
+    """Whether this call moved ``champion`` to this version (a call that reuses a registered version moves nothing)."""
     reason: str
     """Why champion moved or stayed, in words."""
     bundle_sha256: str
@@ -77,6 +77,9 @@ class RegistrationResult:
     """The version's source: the artifact location of the bundle."""
     reused: bool = False
     """True when an earlier version of the same bundle was reused or finished instead of a new one."""
+    decision: str = ""
+    """The decision made when the version was registered (its ``drafter.champion_decision`` tag: ``promoted: …`` or
+    ``kept: …``), whichever call made it."""
     tags: dict[str, str] = field(default_factory=dict)
     """The tags written on the version."""
 
@@ -213,16 +216,17 @@ def _register(
             if decided is not None:
                 # Its aliases were set when it was registered (the decision is tagged after them); since then later
                 # versions, or a forced rollback, may have moved them: a rerun that reuses it leaves them there.
-                verdict, _, reason = decided.partition(": ")
-                promoted = verdict == "promoted"
+                champion = client.get_registered_model(name).aliases.get(CHAMPION)
+                promoted, reason = False, (f"version {number} was registered before (then {decided}); aliases left "
+                                           f"as they are, champion at version {champion}")
             else:
                 promoted, reason = _champion_decision(client, name, number, bundle, promote)
                 client.set_registered_model_alias(name, CANDIDATE, number)
                 if promoted:
                     client.set_registered_model_alias(name, CHAMPION, number)
                 # why champion moved or stayed, on the version itself (the registry UI shows it beside the metrics)
-                client.set_model_version_tag(name, number, DECISION,
-                                             f"{'promoted' if promoted else 'kept'}: {reason}")
+                decided = f"{'promoted' if promoted else 'kept'}: {reason}"
+                client.set_model_version_tag(name, number, DECISION, decided)
             aliases = sorted(
                 a for a, v in client.get_registered_model(name).aliases.items() if str(v) == number
             )
@@ -232,6 +236,7 @@ def _register(
         aliases=aliases,
         promoted=promoted,
         reason=reason,
+        decision=decided,
         bundle_sha256=sha,
         run_id=str(version.run_id),
         source=version.source,
