@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from jobs import generate
 from pipeline import hub
 from pipeline.checksums import StatCache
 from pipeline.errors import DrafterError
@@ -204,6 +205,13 @@ def test_a_target_tokenizer_with_more_ids_than_the_models_embedding_is_refused_a
                                            r"ids(.|\n)*found:    1024 ids"):
         plan(small_cfg(tmp_path, f"target.model={small}", f"target.tokenizer={large}"))
     plan(small_cfg(tmp_path, f"target.model={large}", f"target.tokenizer={small}"))
+    # tiny-kit refs (their fingerprint holds no vocabulary size, so plan cannot tell): refused where the target loads,
+    # before any work, where generate died on an IndexError
+    cfg = small_cfg(tmp_path, "target.model=tiny:test/drafter_other", "target.tokenizer=tiny:test/target")
+    with pytest.raises(DrafterError, match=r"more token ids than the target model has embeddings(.|\n)*at most 768 "
+                                           r"ids(.|\n)*found:    1024 ids"):
+        generate.main(cfg)
+    assert not list((tmp_path / "artifacts").glob("generate-*"))
 
 
 def test_a_tiny_target_with_a_tokenizer_of_its_own_keeps_the_kits_weights_in_its_ids(tmp_path: Path,

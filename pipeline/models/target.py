@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config.sections import TargetConfig
+from pipeline.errors import DrafterError
 from pipeline.models.loading import (
     fingerprint,
     load_generation_config,
@@ -38,9 +39,23 @@ class Target:
         return load_tokenizer(self.tokenizer_name, self.cfg.revision, trust_remote_code=self.cfg.trust_remote_code)
 
     def model(self, device: str | None = None, dtype: str | None = None) -> Any:
-        """The target model in ``dtype`` (default ``target.dtype``), eval mode, on ``device`` if given."""
-        return load_model(self.cfg.model, self.cfg.revision, dtype=dtype or self.cfg.dtype, device=device,
-                          trust_remote_code=self.cfg.trust_remote_code)
+        """The target model in ``dtype`` (default ``target.dtype``), eval mode, on ``device`` if given.
+
+        Raises:
+            DrafterError: ``target.tokenizer`` holds more ids than the model has embedding rows (its high ids would
+                index past the embedding deep in a stage). ``plan`` refuses it where the model's config is read
+                without the model; a tiny-kit ref's only shows here.
+        """
+        model = load_model(self.cfg.model, self.cfg.revision, dtype=dtype or self.cfg.dtype, device=device,
+                           trust_remote_code=self.cfg.trust_remote_code)
+        rows = model.get_input_embeddings().num_embeddings
+        if self.cfg.tokenizer and self.cfg.tokenizer != self.cfg.model and (ids := len(self.tokenizer())) > rows:
+            raise DrafterError(
+                f"target.tokenizer {self.cfg.tokenizer!r} has more token ids than the target model has embeddings.",
+                expected=f"at most {rows} ids (the embedding rows of {self.cfg.model!r})", found=f"{ids} ids",
+                fix="Name the tokenizer the target was trained with (or leave target.tokenizer unset to use the "
+                    "model's own).")
+        return model
 
     def checkpoint_dtype(self) -> Any:
         """The floating dtype the checkpoint's ``config.json`` declares (a ``torch.dtype``), else None. A serving
