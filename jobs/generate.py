@@ -13,6 +13,7 @@ Shard ``i`` samples with seed ``seed + i``: the rows do not depend on how many r
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -23,9 +24,11 @@ from pipeline.artifacts import Artifact
 from pipeline.config.sections import PipelineConfig
 from pipeline.config.stages import GenerateConfig
 from pipeline.data.calibration import (
+    PROMPT_DIGESTS,
     chunks,
     encode_prompt,
     first_prompt,
+    prompt_digests,
     raw_row,
     read_shard,
     shard_name,
@@ -226,7 +229,10 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     run.log(f"{rows} rows, {assistant} assistant tokens"
             + (f", {metrics['tokens_per_s']} generated tokens/s" if generated else ""))
 
+    digests = prompt_digests(convs)
+
     def write(out: Path) -> None:
+        (out / PROMPT_DIGESTS).write_text(json.dumps({"digests": digests}))
         # Hard links, not moves: if publishing fails the staged shards survive for the rerun.
         (out / "data").mkdir()
         for path in files:

@@ -182,6 +182,52 @@ def test_a_named_artifacts_prompts_are_recognised_after_rows_were_added_to_their
     plan(small_cfg(tmp_path, *named), ["evaluate"])  # the share the counts held out: sound
 
 
+def test_an_evaluation_leaves_out_prompts_a_named_calibration_set_holds_however_its_source_moved(
+        tmp_path: Path, tiny_kit) -> None:
+    """Whether a part-numbered record (``<base>_<n>``) groups with its chat depends on how many records the file holds
+    (``PART_GROUP_SHARE``), so rows added to a prompt file move one across the split, and a renamed copy escapes the
+    plan's check by name: the evaluation decoded a prompt the counts' calibration set was built from. A calibration
+    set now lists its prompts' digests, and an evaluation leaves those out, whatever its source is called."""
+    from pipeline.data.calibration import PROMPT_DIGESTS, encode_prompt
+    from pipeline.data.sources import heldout_score
+    from pipeline.evaluation.matrix import eval_prompts, prompts_seen
+    from pipeline.models.target import Target
+
+    share = 0.05
+    base = next(f"chat{i}" for i in range(100_000) if heldout_score(f"chat{i}") < share <= heldout_score(f"chat{i}_0"))
+
+    def record(cid: str, question: str) -> dict:
+        return {"id": cid, "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": "ok"}]}
+
+    chat = [record(f"{base}_0", "Part zero of a long chat?"), record(f"{base}_1", "Part one of a long chat?")]
+    filler = [record(f"other-{i}", f"Filler question {i}?") for i in range(250)]
+    first, grown = tmp_path / "prompts.jsonl", tmp_path / "prompts-2.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in chat + filler[:150]))  # 152 records: 1 part a group
+    grown.write_text("".join(json.dumps(r) + "\n" for r in chat + filler))  # renamed, and 2 parts now group
+    setting = ["generate.kind=raw", f"generate.heldout_fraction={share}", "evaluate.methods=[full,shortlist,tli]",
+               "evaluate.tasks=[chat]"]
+    cfg = small_cfg(tmp_path, *setting, f"generate.source={first}")
+    calibration = generate.main(cfg)
+    counts = count.main(cfg)
+    assert f"{base}_0" in {row["prompt_id"] for row in iter_rows(calibration.path / "data")}
+    assert len(json.loads(calibration.file(PROMPT_DIGESTS).read_text())["digests"]) == 40  # generate.limit
+    later = small_cfg(tmp_path, *setting, f"generate.source={grown}", f"evaluate.counts={counts.path}")
+    plan(later, ["evaluate"])  # the plan's check compares sources by name or content: it cannot see this
+    tokenizer = Target(later.target).tokenizer()
+    leaked = encode_prompt(tokenizer, [{"role": "user", "content": "Part zero of a long chat?"}], 10_000)
+    assert leaked in eval_prompts(later, tokenizer)["chat"]  # what the evaluation decoded
+    seen, sets = prompts_seen([counts], later.workdir_path / "artifacts")
+    assert sets == [calibration.id]
+    lines: list[str] = []
+    assert leaked not in eval_prompts(later, tokenizer, lines.append, seen)["chat"]
+    assert any("2 held-out chat prompt(s) left out" in line for line in lines), lines  # both parts
+    digests = calibration.file(PROMPT_DIGESTS)  # emptied, to let the prompts through: refused
+    digests.chmod(0o644)
+    digests.write_text(json.dumps({"digests": []}))
+    with pytest.raises(DrafterError, match="not the file its calibration set's manifest lists"):
+        prompts_seen([counts], later.workdir_path / "artifacts")
+
+
 def test_a_pulled_bundles_lineage_names_the_split_its_artifacts_were_built_from(tmp_path: Path, tiny_kit) -> None:
     """A bundle ships the manifests of what its components were built from (``lineage/``), so the held-out check sees
     behind an artifact named inside a pulled copy, in a workdir that never held its calibration set: before, it found

@@ -9,6 +9,8 @@ published by rename, so a shard on disk is always complete.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
@@ -43,6 +45,23 @@ def first_prompt(conv: Conversation) -> list[dict[str, str]] | None:
         if msg["role"] == "user":
             return out
     return None
+
+
+PROMPT_DIGESTS = "prompt_digests.json"
+"""A calibration set's payload beside its ``data/``: ``{"digests": [...]}``, the :func:`prompt_digest` of the first
+prompt of every conversation the set was built from, sorted. An evaluation leaves out the prompts any calibration set
+behind its artifacts holds, however that set's source was named or has grown since (its split can move)."""
+
+
+def prompt_digest(messages: list[dict[str, str]]) -> str:
+    """A prompt's identity by content: 16 hex digits of the sha256 of its messages (role, content) as canonical JSON."""
+    text = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def prompt_digests(convs: Iterable[Conversation]) -> list[str]:
+    """The sorted :func:`prompt_digest` of each conversation's :func:`first_prompt` (those with one), each once."""
+    return sorted({prompt_digest(m) for c in convs if (m := first_prompt(c)) is not None})
 
 
 def encode_prompt(tokenizer: Any, messages: list[dict[str, str]], max_tokens: int) -> list[int]:

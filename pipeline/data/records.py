@@ -118,7 +118,9 @@ PART_GROUP_SHARE = 0.01
 """ShareGPT splits a long chat into records ``<base>_0``, ``<base>_1``, …, which must share a side of the held-out
 split. A base whose parts hold more than this share of a source's records is a dataset numbering its records
 (``example_0`` … ``example_999``), not one chat: its records keep their own ids (the packaged ShareGPT's longest
-chat is 89 parts of 17,395 records, 0.5 %)."""
+chat is 89 parts of 17,395 records, 0.5 %). The share makes the grouping depend on the file's size: rows added can
+move a chat's parts across the split, so a calibration set lists its prompts' digests and an evaluation leaves those
+out (:data:`pipeline.data.calibration.PROMPT_DIGESTS`)."""
 
 
 def thaw(frozen: Iterable[Frozen]) -> list[Conversation]:

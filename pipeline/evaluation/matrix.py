@@ -10,16 +10,16 @@ Registry.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pipeline.artifacts import Artifact
+from pipeline.artifacts import Artifact, sha256_file, upstream_manifests
 from pipeline.config.sections import PipelineConfig
 from pipeline.config.stages import EvaluateConfig
-from pipeline.data.calibration import encode_prompt, first_prompt
+from pipeline.data.calibration import PROMPT_DIGESTS, encode_prompt, first_prompt, prompt_digest
 from pipeline.data.sources import load_conversations, split_heldout, unseen_humaneval
 from pipeline.engine.methods import GATE_SETS
 from pipeline.errors import DrafterError
@@ -29,27 +29,64 @@ from pipeline.models.target import Target
 from pipeline.timing import device_name
 
 
-def eval_prompts(cfg: PipelineConfig, tokenizer: Any, log: Callable[[str], None] | None = None
-                 ) -> dict[str, list[list[int]]]:
+def prompts_seen(artifacts: Iterable[Artifact], store: Path) -> tuple[frozenset[str], list[str]]:
+    """The prompt digests (:data:`~pipeline.data.calibration.PROMPT_DIGESTS`) of every calibration set behind
+    ``artifacts`` (one of them, or one its inputs name, transitively: beside it, in a bundle's lineage, in ``store``),
+    and those sets' ids. A set known by its manifest alone (a bundle's lineage holds no payload) or built before the
+    digests is passed over: the plan-time split check (``check_heldout``) is all there is for it.
+
+    Raises:
+        DrafterError: A digest file that is not the one its manifest lists.
+    """
+    seen: set[str] = set()
+    sets: dict[str, None] = {}
+    for artifact in artifacts:
+        for where, manifest in [(artifact.path, artifact.manifest), *upstream_manifests(artifact.path, store)]:
+            listed = (manifest.get("files") or {}).get(PROMPT_DIGESTS)
+            if manifest.get("stage") != "generate" or listed is None or manifest["id"] in sets:
+                continue
+            path = where / PROMPT_DIGESTS
+            if not path.is_file():
+                continue
+            if sha256_file(path) != listed["sha256"]:
+                raise DrafterError(f"{path} is not the file its calibration set's manifest lists.",
+                                   expected=f"sha256 {listed['sha256']}", found=f"sha256 {sha256_file(path)}",
+                                   fix=f"Delete {where} and rerun: the stage that built it builds it again.")
+            seen.update(json.loads(path.read_text())["digests"])
+            sets[manifest["id"]] = None
+    return frozenset(seen), list(sets)
+
+
+def eval_prompts(cfg: PipelineConfig, tokenizer: Any, log: Callable[[str], None] | None = None,
+                 seen: frozenset[str] = frozenset()) -> dict[str, list[list[int]]]:
     """Token ids of the prompts of each task, under the target's chat template; ``log`` is told of a task with fewer
-    than ``evaluate.prompts_per_task`` (its gates are decided on those)."""
+    than ``evaluate.prompts_per_task`` (its gates are decided on those). A prompt whose digest is in ``seen`` (a
+    calibration set behind the evaluated artifacts holds it: :func:`prompts_seen`) is left out."""
     ev = cfg.evaluate
     prompts: dict[str, list[list[int]]] = {}
+    left_out: dict[str, int] = {}
     if "chat" in ev.tasks:
         convs, _ = load_conversations(cfg.generate.source, revision=cfg.generate.source_revision)
         held = split_heldout(convs, cfg.generate.heldout_fraction, heldout=True)
         # the split hashes ids: a chat posted twice under two ids can sit on both sides, and its prompt would be
         # scored after the drafters trained on the target's answer to it
-        seen = {json.dumps(m) for c in split_heldout(convs, cfg.generate.heldout_fraction, heldout=False)
+        here = {json.dumps(m) for c in split_heldout(convs, cfg.generate.heldout_fraction, heldout=False)
                 if (m := first_prompt(c)) is not None}
-        msgs = [m for c in held if (m := first_prompt(c)) is not None and json.dumps(m) not in seen]
-        msgs = msgs[: ev.prompts_per_task]
-        prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens) for m in msgs]
+        msgs = [m for c in held if (m := first_prompt(c)) is not None and json.dumps(m) not in here]
+        kept = [m for m in msgs if prompt_digest(m) not in seen]
+        left_out["chat"] = len(msgs) - len(kept)
+        prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens) for m in kept[: ev.prompts_per_task]]
     if "code" in ev.tasks:
         code = unseen_humaneval(cfg.generate.source, cfg.generate.heldout_fraction,
                                 revision=cfg.generate.source_revision)
+        kept_code = [c for c in code if prompt_digest(first_prompt(c) or c.messages) not in seen]
+        left_out["code"] = len(code) - len(kept_code)
         prompts["code"] = [encode_prompt(tokenizer, c.messages, ev.max_prompt_tokens)
-                           for c in code[: ev.prompts_per_task]]
+                           for c in kept_code[: ev.prompts_per_task]]
+    for task, count in left_out.items():
+        if count and log is not None:
+            log(f"evaluate: {count} held-out {task} prompt(s) left out: a calibration set behind the evaluated "
+                "artifacts was built from them (its source was named otherwise, or its split has moved since)")
     for task, items in prompts.items():
         if not items:
             raise DrafterError(f"No evaluation prompts for task {task!r}.",
@@ -98,7 +135,9 @@ def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_
     target_ = Target(cfg.target)
     tokenizer = target_.tokenizer()
     target = target_.model(device)
-    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer, log), artifacts, device, log, staging)
+    seen, _ = prompts_seen(artifacts.values(), cfg.workdir_path / "artifacts")
+    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer, log, seen), artifacts, device, log,
+                          staging)
     rows, checks = evaluator.run()
     thresholds = {"speed_metric": speed_metric(ev, device), "tau_min": ev.gate_tau_min,
                   "speed_min": ev.gate_speed_min}
