@@ -220,6 +220,11 @@ def test_pull_round_trip_is_verified_and_identical(tmp_path: Path, mlflow_server
     assert (
         pull(f"{name}/{result.version}", tmp_path / "pulled", cfg, tmp_path / "work") == tmp_path / "pulled"
     )
+    # ... but not one a user added files to: it was deleted whole, their files with it
+    (tmp_path / "pulled" / "notes.md").write_text("my notes")
+    with pytest.raises(DrafterError, match=r"files its bundle.json does not list(.|\n)*notes.md"):
+        pull(f"{name}@champion", tmp_path / "pulled", cfg, tmp_path / "work")
+    assert (tmp_path / "pulled" / "notes.md").read_text() == "my notes"
 
     plain = mlflow.artifacts.download_artifacts(
         f"models:/{name}@champion",

@@ -210,6 +210,13 @@ def _rename_into_place(tmp: Path, final: Path) -> None:
         if final.is_dir() and not any(final.iterdir()):
             final.rmdir()
         elif (final / BUNDLE_JSON).is_file():
+            if unlisted := _unlisted_files(final):  # the earlier bundle is replaced whole: nothing else may go with it
+                raise DrafterError(
+                    f"{final} holds an earlier bundle and files its {BUNDLE_JSON} does not list.",
+                    expected="a new or empty directory, or an earlier bundle with nothing added",
+                    found=", ".join(unlisted[:5]) + (" …" if len(unlisted) > 5 else ""),
+                    fix="Move those files out of it, or choose another destination.",
+                )
             old = final.parent / f".{final.name}.old-{os.getpid()}-{time.monotonic_ns()}"
             os.rename(final, old)
             os.rename(tmp, final)
@@ -222,6 +229,17 @@ def _rename_into_place(tmp: Path, final: Path) -> None:
                 fix="Choose another destination or remove it first.",
             )
     os.rename(tmp, final)
+
+
+def _unlisted_files(directory: Path) -> list[str]:
+    """Files under ``directory`` (a bundle) its ``bundle.json`` does not list, sorted; every file if it cannot be
+    read."""
+    try:
+        listed = set(json.loads((directory / BUNDLE_JSON).read_text()).get("files") or {})
+    except (OSError, ValueError, AttributeError):
+        listed = set()
+    present = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()} - {BUNDLE_JSON}
+    return sorted(present - listed)
 
 
 def read_bundle_json(path: Path) -> dict:
