@@ -232,7 +232,7 @@ def test_two_ranks_each_compute_half_the_feature_cache_and_train_the_one_rank_dr
 def test_bad_input_is_refused_before_training(trained, tmp_path: Path) -> None:
     cfg, art, _ = trained
     named = named_inputs(art)
-    with pytest.raises(DrafterError, match=r"aux_layer_ids do not name three target feature layers(.|\n)*\[0, 3\]"):
+    with pytest.raises(DrafterError, match=r"aux_layer_ids name hidden states(.|\n)*\[0, 2\]"):
         train_drafter.main(td_cfg(tmp_path, *named, "train_drafter.aux_layer_ids=[0,1,7]"))
     with pytest.raises(DrafterError, match="leaves no rows to train"):
         train_drafter.main(td_cfg(tmp_path, *named, "train_drafter.eval_fraction=0.999999"))

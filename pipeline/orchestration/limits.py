@@ -99,9 +99,10 @@ def _check_train_drafter(cfg: PipelineConfig) -> None:
     layers = _target_depth(cfg) if td.aux_layer_ids else None
     if layers is not None and not all(0 <= i < layers for i in td.aux_layer_ids):  # the export refuses L
         raise DrafterError(
-            "train_drafter.aux_layer_ids name a hidden state no serving engine hands a drafter.",
+            "train_drafter.aux_layer_ids name hidden states a serving engine does not hand a drafter.",
             expected=f"indices into output_hidden_states in [0, {layers - 1}] (index {layers} is taken after the "
-                     "final norm: SGLang never captures it, vLLM captures the residual before the norm)",
+                     "final norm: SGLang never captures it, vLLM captures the residual before the norm; the target has "
+                     "none beyond it)",
             found=f"aux_layer_ids={td.aux_layer_ids} for the {layers}-layer target {cfg.target.model}",
             fix="Leave train_drafter.aux_layer_ids unset for the default, or pick indices below the target's depth.")
 
