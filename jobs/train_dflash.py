@@ -38,8 +38,9 @@ time."""
 
 
 SGLANG_MASK_TOKEN = "<|MASK|>"
-"""The mask token SGLang's DFlash worker (0.5.23) checks ``dflash_config.mask_token_id`` against when a drafter's config
-names none: a tokenizer holding it at another id stops the server ("mask_token_id conflicts with tokenizer vocab id")."""
+"""The mask token SGLang's DFlash worker (0.5.23) checks ``dflash_config.mask_token_id`` against when a drafter's
+config names none: a tokenizer holding it at another id stops the server ("mask_token_id conflicts with tokenizer
+vocab id")."""
 
 
 def mask_token_id(configured: int | None, tokenizer: Any, vocab_size: int) -> int:
@@ -59,7 +60,8 @@ def mask_token_id(configured: int | None, tokenizer: Any, vocab_size: int) -> in
                                     f"the tokenizer's {SGLANG_MASK_TOKEN})",
                            found=f"train_dflash.mask_token_id={configured}",
                            fix=f"Leave train_dflash.mask_token_id null (it then takes {own}), or set it to {own}.")
-    for candidate in (configured, own, getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "unk_token_id", None)):
+    pad, unknown = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "unk_token_id", None)
+    for candidate in (configured, own, pad, unknown):
         if candidate is not None:
             return int(candidate)
     return vocab_size - 1

@@ -224,5 +224,6 @@ def test_the_mask_token_is_the_tokenizers_own_mask_where_it_has_one() -> None:
     with pytest.raises(DrafterError, match=r"not the target tokenizer's <\|MASK\|>(.|\n)*expected: 2"):
         train_dflash.mask_token_id(1, tokenizer, 4)
     del vocab["<|MASK|>"]
-    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")), pad_token="<pad>")
+    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")),
+                                    pad_token="<pad>")
     assert train_dflash.mask_token_id(None, plain, 4) == 1 and train_dflash.mask_token_id(3, plain, 4) == 3
