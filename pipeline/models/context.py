@@ -63,6 +63,15 @@ def embedding_rows(name: str, revision: str | None = None, trust_remote_code: bo
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
+def tokenizer_too_large(tokenizer: str, model: str, ids: int, rows: int) -> DrafterError:
+    """The error for a ``target.tokenizer`` of ``ids`` ids beside a model of ``rows`` embedding rows."""
+    return DrafterError(
+        f"target.tokenizer {tokenizer!r} has more token ids than the target model has embeddings.",
+        expected=f"at most {rows} ids (the vocab_size of {model!r})",
+        found=f"{ids} ids",
+        fix="Name the tokenizer the target was trained with (or leave target.tokenizer unset to use the model's own).")
+
+
 _SPEC_OF_ROLE = {"target": "target", "drafter": "drafter", "drafter_other": "other", "drafter_bytes": "byte_drafter"}
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config.sections import TargetConfig
-from pipeline.errors import DrafterError
+from pipeline.models.context import tokenizer_too_large
 from pipeline.models.loading import (
     fingerprint,
     load_generation_config,
@@ -50,11 +50,7 @@ class Target:
                            trust_remote_code=self.cfg.trust_remote_code)
         rows = model.get_input_embeddings().num_embeddings
         if self.cfg.tokenizer and self.cfg.tokenizer != self.cfg.model and (ids := len(self.tokenizer())) > rows:
-            raise DrafterError(
-                f"target.tokenizer {self.cfg.tokenizer!r} has more token ids than the target model has embeddings.",
-                expected=f"at most {rows} ids (the embedding rows of {self.cfg.model!r})", found=f"{ids} ids",
-                fix="Name the tokenizer the target was trained with (or leave target.tokenizer unset to use the "
-                    "model's own).")
+            raise tokenizer_too_large(self.cfg.tokenizer, self.cfg.model, ids, rows)
         return model
 
     def checkpoint_dtype(self) -> Any:

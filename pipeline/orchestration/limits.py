@@ -52,7 +52,7 @@ from pipeline.data.sources import holds_humaneval, unseen_humaneval
 from pipeline.engine.inputs import ShortlistInputs
 from pipeline.engine.methods import methods_reading, methods_with, models_read, stages_read
 from pipeline.errors import DrafterError
-from pipeline.models.context import context_length, depth, embedding_rows
+from pipeline.models.context import context_length, depth, embedding_rows, tokenizer_too_large
 
 
 def _context(cfg: PipelineConfig, name: str) -> int | None:
@@ -272,12 +272,7 @@ def check_tokenizer_fits(cfg: PipelineConfig, tokenizer_size: int | None) -> Non
         return
     rows = embedding_rows(cfg.target.model, cfg.target.revision, cfg.target.trust_remote_code)
     if rows is not None and tokenizer_size > rows:
-        raise DrafterError(
-            f"target.tokenizer {cfg.target.tokenizer!r} has more token ids than the target model has embeddings.",
-            expected=f"at most {rows} ids (the vocab_size of {cfg.target.model!r})",
-            found=f"{tokenizer_size} ids",
-            fix="Name the tokenizer the target was trained with (or leave target.tokenizer unset to use the "
-                "model's own).")
+        raise tokenizer_too_large(cfg.target.tokenizer, cfg.target.model, tokenizer_size, rows)
 
 
 def check_settings(cfg: PipelineConfig, stages: Collection[str], fingerprint: dict) -> None:
