@@ -159,7 +159,7 @@ def test_cached_features_train_the_same_drafter_as_online(trained, tmp_path: Pat
     cfg, art, _ = trained
     named = named_inputs(art)
     cached = train_drafter.main(td_cfg(tmp_path, *named, "train_drafter.features=cached"))
-    assert list(tmp_path.glob("staging/*/features/*.safetensors")) == []  # scratch is dropped after publishing
+    assert list(tmp_path.glob("staging/*/features/**/*.safetensors")) == []  # scratch is dropped after publishing
     ours, reference = load_file(str(cached.file("model.safetensors"))), load_file(str(art.file("model.safetensors")))
     for key in ours:
         torch.testing.assert_close(ours[key], reference[key], rtol=0, atol=1e-4)
@@ -202,6 +202,10 @@ def test_the_feature_cache_fills_a_ranks_share_then_waits_and_computes_only_miss
     stored, last = cache.load(torch.tensor([row.index]), len(row.input_ids), torch.device("cpu"))
     torch.testing.assert_close(stored, aux, rtol=0, atol=1e-5)
     torch.testing.assert_close(ready.target.get_output_embeddings()(last), logits, rtol=0, atol=1e-4)
+    # the target cast as DeepSpeed bf16 casts it (a rerun under another strategy): its own features, computed anew
+    ready.target.to(torch.bfloat16)
+    assert cache.fill(0, 1)["computed"] == len(rows)
+    assert cache.load(torch.tensor([row.index]), len(row.input_ids), torch.device("cpu"))[0].dtype == torch.bfloat16
 
 
 def test_two_ranks_each_compute_half_the_feature_cache_and_train_the_one_rank_drafter(trained, tmp_path: Path) -> None:

@@ -51,7 +51,14 @@ class FeatureCache:
     """
 
     def __init__(self, directory: Path, target: nn.Module, aux_layer_ids: Sequence[int], rows: Sequence[Row]) -> None:
-        self.directory, self.target, self.aux, self.rows = directory, target, tuple(aux_layer_ids), list(rows)
+        self.base, self.target, self.aux, self.rows = directory, target, tuple(aux_layer_ids), list(rows)
+
+    @property
+    def directory(self) -> Path:
+        """The rows' files: a folder per dtype the target computes them in (DeepSpeed bf16 casts it, the other
+        strategies keep float32), so a run killed before its first checkpoint and rerun under another strategy (a run
+        setting) computes its own rather than training on the other's."""
+        return self.base / str(next(self.target.parameters()).dtype).removeprefix("torch.")
 
     def path(self, index: int) -> Path:
         return self.directory / f"{index:09d}.safetensors"
