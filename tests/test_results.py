@@ -123,7 +123,33 @@ def test_a_figure_no_row_measured_is_missing_from_the_chosen_metrics_not_zero() 
                               speed_min=1.0)
     check = unmeasured.checks["mbsu_min"]
     assert not unmeasured.passed and (check.passed, check.value) == (False, None)
-    assert check.detail == "no mbsu was measured for eagle3, γ=3 over tasks"
+    assert check.detail == "no finite mbsu was measured for task(s) chat, code of eagle3, γ=3 over tasks"
+
+
+def test_a_gate_over_tasks_needs_every_tasks_figure_finite_and_at_least_one_check() -> None:
+    """A task whose speed figure was missing dropped out of the "mean over tasks" and the gate passed on the other; a
+    NaN ranked by where it stood in the rows (chosen over a measured candidate); an infinite figure passed; and no
+    lossless check at all read as lossless."""
+    from tests.helpers import report_row
+
+    ok = [LosslessCheck("greedy_equal[chat/shortlist/A/γ=3]", True, "8/8")]
+
+    def rows(name: str, tau: float) -> list[EvalRow]:
+        return [EvalRow(**report_row(t, "shortlist", tau, 0.6, shortlist=(name, 8))) for t in ("chat", "code")]
+
+    one = rows("A", 2.0)
+    one[0].speedup, one[1].speedup = 1.6, None
+    gates = decide_gates(one, ok, speed_metric="speedup", tau_min=1.3, speed_min=1.5)
+    assert not gates.passed and "no finite speedup was measured for task(s) code" in gates.checks["speedup_min"].detail
+    a, b = rows("A", 2.0), rows("B", 2.5)
+    a[0].speedup = float("nan")
+    for order in (a + b, b + a):
+        gates = decide_gates(order, ok, speed_metric="speedup", tau_min=1.3, speed_min=1.0)
+        assert gates.chosen.shortlist == "B" and gates.passed
+    b[0].speedup = float("inf")
+    assert not decide_gates(b, ok, speed_metric="speedup", tau_min=1.3, speed_min=1.0).passed
+    none = decide_gates(rows("B", 2.5), [], speed_metric="speedup", tau_min=1.3, speed_min=1.0)
+    assert not none.passed and not none.checks["lossless"].passed
 
 
 def test_drafter_calls_are_counted_per_token_the_rounds_kept() -> None:

@@ -246,7 +246,13 @@ def _mean(rows: list[EvalRow], key: str) -> float | None:
 
 
 def _ranked(value: float | None) -> float:
-    return -math.inf if value is None else value
+    """A figure as a ranking key: a missing or non-finite one ranks last (NaN would make ``max`` depend on order)."""
+    return value if value is not None and math.isfinite(value) else -math.inf
+
+
+def _unmeasured(rows: list[EvalRow], key: str) -> list[str]:
+    """The tasks of ``rows`` whose ``key`` is missing or not finite: a gate "over tasks" cannot pass on the others."""
+    return [r.task for r in rows if getattr(r, key) is None or not math.isfinite(getattr(r, key))]
 
 
 def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metric: str, tau_min: float,
@@ -273,7 +279,7 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
     if speed_metric not in SPEED_METRICS:
         raise ValueError(f"speed_metric must be one of {SPEED_METRICS}, not {speed_metric!r}")
     method = gate_candidates(gate, evaluated)
-    lossless = all(c.passed for c in checks)
+    lossless = bool(checks) and all(c.passed for c in checks)  # no check at all shows nothing
     gate_checks = {"lossless": GateCheck(lossless, lossless, True, f"{len(checks)} checks")}
     candidates: dict[tuple[str, int], list[EvalRow]] = {}
     several = not isinstance(method, str)
@@ -293,11 +299,13 @@ def decide_gates(rows: list[EvalRow], checks: list[LosslessCheck], *, speed_metr
                         **{k: _mean(best, k) for k in ("tau", "speedup", "mbsu", "acceptance_rate",
                                                        "predicted_speedup")})
         where = f"{name or method}, γ={gamma} over tasks"
-        gate_checks["tau_min"] = GateCheck(chosen.tau >= tau_min, chosen.tau, tau_min, f"mean τ of {where}")
-        value = getattr(chosen, speed_metric)
-        gate_checks[f"{speed_metric}_min"] = GateCheck(
-            value is not None and value >= speed_min, value, speed_min,
-            f"mean {speed_metric} of {where}" if value is not None else f"no {speed_metric} was measured for {where}")
+        for key, figure, floor in (("tau_min", "tau", tau_min), (f"{speed_metric}_min", speed_metric, speed_min)):
+            value, missing = getattr(chosen, figure), _unmeasured(best, figure)
+            shown = "τ" if figure == "tau" else figure
+            gate_checks[key] = GateCheck(
+                not missing and value >= floor, value, floor,
+                f"mean {shown} of {where}" if not missing else
+                f"no finite {shown} was measured for task(s) {', '.join(missing)} of {where}")
     else:
         gate_checks[f"{label}{EVALUATED_CHECK}"] = GateCheck(
             False, False, True, f"no {label} configuration was evaluated: nothing to register")
