@@ -182,6 +182,11 @@ class PipelineConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """``drafter submit``: partition, account and resources of each stage's Slurm job (run settings only)."""
 
+    def __post_init__(self) -> None:
+        # it goes into paths everywhere, and into the #SBATCH --output line of every submitted job
+        check_value(isinstance(self.workdir, str) and bool(self.workdir) and self.workdir.isprintable(), "workdir",
+                    "a path on one line of printable text", self.workdir)
+
     @property
     def workdir_path(self) -> Path:
         return Path(self.workdir).expanduser().resolve()

@@ -147,10 +147,16 @@ def header(cfg: PipelineConfig, stage: str, logs: Path) -> list[str]:
         lines.append(f"--gpus-per-node={res.gpus_per_node}")
     if res.mem:
         lines.append(f"--mem={res.mem}")
-    lines += [f"--{key}={value}" for key in ("partition", "account", "qos") if (value := getattr(slurm, key))]
+    lines += [f"--{key}={_quoted(value)}" for key in ("partition", "account", "qos") if (value := getattr(slurm, key))]
     lines += ["--requeue", f"--signal=B:USR1@{slurm.signal_seconds}", "--open-mode=append",
-              f"--output={logs / f'{stage}-%j.out'}", *slurm.extra]
+              f"--output={_quoted(str(logs / f'{stage}-%j.out'))}", *slurm.extra]
     return [f"#SBATCH {line}" for line in lines]
+
+
+def _quoted(value: str) -> str:
+    """A value for an ``#SBATCH`` line: in double quotes where it holds white space (sbatch reads the line's words,
+    and a path with a space was "Invalid directive"; it honours the quotes)."""
+    return f'"{value}"' if any(c.isspace() for c in value) else value
 
 
 def job_environment(cfg: PipelineConfig) -> dict[str, str]:
@@ -223,9 +229,25 @@ class JobState:
     command: str | None = None
 
 
+def _unanswered(tool: str, out: subprocess.CompletedProcess) -> None:
+    """Raise unless ``tool`` failed because it does not know the job: any other failure (a controller that timed out
+    or is restarting) says nothing of the job, and reading it as "forgotten" made ``submit`` submit a running stage
+    again."""
+    said = (out.stderr or "").strip()[:200] or f"exit {out.returncode}"
+    if out.returncode != 0 and "invalid job id" not in said.lower():
+        raise DrafterError(f"Slurm did not answer ({tool}: {said}).",
+                           expected="squeue and scontrol reaching the Slurm controller",
+                           fix="Try again once the controller answers: nothing was submitted or changed.")
+
+
 def job_state(job_id: str) -> JobState:
-    """``squeue`` for live jobs, then ``sacct`` (accounting), then ``scontrol`` (jobs the controller still holds)."""
+    """``squeue`` for live jobs, then ``sacct`` (accounting), then ``scontrol`` (jobs the controller still holds).
+
+    Raises:
+        DrafterError: ``squeue`` or ``scontrol`` failed for another reason than not knowing the job.
+    """
     out = subprocess.run([_need("squeue"), "-h", "-j", job_id, "-o", "%T|%r|%j|%o"], capture_output=True, text=True)
+    _unanswered("squeue", out)
     if out.returncode == 0 and out.stdout.strip():
         state, reason, name, command = (out.stdout.strip().splitlines()[0].split("|", 3) + ["", ""])[:4]
         return JobState(state, None if reason in ("None", "") else reason, None, name or None, command or None)
@@ -237,12 +259,21 @@ def job_state(job_id: str) -> JobState:
             state, reason, code, name = (out.stdout.strip().splitlines()[0].split("|", 3) + ["", "", ""])[:4]
             return JobState(state.split()[0], reason or None, code or None, name or None)
     out = subprocess.run([_need("scontrol"), "show", "job", "-o", job_id], capture_output=True, text=True)
+    _unanswered("scontrol", out)
     if out.returncode == 0 and out.stdout.strip():
         fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
         reason = fields.get("Reason")
         return JobState(fields.get("JobState"), None if reason in (None, "None") else reason, fields.get("ExitCode"),
                         fields.get("JobName"), fields.get("Command"))
     return JobState(None)
+
+
+def _runs(command: str, script: str) -> bool:
+    """Whether Slurm's ``command`` (squeue's: the script and its arguments; scontrol's: cut at the first space) is
+    ``script`` (a path may hold a space)."""
+    command = command.strip()
+    return command == script or command.startswith(script + " ") or (
+        script.startswith(command) and script[len(command):][:1].isspace())
 
 
 def recorded_state(record: dict) -> JobState:
@@ -252,7 +283,7 @@ def recorded_state(record: dict) -> JobState:
     the stage's downstream jobs after. Such a record reads as a job Slurm no longer knows, with the reason."""
     state = job_state(record["job_id"])
     script, name = record.get("script"), f"drafter-{record['stage']}"
-    other = (state.command is not None and script is not None and state.command.split()[0] != script) or (
+    other = (state.command is not None and script is not None and not _runs(state.command, script)) or (
         state.command is None and state.name is not None and state.name != name)
     if not other:
         return state
