@@ -16,6 +16,7 @@ import argparse
 import ast
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -119,6 +120,17 @@ def _add_plan_args(parser: argparse.ArgumentParser, json_help: str) -> None:
     parser.add_argument("--json", action="store_true", help=json_help)
 
 
+def _seconds(text: str) -> float:
+    """``status --wait``'s interval: a positive number (0 polled Slurm back to back)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
 
     raw = argparse.RawDescriptionHelpFormatter
@@ -154,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print each stage's artifact and Slurm job state (squeue/sacct), and why a "
                                    "job failed or was cancelled.", epilog=KEYS_EPILOG)
     _add_plan_args(p, "print the status as JSON")
-    p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--wait", type=_seconds, default=None, metavar="SECONDS",
                    help="poll every SECONDS until no job is queued or running; exit 1 unless every stage's artifact "
                         "exists (for CI)")
     p = sub.add_parser("config", help="the resolved config, or with --keys what every key means", formatter_class=raw,

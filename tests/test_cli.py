@@ -57,6 +57,15 @@ def test_every_bench_names_a_function_that_takes_its_options() -> None:
         assert set(bench.options) - {"cfg"} <= options, name  # each is a `drafter bench` option
 
 
+def test_status_wait_takes_a_positive_interval(capsys: pytest.CaptureFixture) -> None:
+    """``--wait 0`` (or a negative one) polled squeue back to back for as long as a job ran."""
+    for value in ("0", "-5", "nan"):
+        with pytest.raises(SystemExit) as exited:
+            build_parser().parse_args(["status", "--wait", value])
+        assert exited.value.code == 2 and "expected a positive number of seconds" in capsys.readouterr().err
+    assert build_parser().parse_args(["status", "--wait", "30"]).wait == 30.0
+
+
 def test_bench_eval_without_counts_exits_2_naming_the_option(capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "eval"]) == 2
     assert "`drafter bench eval` needs --counts DIR" in capsys.readouterr().err
