@@ -3,8 +3,9 @@
 Without Slurm: a ``workdir`` on two lines is refused (it went into the ``#SBATCH --output`` line, where its second line
 ran as a shell command), a path with a space is quoted in the header, and the template keeps an interpreter path
 with a space whole. On a real one-node Slurm: a stage under such a path is submitted, and the second submit knows
-the job as its own. With Slurm's own tools pointed at a controller that is not there: ``job_state`` says Slurm did
-not answer, where it read the silence as a job Slurm had forgotten and ``submit`` submitted the stage again.
+the job as its own, and a job whose SIGUSR1 requeue Slurm refuses runs its stage on to the end. With Slurm's own tools
+pointed at a controller that is not there: ``job_state`` says Slurm did not answer, where it read the silence as a job
+Slurm had forgotten and ``submit`` submitted the stage again.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,46 @@ def test_a_controller_that_does_not_answer_is_not_taken_for_a_forgotten_job(
         slurm.job_state("1")
     monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
     assert slurm.job_state("999999").state is None  # one it does not know: still unknown, no error
+
+
+@pytest.mark.slurm
+def test_a_requeue_slurm_refuses_lets_the_stage_run_on_to_its_end(tmp_path: Path, slurm_cluster: SlurmCluster) -> None:
+    """SIGUSR1 comes ``slurm.signal_seconds`` before the time limit and the template requeues the job. Where
+    ``scontrol requeue`` failed (a job Slurm will not requeue, a controller restarting), the trap's failure ended the
+    script under ``set -e`` and Slurm killed the stage with it, in the grace period it still had. The same when a
+    requeue went through: ``wait`` came back early on the signal and the script ended before Slurm stopped the job."""
+    stage = tmp_path / "stage.sh"
+    stage.write_text('#!/bin/bash\necho "stage $1 started"\nsleep 6\necho "stage $1 ended"\n')
+    stage.chmod(0o755)
+    deadline = time.monotonic() + 180
+
+    def signalled(name: str, *options: str) -> tuple[str, Path]:
+        """Submit the template running ``stage``, send its script SIGUSR1 once the stage has started."""
+        log = tmp_path / f"{name}.out"
+        job_id = slurm_cluster.tool(
+            "sbatch", "--parsable", *options, f"--output={log}", "--open-mode=append", f"--chdir={tmp_path}",
+            f"--export=ALL,DRAFTER_CMD={shlex.quote(str(stage))}", str(slurm.TEMPLATE), name, "c.yaml",
+            check=True).stdout.strip()
+        while "started" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, f"the stage did not start: {log.read_text() if log.exists() else ''}"
+            time.sleep(0.2)
+        slurm_cluster.tool("scancel", "--batch", "--signal=USR1", job_id, check=True)
+        return job_id, log
+
+    refused, log = signalled("count", "--no-requeue")  # Slurm will not requeue this one
+    while (state := slurm.job_state(refused).state) in slurm.ACTIVE:
+        assert time.monotonic() < deadline, f"job {refused} still {state}"
+        time.sleep(0.5)
+    text = log.read_text()
+    assert "SIGUSR1 before the time limit" in text and "could not requeue" in text, text
+    assert "stage count ended" in text and state == "COMPLETED", (state, text)
+
+    requeued, log = signalled("cluster")  # and one it requeues: back in the queue, its stage stopped
+    try:
+        while (shown := slurm_cluster.tool("scontrol", "show", "job", "-o", requeued).stdout) and \
+                "Restarts=1" not in shown:
+            assert time.monotonic() < deadline, f"job {requeued} not requeued: {shown}"
+            time.sleep(0.5)
+        assert "could not requeue" not in log.read_text() and "stage cluster ended" not in log.read_text()
+    finally:
+        slurm_cluster.tool("scancel", requeued)
