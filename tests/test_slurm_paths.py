@@ -29,11 +29,12 @@ from tests.slurm_cluster import SlurmCluster
 def test_a_workdir_on_two_lines_is_refused_and_a_path_with_a_space_is_quoted_in_the_header(tmp_path: Path) -> None:
     with pytest.raises(DrafterError, match=r"Invalid value for workdir\.\n  expected: a path on one line"):
         load_config(None, [f'workdir="{tmp_path}/x\\ntouch {tmp_path}/ran"'])
-    cfg = small_cfg(tmp_path / "my runs", 'slurm.partition="gpu a"')
+    cfg = small_cfg(tmp_path / "my runs", 'slurm.partition="gpu a"', """slurm.account='a"b\\c'""")
     script = slurm.render(cfg, "generate", cfg.workdir_path / "slurm" / "logs")
     header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
     assert f'#SBATCH --output="{tmp_path}/my runs/slurm/logs/generate-%j.out"' in header
     assert '#SBATCH --partition="gpu a"' in header and "#SBATCH --time=04:00:00" in header
+    assert '#SBATCH --account="a\\"b\\\\c"' in header  # sbatch reads back a"b\c
 
 
 def test_the_template_keeps_an_interpreter_path_with_a_space_whole(tmp_path: Path) -> None:
@@ -54,14 +55,18 @@ def test_the_template_keeps_an_interpreter_path_with_a_space_whole(tmp_path: Pat
 def test_a_stage_under_a_path_with_a_space_is_submitted_and_known_as_its_own_job(
         tmp_path: Path, tiny_kit, slurm_cluster: SlurmCluster, mlflow_server: MlflowServer) -> None:
     """sbatch refused the header ("Invalid directive": the log path's second word), and once a job ran, its command
-    cut at the space read as another job's, so a second submit submitted the stage again."""
-    cfg = load_config(None, [f"workdir={tmp_path / 'my runs'}", *SMALL, f"mlflow.tracking_uri={mlflow_server.uri}",
+    cut at the space read as another job's, so a second submit submitted the stage again. A ``#`` cut the log path
+    short there (sbatch reads the rest of the line as a comment) and a ``'`` made sbatch stop ("Unmatched")."""
+    workdir = tmp_path / "bob's runs #2"
+    cfg = load_config(None, [f'workdir="{workdir}"', *SMALL, f"mlflow.tracking_uri={mlflow_server.uri}",
                              "slurm.cpus_per_task=1", "slurm.extra=[--hold]"])
     jobs: list[str] = []
     try:
         (submitted,) = slurm.submit(cfg, ["generate"], [])
         jobs.append(submitted.job_id)
         assert submitted.status == "submitted"
+        shown = slurm_cluster.tool("scontrol", "show", "job", submitted.job_id, check=True).stdout
+        assert f"StdOut={workdir}/slurm/logs/generate-{submitted.job_id}.out\n" in shown, shown
         (again,) = slurm.submit(cfg, ["generate"], [])
         assert (again.job_id, again.status) == (submitted.job_id, "queued")
     finally:

@@ -154,9 +154,12 @@ def header(cfg: PipelineConfig, stage: str, logs: Path) -> list[str]:
 
 
 def _quoted(value: str) -> str:
-    """A value for an ``#SBATCH`` line: in double quotes where it holds white space (sbatch reads the line's words,
-    and a path with a space was "Invalid directive"; it honours the quotes)."""
-    return f'"{value}"' if any(c.isspace() for c in value) else value
+    """A value for an ``#SBATCH`` line as sbatch reads it back: in double quotes, ``\\`` and ``"`` escaped, where it
+    holds a character sbatch's reader gives a meaning (white space ends a word: "Invalid directive"; ``#`` outside
+    quotes starts a comment, so a log path was cut short there; ``'`` opens a quote: "Unmatched `'`")."""
+    if not any(c.isspace() or c in "#'\"\\" for c in value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def job_environment(cfg: PipelineConfig) -> dict[str, str]:
