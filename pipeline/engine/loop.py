@@ -167,6 +167,7 @@ def generate_autoregressive(
     options = _sized(options, len(input_ids), max_new_tokens, 0)
     model = session_for(target, options)
     clock, prefill = EventClock(model.device), EventClock(model.device)
+    checks = RoundChecks()
     forwards = model.forwards
     sequence = list(input_ids)
     if options.static and len(sequence) > 1:
@@ -179,7 +180,8 @@ def generate_autoregressive(
     while len(result.tokens) < max_new_tokens and not stopped:
         clock.start()
         pending = sequence[len(model.ids) :]
-        probs = standardise(model.feed(last if last is not None and len(pending) == 1 else pending), params)
+        probs = standardise(checks.target(model.feed(last if last is not None and len(pending) == 1 else pending)),
+                            params)
         last = probs[0].argmax().reshape(1) if params.greedy else sample(probs[0], generator).reshape(1)
         token = int(last[0])  # the one device → host read of a step
         clock.stop()
@@ -188,6 +190,7 @@ def generate_autoregressive(
         result.tokens.append(token)
         sequence.append(token)
         stopped = token in eos
+    checks.raise_if_any()
     result.stop_reason = "eos" if stopped else "length"
     result.target_forwards, result.prefill_seconds = model.forwards - forwards, prefill.seconds()
     result.target_seconds = clock.seconds() + result.prefill_seconds

@@ -25,7 +25,14 @@ from pipeline.engine.proposers import Proposal, Proposer
 from pipeline.engine.sampling import SamplingParams, standardise
 from pipeline.engine.session import SessionBase, TargetState
 from pipeline.engine.static import EventClock
-from pipeline.engine.verify import verify_exact, verify_speculative
+from pipeline.engine.verify import (
+    bad_draft_law,
+    non_finite_target,
+    target_logits_flag,
+    verify_exact,
+    verify_speculative,
+    zero_or_non_finite_q,
+)
 from pipeline.errors import DrafterError
 
 
@@ -72,21 +79,27 @@ class RoundChecks:
 
     bad_ids: Tensor | None = None
     zero_q: Tensor | None = None
+    bad_target: Tensor | None = None
     vocab: int = 0
 
     def add(self, name: str, flag: Tensor) -> None:
         current = getattr(self, name)
         setattr(self, name, flag if current is None else current | flag)
 
+    def target(self, logits: Tensor) -> Tensor:
+        """Note whether the target's ``logits`` are finite (a device flag); returns them."""
+        self.add("bad_target", target_logits_flag(logits))
+        return logits
+
     def raise_if_any(self) -> None:
-        """Raise :class:`DrafterError` if any device round saw an id outside the vocabulary or a zero-probability
-        draft (the one host read of these checks)."""
+        """Raise :class:`DrafterError` if any round saw target logits that are not finite, an id outside the
+        vocabulary, or a draft law that is zero at a draft or not finite (the one host read of these checks)."""
+        if self.bad_target is not None and bool(self.bad_target):
+            raise non_finite_target()
         if self.bad_ids is not None and bool(self.bad_ids):
             raise _outside_vocabulary(self.vocab, "an id out of range")
         if self.zero_q is not None and bool(self.zero_q):
-            raise DrafterError("a proposal gave zero draft probability to a token it drafted",
-                               expected="q = the distribution each draft was sampled from", found="q(x) = 0",
-                               fix="return the exact law the drafts were drawn from (Proposal.q)")
+            raise zero_or_non_finite_q()
 
 
 def _outside_vocabulary(vocab: int, found: str) -> DrafterError:
@@ -167,13 +180,15 @@ def speculative_round(model: SessionBase, proposer: Proposer, sequence: list[int
             checks.raise_if_any()
     else:
         tokens, q = _check_proposal(drafted, gamma, vocab)
-        step = _host_round(model, tokens, q, sequence, params, generator, clocks)
+        step = _host_round(model, tokens, q, sequence, params, generator, clocks, checks)
+        if own_checks:
+            checks.raise_if_any()
     step.drafter_seconds = drafter_seconds
     return step
 
 
 def _host_round(model: SessionBase, tokens: list[int], q: Tensor | None, sequence: list[int], params: SamplingParams,
-                generator: torch.Generator, clocks: RoundClocks | None) -> Round:
+                generator: torch.Generator, clocks: RoundClocks | None, checks: RoundChecks) -> Round:
     """Verify host-side drafts: fed up to the first one without a target id, verified, cropped."""
     # A draft with no target id cannot be fed to the target and is always rejected, so stop
     # feeding there; its own p-row (from the token before it) is still scored.
@@ -184,7 +199,7 @@ def _host_round(model: SessionBase, tokens: list[int], q: Tensor | None, sequenc
         clocks.verify.start()
     with _timed(model, clocks):
         # The session holds every position but the newest token's; feed it and the drafts.
-        p = standardise(model.feed(sequence[len(model.ids) :] + tokens[:fed], fed + 1), params)
+        p = standardise(checks.target(model.feed(sequence[len(model.ids) :] + tokens[:fed], fed + 1)), params)
     if len(tokens) > fed:
         # Placeholder bonus row: never read, because the -1 draft is rejected with certainty.
         p = torch.cat([p, p[-1:]], dim=0)
@@ -215,7 +230,7 @@ def _device_round(model: SessionBase, proposal: Proposal, sequence: list[int], g
     else:
         head = torch.tensor(sequence[len(model.ids) :], dtype=torch.long, device=device)
     with _timed(model, clocks):
-        logits = model.feed(torch.cat([head, tokens.clamp(min=0)]), drafted + 1)
+        logits = checks.target(model.feed(torch.cat([head, tokens.clamp(min=0)]), drafted + 1))
     valid = tokens >= 0
     if params.greedy:
         # p is one-hot at each row's argmax (ties to the lowest id, as standardise): exact match against it, without
@@ -228,7 +243,7 @@ def _device_round(model: SessionBase, proposal: Proposal, sequence: list[int], g
         p = standardise(logits, params)
         if q is not None:
             q_x = q.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            checks.add("zero_q", ((q_x <= 0) & valid).any())
+            checks.add("zero_q", bad_draft_law(q, q_x, valid))
             n_accepted, next_token = verify_speculative(p.unsqueeze(0), q.unsqueeze(0), tokens.unsqueeze(0),
                                                         generator, strict=False)
         else:

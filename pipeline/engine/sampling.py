@@ -106,7 +106,9 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
 
     Rows need not be normalised (a sub-stochastic row is sampled in proportion to its entries), and a
     zero entry can never be drawn. One uniform is consumed per row from ``generator``, so runs with the
-    same seed are reproducible across CPU and GPU tensors.
+    same seed are reproducible across CPU and GPU tensors. A row that is no law (NaN, nothing positive) still
+    gives an id in ``[0, V)``, so the forward it is fed to stays valid; the loops refuse the generation that drew
+    it (:class:`~pipeline.engine.rounds.RoundChecks`).
 
     Args:
         probs: ``(..., V)`` non-negative weights with a positive sum in every row.
@@ -127,7 +129,7 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     vocab = probs.shape[-1]
     positions = torch.arange(vocab, device=probs.device)
     last_positive = torch.where(probs > 0, positions, -1).amax(dim=-1, keepdim=True)
-    index = torch.minimum(index, last_positive)
+    index = torch.minimum(index, last_positive).clamp_(min=0)
     return index.squeeze(-1)
 
 

@@ -23,6 +23,37 @@ import torch
 from torch import Tensor
 
 from pipeline.engine.sampling import SamplingParams, sample
+from pipeline.errors import DrafterError
+
+
+def bad_draft_law(q: Tensor, q_x: Tensor, valid: Tensor) -> Tensor:
+    """Whether draft laws ``q`` are no laws, as a device flag (no host read): zero or NaN at a token drafted from
+    them (``valid``: drafts with a target id; ``q_x`` their q), or a row holding NaN or infinity anywhere (the
+    residual ``p − q`` would be NaN). ``q(x) <= 0`` alone let a NaN through."""
+    return (~(q_x > 0) & valid).any() | ~torch.isfinite(q.sum(dim=-1)).all()
+
+
+def zero_or_non_finite_q() -> DrafterError:
+    return DrafterError("a proposal gave zero or non-finite draft probability to a token it drafted",
+                        expected="q = the distribution each draft was sampled from: finite, positive at each draft",
+                        found="q(x) = 0, or a q row holding NaN or infinity (a drafter forward that overflowed)",
+                        fix="return the exact law the drafts were drawn from (Proposal.q); where the drafter's logits "
+                            "overflowed, run it in float32 or bfloat16 rather than float16")
+
+
+def non_finite_target() -> DrafterError:
+    return DrafterError("the target's logits are not finite (NaN or infinity), so it has no distribution to decode",
+                        expected="finite logits from every target forward",
+                        found="a logit row whose largest entry is NaN or infinite (every generated token after it "
+                              "would be meaningless)",
+                        fix="load the target in float32 or bfloat16 where it ran in float16 (target.dtype), and check "
+                            "its weights for NaN")
+
+
+def target_logits_flag(logits: Tensor) -> Tensor:
+    """Whether any row of the target's ``logits`` is not finite, as a device flag: its largest entry is NaN or
+    infinite (``-inf`` alone marks ids that cannot be drawn, but not a whole row)."""
+    return ~torch.isfinite(logits.amax(dim=-1)).all()
 
 
 def _as_batch(p: Tensor, tokens: list[int] | Tensor) -> tuple[Tensor, Tensor, bool]:
@@ -87,11 +118,11 @@ def verify_speculative(
     safe = tokens.clamp(min=0).unsqueeze(-1)
     p_x = p[:, :gamma].gather(-1, safe).squeeze(-1)
     q_x = q.gather(-1, safe).squeeze(-1)
-    if strict and bool(((q_x <= 0) & valid).any()):
-        raise ValueError(
-            "a proposal gave zero draft probability to a token it drafted; q must be the "
-            "distribution each draft was sampled from"
-        )
+    if strict:
+        if not bool(torch.isfinite(p.sum(dim=-1)).all()):
+            raise non_finite_target()
+        if bool(bad_draft_law(q, q_x, valid)):
+            raise zero_or_non_finite_q()
     uniform = torch.rand(
         (batch, gamma), generator=generator, dtype=torch.float64, device=generator.device
     ).to(p.device)

@@ -195,12 +195,13 @@ def test_one_host_read_per_round(method: str, path: str, kit, proposers, prompts
     assert all(reads[0][0] == "tolist" and "/engine/rounds.py:" in reads[0][1] for reads in per_round[1:])
 
 
-def test_autoregressive_reads_the_host_once_per_token(kit, prompts, monkeypatch) -> None:
+def test_autoregressive_reads_the_host_once_per_token_and_once_for_its_checks(kit, prompts, monkeypatch) -> None:
+    """One read a token (the token), and one at the end: whether every target forward's logits were finite."""
     target, _ = kit["target"]
     with HostReads() as mode:
         result = generate_autoregressive(target, prompts[0], 12, SAMPLED, torch.Generator().manual_seed(0), None,
                                          DecodeOptions("static"))
-    assert len(result.tokens) == 12 and len(mode.reads) == 12
+    assert len(result.tokens) == 12 and len(mode.reads) == 12 + 1
 
 
 @pytest.mark.parametrize("method", DEVICE_METHODS)

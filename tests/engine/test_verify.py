@@ -212,7 +212,7 @@ def test_zero_draft_probability_for_own_token_is_refused() -> None:
     p = _dirichlet((2, VOCAB), torch.Generator().manual_seed(8))
     q = torch.zeros(1, VOCAB, dtype=torch.float64)
     q[0, 1] = 1.0
-    with pytest.raises(ValueError, match="zero draft probability"):
+    with pytest.raises(DrafterError, match="zero or non-finite draft probability"):
         verify_speculative(p, q, [0], torch.Generator())
 
 
