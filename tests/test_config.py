@@ -151,6 +151,17 @@ def test_a_losslessness_gate_that_could_not_fail_is_refused(override: str) -> No
         GenerateConfig(temperature=math.inf)
 
 
+@pytest.mark.parametrize("fractions", ["[0.1,0.1000001]", "[0.25,0.1,0.1]"])
+def test_rdk_keep_fractions_that_name_one_level_are_refused(fractions: str) -> None:
+    """Each keep fraction is a level named keep_<fraction:g>: 0.1 and 0.1000001 (or a repeated fraction) would be one
+    level while the artifact id hashed both; the config refuses them naming the key and the colliding values."""
+    with pytest.raises(DrafterError, match=r"estimate_rdk\.keep_fractions(.|\n)*\[0\.1, 0\.1000001\]|"
+                                           r"estimate_rdk\.keep_fractions(.|\n)*\[0\.1\]"):
+        load_config(None, [f"estimate_rdk.keep_fractions={fractions}"])
+    assert load_config(None, ["estimate_rdk.keep_fractions=[0.1,0.100001]"]).estimate_rdk.keep_fractions == [
+        0.1, 0.100001]  # distinct at :g's 6 significant digits: two levels
+
+
 @pytest.mark.parametrize("uri", ["https://alice:s3cret@mlflow.example.com", "http://alice@127.0.0.1:5000/x",
                                  "http://alice:s3cret/Et+tok@127.0.0.1:5999", "http://alice:s3cret?x@host",
                                  "http://alice:s3cret#x@host"])

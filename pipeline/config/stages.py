@@ -248,6 +248,12 @@ class TrainRouterConfig:
         check_value(self.eval_max_rows >= 1, "train_router.eval_max_rows", "an integer >= 1", self.eval_max_rows)
 
 
+def rdk_level_name(fraction: float) -> str:
+    """``keep_0.025`` for 2.5 % of the vocabulary: the name of an estimate_rdk pruning level (its key in the artifact
+    and the evaluated rows); :func:`pipeline.rdk.prior.level_name`."""
+    return f"keep_{fraction:g}"
+
+
 @dataclass
 class EstimateRdkConfig:
     calibration: str | None = input_override()
@@ -302,6 +308,10 @@ class EstimateRdkConfig:
                     self.collective_timeout)
         check_value(bool(self.keep_fractions) and all(0 < f <= 1 for f in self.keep_fractions),
                     "estimate_rdk.keep_fractions", "shares of the vocabulary in (0, 1]", self.keep_fractions)
+        names = [rdk_level_name(f) for f in self.keep_fractions]
+        clash = sorted({f for f in self.keep_fractions if names.count(rdk_level_name(f)) > 1})
+        check_value(not clash, "estimate_rdk.keep_fractions", "distinct levels: fractions that differ in their first "
+                    "6 significant digits (each level is named keep_<fraction>; these would be one level)", clash)
         check_value(bool(self.taus) and all(t > 0 for t in self.taus), "estimate_rdk.taus",
                     "positive temperatures (RDK Eq. 2 needs tau > 0)", self.taus)
 

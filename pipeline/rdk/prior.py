@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from pipeline.config.stages import rdk_level_name
 from pipeline.errors import DrafterError
 from pipeline.rdk.affinity import (
     Affinity,
@@ -47,8 +48,8 @@ which draft method uses which)."""
 
 
 def level_name(fraction: float) -> str:
-    """``keep_0.025`` for 2.5 % of the vocabulary."""
-    return f"keep_{fraction:g}"
+    """``keep_0.025`` for 2.5 % of the vocabulary (the config refuses fractions whose names collide)."""
+    return rdk_level_name(fraction)
 
 
 def pruning_levels(ranking: Sequence[int] | Tensor, vocab_size: int, fractions: Sequence[float],
