@@ -61,6 +61,21 @@ def test_budgets_follow_eq3_and_app_a3() -> None:
             bad.check(16)
 
 
+def test_a_budget_floor_above_the_matched_k_leaves_the_fixed_budget_and_refuses_the_pa_one() -> None:
+    """evaluate.dynaspec_k_min floors only the decaying PA budget: with k_min=2 and a matched k of 1, DynaSpec-F's
+    k=1 budget is usable (it was refused as "floor above the budget"); the PA budget keeps the configured floor (it
+    was silently lowered to 1) and is refused naming the key, the matched k and what to do."""
+    curve = [8.0 * k for k in range(1, 9)]  # 8 tokens per cluster: a 10-token shortlist matches k=1
+    fixed, pa = match_budgets(curve, 10.0, gamma=5, k_min=2)
+    fixed.check(8)
+    assert fixed.k1 == 1 and fixed.at(4) == 1 and "k_min" not in fixed.to_dict()
+    assert pa.k1 == 1 and pa.k_min == 2 and pa.to_dict()["k_min"] == 2
+    with pytest.raises(DrafterError, match=r"evaluate\.dynaspec_k_min(.|\n)*k1=1(.|\n)*dynaspec_k_min to 1 or less"):
+        pa.check(8)
+    fixed, pa = match_budgets(curve, 10.0, gamma=5, k_min=1)
+    fixed.check(8), pa.check(8)
+
+
 def test_faiss_clustering_is_a_seeded_partition(tiny_kit) -> None:
     """Every token in exactly one cluster (the assignment covers all rows, not FAISS's training sample),
     unit centroids, the same clustering for the same seed and another for another seed, a safetensors round

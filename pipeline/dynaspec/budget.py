@@ -42,7 +42,8 @@ class ClusterBudget:
         kind: ``fixed`` (DynaSpec-F: ``k1`` everywhere) or ``pa`` (DynaSpec-PA: Eq. 3).
         k0: Clusters at ``t = 0`` (``pa``).
         k1: Clusters at ``t = 1`` (``pa``), and at every position (``fixed``).
-        k_min: Floor of Eq. 3's decay.
+        k_min: Floor of Eq. 3's decay (``pa``; ``evaluate.dynaspec_k_min``). A fixed budget has no decay: it
+            neither uses nor checks it, and does not record it.
     """
 
     kind: str
@@ -54,7 +55,7 @@ class ClusterBudget:
         """Refuse budgets Eq. 3 does not allow or the clustering cannot meet (``k0 > k1``, ``≤ M``)."""
         if self.kind not in ("fixed", "pa"):
             raise DrafterError("Unknown DynaSpec budget kind.", expected="fixed or pa", found=repr(self.kind))
-        ks = {"k1": self.k1, "k_min": self.k_min} | ({"k0": self.k0} if self.kind == "pa" else {})
+        ks = {"k1": self.k1} | ({"k0": self.k0, "k_min": self.k_min} if self.kind == "pa" else {})
         bad = {k: v for k, v in ks.items() if v is None or not 1 <= v <= num_clusters}
         if bad:
             raise DrafterError("A DynaSpec cluster budget asks for more clusters than exist (or fewer than one).",
@@ -64,9 +65,12 @@ class ClusterBudget:
             raise DrafterError("DynaSpec's position-aware budget needs a larger first-step budget (Eq. 3: k0 > k1).",
                                expected="k0 > k1", found=f"k0={self.k0}, k1={self.k1}",
                                fix="Raise k0 above k1 (or use the fixed budget).")
-        if self.k_min > self.k1:
-            raise DrafterError("The budget floor is above the budget.", expected=f"k_min <= k1={self.k1}",
-                               found=f"k_min={self.k_min}", fix="Lower k_min.")
+        if self.kind == "pa" and self.k_min > self.k1:
+            raise DrafterError("The floor of DynaSpec's position-aware budget (evaluate.dynaspec_k_min) is above the "
+                               f"budget matched to the shortlist size (k1={self.k1} clusters): Eq. 3 would not decay.",
+                               expected=f"evaluate.dynaspec_k_min <= {self.k1}", found=f"k_min={self.k_min}",
+                               fix=f"Set evaluate.dynaspec_k_min to {self.k1} or less, or match a larger shortlist "
+                                   "(evaluate.dynaspec_match), or evaluate without the position-aware DynaSpec method.")
 
     def at(self, t: int) -> int:
         """Clusters at draft position ``t``."""
@@ -76,7 +80,7 @@ class ClusterBudget:
         return f"k={self.k1}" if self.kind == "fixed" else f"k0={self.k0},k1={self.k1}"
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "k0": self.k0, "k1": self.k1, "k_min": self.k_min}
+        return {"kind": self.kind, "k0": self.k0, "k1": self.k1} | ({"k_min": self.k_min} if self.kind == "pa" else {})
 
 
 def mean_size(sizes_by_k: list[float], budget_at: list[int]) -> float:
@@ -96,15 +100,18 @@ def match_budgets(sizes_by_k: list[float], target: float, gamma: int, k_min: int
         sizes_by_k: Mean routed shortlist size for ``k = 1..M`` clusters (measured on held-out rows).
         target: The size to match (e.g. the FR-Spec shortlist's).
         gamma: Draft positions per round.
+        k_min: Floor of the PA budget's decay (``evaluate.dynaspec_k_min``), recorded as given: a floor above the
+            matched ``k1`` is left for :meth:`ClusterBudget.check` to refuse when the PA budget is used (the fixed
+            budget, which has no floor, stays usable).
     """
     m = len(sizes_by_k)
     k = min(range(1, m + 1), key=lambda j: (abs(sizes_by_k[j - 1] - target), j))
-    fixed = ClusterBudget("fixed", k, k_min=k_min)
+    fixed = ClusterBudget("fixed", k)
     if k >= m:
         k = m - 1
     best = None
     for k0 in range(k + 1, m + 1):
-        pa = ClusterBudget("pa", k, k0, k_min=min(k_min, k))
+        pa = ClusterBudget("pa", k, k0, k_min=k_min)
         size = mean_size(sizes_by_k, [pa.at(t) for t in range(gamma)])
         key = (abs(size - target), size)
         if best is None or key < best[0]:

@@ -204,12 +204,12 @@ STAGES: tuple[StageSpec, ...] = (
               models=_evaluate_models, data=_evaluate_data,
               # count always (its shortlists, the draft-vocabulary bundle); the others only for the methods that read them
               when={stage: _read_by_methods(stage) for stage in EVALUATE_UPSTREAM if stage != "count"},
-              one_process=True,
               # 2: the split as generate 2 draws it, no chat prompt also on the calibration side, the generation
               # config's end-of-turn ids end a decode, drafts after an accepted end of sequence not counted. 3:
               # DynaSpec/PA-FR shortlists keep every id a decode stops at; the eager path's warm-up. 4: a figure no row
               # measured is missing, not 0.0; the bundle records where it was timed; 5: an RDK row's MBSU charges its
-              version=8),  # redistribution; 6: verdicts on top; 7: every position's law checked, 8: also in id order
+              # redistribution; 6: verdicts on top; 7: every position's law checked, 8: also in id order; 9: a fixed
+              one_process=True, version=9),  # DynaSpec budget records no k_min, a PA one evaluate.dynaspec_k_min
 )
 if tuple(s.name for s in STAGES) != STAGE_NAMES:  # the leaf list the config layer validates against
     raise RuntimeError(f"the DAG table's stages {[s.name for s in STAGES]} differ from {list(STAGE_NAMES)}")
