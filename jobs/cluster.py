@@ -62,10 +62,11 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult:
     summary = clustering.summary(specials)
     run.log(f"{clustering.num_clusters} clusters of {clustering.vocab_size} head rows in {summary['seconds']:.2f} s "
             f"({summary['backend']}): sizes {summary['size_min']}..{summary['size_max']} "
-            f"(max/mean {summary['max_over_mean']:.2f}, {summary['empty_clusters']} empty)")
+            f"(max/mean {summary['max_over_mean']:.2f}, {summary['empty_clusters']} empty; "
+            f"{summary['zero_rows']} all-zero rows, left out of k-means and dealt round the clusters in id order)")
     metrics = {k: summary[k] for k in ("clusters", "vocab_size", "empty_clusters", "size_min", "size_max",
                                        "size_mean", "size_std", "max_over_mean", "effective_clusters_share",
-                                       "objective")}
+                                       "objective", "zero_rows")}
     metrics["cluster_seconds"] = summary["seconds"]
 
     def write(out: Path) -> None:

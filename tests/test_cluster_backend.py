@@ -59,3 +59,38 @@ def test_gpu_index_matches_cpu_quality() -> None:
     assert cpu.meta["backend"].startswith("faiss-cpu")
     on_gpu, on_cpu = mean_cosine_to_centroid(head, gpu), mean_cosine_to_centroid(head, cpu)
     assert abs(on_gpu - on_cpu) <= 0.01 * on_cpu, (on_gpu, on_cpu)
+
+
+def test_a_head_with_nan_or_inf_rows_is_refused_before_faiss() -> None:
+    """A NaN or infinite head entry made FAISS abort on a C++ assertion inside k-means; it is a DrafterError naming
+    the rows and what to check."""
+    for bad in (np.nan, np.inf):
+        head = _head(200, 8).numpy()
+        head[5, 3] = bad
+        with pytest.raises(DrafterError, match=r"NaN or infinite(.|\n)*ids \[5\](.|\n)*cluster\.drafter"):
+            spherical_kmeans(head, 8, niter=5, use_gpu=False)
+
+
+def test_fewer_distinct_directions_than_clusters_are_refused() -> None:
+    """200 rows on 3 directions (rescaled copies count as one) into 16 clusters published 13 empty clusters with exit 0;
+    now refused naming cluster.clusters and the most it can be. 3 clusters of them have none empty."""
+    rng = np.random.default_rng(0)
+    head = rng.standard_normal((3, 8)).astype(np.float32)[rng.integers(0, 3, 200)] * 2.0 ** rng.integers(0, 3, (200, 1))
+    with pytest.raises(DrafterError, match=r"fewer distinct token directions(.|\n)*cluster\.clusters <= 3"):
+        spherical_kmeans(head, 16, niter=5, use_gpu=False)
+    assert spherical_kmeans(head, 3, niter=5, use_gpu=False).summary()["empty_clusters"] == 0
+
+
+def test_all_zero_rows_stay_out_of_k_means_and_are_dealt_round_the_clusters() -> None:
+    """All-zero (padding) rows tie with every centroid and all went to cluster 0, inflating it. They are left out of
+    training (the other rows' clustering is the one they would get alone) and dealt round the clusters in id order,
+    so no cluster gets more than its share of them; the clustering says how many there were."""
+    head = _head(300, 8).numpy()
+    head[100:200] = 0
+    clustering = spherical_kmeans(head, 8, niter=5, seed=0, use_gpu=False)
+    zero = np.r_[100:200]
+    assert np.bincount(clustering.assignment[zero], minlength=8).tolist() == [13] * 4 + [12] * 4
+    alone = spherical_kmeans(np.delete(head, zero, axis=0), 8, niter=5, seed=0, use_gpu=False)
+    assert np.array_equal(np.delete(clustering.assignment, zero), alone.assignment)
+    assert np.array_equal(clustering.centroids, alone.centroids)
+    assert clustering.summary()["zero_rows"] == 100 and alone.summary()["zero_rows"] == 0

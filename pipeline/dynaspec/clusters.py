@@ -5,7 +5,9 @@ stores the head as ``(V, d)``) is normalised to unit length, and the rows are cl
 k-means (inner-product assignment, centroids renormalised each iteration) into ``M`` clusters whose sizes
 are left unbalanced, as the paper prescribes: semantically dense regions keep large clusters. Every
 token lands in exactly one cluster (the final assignment is a nearest-centroid search over *all* rows,
-not only the rows FAISS sampled for training). :class:`Clustering` is what the ``cluster`` stage writes
+not only the rows FAISS sampled for training), except that all-zero rows (a padded head's), which have no
+direction, are left out of k-means and dealt round the clusters in id order. A head with a non-finite entry, or
+with fewer distinct directions than clusters, is refused. :class:`Clustering` is what the ``cluster`` stage writes
 and what the router and the routed proposer read; it carries the SHA-256 of the head it was computed
 from so that it is never applied to another head.
 """
@@ -190,7 +192,8 @@ class Clustering:
             recorded = handle.metadata() or {}
         head, head16 = recorded.get("head_sha256", ""), recorded.get("head_sha256_float16", "")
         meta = json.loads((Path(directory) / SUMMARY_FILE).read_text()) if (Path(directory) / SUMMARY_FILE).is_file() else {}
-        keep = {k: meta[k] for k in ("backend", "seconds", "niter", "redo", "seed", "objective", "cpu_reason") if k in meta}
+        keep = {k: meta[k] for k in ("backend", "seconds", "niter", "redo", "seed", "objective", "cpu_reason",
+                                      "zero_rows") if k in meta}
         return cls(tensors["assignment"], tensors["centroids"], head, keep, head16)
 
 
@@ -228,12 +231,14 @@ def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int =
     """
     import faiss
 
-    x = normalised_rows(weight)
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite row is refused below, by its id
+        x = normalised_rows(weight)
     vocab, dim = x.shape
     if not 1 <= clusters <= vocab:
         raise DrafterError("The number of token clusters does not fit the vocabulary.",
                            expected=f"cluster.clusters in [1, {vocab}] (the head has {vocab} rows)",
                            found=str(clusters), fix="Set cluster.clusters to a smaller number.")
+    live = _trainable_rows(x, clusters)
     gpus, why_not = faiss_gpu_status(faiss)
     if use_gpu and gpus == 0:
         raise DrafterError("cluster.device=cuda but FAISS sees no GPU.",
@@ -246,7 +251,8 @@ def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int =
     result = None
     if use_gpu or (use_gpu is None and gpus):
         try:
-            result = _kmeans(faiss, x, clusters, niter, redo, seed, max_points_per_centroid, verbose, gpu=True, log=log)
+            result = _kmeans(faiss, x[live], clusters, niter, redo, seed, max_points_per_centroid, verbose, gpu=True,
+                             log=log)
         except Exception as error:  # a GPU run that fails (memory, CUDA runtime) falls back when not forced
             if use_gpu:
                 raise
@@ -254,14 +260,42 @@ def spherical_kmeans(weight: Any, clusters: int, *, niter: int = 20, redo: int =
     if result is None:
         if use_gpu is None and log is not None:
             log(f"k-means on the CPU index: {cpu_reason}")
-        result = _kmeans(faiss, x, clusters, niter, redo, seed, max_points_per_centroid, verbose, gpu=False, log=log)
-    centroids, nearest, objective, on_gpu = result
+        result = _kmeans(faiss, x[live], clusters, niter, redo, seed, max_points_per_centroid, verbose, gpu=False,
+                         log=log)
+    centroids, nearest_live, objective, on_gpu = result
+    nearest = np.empty(vocab, dtype=np.int64)
+    nearest[live] = nearest_live
+    zero = np.flatnonzero(~live)
+    nearest[zero] = np.arange(zero.size) % clusters  # no direction: dealt round the clusters in id order
     meta = {"backend": f"faiss-{'gpu' if on_gpu else 'cpu'} {faiss.__version__}",
             "seconds": round(time.perf_counter() - started, 4), "niter": niter, "redo": redo, "seed": seed,
-            "objective": objective}
+            "objective": objective, "zero_rows": int(zero.size)}
     if not on_gpu:
         meta["cpu_reason"] = cpu_reason
     return Clustering.of_head(nearest, centroids, weight, meta)
+
+
+def _trainable_rows(x: np.ndarray, clusters: int) -> np.ndarray:
+    """The rows k-means trains on and assigns by their nearest centroid: every row but the all-zero ones (padding rows
+    of a head wider than its tokenizer, which have no direction: under inner product they tie with every centroid and
+    would all land in cluster 0). Refuses a head with a NaN or infinite entry (FAISS would abort on an assertion), and
+    fewer distinct non-zero directions than ``clusters`` (the surplus clusters would stay empty)."""
+    bad = np.flatnonzero(~np.isfinite(x).all(axis=1))
+    if bad.size:
+        raise DrafterError("The LM head to cluster has rows with NaN or infinite entries.",
+                           expected="finite weights in every row", found=f"{bad.size} such rows (ids {bad[:8].tolist()}"
+                           + (", ..." if bad.size > 8 else "") + ")",
+                           fix="Check the drafter checkpoint (cluster.drafter): a diverged or corrupt head cannot be "
+                               "clustered.")
+    live = np.linalg.norm(x, axis=1) > 0.5  # unit rows; a zero row (or one below 1e-12) stays near zero
+    distinct = int(np.unique(x[live].view(np.dtype((np.void, x.dtype.itemsize * x.shape[1]))).ravel()).size)
+    if distinct < clusters:
+        raise DrafterError("The LM head has fewer distinct token directions than clusters asked for: some clusters "
+                           "would stay empty.",
+                           expected=f"cluster.clusters <= {distinct} (distinct non-zero unit rows of the head; "
+                                    f"{int((~live).sum())} all-zero rows left out)",
+                           found=f"cluster.clusters={clusters}", fix=f"Set cluster.clusters to {distinct} or less.")
+    return live
 
 
 def _kmeans(faiss: Any, x: np.ndarray, clusters: int, niter: int, redo: int, seed: int,

@@ -178,7 +178,7 @@ STAGES: tuple[StageSpec, ...] = (
     # the calibration set with the clustering, and compares itself with count's frequency shortlists.
     # 2: the clustering also records its head's digest rounded to float16 (a float16 load is compared with it)
     StageSpec("cluster", "jobs.cluster", "token_clusters", reads=(*TARGET_IDENTITY, "cluster"),
-              models=_cluster_models, one_process=True, version=2),
+              models=_cluster_models, one_process=True, version=3),  # 3: zero rows out of k-means, dealt round
     # 2: the checkpoint chosen on half of the held-out chats, the routing curves measured on the others; shortlists
     # keep every id a decode stops at. 3: the last step's positive_clusters pools its micro-batches' positions
     StageSpec("train_router", "jobs.train_router", "cluster_router", upstream=("generate", "count", "cluster"),
