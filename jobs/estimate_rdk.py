@@ -26,7 +26,7 @@ from pipeline.models.context import context_length
 from pipeline.models.loading import load_model, load_tokenizer
 from pipeline.models.target import Target
 from pipeline.orchestration.dag import plan
-from pipeline.orchestration.limits import check_rdk_code_problems
+from pipeline.orchestration.limits import check_rdk_code_problems, not_same_tokenizer
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import BuildResult, StageRun, log, run_stage
 from pipeline.progress import Progress, heartbeat
@@ -286,6 +286,8 @@ def _build(cfg: PipelineConfig, run: StageRun, calibration: Artifact, counts: Ar
     er, ev = cfg.estimate_rdk, cfg.evaluate
     target_ = Target(cfg.target)
     tokenizer = target_.tokenizer()
+    if (ours := vocab_hash(tokenizer)) != (theirs := vocab_hash(load_tokenizer(ev.drafter))):
+        raise not_same_tokenizer(ev.drafter, "evaluate.drafter", ours, theirs, "estimate_rdk")  # before any work
     data = CalibrationRows(calibration.path / "data", max_length=er.max_length, eval_fraction=er.heldout_fraction,
                            eval_max_rows=10**9, min_length=2, what="the RDK moments",
                            fraction_key="estimate_rdk.heldout_fraction")  # refuses no training or no held-out rows

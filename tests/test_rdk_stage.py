@@ -259,6 +259,27 @@ def test_bad_input_is_refused(estimated, tmp_path: Path) -> None:
         evaluate.main(bad)
 
 
+def test_a_same_tokenizer_drafter_with_another_vocabulary_is_refused_before_any_work(estimated, tmp_path: Path,
+                                                                                    tiny_kit, capsys) -> None:
+    """estimate_rdk indexes evaluate.drafter's distributions with target ids: a drafter with another tokenizer died
+    with a raw IndexError after the whole moment pass. Its vocabulary is compared with the target's when the stage is
+    planned (nothing runs, not even generate); where the two hashes are not comparable (a tiny-kit target, a drafter
+    in a local directory) the stage compares the tokenizers before its moment pass."""
+    other = ["evaluate.drafter_other=null"]
+    with pytest.raises(DrafterError, match=r"evaluate\.drafter(.|\n)*tiny:test-[0-9a-f]+/metaspace(.|\n)*"
+                                           r"evaluate\.drafter_other"):
+        run(rdk_cfg(tmp_path, "evaluate.drafter=tiny:test/drafter_other", *other), ["estimate_rdk"])
+    assert not (tmp_path / "artifacts").exists() or not any((tmp_path / "artifacts").iterdir())
+    cfg, _ = estimated  # its generate and count are reused: only estimate_rdk runs
+    local = rdk_cfg(Path(cfg.workdir), f"evaluate.drafter={tiny_kit.path('drafter_other')}", *other)
+    capsys.readouterr()
+    with pytest.raises(DrafterError, match=r"estimate_rdk reads the drafter(.|\n)*evaluate\.drafter"):
+        run(local, ["estimate_rdk"])
+    logged = "".join(capsys.readouterr())
+    assert "estimate_rdk: " not in logged.replace("estimate_rdk: cache", "") or " shards" not in logged, logged
+    assert "moments of" not in logged  # refused before the moment pass (it logs its shards, then its moments)
+
+
 @pytest.mark.parametrize("source", ["sharegpt", "humaneval"])
 def test_code_rows_keep_to_unseen_problems_and_to_the_models_context(tmp_path: Path, tiny_kit, source: str) -> None:
     """The α table's code rows: the last problems that no calibration row holds and the evaluation does not decode

@@ -53,6 +53,8 @@ from pipeline.engine.inputs import ShortlistInputs
 from pipeline.engine.methods import methods_reading, methods_with, models_read, stages_read
 from pipeline.errors import DrafterError
 from pipeline.models.context import context_length, depth, embedding_rows, tokenizer_too_large
+from pipeline.models.loading import TINY_PREFIX
+from pipeline.models.loading import fingerprint as model_fingerprint
 
 
 def _context(cfg: PipelineConfig, name: str) -> int | None:
@@ -288,3 +290,27 @@ def check_settings(cfg: PipelineConfig, stages: Collection[str], fingerprint: di
     for name in stages:
         if name in _CHECKS:
             _CHECKS[name](cfg)
+    if "estimate_rdk" in stages:
+        check_same_tokenizer(cfg.evaluate.drafter, "evaluate.drafter", fingerprint.get("vocab_hash"), "estimate_rdk")
+
+
+def check_same_tokenizer(drafter: str, key: str, target_hash: str | None, stage: str) -> None:
+    """Refuse a drafter that a stage reads as sharing the target's tokenizer (its distributions indexed by target ids)
+    whose vocabulary hash differs from the target's (``target_hash``; None: not known, nothing checked). The hash of
+    a tiny-kit tokenizer (named by its recipe) and that of any other one (named by its tokens) are not comparable:
+    such a pair is left to the stage, which compares the tokenizers themselves before its work."""
+    if not target_hash or target_hash.startswith(TINY_PREFIX) != drafter.startswith(TINY_PREFIX):
+        return
+    drafter_hash = model_fingerprint(drafter).get("vocab_hash")  # the plan's own fingerprint of it: cached
+    if drafter_hash and drafter_hash != target_hash:
+        raise not_same_tokenizer(drafter, key, target_hash, drafter_hash, stage)
+
+
+def not_same_tokenizer(drafter: str, key: str, target_hash: str, drafter_hash: str, stage: str) -> DrafterError:
+    """The error for a same-tokenizer drafter (config key ``key``) whose vocabulary is not the target's."""
+    return DrafterError(f"{stage} reads the drafter {drafter!r} ({key}) as sharing the target's tokenizer (its "
+                        "distributions indexed by target token ids), but its vocabulary is another one.",
+                        expected=f"vocab_hash {target_hash[:32]} (the target's)",
+                        found=f"vocab_hash {drafter_hash[:32]}",
+                        fix=f"Set {key} to a drafter with the target's tokenizer (a different-tokenizer drafter "
+                            "belongs in evaluate.drafter_other).")
