@@ -233,7 +233,7 @@ def _code_rows(cfg: PipelineConfig, tokenizer, calibration: Artifact) -> list:  
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     rows = []
     for conv in unseen[len(unseen) - er.code_problems :]:
-        prompt = encode_prompt(tokenizer, conv.messages[:1], ev.max_prompt_tokens)
+        prompt = encode_prompt(tokenizer, conv.messages[:1], ev.max_prompt_tokens, "evaluate.max_prompt_tokens")
         answer = tokenizer.encode(conv.messages[1]["content"], add_special_tokens=False) + eos
         ids = (prompt + answer)[:limit]
         if len(ids) > len(prompt):

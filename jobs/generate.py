@@ -183,7 +183,8 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
         with Progress("generate: encoding prompts", len(convs), "prompt", log=run.log) as encoding:
             for c in convs:
                 if (msgs := first_prompt(c)) is not None:
-                    prompts.append((c.id, encode_prompt(tokenizer, msgs, gen.max_prompt_tokens)))
+                    prompts.append((c.id, encode_prompt(tokenizer, msgs, gen.max_prompt_tokens,
+                                                          "generate.max_prompt_tokens")))
                 encoding.update(1)
     n_shards = (len(prompts) + gen.shard_size - 1) // gen.shard_size
     # a staged shard counts as done only if it matches its checksum; a damaged one is deleted (logged) and redone

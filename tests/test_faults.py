@@ -305,3 +305,25 @@ def test_a_held_lock_stops_a_multi_rank_launch_naming_the_holder(tmp_path: Path,
     with artifact_lock(tmp_path, "count-abc", "count", messages.append, srun):  # released: taken without waiting
         pass
     assert messages == []
+
+
+def test_max_prompt_tokens_at_the_template_overhead_is_refused(tmp_path: Path, tiny_kit) -> None:
+    """generate.max_prompt_tokens at or below the chat template's own tokens around a user turn (12 for the kit's
+    ChatML) gave prompts cut from the left to the template's tail, with no user text ("assistant\\n" at 4). Refused,
+    naming the key, the overhead and the minimum; one token more keeps the whole template and the text's start."""
+    from pipeline.data.calibration import encode_prompt
+    from pipeline.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny:test/target")
+    user = [{"role": "user", "content": "Write a function that adds two numbers. " * 10}]
+    for limit in (4, 12):
+        with pytest.raises(DrafterError, match=f"generate.max_prompt_tokens={limit} leaves no room for the user's "
+                                               "text under the chat template") as err:
+            encode_prompt(tokenizer, user, limit, "generate.max_prompt_tokens")
+        assert "of at least 13" in err.value.expected and "overhead of 12 tokens" in err.value.found
+    full = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=True)
+    full = full["input_ids"] if isinstance(full, dict) or hasattr(full, "input_ids") else full
+    ids = encode_prompt(tokenizer, user, 13)
+    assert len(ids) == 13 and ids[0] == full[0] and ids[-4:] == full[-4:] and "W" in tokenizer.decode(ids)
+    with pytest.raises(DrafterError, match="generate.max_prompt_tokens=8 leaves no room"):
+        run(small_cfg(tmp_path, *FAST, "generate.max_prompt_tokens=8"), ["generate"])

@@ -39,7 +39,9 @@ class GenerateConfig:
     drafter: str | None = None
     """Model that answers when kind is ``drafter`` (hub id, path or tiny ref)."""
     max_prompt_tokens: int = 128
-    """Prompts are cut to their first user turn and at most this many tokens (left side kept)."""
+    """Prompts are cut to their first user turn and at most this many tokens: an overlong user turn keeps its start
+    under the whole chat template (a system prompt that leaves no room is dropped). A value that leaves no room for
+    the user's text under the template (its overhead, 12 tokens for the tiny kit's ChatML) is refused."""
     max_new_tokens: int = 96
     """Tokens generated per prompt (kind raw: a row keeps at most max_prompt_tokens + max_new_tokens tokens of the
     dataset's turns). max_prompt_tokens + max_new_tokens must fit the target's context (and the answering drafter's),

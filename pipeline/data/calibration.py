@@ -64,23 +64,39 @@ def prompt_digests(convs: Iterable[Conversation]) -> list[str]:
     return sorted({prompt_digest(m) for c in convs if (m := first_prompt(c)) is not None})
 
 
-def encode_prompt(tokenizer: Any, messages: list[dict[str, str]], max_tokens: int) -> list[int]:
+def encode_prompt(tokenizer: Any, messages: list[dict[str, str]], max_tokens: int,
+                  setting: str = "max_prompt_tokens") -> list[int]:
     """Token ids of ``messages`` under the chat template with the generation prompt, at most
     ``max_tokens`` long: an overlong user turn is cut (its start kept) so the template stays intact, and where the
-    turns before it (a system prompt) leave no room, they are dropped."""
+    turns before it (a system prompt) leave no room, they are dropped.
+
+    Raises:
+        DrafterError: ``max_tokens`` (the config key ``setting``) leaves no room for one token of the user's text
+            under the template.
+    """
     ids = _template(tokenizer, messages, add_generation_prompt=True)
     if len(ids) <= max_tokens:
         return ids
-    overhead = len(ids) - len(tokenizer.encode(messages[-1]["content"], add_special_tokens=False))
-    budget = max(max_tokens - overhead - 2, 1)
-    content_ids = tokenizer.encode(messages[-1]["content"], add_special_tokens=False)[:budget]
-    cut = [*messages[:-1], {"role": "user", "content": tokenizer.decode(content_ids)}]
-    ids = _template(tokenizer, cut, add_generation_prompt=True)
-    if len(ids) > max_tokens and len(messages) > 1:
-        # the turns before the user's (a system prompt) leave no room: the prompt keeps the user's turn under an
-        # intact template rather than lose its start (BOS, the system header) to a cut from the left
-        return encode_prompt(tokenizer, messages[-1:], max_tokens)
-    return ids[-max_tokens:] if len(ids) > max_tokens else ids
+    content_ids = tokenizer.encode(messages[-1]["content"], add_special_tokens=False)
+    overhead = len(ids) - len(content_ids)
+    budget = max_tokens - overhead - 2
+    while True:
+        cut = [*messages[:-1], {"role": "user", "content": tokenizer.decode(content_ids[:max(budget, 1)])}]
+        ids = _template(tokenizer, cut, add_generation_prompt=True)
+        if len(ids) <= max_tokens:
+            return ids
+        if len(messages) > 1:
+            # the turns before the user's (a system prompt) leave no room: the prompt keeps the user's turn under an
+            # intact template rather than lose its start (BOS, the system header) to a cut from the left
+            return encode_prompt(tokenizer, messages[-1:], max_tokens, setting)
+        if budget <= 1:  # a cut from the left would keep the template's tail and no user text
+            raise DrafterError(
+                f"{setting}={max_tokens} leaves no room for the user's text under the chat template.",
+                expected=f"{setting} of at least {overhead + 1}: the template's {overhead} tokens around a user turn "
+                         "and one token of its text",
+                found=f"a template overhead of {overhead} tokens ({len(ids)} tokens with one token of text)",
+                fix=f"Raise {setting} to well above {overhead} (the default is 128).")
+        budget -= len(ids) - max_tokens
 
 
 def _template(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:

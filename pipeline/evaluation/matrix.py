@@ -75,13 +75,13 @@ def eval_prompts(cfg: PipelineConfig, tokenizer: Any, log: Callable[[str], None]
         msgs = [m for c in held if (m := first_prompt(c)) is not None and json.dumps(m) not in here]
         kept = [m for m in msgs if prompt_digest(m) not in seen]
         left_out["chat"] = len(msgs) - len(kept)
-        prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens) for m in kept[: ev.prompts_per_task]]
+        prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens, "evaluate.max_prompt_tokens") for m in kept[: ev.prompts_per_task]]
     if "code" in ev.tasks:
         code = unseen_humaneval(cfg.generate.source, cfg.generate.heldout_fraction,
                                 revision=cfg.generate.source_revision)
         kept_code = [c for c in code if prompt_digest(first_prompt(c) or c.messages) not in seen]
         left_out["code"] = len(code) - len(kept_code)
-        prompts["code"] = [encode_prompt(tokenizer, c.messages, ev.max_prompt_tokens)
+        prompts["code"] = [encode_prompt(tokenizer, c.messages, ev.max_prompt_tokens, "evaluate.max_prompt_tokens")
                            for c in kept_code[: ev.prompts_per_task]]
     for task, count in left_out.items():
         if count and log is not None:
