@@ -52,10 +52,13 @@ SUMMARY: tuple[str, ...] = ("rows", "assistant_tokens", "tokens_per_s")
 """Metrics ``drafter run`` prints for this stage: rows written, assistant tokens and generation throughput."""
 
 
-def select_conversations(gen: GenerateConfig) -> tuple[list[Conversation], dict, list[str]]:
+def select_conversations(gen: GenerateConfig,
+                         planned: dict | None = None) -> tuple[list[Conversation], dict, list[str]]:
     """The calibration conversations: the source minus its held-out share, capped at ``limit``; the source's counts
-    (stage metrics) and its notes (what loading it did, for the log)."""
-    convs, report = load_conversations(gen.source, revision=gen.source_revision)
+    (stage metrics) and its notes (what loading it did, for the log). ``planned`` is the source's fingerprint in the
+    stage's id: a local file's bytes parsed must be those it hashes (each rank reads and checks the file itself)."""
+    sha256 = (planned or {}).get("sha256") if "file" in (planned or {}) else None
+    convs, report = load_conversations(gen.source, revision=gen.source_revision, sha256=sha256)
     train = split_heldout(convs, gen.heldout_fraction, heldout=False)
     if gen.limit is not None:
         train = train[: gen.limit]
@@ -169,9 +172,9 @@ def _make_module(cfg: PipelineConfig, prompts: list[tuple[str, list[int]]], pend
     return GenerateModule()
 
 
-def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
+def _build(cfg: PipelineConfig, run: StageRun, planned_source: dict) -> BuildResult | None:
     gen = cfg.generate
-    convs, source_report, source_notes = select_conversations(gen)
+    convs, source_report, source_notes = select_conversations(gen, planned_source)
     for note in source_notes:
         run.log(f"source: {note}")
     target = Target(cfg.target)
@@ -216,6 +219,11 @@ def _build(cfg: PipelineConfig, run: StageRun) -> BuildResult | None:
     computed_on = _computed_on(files, run) if gen.kind != "raw" else {}
     tables = [read_shard(p) for p in files]
     rows = sum(t.num_rows for t in tables)
+    if gen.kind == "raw":  # a conversation with no assistant turn the template renders within the budget has no row
+        source_report["raw_conversations_dropped"] = len(prompts) - rows
+        if len(prompts) > rows:
+            run.log(f"raw: {len(prompts) - rows} of {len(prompts)} conversations dropped: no assistant turn to learn "
+                    f"within generate.max_prompt_tokens + generate.max_new_tokens tokens")
     assistant = sum(sum(m) for t in tables for m in t.column("loss_mask").to_pylist())
     if rows == 0 or assistant == 0:
         raise DrafterError(f"The calibration set from {gen.source!r} has no assistant tokens.",
@@ -266,4 +274,5 @@ def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
                                expected=f"vocab_hash {step.fingerprint['vocab_hash'][:12]}",
                                found=f"vocab_hash {other['vocab_hash'][:12]}",
                                fix="Pick a same-tokenizer drafter, or use kind=target.")
-    return run_stage(cfg, step, [], build=lambda run: _build(cfg, run), launch=launch)
+    return run_stage(cfg, step, [], build=lambda run: _build(cfg, run, step.config["data"]["source"]),
+                     launch=launch)

@@ -4,6 +4,7 @@ UTF-8."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -327,3 +328,32 @@ def test_max_prompt_tokens_at_the_template_overhead_is_refused(tmp_path: Path, t
     assert len(ids) == 13 and ids[0] == full[0] and ids[-4:] == full[-4:] and "W" in tokenizer.decode(ids)
     with pytest.raises(DrafterError, match="generate.max_prompt_tokens=8 leaves no room"):
         run(small_cfg(tmp_path, *FAST, "generate.max_prompt_tokens=8"), ["generate"])
+
+
+def test_a_prompt_file_edited_between_plan_and_load_is_refused(tmp_path: Path, tiny_kit,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local source edited after the plan hashed it into generate's id was loaded as it was then, and its rows were
+    published under the id of the old bytes (a later run with the old file reused them). The bytes parsed must hash
+    to the plan's fingerprint (each rank checks the bytes it parsed): refused, nothing published."""
+    from jobs import generate
+
+    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"question {i}?"},
+                                              {"from": "gpt", "value": f"answer {i}."}]} for i in range(12)]
+    source = tmp_path / "window.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in recs[:4]))
+    cfg = small_cfg(tmp_path, "generate.kind=raw", f"generate.source={source}", "generate.heldout_fraction=0.0")
+    before = plan(cfg, ["generate"])["generate"]
+    load = generate.select_conversations
+
+    def edited(*args: object) -> object:  # the edit lands after main planned, before the stage reads the file
+        source.write_text("".join(json.dumps(r) + "\n" for r in recs[4:]))
+        return load(*args)
+
+    monkeypatch.setattr(generate, "select_conversations", edited)
+    with pytest.raises(DrafterError, match="prompt file .*window.jsonl changed after the run was planned") as err:
+        generate.main(cfg)
+    assert "Rerun" in err.value.fix and not before.path.exists()
+    monkeypatch.undo()
+    art = generate.main(cfg)  # the rerun plans the file as it is
+    assert art.path != before.path
+    assert {r["prompt_id"] for r in iter_rows(art.path / "data")} == {f"r{i}" for i in range(4, 12)}

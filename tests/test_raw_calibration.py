@@ -61,3 +61,17 @@ def test_a_raw_rows_turns_are_learnt_up_to_their_end_of_turn_id(tmp_path: Path, 
         last = [j for j in range(len(ids)) if mask[j] and (j + 1 == len(ids) or not mask[j + 1])]
         assert len(last) == 2 and all(ids[j] == end for j in last)
         assert ids[last[0] + 1 : last[0] + 1 + len(newline)] == newline  # the template's "\n" is there, unlearnt
+
+
+def test_raw_rows_of_content_parts_and_the_conversations_dropped_are_counted(tmp_path: Path, tiny_kit) -> None:
+    """With kind raw, an assistant turn written as OpenAI content parts ([{"type": "text", ...}]) was read as empty,
+    and its conversation, left without an assistant turn, was dropped without a count. The parts are the turn's
+    text, and a conversation with no assistant turn is counted (metric raw_conversations_dropped, and the log)."""
+    recs = [{"id": f"m{i}", "messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content":
+            [{"type": "text", "text": f"answer {i}."}] if i % 2 else f"answer {i}."}]} for i in range(6)]
+    source = tmp_path / "parts.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in [*recs, {"id": "q", "prompt": "Nobody answered."}]))
+    art = generate.main(small_cfg(tmp_path, "generate.kind=raw", f"generate.source={source}", "generate.limit=null",
+                                  "generate.heldout_fraction=0.0"))
+    assert sorted(r["prompt_id"] for r in iter_rows(art.path / "data")) == [f"m{i}" for i in range(6)]
+    assert art.metrics["raw_conversations_dropped"] == 1 and art.metrics["source_records_dropped"] == 0

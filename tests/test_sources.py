@@ -127,6 +127,63 @@ def test_jsonl_with_messages_prompt_and_text(tmp_path: Path) -> None:
     _well_formed(convs)
 
 
+def test_joined_json_arrays_are_refused_not_cut_to_the_first(tmp_path: Path) -> None:
+    """Two arrays one after the other (``cat a.json b.json``) or JSON Lines of arrays loaded the first array alone,
+    without a note: the parse stopped at its ']'. Anything but white space after the array is refused, saying where."""
+    recs = _records()
+    path = tmp_path / "joined.json"
+    for text in (json.dumps(recs[:1]) + "\n" + json.dumps(recs[1:]), "".join(json.dumps([r]) + "\n" for r in recs)):
+        path.write_text(text)
+        at = len(json.dumps(recs[:1])) + 1
+        with pytest.raises(DrafterError, match=r"more JSON after its array: an array of 1 record\(s\) ends, then "
+                                               rf"more data starts at byte {at} \(line 2\)") as err:
+            load_conversations(str(path))
+        assert err.value.found.startswith("'[{") and "JSON Lines" in err.value.fix
+    path.write_text(json.dumps(recs) + "\n \t\r\n")
+    assert [c.id for c in load_conversations(str(path))[0]] == ["a", "c", "d"]
+
+
+def test_a_byte_order_mark_is_no_part_of_the_json(tmp_path: Path) -> None:
+    """A UTF-8 BOM made a JSONL file's first record invalid JSON (dropped with a note) and a JSON array unreadable as
+    one (its lines parsed as JSON Lines, every record dropped). Both load whole, as do BOM'd JSONL files joined."""
+    recs = [r for r in _records() if r["id"] != "b"]
+    jsonl = "".join(json.dumps(r) + "\n" for r in recs)
+    for name, text in (("bom.jsonl", jsonl), ("bom.json", json.dumps(recs, indent=1)), ("two.jsonl", jsonl[:-1] +
+                       "\n\ufeff" + json.dumps({"id": "e", "prompt": "p"}))):
+        (tmp_path / name).write_bytes(("\ufeff" + text).encode())
+        convs, report = load_conversations(str(tmp_path / name))
+        assert [c.id for c in convs] == ["a", "c", "d", "e"][:len(recs) + (name == "two.jsonl")], name
+        assert report.records_dropped == 0, report.notes
+
+
+def test_openai_content_parts_are_their_joined_text(tmp_path: Path) -> None:
+    """``"content": [{"type": "text", "text": ...}]`` turns were counted as empty turns: a user turn so written left
+    no conversation. Their text parts are joined by newlines; a record with an image part is dropped and counted."""
+    text = [{"type": "text", "text": "What is"}, {"type": "input_text", "text": "two plus two?"}]
+    image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}, {"type": "text", "text": "Describe it."}]
+    rows = [{"id": "t", "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "Four."}]},
+            {"id": "i", "messages": [{"role": "user", "content": image}, {"role": "assistant", "content": "A cat."}]}]
+    path = tmp_path / "parts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    convs, report = load_conversations(str(path))
+    assert [c.messages for c in convs] == [[{"role": "user", "content": "What is\ntwo plus two?"},
+                                            {"role": "assistant", "content": "Four."}]]
+    assert report.notes == ["1 records with non-text content parts (image, audio, file …)"]
+
+
+@pytest.mark.parametrize(("magic", "what", "advice"), [
+    (b"\x1f\x8b", "gzip-compressed", "gunzip -k"), (b"\x28\xb5\x2f\xfd", "zstd-compressed", "zstd -d"),
+    (b"PAR1", "Parquet", "convert it to JSON Lines")])
+def test_a_compressed_or_parquet_file_is_named_not_called_bad_utf8(tmp_path: Path, magic: bytes, what: str,
+                                                                   advice: str) -> None:
+    """A gzip, zstd or Parquet source was refused as "not valid UTF-8", with advice to re-encode it from latin-1."""
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(magic + bytes(range(256)))
+    with pytest.raises(DrafterError, match=f"is {what} data, which is not read as a source") as err:
+        load_conversations(str(path))
+    assert advice in err.value.fix and "iconv" not in str(err.value)
+
+
 def test_limit(tmp_path: Path) -> None:
     path = tmp_path / "full.json"
     path.write_text(json.dumps(_records()))

@@ -12,6 +12,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pipeline.errors import DrafterError
@@ -83,11 +84,16 @@ def normalise_record(record: Any, counters: Counter[str]) -> Frozen | None:
     else:
         counters["records without conversations/messages/prompt/text"] += 1
         return None
+    if any(isinstance(content, list) and joined_text(content) is None for _, content in raw):
+        counters["records with non-text content parts (image, audio, file …)"] += 1
+        return None
     for role, content in raw:
         mapped = ROLE_MAP.get(str(role).lower()) if role is not None else None
         if mapped is None:
             counters["turns with an unknown role"] += 1
             continue
+        if isinstance(content, list):  # OpenAI content parts: [{"type": "text", "text": ...}, ...]
+            content = joined_text(content)
         if not isinstance(content, str) or not content.strip():
             counters["empty turns"] += 1
             continue
@@ -104,6 +110,19 @@ def normalise_record(record: Any, counters: Counter[str]) -> Frozen | None:
     if first_user - len(system) > 0:
         counters["leading assistant turns trimmed"] += first_user - len(system)
     return rec_id, tuple(system + turns[first_user:])
+
+
+TEXT_PARTS = ("text", "input_text", "output_text")
+"""The ``type`` of an OpenAI content part that holds text (chat completions, and the responses API's spellings)."""
+
+
+def joined_text(parts: list) -> str | None:
+    """The text of a turn written as OpenAI content parts, its text parts joined by newlines (as vLLM and the
+    OpenAI servers join them), or None when a part is not text (an image, audio or file the prompt would lose)."""
+    texts = [part.get("text") for part in parts if isinstance(part, dict) and part.get("type") in TEXT_PARTS]
+    if len(texts) != len(parts) or not all(isinstance(text, str) for text in texts):
+        return None
+    return "\n".join(texts)
 
 
 def printable(text: str) -> str:
@@ -143,13 +162,31 @@ def iter_json_array(text: str) -> Iterator[Any]:
     start = text.find("[")
     if start < 0 or text[:start].strip():
         raise json.JSONDecodeError("expected a JSON array", text, max(start, 0))
-    pos = start + 1
+    pos, count = start + 1, 0
     while True:
         pos = _SEPARATORS.match(text, pos).end()  # type: ignore[union-attr]
-        if pos >= len(text) or text[pos] == "]":
+        if pos < len(text) and text[pos] == "]":
+            after = _JSON_SPACE.match(text, pos + 1).end()  # type: ignore[union-attr]
+            if after < len(text):
+                raise DataAfterArray(after, count)
+            return
+        if pos >= len(text):
             return
         record, pos = decoder.raw_decode(text, pos)
+        count += 1
         yield record
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+class DataAfterArray(ValueError):
+    """A top-level JSON array followed by more than white space (``cat a.json b.json``, or JSON Lines whose lines are
+    arrays): ``pos`` is where the rest starts, ``count`` the records of the array before it."""
+
+    def __init__(self, pos: int, count: int) -> None:
+        super().__init__(f"more JSON after the array at character {pos}")
+        self.pos, self.count = pos, count
 
 
 _NUMBER_PREFIX = re.compile(r"-?[0-9]*(\.[0-9]*)?([eE][-+]?[0-9]*)?")
@@ -171,12 +208,23 @@ def parse_records(text: str, name: str, notes: list[str]) -> tuple[list[Any], in
     Raises:
         DrafterError: A JSON array with a syntax error before its end (not a truncation).
     """
+    text = text.removeprefix("\ufeff")  # a byte order mark is no JSON
     stripped = text.lstrip()
     if stripped.startswith("["):
         records: list[Any] = []
         try:
             for record in iter_json_array(text):
                 records.append(record)
+        except DataAfterArray as err:
+            line = text.count("\n", 0, err.pos) + 1
+            raise DrafterError(
+                f"{name} holds more JSON after its array: an array of {err.count} record(s) ends, then more data "
+                f"starts at byte {len(text[:err.pos].encode('utf-8', 'surrogatepass'))} (line {line}).",
+                expected="one JSON array of records with nothing but white space after its closing ']', or JSON "
+                         "Lines (one record object per line)",
+                found=f"{text[err.pos:err.pos + 60]!r} after the array (two files joined, or lines that are arrays?)",
+                fix="Merge the arrays into one array, or write one record object per line as JSON Lines; reading "
+                    "only the first array would silently drop every record after it.") from err
         except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
             if not (isinstance(err, json.JSONDecodeError) and _text_ran_out(err)):
                 # a syntax error before the end: recovering would silently drop every record after it
@@ -205,6 +253,7 @@ def parse_records(text: str, name: str, notes: list[str]) -> tuple[list[Any], in
     # JSON Lines ends a record at "\n" only: str.splitlines would also cut at U+2028, U+0085 and others that a
     # JSON string may hold unescaped.
     for line in text.split("\n"):
+        line = line.removeprefix("\ufeff")  # the byte order mark of a BOM'd file joined on (cat a.jsonl b.jsonl)
         if line.strip():
             try:
                 records.append(json.loads(line))
@@ -213,6 +262,44 @@ def parse_records(text: str, name: str, notes: list[str]) -> tuple[list[Any], in
     if bad:
         notes.append(f"{name}: {bad} lines are not valid JSON and were dropped")
     return records, bad
+
+
+NOT_TEXT = {
+    b"\x1f\x8b": ("gzip-compressed", "decompress it (`gunzip -k {name}`)"),
+    b"\x28\xb5\x2f\xfd": ("zstd-compressed", "decompress it (`zstd -d {name}`)"),
+    b"BZh": ("bzip2-compressed", "decompress it (`bunzip2 -k {name}`)"),
+    b"\xfd7zXZ\x00": ("xz-compressed", "decompress it (`xz -dk {name}`)"),
+    b"PK\x03\x04": ("a zip archive", "unzip it"),
+    b"PAR1": ("Parquet", "convert it to JSON Lines (e.g. pandas.read_parquet(...).to_json(out, orient='records', "
+                         "lines=True)) or save it with datasets' save_to_disk and point at that directory"),
+}
+"""What a local source's first bytes say it is when it is not JSON text, and how to make it JSON text."""
+
+
+def file_text(data: bytes, path: Path) -> str:
+    """A local source's bytes as text: UTF-8 with an optional byte order mark (which is no part of the JSON).
+
+    Raises:
+        DrafterError: A compressed or Parquet file (named by its first bytes), or bytes that are not UTF-8.
+    """
+    for magic, (what, how) in NOT_TEXT.items():
+        if data.startswith(magic):
+            raise DrafterError(
+                f"Conversation file {path} is {what} data, which is not read as a source.",
+                expected="a ShareGPT-style .json array or .jsonl file as UTF-8 text, or a datasets.save_to_disk "
+                         "directory",
+                found=f"{what} data: its first bytes are {data[:len(magic)]!r}",
+                fix=how.format(name=path.name) + " and point generate.source at the JSON/JSON Lines file it gives.")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise DrafterError(
+            f"Conversation file {path} is not valid UTF-8 (byte {err.start}: {data[err.start:err.start + 1]!r}).",
+            expected="UTF-8 text (JSON is UTF-8)",
+            found=f"{err.reason} at byte {err.start} of {len(data)}",
+            fix=f"re-encode the file, e.g. `iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`; "
+                "guessing an encoding here could silently change the prompts",
+        ) from err
 
 
 def normalise_all(records: Iterable[Any], stem: str, counters: Counter[str]) -> list[Frozen]:

@@ -29,6 +29,7 @@ from pipeline.data.records import (
     Frozen,
     SourceReport,
     counter_notes,
+    file_text,
     normalise_all,
     parse_records,
     thaw,
@@ -67,7 +68,7 @@ def _packaged_bytes(distribution: str, resource: tuple[str, str], what: str, alt
 def _packaged_sharegpt() -> tuple[tuple[Frozen, ...], SourceReport]:
     """Parse the packaged ShareGPT JSON once per process (about a second for ~125 MB)."""
     text = _packaged_bytes(SHAREGPT_PACKAGE, SHAREGPT_RESOURCE, "The packaged ShareGPT conversations",
-                           "or pass a local ShareGPT .json/.jsonl path instead").decode("utf-8")
+                           "or pass a local ShareGPT .json/.jsonl path instead").decode("utf-8-sig")
     frozen, report = _frozen_from_text(text, f"sharegpt (packaged {SHAREGPT_PACKAGE})", "sharegpt")
     return tuple(frozen), report
 
@@ -102,7 +103,7 @@ def load_sharegpt(path: str | Path | None = None) -> tuple[list[Conversation], S
     return _load_file(Path(path))
 
 
-def _load_file(path: Path) -> tuple[list[Conversation], SourceReport]:
+def _load_file(path: Path, sha256: str | None = None) -> tuple[list[Conversation], SourceReport]:
     expected = (
         "a ShareGPT-style .json array or .jsonl file whose records hold 'conversations' "
         "[{from, value}], 'messages' [{role, content}], or a 'prompt'/'text' string"
@@ -115,16 +116,13 @@ def _load_file(path: Path) -> tuple[list[Conversation], SourceReport]:
             fix="check the path, or use a packaged source: " + ", ".join(PACKAGED_SOURCES),
         )
     data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
+    if sha256 is not None and (now := hashlib.sha256(data).hexdigest()) != sha256:
         raise DrafterError(
-            f"Conversation file {path} is not valid UTF-8 (byte {err.start}: {data[err.start:err.start + 1]!r}).",
-            expected="UTF-8 text (JSON is UTF-8)",
-            found=f"{err.reason} at byte {err.start} of {len(data)}",
-            fix=f"re-encode the file, e.g. `iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`; "
-                "guessing an encoding here could silently change the prompts",
-        ) from err
+            f"The prompt file {path} changed after the run was planned: its artifact id names other bytes.",
+            expected=f"the file's bytes when the run was planned: sha256 {sha256[:16]}…",
+            found=f"sha256 {now[:16]}… ({len(data)} bytes) now",
+            fix="Rerun: the plan then names the file as it is. Leave a source file unchanged while a run reads it.")
+    text = file_text(data, path)
     if not text.strip():
         raise DrafterError(
             f"Conversation file {path} is empty.",
@@ -167,8 +165,8 @@ def load_humaneval(with_solutions: bool = False) -> list[Conversation]:
             for row in rows]
 
 
-def load_conversations(source: str, *, limit: int | None = None,
-                       revision: str | None = None) -> tuple[list[Conversation], SourceReport]:
+def load_conversations(source: str, *, limit: int | None = None, revision: str | None = None,
+                       sha256: str | None = None) -> tuple[list[Conversation], SourceReport]:
     """Load conversations from a packaged set, a local file or directory, or a hub dataset.
 
     Args:
@@ -176,12 +174,15 @@ def load_conversations(source: str, *, limit: int | None = None,
             written by ``datasets.save_to_disk``; otherwise a hub id for ``datasets.load_dataset``.
         limit: Keep at most this many conversations (the first ones, in source order).
         revision: Hub datasets only: the revision (commit sha, tag or branch) to load.
+        sha256: Local files only: the sha256 the bytes parsed must have (the plan's :func:`source_fingerprint`),
+            so rows are never published under the id of a file edited since the plan.
 
     Returns:
         The conversations and a report of what was read, kept and dropped.
 
     Raises:
-        DrafterError: The source is missing, empty, unreachable, or holds no usable conversation.
+        DrafterError: The source is missing, empty, unreachable, holds no usable conversation, or (``sha256``) is
+            not the file planned.
     """
     if limit is not None and limit < 1:
         raise DrafterError("limit must be positive.", expected="an integer >= 1 or None", found=str(limit),
@@ -196,7 +197,7 @@ def load_conversations(source: str, *, limit: int | None = None,
         if path.is_dir():
             convs, report = _load_saved_dataset(path)
         elif path.is_file() or _looks_like_path(source):
-            convs, report = _load_file(path)
+            convs, report = _load_file(path, sha256)
         else:
             convs, report = _load_hub_dataset(source, revision)
     if limit is not None and len(convs) > limit:
