@@ -75,7 +75,8 @@ def eval_prompts(cfg: PipelineConfig, tokenizer: Any, log: Callable[[str], None]
         msgs = [m for c in held if (m := first_prompt(c)) is not None and json.dumps(m) not in here]
         kept = [m for m in msgs if prompt_digest(m) not in seen]
         left_out["chat"] = len(msgs) - len(kept)
-        prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens, "evaluate.max_prompt_tokens") for m in kept[: ev.prompts_per_task]]
+        prompts["chat"] = [encode_prompt(tokenizer, m, ev.max_prompt_tokens, "evaluate.max_prompt_tokens")
+                           for m in kept[: ev.prompts_per_task]]
     if "code" in ev.tasks:
         code = unseen_humaneval(cfg.generate.source, cfg.generate.heldout_fraction,
                                 revision=cfg.generate.source_revision)

@@ -151,8 +151,7 @@ STAGES: tuple[StageSpec, ...] = (
     # config); rows carry their chat's split group. 4: a raw row's turns are learnt up to their end-of-turn id
     StageSpec("generate", "jobs.generate", "calibration",
               reads=(*TARGET_IDENTITY, "target.dtype", "generate"), models=_generate_models, data=_prompt_data,
-              version=6),  # 5: its prompts' digests (prompt_digests.json), which an evaluation leaves out.
-    # 6: OpenAI content-part turns ([{"type": "text", ...}]) are their joined text (they were dropped as empty)
+              version=6),  # 5: its prompts' digests (prompt_digests.json). 6: OpenAI content-part turns read
     # 2: shortlists and the draft vocabulary keep generation-config end-of-turn ids. 3: a top-p name per mass
     StageSpec("count", "jobs.count", "token_counts", upstream=("generate",),
               reads=(*TARGET_IDENTITY, "count"), overrides={"generate": "count.calibration"}, one_process=True,
