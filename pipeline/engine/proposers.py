@@ -345,7 +345,8 @@ class ShortlistProposer(SessionProposer):
         self.head_stats = HeadStats()
 
     @staticmethod
-    def check(shortlist: Tensor, tokenizer: Any, prompts: Sequence[Sequence[int]] = ()) -> None:
+    def check(shortlist: Tensor, tokenizer: Any, prompts: Sequence[Sequence[int]] = (),
+              stop: Sequence[int] = ()) -> None:
         """Refuse a shortlist that cannot end a sequence or covers none of a prompt's tokens.
 
         Args:
@@ -353,20 +354,24 @@ class ShortlistProposer(SessionProposer):
             tokenizer: The target's Hugging Face tokenizer (for ``eos_token_id``).
             prompts: Tokenised prompts; a prompt none of whose tokens is shortlisted suggests the
                 shortlist was built for another tokenizer or domain.
+            stop: Every other id the decodes stop at (the generation config's end-of-turn ids,
+                :func:`pipeline.vocab.tokens.stop_ids`): a drafter that can never propose the end of a turn loses
+                every round that would end one.
 
         Raises:
-            DrafterError: If EOS is excluded or some prompt shares no token with the shortlist.
+            DrafterError: If EOS or a stop id is excluded or some prompt shares no token with the shortlist.
         """
         ids = set(torch.as_tensor(shortlist).flatten().tolist())
         eos = getattr(tokenizer, "eos_token_id", None)
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos_ids = sorted({*([] if eos is None else ([eos] if isinstance(eos, int) else list(eos))), *stop})
         missing = [e for e in eos_ids if e not in ids]
         if missing:
             raise DrafterError(
-                "the draft shortlist excludes the end-of-sequence token",
-                expected=f"EOS id(s) {eos_ids} in the shortlist",
+                "the draft shortlist excludes an end-of-sequence or end-of-turn token",
+                expected=f"EOS and end-of-turn id(s) {eos_ids} in the shortlist",
                 found=f"missing {missing}",
-                fix="add the EOS id to the shortlist (count stage: keep special tokens)",
+                fix="add them to the shortlist (count stage: count.always_include_special=true keeps every id a "
+                    "turn ends at)",
             )
         for index, prompt in enumerate(prompts):
             if prompt and not any(t in ids for t in prompt):

@@ -170,7 +170,7 @@ class Configurations:
                                    fix="Fix evaluate.shortlists or add the size to count.top_k/top_p.")
             ids = torch.from_numpy(lists[name])
             all_prompts = [p for items in self.prompts.values() for p in items]
-            ShortlistProposer.check(ids, self.tokenizer, all_prompts)
+            ShortlistProposer.check(ids, self.tokenizer, all_prompts, stop_ids(self.tokenizer, self.target))
             inputs = ShortlistInputs(drafter, ids, target_vocab_size=self.vocab, name=f"{spec.name}:{name}")
             yield Configuration(spec.name, self.ev.drafter, name, int(ids.numel()), build_proposer(spec.name, inputs),
                                 shortlist_param_ratio(drafter, self.target, int(ids.numel())))

@@ -339,6 +339,10 @@ def test_shortlist_validation(drafter, tokenizer, prompts) -> None:
         ShortlistProposer.check(torch.tensor([2, 3, 4]), tokenizer)
     with pytest.raises(DrafterError, match="shares no token"):
         ShortlistProposer.check(torch.tensor([eos, 299]), tokenizer, [[5, 6, 7]])
+    # an end-of-turn id the decodes stop at (a generation config's, beside the tokenizer's EOS) must be there too
+    with pytest.raises(DrafterError, match=r"end-of-turn token\n.*\n  found:    missing \[299\]"):
+        ShortlistProposer.check(torch.tensor([eos, *prompts[0]]), tokenizer, prompts[:1], stop=[eos, 299])
+    ShortlistProposer.check(torch.tensor([eos, 299, *prompts[0]]), tokenizer, prompts[:1], stop=[eos, 299])
 
 
 def test_full_head_maps_ids_beyond_target_vocabulary(drafter, prompts) -> None:
