@@ -28,6 +28,7 @@ from typing import Any
 
 from pipeline.artifacts import Artifact, load_artifact
 from pipeline.config.sections import PipelineConfig
+from pipeline.data.sources import planned_sha256
 from pipeline.engine.methods import DECODE_BENCH, GATE_SETS, METHODS
 from pipeline.errors import DrafterError
 from pipeline.orchestration.dag import plan, spec
@@ -50,12 +51,13 @@ def _chosen_metrics(prefix: str, gates: Any) -> dict[str, float]:
             if k in ("tau", "speedup", "mbsu", "acceptance_rate")}
 
 
-def _build(cfg: PipelineConfig, run: StageRun, artifacts: dict[str, Artifact]) -> BuildResult:
+def _build(cfg: PipelineConfig, run: StageRun, artifacts: dict[str, Artifact], source: dict) -> BuildResult:
     from pipeline.evaluation.matrix import evaluate_matrix  # deferred: pulls in torch
     from pipeline.evaluation.report import write_report  # deferred: pulls in numpy
 
     started = time.perf_counter()
-    results = evaluate_matrix(cfg, artifacts, run.fingerprint, run.log, run.staging)
+    # the prompts come from generate.source, which must still be the file the plan hashed into this stage's id
+    results = evaluate_matrix(cfg, artifacts, run.fingerprint, run.log, run.staging, planned_sha256(source))
     results.other_devices = other_devices(cfg, results.device) or None
     metrics = {"eval_seconds": round(time.perf_counter() - started, 2), "lossless_passed": int(results.lossless)}
     for gate in GATE_SETS.values():
@@ -114,7 +116,8 @@ def main(cfg: PipelineConfig, launch: Launch | None = None) -> Artifact | None:
                 "evaluate.drafter_other (TLI/Union/SLEM handle different tokenizers).")
     # count, then whichever of train_drafter, cluster, train_router, estimate_rdk the evaluated methods read
     artifacts = {stage: step.input(stage) for stage in step.inputs}
-    artifact = run_stage(cfg, step, list(artifacts.values()), build=lambda run: _build(cfg, run, artifacts), launch=launch)
+    artifact = run_stage(cfg, step, list(artifacts.values()), build=lambda run: _build(cfg, run, artifacts, step.config["data"]["source"]),
+                         launch=launch)
     if artifact is not None and cfg.evaluate.register:
         from pipeline.evaluation.publish import register_bundle  # deferred: pulls in numpy
         from pipeline.evaluation.results import EvaluationResults  # deferred: pulls in numpy

@@ -35,7 +35,7 @@ from pipeline.data.calibration import (
     write_shard,
 )
 from pipeline.data.records import Conversation
-from pipeline.data.sources import load_conversations, split_heldout
+from pipeline.data.sources import load_conversations, planned_sha256, split_heldout
 from pipeline.errors import DrafterError
 from pipeline.models.loading import load_model
 from pipeline.models.target import Target
@@ -57,8 +57,7 @@ def select_conversations(gen: GenerateConfig,
     """The calibration conversations: the source minus its held-out share, capped at ``limit``; the source's counts
     (stage metrics) and its notes (what loading it did, for the log). ``planned`` is the source's fingerprint in the
     stage's id: a local file's bytes parsed must be those it hashes (each rank reads and checks the file itself)."""
-    sha256 = (planned or {}).get("sha256") if "file" in (planned or {}) else None
-    convs, report = load_conversations(gen.source, revision=gen.source_revision, sha256=sha256)
+    convs, report = load_conversations(gen.source, revision=gen.source_revision, sha256=planned_sha256(planned or {}))
     train = split_heldout(convs, gen.heldout_fraction, heldout=False)
     if gen.limit is not None:
         train = train[: gen.limit]

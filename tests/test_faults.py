@@ -357,3 +357,30 @@ def test_a_prompt_file_edited_between_plan_and_load_is_refused(tmp_path: Path, t
     art = generate.main(cfg)  # the rerun plans the file as it is
     assert art.path != before.path
     assert {r["prompt_id"] for r in iter_rows(art.path / "data")} == {f"r{i}" for i in range(4, 12)}
+
+
+def test_a_prompt_file_edited_before_evaluate_reads_its_prompts_is_refused(tmp_path: Path, tiny_kit,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """evaluate's chat prompts come from ``generate.source``, whose sha256 is in evaluate's id too: an edit after
+    the plan was decoded and published under the id of the old bytes."""
+    from jobs import evaluate
+    from pipeline.evaluation import matrix
+
+    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"question {i}?"},
+                                              {"from": "gpt", "value": f"answer {i}."}]} for i in range(24)]
+    source = tmp_path / "window.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in recs[:12]))
+    cfg = small_cfg(tmp_path, "generate.kind=raw", f"generate.source={source}", "generate.heldout_fraction=0.5",
+                    "evaluate.methods=[shortlist]", "evaluate.shortlists=[top_k_64]", "evaluate.tasks=[chat]",
+                    "evaluate.register=false")
+    run(cfg, ["count"])
+    seen = matrix.prompts_seen
+
+    def edited(*args: object) -> object:  # the edit lands after evaluate planned, before it reads the prompts
+        source.write_text("".join(json.dumps(r) + "\n" for r in recs[12:]))
+        return seen(*args)
+
+    monkeypatch.setattr(matrix, "prompts_seen", edited)
+    with pytest.raises(DrafterError, match="prompt file .*window.jsonl changed after the run was planned"):
+        evaluate.main(cfg)
+    assert not list((cfg.workdir_path / "artifacts").glob("evaluate-*"))

@@ -165,6 +165,11 @@ def load_humaneval(with_solutions: bool = False) -> list[Conversation]:
             for row in rows]
 
 
+def planned_sha256(fingerprint: dict) -> str | None:
+    """The sha256 a local file's bytes had when a stage planned with :func:`source_fingerprint` (None otherwise)."""
+    return fingerprint.get("sha256") if "file" in fingerprint else None
+
+
 def load_conversations(source: str, *, limit: int | None = None, revision: str | None = None,
                        sha256: str | None = None) -> tuple[list[Conversation], SourceReport]:
     """Load conversations from a packaged set, a local file or directory, or a hub dataset.

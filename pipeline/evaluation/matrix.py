@@ -58,15 +58,16 @@ def prompts_seen(artifacts: Iterable[Artifact], store: Path) -> tuple[frozenset[
 
 
 def eval_prompts(cfg: PipelineConfig, tokenizer: Any, log: Callable[[str], None] | None = None,
-                 seen: frozenset[str] = frozenset()) -> dict[str, list[list[int]]]:
+                 seen: frozenset[str] = frozenset(), source_sha256: str | None = None) -> dict[str, list[list[int]]]:
     """Token ids of the prompts of each task, under the target's chat template; ``log`` is told of a task with fewer
     than ``evaluate.prompts_per_task`` (its gates are decided on those). A prompt whose digest is in ``seen`` (a
-    calibration set behind the evaluated artifacts holds it: :func:`prompts_seen`) is left out."""
+    calibration set behind the evaluated artifacts holds it: :func:`prompts_seen`) is left out. ``source_sha256``:
+    what a local ``generate.source`` hashed to when the stage was planned (its bytes must still be those)."""
     ev = cfg.evaluate
     prompts: dict[str, list[list[int]]] = {}
     left_out: dict[str, int] = {}
     if "chat" in ev.tasks:
-        convs, _ = load_conversations(cfg.generate.source, revision=cfg.generate.source_revision)
+        convs, _ = load_conversations(cfg.generate.source, revision=cfg.generate.source_revision, sha256=source_sha256)
         held = split_heldout(convs, cfg.generate.heldout_fraction, heldout=True)
         # the split hashes ids: a chat posted twice under two ids can sit on both sides, and its prompt would be
         # scored after the drafters trained on the target's answer to it
@@ -119,7 +120,8 @@ names, kept as they were)."""
 
 
 def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_fingerprint: dict,
-                    log: Callable[[str], None], staging: Path | None = None) -> EvaluationResults:
+                    log: Callable[[str], None], staging: Path | None = None,
+                    source_sha256: str | None = None) -> EvaluationResults:
     """Load the target, build the prompts, run the whole matrix and decide the gates of every bundle whose
     artifacts were read (:data:`~pipeline.engine.methods.GATE_SETS`: the draft-vocabulary bundle's always; the
     EAGLE-3, DynaSpec and RDK bundles' when their train_drafter, cluster + train_router and estimate_rdk
@@ -130,6 +132,7 @@ def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_
             read (the evaluate stage's plan inputs).
         staging: Where the evaluator stages each finished piece, for a rerun after a kill to keep (the stage's
             staging directory); None stages nothing.
+        source_sha256: As :func:`eval_prompts` (the stage's plan).
     """
     ev = cfg.evaluate
     device = resolve_device(ev)
@@ -137,7 +140,7 @@ def evaluate_matrix(cfg: PipelineConfig, artifacts: dict[str, Artifact], target_
     tokenizer = target_.tokenizer()
     target = target_.model(device)
     seen, _ = prompts_seen(artifacts.values(), cfg.workdir_path / "artifacts")
-    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer, log, seen), artifacts, device, log,
+    evaluator = Evaluator(cfg, target, tokenizer, eval_prompts(cfg, tokenizer, log, seen, source_sha256), artifacts, device, log,
                           staging)
     rows, checks = evaluator.run()
     thresholds = {"speed_metric": speed_metric(ev, device), "tau_min": ev.gate_tau_min,
