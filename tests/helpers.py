@@ -43,7 +43,8 @@ def requires_triton() -> Any:
 SMALL = ["target.model=tiny:test/target", "generate.limit=40", "generate.shard_size=4", "generate.batch_size=4",
          "generate.max_new_tokens=12", "generate.max_prompt_tokens=48", "generate.accelerator=cpu",
          "generate.devices=1", "count.top_k=[16,64]", "count.top_p=[0.9]", "count.min_count=[2]",
-         "count.draft_vocab_size=64", "evaluate.drafter=tiny:test/drafter", "cluster.drafter=tiny:test/drafter",
+         "count.draft_vocab_size=64", "evaluate.shortlists=[top_k_16,top_k_64]", "evaluate.dynaspec_match=top_k_64",
+         "evaluate.drafter=tiny:test/drafter", "cluster.drafter=tiny:test/drafter",
          "evaluate.drafter_other=tiny:test/drafter_other", "evaluate.drafter_bytes=tiny:test/drafter_bytes",
          "mlflow.experiment=stages", "mlflow.log_artifacts=false",
          # within the test kit's 128-token context (checked at plan time): 64 + 32 + gamma 4 + 1 and 128

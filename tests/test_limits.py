@@ -194,6 +194,22 @@ def test_shortlist_methods_without_shortlists_are_refused_at_plan_time(tmp_path:
     plan(small_cfg(tmp_path, "evaluate.methods=[full]", "evaluate.shortlists=[]"), ["evaluate"])
 
 
+def test_shortlist_names_count_will_not_build_are_refused_at_plan_time(tmp_path: Path) -> None:
+    """``evaluate.shortlists=top_k_16,top_k_64`` (one name holding a comma) or a typo planned, and evaluate found it
+    only after every trainer. The helpers' count builds top_k_16, top_k_64, top_p_0.9 and min_count_2."""
+    with pytest.raises(DrafterError, match=r"evaluate.shortlists names shortlists count will not build: "
+                                           r"'top_k_16,top_k_64'\.\n.*'top_k_16', 'top_k_64', 'top_p_0.9', 'min_count_2'"):
+        plan(small_cfg(tmp_path, "evaluate.methods=[shortlist]", "evaluate.shortlists=top_k_16,top_k_64"),
+             ["evaluate"])
+    with pytest.raises(DrafterError, match=r"evaluate.dynaspec_match names shortlists count will not build: 'top_k_6'"):
+        plan(small_cfg(tmp_path, "evaluate.methods=[pa_fr]", "evaluate.dynaspec_match=top_k_6"), ["evaluate"])
+    # read only by the methods that use them; a count artifact named in evaluate.counts is checked when read
+    plan(small_cfg(tmp_path, "evaluate.methods=[full]", "evaluate.shortlists=[top_k_6]",
+                   "evaluate.dynaspec_match=top_k_6"), ["evaluate"])
+    plan(small_cfg(tmp_path, "evaluate.methods=[shortlist]", "evaluate.shortlists=[top_k_64,top_p_0.9]"),
+         ["evaluate"])
+
+
 def test_chat_with_nothing_held_out_is_refused_at_plan_and_a_short_held_out_share_is_said(tmp_path: Path,
                                                                                          tiny_kit) -> None:
     """generate.heldout_fraction=0 with the chat task planned, and failed only in evaluate, after every trainer. A

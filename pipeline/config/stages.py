@@ -115,6 +115,19 @@ class CountConfig:
         check_value(self.draft_vocab_size > 0, "count.draft_vocab_size", "a positive integer", self.draft_vocab_size)
         check_value(self.workers >= 1, "count.workers", "an integer >= 1", self.workers)
 
+    def shortlist_names(self) -> list[str]:
+        """The names of the shortlists these rules build (``top_k_<k>``, ``top_p_<p>``, ``min_count_<c>``), as
+        ``evaluate.shortlists`` and ``evaluate.dynaspec_match`` name them."""
+        return ([f"top_k_{k}" for k in self.top_k] + [top_p_name(p) for p in self.top_p]
+                + [f"min_count_{c}" for c in self.min_count])
+
+
+def top_p_name(p: float) -> str:
+    """``top_p_<p>``: ``p`` in 6 significant digits (``top_p_0.95``), or in full where those would name another
+    mass (``top_p_0.9999991`` and ``top_p_0.9999992`` were one shortlist, the second overwriting the first)."""
+    short = f"{p:g}"
+    return f"top_p_{short if float(short) == p else repr(float(p))}"
+
 
 def _drafter_training() -> TrainConfig:
     # EAGLE-3's recipe (AdamW 0.9/0.95, grad clip 0.5, ZeRO-2) with a learning rate for a freshly

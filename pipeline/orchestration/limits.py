@@ -49,7 +49,7 @@ from pipeline.artifacts import read_manifest
 from pipeline.config.dflash import check_target_layer_ids
 from pipeline.config.sections import PipelineConfig
 from pipeline.data.sources import holds_humaneval, unseen_humaneval
-from pipeline.engine.inputs import ShortlistInputs
+from pipeline.engine.inputs import FrequencyInputs, RoutedInputs, ShortlistInputs
 from pipeline.engine.methods import methods_reading, methods_with, models_read, stages_read
 from pipeline.errors import DrafterError
 from pipeline.models.context import context_length, depth, embedding_rows, tokenizer_too_large
@@ -179,6 +179,21 @@ def _using(cfg: PipelineConfig, need: str) -> str:
     return ", ".join(methods_reading(cfg.evaluate.methods, need))
 
 
+def _check_shortlist_names(cfg: PipelineConfig, static: list[str]) -> None:
+    """Refuse ``evaluate.shortlists`` or ``evaluate.dynaspec_match`` naming a shortlist count will not build (a typo,
+    ``a,b`` for ``[a, b]``): found out in evaluate only, after every trainer."""
+    built, ev = cfg.count.shortlist_names(), cfg.evaluate
+    matched = [m for m in ev.methods if m in methods_with(RoutedInputs) or m in methods_with(FrequencyInputs)]
+    asked = {"evaluate.shortlists": ev.shortlists if static else [],
+             "evaluate.dynaspec_match": [ev.dynaspec_match] if matched else []}
+    for key, names in asked.items():
+        if unknown := [name for name in names if name not in built]:
+            raise DrafterError(f"{key} names shortlists count will not build: {', '.join(map(repr, unknown))}.",
+                               expected=f"names from count.top_k, count.top_p and count.min_count: {built}",
+                               found=repr(names), fix=f"Pick {key} among those (a list is written [a, b]), or add the "
+                                                     "size to count.top_k, count.top_p or count.min_count.")
+
+
 def _check_evaluate(cfg: PipelineConfig) -> None:
 
     ev = cfg.evaluate
@@ -192,6 +207,8 @@ def _check_evaluate(cfg: PipelineConfig) -> None:
         raise DrafterError("Set evaluate.shortlists.", expected=f"at least one shortlist name when method "
                            f"{', '.join(static)} is on", found=repr(ev.shortlists),
                            fix="Name shortlists of the count artifact (top_k_<k>, top_p_<p>, ...) or drop the method.")
+    if ev.counts is None:  # count builds from this config: its shortlists' names are known before any stage runs
+        _check_shortlist_names(cfg, static)
     gamma = max(ev.gammas)
     drafters, stages = models_read(ev.methods), stages_read(ev.methods)
     models = [("target", cfg.target.model)]

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config.stages import CountConfig
+from pipeline.config.stages import CountConfig, top_p_name
 from pipeline.data.calibration import flat_arrays, read_shard
 from pipeline.errors import DrafterError
 from pipeline.progress import Progress, heartbeat
@@ -140,13 +140,6 @@ def draft_vocab_maps(counts: Any, target_vocab_size: int) -> tuple[np.ndarray, n
                            found=f"t2d of length {t2d.size}",
                            fix="Use the count artifact made with this target's tokenizer.")
     return d2t, np.pad(t2d, (0, target_vocab_size - t2d.size))
-
-
-def top_p_name(p: float) -> str:
-    """``top_p_<p>``: ``p`` in 6 significant digits (``top_p_0.95``), or in full where those would name another
-    mass (``top_p_0.9999991`` and ``top_p_0.9999992`` were one shortlist, the second overwriting the first)."""
-    short = f"{p:g}"
-    return f"top_p_{short if float(short) == p else repr(float(p))}"
 
 
 def shortlists(counts: np.ndarray, rules: CountConfig, specials: list[int]) -> dict[str, np.ndarray]:
