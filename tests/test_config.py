@@ -2,8 +2,10 @@
 
 import json
 import math
+import os
 import re
 import shlex
+import threading
 from pathlib import Path
 
 import pytest
@@ -215,6 +217,35 @@ def test_malformed_yaml_file_names_the_line(tmp_path: Path) -> None:
     with pytest.raises(DrafterError) as err:
         load_config(path)
     assert "broken.yaml" in str(err.value) and "line 3" in str(err.value)
+
+
+def test_yaml_readings_no_config_means_are_refused_or_kept_as_text(tmp_path: Path) -> None:
+    """A key written twice lost its first block silently; ``24:00:00`` (base 60) and ``0123456`` (octal) became
+    86400 and 42798; ``run #1`` on the command line became ``run``; ``key=`` became ``''`` (a new id for nothing)."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("generate:\n  limit: 64\n  seed: 1\ncount:\n  top_k: [8]\ngenerate:\n  max_new_tokens: 32\n")
+    with pytest.raises(DrafterError, match=r"twice\.yaml.*\n(.*\n)*.*found the key 'generate' twice \(first on line 1\)"):
+        load_config(twice)
+    text = tmp_path / "text.yaml"
+    text.write_text("slurm:\n  time: 24:00:00\ntarget:\n  revision: 0123456\ngenerate:\n  limit: 0x10\n")
+    cfg = load_config(text, ["mlflow.experiment=2024:01", "train_drafter.train.lr=3e-4", "count.top_p=[.5, 0.25]"])
+    assert (cfg.slurm.time, cfg.target.revision, cfg.generate.limit) == ("24:00:00", "0123456", 16)
+    assert (cfg.mlflow.experiment, cfg.train_drafter.train.lr, cfg.count.top_p) == ("2024:01", 3e-4, [0.5, 0.25])
+    with pytest.raises(DrafterError, match=r"override mlflow.experiment holds ' #'.*\n(.*\n)*.*'\"run #1\"'"):
+        load_config(None, ["mlflow.experiment=run #1"])
+    assert load_config(None, ["mlflow.experiment='run #1'"]).mlflow.experiment == "run #1"
+    with pytest.raises(DrafterError, match=r"override target.tokenizer= has no value.*\n(.*\n)*.*target.tokenizer=null"):
+        load_config(None, ["target.tokenizer="])
+
+
+def test_a_config_from_a_pipe_is_read(tmp_path: Path) -> None:
+    """``--config <(...)`` (a pipe, /dev/fd/N) was refused as "does not exist"."""
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=("generate:\n  limit: 8\n",), daemon=True)
+    writer.start()
+    assert load_config(fifo).generate.limit == 8
+    writer.join(timeout=10)
 
 
 # --- hostile input (issue 21): Hypothesis over the override parser and the YAML loader ---------------

@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import re
 import textwrap
 import types
 import typing
@@ -26,6 +27,43 @@ import yaml
 from pipeline.errors import DrafterError
 
 T = TypeVar("T")
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without three YAML 1.1 readings no config means: a key given twice (the first
+    silently lost), base-60 numbers (``time: 24:00:00`` was 86400) and leading-zero octal ones (``0123456`` was
+    42798). Those two stay text, as YAML 1.2 reads them; decimal and ``0x`` integers and floats are unchanged."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        first: dict[str, int] = {}
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in first:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"found the key {key_node.value!r} twice (first on line {first[key_node.value] + 1}); YAML "
+                        "would keep only the last", key_node.start_mark)
+                first[key_node.value] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+ConfigLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9_]*|0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+ConfigLoader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?
+    |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+
+
+def _yaml_value(raw: str) -> tuple[Any, str]:
+    """``raw`` read as one YAML value, and the text after it YAML left out (a `` #`` comment)."""
+    loader = ConfigLoader(raw)
+    try:
+        node = loader.get_single_node()
+        return (None, "") if node is None else (loader.construct_document(node), raw[node.end_mark.index:].strip())
+    finally:
+        loader.dispose()
 
 
 def check_value(ok: bool, key: str, expected: str, found: object) -> None:
@@ -270,10 +308,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
             found=text if sep else f"{text} (no '=')",
             fix="Write each override as KEY=VALUE with a dotted key; `drafter config --keys` lists the keys.",
         )
+    name = ".".join(path)
+    if not raw.strip():
+        raise DrafterError(f"The override {name}= has no value.", expected="a value after '='", found=repr(text),
+                           fix=f"Write {name}=null for none, or {name}='\"\"' for empty text.")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value, left_out = _yaml_value(raw)
     except yaml.YAMLError:
-        value = raw
+        value, left_out = raw, ""
     except (ValueError, RecursionError) as err:  # e.g. an int of more digits than Python converts
         raise DrafterError(
             f"Cannot read the value of the override {'.'.join(path)}=….",
@@ -281,6 +323,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
             found=f"{_short(raw)}: {type(err).__name__}: {str(err)[:200]}",
             fix=f"Give {'.'.join(path)} a value of its type (`drafter config --keys {'.'.join(path)}` says which).",
         ) from err
+    if left_out:  # `run #1`: YAML reads " #1" as a comment
+        raise DrafterError(f"The value of the override {name} holds ' #', which YAML reads as the start of a "
+                           "comment: what follows would be dropped.", expected="a value without a comment",
+                           found=f"{raw!r}, read as {_short(value)} without {left_out!r}",
+                           fix=f"Quote the value: {name}='\"{raw.strip()}\"'.")
     return path, value
 
 
@@ -306,7 +353,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def load_yaml(path: str | Path) -> dict:
     """Read a YAML config file into a mapping, with a clear error for a missing, unreadable or malformed file."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() or path.is_dir():  # a pipe (`--config <(...)`) or a device is read like a file
         raise DrafterError(
             f"Config file {str(path)!r} does not exist.",
             expected="a YAML file",
@@ -328,7 +375,7 @@ def load_yaml(path: str | Path) -> dict:
             fix=f"Re-encode it, e.g. `iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`.",
         ) from err
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader (above)
     except yaml.YAMLError as err:
         raise DrafterError(f"Config file {str(path)!r} is not valid YAML: {err}",
                            expected="YAML mappings of `key: value`, as in configs/tiny.yaml",
