@@ -331,11 +331,13 @@ def test_a_damaged_generation_config_is_refused_not_taken_for_a_missing_one(tmp_
     assert loading.load_model(str(target)).generation_config is not None
 
 
-@pytest.mark.parametrize("report", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+@pytest.mark.parametrize("report", [b"{not json", b"[1, 2]", b"\xff\xfe",
+                                    b'{"profile": "test", "sha256": [["target/config.json", "00"]]}',
+                                    b'{"profile": "test", "sha256": {"target/config.json": 0}}'])
 def test_a_tiny_kit_whose_report_is_damaged_is_refused_at_plan_time(tmp_path: Path, tiny_kit,
                                                                    monkeypatch: pytest.MonkeyPatch,
                                                                    report: bytes) -> None:
-    from pipeline.tiny import build_kit, kit_status
+    from pipeline.tiny import build_kit, kit_status, kit_weights
 
     cache = tmp_path / "cache"
     shutil.copytree(tiny_kit.root, cache / "tiny" / tiny_kit.root.name)
@@ -346,6 +348,8 @@ def test_a_tiny_kit_whose_report_is_damaged_is_refused_at_plan_time(tmp_path: Pa
     assert "drafter tiny --profile test --force" in err.value.fix
     with pytest.raises(DrafterError, match="report.json cannot be read"):
         plan(small_cfg(tmp_path / "work"), ["generate"])
+    with pytest.raises(DrafterError, match="report.json cannot be read"):  # a sha256 list: AttributeError here
+        kit_weights("tiny:test/target", cache_dir=cache)
     with pytest.raises(DrafterError, match="report.json cannot be read"):
         build_kit("test", cache)
 

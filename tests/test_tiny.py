@@ -309,6 +309,28 @@ def test_bad_profile_and_refs() -> None:
         TinyKit(Path("."), "test", "x").path("teacher")
 
 
+def test_a_kit_cache_that_cannot_be_written_is_refused_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    """DRAFTER_CACHE naming a file, or a cache whose lock file cannot be opened (a read-only shared cache without the
+    kit), gave a raw NotADirectoryError / PermissionError traceback from `drafter tiny`: the CLI catches only
+    DrafterError. Now it is one, naming the path and what to set."""
+    from jobs.cli import main
+
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    with pytest.raises(DrafterError, match=r"cache at .*a-file/tiny cannot be written: NotADirectoryError") as err:
+        build_kit("test", file)
+    assert "Set DRAFTER_CACHE to a writable directory" in err.value.fix
+    monkeypatch.setenv("DRAFTER_CACHE", str(file))
+    assert main(["tiny", "--profile", "test"]) == 2
+    assert "error: The tiny-kit cache at" in capsys.readouterr().err
+    # root writes into a read-only directory: a directory where the lock file goes cannot be opened by anyone
+    (tmp_path / "cache" / "tiny" / f".test-{kit_hash('test')}.lock").mkdir(parents=True)
+    with pytest.raises(DrafterError, match="cannot be written: IsADirectoryError") as err:
+        build_kit("test", tmp_path / "cache")
+    assert f".test-{kit_hash('test')}.lock" in err.value.found
+
+
 def test_every_role_of_a_profile_resolves_to_its_built_kit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tiny:<profile>/<role>`` resolves for every role (drafter_bytes included) to the kit it builds, once."""
     monkeypatch.setitem(PROFILES, "determinism", small_kit_profile())

@@ -95,6 +95,13 @@ def _verify(root: Path, report: dict) -> None:
             fix=f"Rebuild it: `drafter tiny --profile {report.get('profile', '<profile>')} --force` (or delete {root}).")
 
 
+def _recorded_shape(recorded: object) -> bool:
+    """Whether a report's ``sha256`` field has the shape the build writes (file name -> hex digest); absent is
+    left to :func:`_verify` (\"no recorded hashes\")."""
+    return recorded is None or (isinstance(recorded, dict)
+                                and all(isinstance(k, str) and isinstance(v, str) for k, v in recorded.items()))
+
+
 def _load_kit(root: Path, profile: str, digest: str, *, verify: bool = True) -> TinyKit | None:
     """The kit at ``root`` if it is complete (report present and every role saved), else None; with ``verify``,
     every file is checked against the sha256 recorded at build time.
@@ -110,12 +117,14 @@ def _load_kit(root: Path, profile: str, digest: str, *, verify: bool = True) -> 
         report = json.loads(report_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         report = err
-    if not isinstance(report, dict):
+    if not isinstance(report, dict) or not _recorded_shape(report.get("sha256")):
         raise DrafterError(
             f"The tiny kit at {root} is damaged: its {REPORT_FILE} cannot be read.",
-            expected=f"{REPORT_FILE} as the build wrote it (a JSON object with every file's sha256)",
+            expected=f"{REPORT_FILE} as the build wrote it (a JSON object with every file's sha256: an object of "
+                     "file name -> hex digest)",
             found=f"{type(report).__name__}: {str(report)[:200]}" if isinstance(report, Exception)
-            else f"a JSON {type(report).__name__}",
+            else f"a JSON {type(report).__name__}" if not isinstance(report, dict)
+            else f"its sha256 field is a JSON {type(report['sha256']).__name__}: {str(report['sha256'])[:120]}",
             fix=f"Rebuild it: `drafter tiny --profile {profile} --force` (or delete {root}).")
     if verify:
         _verify(root, report)
@@ -143,13 +152,24 @@ def build_kit(
         (:class:`pipeline.tiny.recipe.Phases`) and writes the same bytes.
 
     Raises:
-        DrafterError: Unknown profile, or the packaged data is missing.
+        DrafterError: Unknown profile, the packaged data is missing, the cached kit is damaged, or the cache
+            directory cannot be written (``DRAFTER_CACHE`` a file, read-only).
     """
     root, digest = _kit_dir(profile, cache_dir)
     if not force and (kit := _load_kit(root, profile, digest)) is not None:
         return kit
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "w") as lock:
+    lock_path = root.parent / f".{root.name}.lock"
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_path, "w")  # noqa: SIM115 - closed by the with below
+    except OSError as err:  # DRAFTER_CACHE is a file, read-only, or not ours: say so instead of a traceback
+        raise DrafterError(
+            f"The tiny-kit cache at {root.parent} cannot be written: {type(err).__name__}: {err.strerror or err}",
+            expected=f"a writable directory to build the kit into (and its lock file {lock_path.name})",
+            found=str(err.filename or root.parent),
+            fix="Set DRAFTER_CACHE to a writable directory (default ~/.cache/drafter-pipeline), or build the kit "
+                f"where the cache is writable (`drafter tiny --profile {profile}`).") from err
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
