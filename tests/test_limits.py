@@ -154,6 +154,29 @@ def test_only_planned_stages_are_checked(tmp_path: Path) -> None:
         plan(cfg, ["evaluate"])  # without eagle3, evaluate does not read train_drafter
 
 
+@pytest.mark.parametrize("config", ["null", '{"model_type": "llama", "num_hidden_layers": "4"}'],
+                         ids=["null", "a-string-field"])
+def test_a_local_config_json_that_does_not_load_is_refused_at_plan_time_naming_it(tmp_path: Path, tiny_kit,
+                                                                                  config: str) -> None:
+    """A config.json that is `null` raised a raw TypeError, one whose num_hidden_layers is a string huggingface_hub's
+    StrictDataclassFieldValidationError, from plan's reads of the context and depth and from the checkpoint's dtype."""
+    from pipeline.config.sections import TargetConfig
+    from pipeline.models.context import _text_config, context_length, depth
+    from pipeline.models.target import Target
+
+    target = tmp_path / "local"
+    shutil.copytree(tiny_kit.path("target"), target)
+    (target / "config.json").write_text(config)
+    _text_config.cache_clear()
+    for read in (lambda: context_length(str(target)), lambda: depth(str(target)),
+                 lambda: Target(TargetConfig(model=str(target))).checkpoint_dtype()):
+        with pytest.raises(DrafterError, match="its config.json does not load") as err:
+            read()
+        assert str(target / "config.json") in err.value.found and "copy or save the checkpoint again" in err.value.fix
+    with pytest.raises(DrafterError, match=f"Could not (load|read the config of) '{target}'"):  # plan: one of these
+        plan(small_cfg(tmp_path / "work", f"target.model={target}"), ["generate"])
+
+
 def test_the_recipe_context_is_the_built_kits(tiny_kit) -> None:
     """Planning reads a tiny ref's context from the recipe; the built models say the same."""
     from transformers import AutoConfig

@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Any
 
 from pipeline.errors import DrafterError
-from pipeline.models.loading import TINY_PREFIX, load_model_config
+from pipeline.models.loading import TINY_PREFIX, read_model_config
 from pipeline.tiny import parse_tiny_ref
 from pipeline.tiny.spec import get_profile
 
@@ -23,15 +23,7 @@ from pipeline.tiny.spec import get_profile
 def _text_config(name: str, revision: str | None, trust_remote_code: bool) -> Any:
     """The text config of a local directory or hub id (its text part for a multimodal one), read as the loaders read
     it: a hub model's from the local Hugging Face cache without a network call where it holds the commit."""
-    try:
-        config = load_model_config(name, revision, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise DrafterError(
-            f"Could not read the config of {name!r} to check its shape: {type(err).__name__}",
-            expected="a local directory with config.json, a tiny-kit ref, or a hub id reachable from this machine",
-            found=str(err).splitlines()[0] if str(err) else type(err).__name__,
-            fix="Check the name; without network access download the checkpoint elsewhere and pass its path.",
-        ) from err
+    config = read_model_config(name, revision, trust_remote_code=trust_remote_code)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 

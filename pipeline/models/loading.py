@@ -182,6 +182,40 @@ def load_model_config(name: str, revision: str | None = None, *, trust_remote_co
     return _pretrained(AutoConfig.from_pretrained, ref, _load_revision(ref), trust_remote_code=trust_remote_code)
 
 
+def read_model_config(name: str, revision: str | None = None, *, trust_remote_code: bool = False) -> Any:
+    """:func:`load_model_config` for the plan-time reads (context, depth, embedding rows, the checkpoint's dtype):
+    any failure is a :class:`DrafterError`. A ``config.json`` that is ``null`` or holds a field of the wrong type
+    (``"num_hidden_layers": "4"``) raised transformers' own TypeError or validation error."""
+    try:
+        return load_model_config(name, revision, trust_remote_code=trust_remote_code)
+    except DrafterError:
+        raise
+    except Exception as err:  # noqa: BLE001 - TypeError, huggingface_hub's validation error, OSError, ValueError...
+        raise _config_error(name, revision, err) from err
+
+
+def _config_error(name: str, revision: str | None, err: Exception) -> DrafterError:
+    first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+    ref = resolve_ref(name, revision)
+    pinned = None if ref.is_local else pinned_commit(ref.name, ref.revision)
+    path = Path(ref.location) / "config.json" if ref.is_local else (
+        snapshot_dir(ref.name, pinned) / "config.json" if pinned and cached_snapshot(ref.name, pinned) else None)
+    if path is None or not path.is_file():
+        return DrafterError(
+            f"Could not read the config of {name!r} to check its shape: {type(err).__name__}",
+            expected="a local directory with config.json, a tiny-kit ref, or a hub id reachable from this machine",
+            found=first_line,
+            fix="Check the name; without network access download the checkpoint elsewhere and pass its path.")
+    again = (f"`hf download {ref.name} --revision {pinned} --force-download`" if pinned
+             else "copy or save the checkpoint again")
+    return DrafterError(
+        f"Could not read the config of {name!r}: its config.json does not load: {type(err).__name__}",
+        expected="config.json as save_pretrained writes it: a JSON object with model_type and each field of the "
+                 "type transformers expects (num_hidden_layers an integer...)",
+        found=f"{path}: {first_line}"[:400],
+        fix=f"Restore the file ({again}: a cut copy or a hand edit leaves this), or correct the field named above.")
+
+
 def load_model(name: str, revision: str | None = None, *, dtype: str = "float32",
                trust_remote_code: bool = False, device: str | None = None) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` in eval mode (safetensors only)."""

@@ -18,8 +18,8 @@ from pipeline.models.loading import (
     fingerprint,
     load_generation_config,
     load_model,
-    load_model_config,
     load_tokenizer,
+    read_model_config,
 )
 
 
@@ -59,7 +59,7 @@ class Target:
         loads the target in ``target.dtype`` and reads the loaded config's dtype as that, not as the checkpoint's."""
         import torch
 
-        declared = getattr(load_model_config(self.cfg.model, self.cfg.revision,
+        declared = getattr(read_model_config(self.cfg.model, self.cfg.revision,
                                              trust_remote_code=self.cfg.trust_remote_code), "dtype", None)
         if isinstance(declared, str):
             declared = getattr(torch, declared, None)
