@@ -19,9 +19,12 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from pipeline.data.sources import load_conversations
+from pipeline.errors import DrafterError
 from pipeline.models import loading
-from tests.helpers import hub_cache
+from tests.helpers import hub_cache, offline_hub
 from tests.mlflow_server import free_port
 
 
@@ -65,6 +68,23 @@ def test_a_cached_hub_model_loads_without_the_hub_and_an_absent_one_is_refused_a
     assert f"hf download org/absent --revision {absent}" in answers[5]
     assert "Retrying" not in done.stderr  # no backoff against the unreachable hub
     assert "ConnectError" in answers[4]  # and the hub was asked: its answer is named
+
+
+def test_a_damaged_file_in_a_cached_snapshot_is_named_with_how_to_download_it_again(
+        tmp_path: Path, tiny_kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cut safetensors file in a downloaded snapshot got the advice for a hub id that does not exist ("Check the
+    name; without network access download the checkpoint elsewhere"): now the snapshot is named, and how to fetch
+    that commit again."""
+    cache, commit = tmp_path / "hub", "4" * 40
+    hub_cache(cache, "org/cut", {commit: tiny_kit.path("target")})
+    offline_hub(cache, monkeypatch)
+    snapshot = cache / "models--org--cut" / "snapshots" / commit
+    weights = snapshot / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(DrafterError, match="Could not load 'org/cut': SafetensorError") as err:
+        loading.load_model("org/cut", commit)
+    assert f"the cached snapshot at {snapshot}" in err.value.found and "Check the name" not in err.value.fix
+    assert f"`hf download org/cut --revision {commit} --force-download` (or delete {snapshot}" in err.value.fix
 
 
 def test_a_downloaded_hub_dataset_loads_without_the_hub_and_gives_what_its_files_give(tmp_path: Path) -> None:

@@ -97,8 +97,18 @@ def _pretrained(load: Callable[..., Any], ref: ModelRef, pinned: str | None, **k
     return load(ref.location, revision=pinned, **kwargs)
 
 
-def _hub_error(ref: ModelRef, err: Exception) -> DrafterError:
+def _hub_error(ref: ModelRef, err: Exception, pinned: str | None = None) -> DrafterError:
     first_line = str(err).splitlines()[0] if str(err) else ""
+    if pinned is not None and cached_snapshot(ref.name, pinned):  # downloaded, then cut or changed on disk
+        snapshot = snapshot_dir(ref.name, pinned)
+        return DrafterError(
+            f"Could not load {ref.name!r}: {type(err).__name__}: {first_line}",
+            expected=f"the files of {ref.name} at commit {pinned} as the hub serves them",
+            found=f"the cached snapshot at {snapshot}, which {type(err).__name__} says is damaged or incomplete "
+                  "(a cut download, a full disk, a file changed in place)",
+            fix=f"Download it again where the hub is reachable: `hf download {ref.name} --revision {pinned} "
+                f"--force-download` (or delete {snapshot} and load it again).",
+        )
     if ref.is_local:  # a directory that exists but does not load: damaged or not a transformers checkpoint
         return DrafterError(
             f"Could not load {ref.name!r}: {type(err).__name__}: {first_line}",
@@ -127,7 +137,7 @@ def load_tokenizer(name: str, revision: str | None = None, *, trust_remote_code:
     except DrafterError:
         raise
     except Exception as err:  # noqa: BLE001 - a damaged file raises TypeError, KeyError, tokenizers' Exception...
-        raise _hub_error(ref, err) from err
+        raise _hub_error(ref, err, pinned) from err
 
 
 def load_generation_config(name: str, revision: str | None = None) -> Any:
@@ -237,7 +247,7 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
     except DrafterError:
         raise
     except Exception as err:  # noqa: BLE001 - a cut safetensors file raises SafetensorError, a bad config TypeError
-        raise _hub_error(ref, err) from err
+        raise _hub_error(ref, err, pinned) from err
     finally:
         if bar:
             hf_logging.enable_progress_bar()
