@@ -227,6 +227,32 @@ def test_a_tiny_target_with_a_tokenizer_of_its_own_keeps_the_kits_weights_in_its
     assert found["files"].startswith("sha256:")  # the tokenizer directory's files
 
 
+def test_a_tiny_kit_tokenizer_beside_a_local_model_names_the_kits_chat_template(
+        tmp_path: Path, tiny_kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local target with target.tokenizer=tiny:...: the kit tokenizer's files (chat template, tokenizer config) never
+    reached the fingerprint, so a kit rebuilt with another chat template kept every id. The digests its build recorded
+    now do; a local model with its own tokenizer holds no tokenizer entry, its id as before."""
+    from pipeline.checksums import sha256_file
+
+    target = _copy_model(tiny_kit.path("target"), tmp_path / "local")
+    first = loading.fingerprint(str(target), tokenizer="tiny:test/target")
+    own = loading.fingerprint(str(target))
+    root = tmp_path / "cache" / "tiny" / tiny_kit.root.name
+    shutil.copytree(tiny_kit.root, root)
+    template = root / "target" / "chat_template.jinja"
+    template.write_text("Answer in French.\n" + template.read_text())
+    report = json.loads((root / "report.json").read_text())
+    report["sha256"]["target/chat_template.jinja"] = sha256_file(template)  # as a rebuild records it
+    (root / "report.json").write_text(json.dumps(report))
+    monkeypatch.setenv("DRAFTER_CACHE", str(tmp_path / "cache"))
+    loading._fingerprint_cached.cache_clear()  # a new process
+    rebuilt = loading.fingerprint(str(target), tokenizer="tiny:test/target")
+    assert loading.load_tokenizer("tiny:test/target").chat_template.startswith("Answer in French.")
+    assert (rebuilt["vocab_hash"], rebuilt["weights"]) == (first["vocab_hash"], first["weights"])
+    assert rebuilt["files"] != first["files"]
+    assert loading.fingerprint(str(target)) == own
+
+
 def test_a_damaged_tiny_kit_is_refused_when_loaded(tmp_path: Path, tiny_kit, monkeypatch: pytest.MonkeyPatch) -> None:
     from jobs import generate
     from pipeline.tiny import build_kit

@@ -350,13 +350,19 @@ def weights_identity(ref: ModelRef) -> str | None:
 def files_identity(model: ModelRef, tokenizer: ModelRef) -> str | None:
     """What names the loading files (:data:`LOADING_FILES`) of a model and of its tokenizer where either is a local
     directory, by role and never by path (the same files at another path are the same target), and the commit of a
-    hub tokenizer that is not the model's repository; None where there is none of these (a hub model's commit names
-    every file of its repository; a tiny kit's digests name its own)."""
+    hub tokenizer that is not the model's repository, and the recorded digests of a tiny-kit tokenizer beside another
+    model; None where there is none of these (a hub model's commit names every file of its repository; a tiny kit's
+    digests name its own)."""
     roles = {"model": model} if tokenizer.location == model.location else {"model": model, "tokenizer": tokenizer}
     digests = {role: digest for role, ref in roles.items()
                if ref.is_local and not ref.name.startswith(TINY_PREFIX)
                and (digest := local_files_digest(Path(ref.location))) is not None}
-    if "tokenizer" in roles and not tokenizer.is_local and not tokenizer.name.startswith(TINY_PREFIX):
+    if "tokenizer" in roles and tokenizer.name.startswith(TINY_PREFIX):
+        # a tiny-kit tokenizer beside another model: the digests its build recorded name its chat template and
+        # tokenizer config (a kit rebuilt with another template kept the ids); the recipe until it is built
+        weights = kit_weights(tokenizer.name)
+        digests["tokenizer"] = "kit:" + weights if weights else "recipe:" + kit_hash(parse_tiny_ref(tokenizer.name)[0])
+    elif "tokenizer" in roles and not tokenizer.is_local:
         # a tokenizer repository of its own: its commit names its chat template (the model's commit does not)
         digests["tokenizer"] = "commit:" + pinned_commit(tokenizer.name, tokenizer.revision)
     return "sha256:" + tree_digest(digests) if digests else None
