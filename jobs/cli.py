@@ -120,6 +120,13 @@ def _add_plan_args(parser: argparse.ArgumentParser, json_help: str) -> None:
     parser.add_argument("--json", action="store_true", help=json_help)
 
 
+def _steps(text: str) -> int:
+    """``bench --steps``: a positive count (0 timed nothing, and every median printed was NaN)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of timed steps, not {text!r}")
+    return int(text)
+
+
 def _seconds(text: str) -> float:
     """``status --wait``'s interval: a positive number (0 polled Slurm back to back)."""
     try:
@@ -216,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    + "\n".join(f"  {name:<11} {b.description}" for name, b in BENCHES.items()),
                        epilog=KEYS_EPILOG)
     p.add_argument("what", choices=list(BENCHES), help="which benchmark (listed above)")
-    p.add_argument("--steps", type=int, default=10, help="train, head, decode, draft: timed repetitions of each")
+    p.add_argument("--steps", type=_steps, default=10, help="timed repetitions of each variant (default 10)")
     p.add_argument("--shape", default="tiny", choices=("tiny", "llama3-8b"), metavar="SHAPE",
                    help="decode: tiny (the kit) or llama3-8b (also 8B; CUDA)")
     p.add_argument("--methods", default=None, metavar="A,B", help="decode: only these methods (default: all it times)")

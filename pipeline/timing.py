@@ -19,9 +19,15 @@ def device_name(device: torch.device | str) -> str:
 
 def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 3) -> float:
     """Median seconds of ``fn`` over ``repeats`` calls after ``warmup`` warm-up calls (CUDA synchronised)."""
+    _timed_at_least_once(repeats)
     for _ in range(warmup):
         fn()
     return float(np.median([_seconds_of(fn, device) for _ in range(repeats)]))
+
+
+def _timed_at_least_once(repeats: int) -> None:
+    if repeats < 1:  # the median of no times is NaN, printed as a figure
+        raise ValueError(f"a timing needs at least one timed call, got repeats={repeats}")
 
 
 def _seconds_of(fn: Callable[[], Any], device: torch.device) -> float:
@@ -40,6 +46,7 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], device: torch.device, r
     """Seconds of each call of each of ``fns``, timed in turn within each of ``repeats`` rounds (after ``warmup``
     rounds), so a load that comes and goes on a shared machine moves every variant alike and their ratios hold.
     ``before`` (e.g. a :class:`CacheFlusher`) runs ahead of every call, untimed."""
+    _timed_at_least_once(repeats)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for round_index in range(warmup + repeats):
         for name, fn in fns.items():

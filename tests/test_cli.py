@@ -5,11 +5,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from jobs import STAGES
 from jobs.cli import build_parser, main
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.engine.methods import stages_read
+from pipeline.timing import interleaved_medians
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,6 +66,17 @@ def test_status_wait_takes_a_positive_interval(capsys: pytest.CaptureFixture) ->
             build_parser().parse_args(["status", "--wait", value])
         assert exited.value.code == 2 and "expected a positive number of seconds" in capsys.readouterr().err
     assert build_parser().parse_args(["status", "--wait", "30"]).wait == 30.0
+
+
+def test_bench_steps_must_time_something(capsys: pytest.CaptureFixture) -> None:
+    """``--steps 0`` timed nothing and printed NaN medians (and speedups) with exit 0."""
+    for value in ("0", "-3", "2.5"):
+        with pytest.raises(SystemExit) as exited:
+            build_parser().parse_args(["bench", "decode", "--steps", value])
+        assert exited.value.code == 2 and "expected a positive number of timed steps" in capsys.readouterr().err
+    assert build_parser().parse_args(["bench", "decode", "--steps", "3"]).steps == 3
+    with pytest.raises(ValueError, match="at least one timed call, got repeats=0"):
+        interleaved_medians({"a": lambda: None}, torch.device("cpu"), 0)
 
 
 def test_bench_eval_without_counts_exits_2_naming_the_option(capsys: pytest.CaptureFixture) -> None:

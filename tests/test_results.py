@@ -48,6 +48,12 @@ def test_results_round_trip_through_report_json(tmp_path: Path) -> None:
     back = EvaluationResults.from_dict(json.loads((tmp_path / "report.json").read_text()))
     assert back == results
     assert dataclasses.asdict(back.gates) == dataclasses.asdict(results.gates)
+    # a report written before evaluate version 10 named a round's milliseconds *_ms_per_step: read back the same
+    old = json.loads((tmp_path / "report.json").read_text())
+    for row in old["rows"]:
+        row["drafter_ms_per_step"], row["target_ms_per_step"] = row.pop("drafter_ms_per_round"), row.pop(
+            "target_ms_per_round")
+    assert EvaluationResults.from_dict(old) == results
 
 
 def test_report_header_shows_when_the_results_were_created(tmp_path: Path) -> None:

@@ -407,7 +407,7 @@ class Evaluator:
                        per_position_acceptance=m.per_position_acceptance, tokens_per_s=m.tokens_per_second,
                        speedup=m.speedup_vs_autoregressive, predicted_speedup=m.leviathan_expected_speedup,
                        mbsu=m.mbsu, ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms,
-                       drafter_ms_per_step=m.drafter_ms_per_round, target_ms_per_step=m.target_ms_per_forward,
+                       drafter_ms_per_round=m.drafter_ms_per_round, target_ms_per_round=m.target_ms_per_forward,
                        greedy_equal=equal, tau_standard_error=m.tau_standard_error,
                        kept_per_prompt=m.kept_per_prompt, rounds_per_prompt=m.rounds_per_prompt)
 

@@ -23,6 +23,14 @@ from pipeline.engine.methods import DRAFT_VOCAB, GateSet, gate_candidates
 SPEED_METRICS = ("speedup", "mbsu")
 
 
+OLD_ROW_NAMES = {"drafter_ms_per_step": "drafter_ms_per_round", "target_ms_per_step": "target_ms_per_round"}
+"""Row fields renamed in evaluate version 10 (they always held a round's milliseconds), for reports written before."""
+
+
+def _renamed(row: dict) -> dict:
+    return {OLD_ROW_NAMES.get(key, key): value for key, value in row.items()}
+
+
 @dataclass
 class EvalRow:
     """One configuration (task × method × drafter × γ × shortlist) of the matrix. ``ar`` rows are the
@@ -46,8 +54,10 @@ class EvalRow:
     mbsu: float | None
     ttft_ms: float | None
     tpot_ms: float | None
-    drafter_ms_per_step: float | None
-    target_ms_per_step: float | None
+    drafter_ms_per_round: float | None
+    """Drafting milliseconds a round (all its drafts; ``head_ms_per_step`` is a draft step's head alone)."""
+    target_ms_per_round: float | None
+    """Milliseconds of a round's one verify forward."""
     greedy_equal: bool
     greedy_ties: int | None = None
     """Where ``greedy_equal`` is False and every difference from autoregressive decoding was a floating-point tie
@@ -227,7 +237,7 @@ class EvaluationResults:
                          chosen=Chosen(**chosen) if chosen else None, speed_metric=raw["speed_metric"])
 
         return cls(
-            rows=[EvalRow(**r) for r in data["rows"]],
+            rows=[EvalRow(**_renamed(r)) for r in data["rows"]],
             checks=[LosslessCheck(**c) for c in data["lossless"]["checks"]],
             gates=gates(data["gates"]), device=data["device"], target=data["target"], inputs=data["inputs"],
             created=data["created"], eagle3_gates=gates(data.get("eagle3_gates")),

@@ -231,8 +231,8 @@ def block_rows(results: dict) -> list[list[str]]:
         calls, tau = _num(r.get("drafter_calls_per_token")), _num(r.get("tau"))
         # a method that counts its forwards: calls per token × tokens per round; a chain: γ per round
         per_round = calls * tau if calls is not None and tau is not None else _num(r.get("gamma"))
-        ms, base = _num(r.get("drafter_ms_per_step")), _num((chain.get((r.get("task"), r.get("gamma"))) or {})
-                                                            .get("drafter_ms_per_step"))
+        ms, base = _num(r.get("drafter_ms_per_round")), _num((chain.get((r.get("task"), r.get("gamma"))) or {})
+                                                             .get("drafter_ms_per_round"))
         positions = " / ".join(_fmt(x, ".2f") for x in (r.get("per_position_acceptance") or [])) or MISSING
         versus = _tau_versus(r, chain.get((r.get("task"), r.get("gamma"))))
         out.append([_text(r.get("task")), _fmt(r.get("gamma"), ".0f"), _text(r.get("method")), _fmt(tau), versus,

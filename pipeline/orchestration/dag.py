@@ -209,7 +209,7 @@ STAGES: tuple[StageSpec, ...] = (
               # DynaSpec/PA-FR shortlists keep every id a decode stops at; the eager path's warm-up. 4: a figure no row
               # measured is missing, not 0.0; the bundle records where it was timed; 5: an RDK row's MBSU charges its
               # redistribution; 6: verdicts on top; 7: every position's law checked, 8: also in id order; 9: a fixed
-              one_process=True, version=9),  # DynaSpec budget records no k_min, a PA one evaluate.dynaspec_k_min
+              one_process=True, version=10),  # budget: no k_min, PA evaluate.dynaspec_k_min. 10: *_ms_per_round
 )
 if tuple(s.name for s in STAGES) != STAGE_NAMES:  # the leaf list the config layer validates against
     raise RuntimeError(f"the DAG table's stages {[s.name for s in STAGES]} differ from {list(STAGE_NAMES)}")
