@@ -30,7 +30,11 @@ FAST = ["generate.limit=24", "generate.max_new_tokens=12", "mlflow.log_artifacts
 
 
 def _cli(workdir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "jobs.cli", *args, f"workdir={workdir}", *SMALL, *FAST]
+    """The command line of ``args`` on ``workdir`` with the shared settings; the caller's overrides come after them
+    and win, as in ``small_cfg(workdir, *SMALL-then-extra)``, so a test's plan ids are the subprocess's."""
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    words = [a for a in args if a not in overrides]
+    return [sys.executable, "-m", "jobs.cli", *words, f"workdir={workdir}", *SMALL, *FAST, *overrides]
 
 
 def _payloads(path: Path) -> dict[str, str]:
