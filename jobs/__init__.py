@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pipeline.orchestration.dag import STAGE_NAMES, default_stages, plan
+from pipeline.orchestration.launching import check_one_multi_rank_stage
 from pipeline.orchestration.lock import Launch
 from pipeline.orchestration.stage import log
 from pipeline.tiny import build_kit
@@ -54,6 +55,7 @@ def run(cfg: PipelineConfig, stages: Iterable[str] | None = None, launch: Launch
             _build_kits(the_plan)
             the_plan = plan(cfg, wanted)  # the ids now name the kit's weights: some may be cached under them
             needed = the_plan.needed(wanted)
+        check_one_multi_rank_stage(cfg, needed, launch)
     for name in needed:
         artifact = importlib.import_module(the_plan[name].spec.job).main(cfg, launch)
         if artifact is None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import count, generate
+from jobs import count, generate, run
 from jobs.cli import main as cli_main
 from pipeline.config.sections import load_config
 from pipeline.data.calibration import iter_rows
@@ -26,6 +26,8 @@ from pipeline.engine.methods import METHOD_NAMES, METHODS
 from pipeline.errors import DrafterError
 from pipeline.orchestration import dag
 from pipeline.orchestration.dag import STAGE_NAMES, STAGES, default_stages, plan
+from pipeline.orchestration.launching import check_one_multi_rank_stage
+from pipeline.orchestration.lock import Launch
 from pipeline.registry.bundle import Bundle, verify_bundle, write_bundle
 from tests.helpers import SMALL, small_cfg
 
@@ -378,3 +380,22 @@ def test_run_on_a_fresh_cache_builds_the_kit_then_finds_what_that_kit_built(
     kit = next((tmp_path / "first" / "tiny").glob("determinism-*")).name  # the fresh cache built the same kit
     assert (tmp_path / "fresh" / "tiny" / kit / "report.json").is_file()
     assert not plan(cfg).provisional and again.id == first.id and again.path == first.path
+
+
+def test_a_launch_runs_at_most_one_stage_on_several_ranks(tmp_path: Path) -> None:
+    """The other ranks end with the first stage they share (rank 0 publishes): rank 0 went on alone and the next
+    multi-rank stage failed "lost its peers", or hung until the collective timeout. Refused before any work."""
+    two = ["generate.devices=2", "estimate_rdk.accelerator=cpu", "estimate_rdk.devices=2"]
+    cfg = small_cfg(tmp_path, *two)
+    alone = Launch.from_environ({})
+    with pytest.raises(DrafterError, match=r"generate, estimate_rdk of them on several ranks(.*\n)*.*--stages count"):
+        run(cfg, ["estimate_rdk"], alone)
+    assert not (tmp_path / "artifacts").exists() or not any((tmp_path / "artifacts").iterdir())
+    check_one_multi_rank_stage(cfg, ["generate", "count"], alone)  # one on several ranks, then one process
+    check_one_multi_rank_stage(small_cfg(tmp_path), ["generate", "count", "estimate_rdk"], alone)  # all on one
+    srun = Launch.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})  # every rank starts every stage
+    check_one_multi_rank_stage(small_cfg(tmp_path), ["generate", "count"], srun)
+    for needed in (["count", "estimate_rdk"], ["generate", "train_drafter"]):
+        with pytest.raises(DrafterError, match="at most one stage on several ranks per launch"):
+            check_one_multi_rank_stage(small_cfg(tmp_path), needed, srun)
+    check_one_multi_rank_stage(cfg, ["generate", "count", "estimate_rdk"], Launch.from_environ({"LOCAL_RANK": "1"}))
