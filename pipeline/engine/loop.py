@@ -49,7 +49,7 @@ class GenerationResult:
         position_accepts: ``[i]`` = rounds in which draft position ``i`` was accepted.
         drafter_seconds: Time spent in the proposer.
         target_seconds: Time spent in target forwards (prefill included) and verifying their rows.
-        prefill_seconds: Of that, the prompt's prefill forward (0 where the first round runs the prompt itself).
+        prefill_seconds: Of that, the prompt's prefill forward (0 for a one-token prompt, which has none).
         wall_seconds: End-to-end time of the call.
         ttft_seconds: Time from the call to the first new token.
         stop_reason: ``"eos"`` or ``"length"``.
@@ -258,8 +258,10 @@ def generate_speculative(
     checks = RoundChecks(vocab=vocab)
     sequence = list(input_ids)
     context_ids = _context_ids(sequence, options, model.device)
-    if (layers or options.static) and len(sequence) > 1:
-        # Prefill all prompt tokens but the newest, so the first round's state covers the prompt.
+    if len(sequence) > 1:
+        # Prefill all prompt tokens but the newest, so the first round's state covers the prompt. On every path: a
+        # first round that ran the prompt itself counted the prompt's forward as a round's verify time (per-round
+        # figures held a prefill that autoregressive decoding's per-token time leaves out).
         prefill.start()
         model.feed(sequence[:-1], device_ids=context_ids[: len(sequence) - 1])
         prefill.stop()
