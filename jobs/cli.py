@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,22 +121,18 @@ def _add_plan_args(parser: argparse.ArgumentParser, json_help: str) -> None:
     parser.add_argument("--json", action="store_true", help=json_help)
 
 
-def _steps(text: str) -> int:
-    """``bench --steps``: a positive count (0 timed nothing, and every median printed was NaN)."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of timed steps, not {text!r}")
-    return int(text)
-
-
-def _seconds(text: str) -> float:
-    """``status --wait``'s interval: a positive number (0 polled Slurm back to back)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text!r}")
-    return value
+def _positive(kind: type, unit: str) -> Callable[[str], float]:
+    """An argparse type for a positive ``kind`` of ``unit``: ``status --wait``'s seconds (0 polled Slurm back to back),
+    ``bench --steps`` (0 timed nothing, and every median printed was NaN)."""
+    def read(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a positive number of {unit}, not {text!r}")
+        return value
+    return read
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print each stage's artifact and Slurm job state (squeue/sacct), and why a "
                                    "job failed or was cancelled.", epilog=KEYS_EPILOG)
     _add_plan_args(p, "print the status as JSON")
-    p.add_argument("--wait", type=_seconds, default=None, metavar="SECONDS",
+    p.add_argument("--wait", type=_positive(float, "seconds"), default=None, metavar="SECONDS",
                    help="poll every SECONDS until no job is queued or running; exit 1 unless every stage's artifact "
                         "exists (for CI)")
     p = sub.add_parser("config", help="the resolved config, or with --keys what every key means", formatter_class=raw,
@@ -223,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    + "\n".join(f"  {name:<11} {b.description}" for name, b in BENCHES.items()),
                        epilog=KEYS_EPILOG)
     p.add_argument("what", choices=list(BENCHES), help="which benchmark (listed above)")
-    p.add_argument("--steps", type=_steps, default=10, help="timed repetitions of each variant (default 10)")
+    p.add_argument("--steps", type=_positive(int, "timed steps"), default=10,
+                   help="timed repetitions of each variant (default 10)")
     p.add_argument("--shape", default="tiny", choices=("tiny", "llama3-8b"), metavar="SHAPE",
                    help="decode: tiny (the kit) or llama3-8b (also 8B; CUDA)")
     p.add_argument("--methods", default=None, metavar="A,B", help="decode: only these methods (default: all it times)")
