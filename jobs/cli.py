@@ -21,10 +21,10 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from jobs import STAGES, run
+from jobs.benches import BENCHES, run_bench
 from pipeline.artifacts import load_artifact
 from pipeline.config.reference import config_reference
 from pipeline.config.schema import to_dict
@@ -44,43 +44,6 @@ from pipeline.tracking import redact, tracking_uri
 DEFAULT_CONFIG = Path("configs/tiny.yaml")
 
 
-@dataclass(frozen=True)
-class Bench:
-    """One ``drafter bench`` subcommand.
-
-    Attributes:
-        description: What it measures against what (its line in ``drafter bench --help``).
-        target: ``module:function`` returning the printed result; imported only when it runs (heavy imports).
-        options: Its keyword arguments, each the CLI option of that name (``--steps`` → ``steps``);
-            ``cfg`` is the loaded config.
-    """
-
-    description: str
-    target: str
-    options: tuple[str, ...] = ()
-
-
-BENCHES: dict[str, Bench] = {
-    "count": Bench("vectorised counting vs collections.Counter", "pipeline.evaluation.bench:bench_count",
-                   ("tokens", "calibration")),
-    "eval": Bench("every speculative method vs autoregressive decoding on this device (no MLflow needed)",
-                  "pipeline.evaluation.bench:bench_eval", ("cfg", "counts", "out")),
-    "train": Bench("one EAGLE-3 training step vs the frozen target's forward on its batch (needs count built)",
-                   "jobs.train_drafter:bench", ("cfg", "steps")),
-    "head": Bench("one draft step's LM head, full vs static 32k vs DynaSpec-routed (Triton kernel, torch path,\n"
-                  "              per-block views), at 128k x 4096 and the tiny kit's size",
-                  "pipeline.engine.bench:bench_heads", ("steps",)),
-    "cluster": Bench("FAISS spherical k-means vs scikit-learn KMeans", "pipeline.engine.bench:bench_cluster"),
-    "decode": Bench("a round's draft/verify/rest vs its bare forwards, AR decoding and Leviathan",
-                    "jobs.evaluate:bench_decode", ("cfg", "shape", "steps", "methods", "cold")),
-    "draft": Bench("a round's drafting, EAGLE-3 vs DFlash by depth and head, and the weights each reads",
-                   "pipeline.evaluation.draft_bench:bench_draft", ("cfg", "steps")),
-    "rdk": Bench("moment estimation vs a dense |T|^2 matrix; one draft step of TLI vs the RDK variants at 128k",
-                 "pipeline.rdk.bench:bench_rdk", ("steps",)),
-    "fingerprint": Bench("a large checkpoint's weight fingerprint: hashing every byte vs the next plans' stat cache",
-                         "pipeline.models.bench:bench_fingerprint"),
-}
-"""``drafter bench NAME``: what each benchmark measures and the function that runs it."""
 KEYS_EPILOG = ("config keys: `drafter config --keys STAGE` lists a stage's keys (type, default, meaning);\n"
                "`drafter config --keys` lists every key.")
 
@@ -273,15 +236,6 @@ def _summary(cfg, artifacts: dict) -> str:
     if uri.startswith("sqlite:"):
         lines.append(f"  browse them with: mlflow ui --backend-store-uri {uri}")
     return "\n".join(lines)
-
-
-def _bench(args: argparse.Namespace) -> str:
-    """Run ``drafter bench WHAT``: its function from :data:`BENCHES`, with the options it takes."""
-    bench = BENCHES[args.what]
-    module, _, function = bench.target.partition(":")
-    run_bench = getattr(importlib.import_module(module), function)
-    kwargs = {option: _load(args) if option == "cfg" else getattr(args, option) for option in bench.options}
-    return run_bench(**kwargs)
 
 
 def _pull(args: argparse.Namespace, cfg) -> int:
@@ -491,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                              default=str))
             return 0
         if args.command == "bench":
-            print(_bench(args))
+            print(run_bench(args.what, lambda name: _load(args) if name == "cfg" else getattr(args, name)))
             return 0
         return _run(args, launch)
     except DrafterError as err:
