@@ -51,7 +51,9 @@ def test_scaled_llama3_shape_rows_are_projected_from_the_kit() -> None:
     for row in rows:
         assert row.path == "static" and row.rounds > 0 and row.bare_draft_ms is not None and row.bare_verify_ms > 0
         assert (row.projected is not None) == ((row.method, 3) in kit_alpha)
+        assert row.bare_samples == 2  # repeats=2 over one prompt: each median is of two calls, and the table says so
     table = decode_table(rows)
+    assert "(n 2) |" in table and "bare draft + verify ms (n) |" in table
     assert "(projected)" in table and "| llama3-8b |" in table and "— (no kit row)" in table
     _, some = llama3_8b_models(torch.device("cpu"), torch.float32, scale=64, dflash_layers=2, block_size=6,
                                methods=("dflash", "eagle3"))

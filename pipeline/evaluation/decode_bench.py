@@ -84,6 +84,8 @@ class DecodeRow:
     ar_token_ms: float
     alpha_used: float | None = None
     notes: list[str] = field(default_factory=list)
+    bare_samples: int = 0
+    """Timed calls behind each bare forward's median (the table prints it: a median of 2 is not one of 200)."""
 
     @property
     def bare_round_ms(self) -> float | None:
@@ -334,6 +336,7 @@ def measure(shape: str, target: torch.nn.Module, proposers: dict[str, Any], prom
                             1e3 * verify / rounds, 1e3 * (wall - draft - verify) / rounds, bare_draft,
                             1e3 * float(np.median(bare["verify"])), 1e3 * float(np.median(bare["ar"])),
                             metrics.tokens_per_second or 0.0, ar_metrics.tokens_per_second, ar_metrics.tpot_ms)
+            row.bare_samples = min(len(samples) for samples in bare.values() if samples)
             if kit_alpha is not None:
                 row.alpha_used = kit_alpha.get((method, gamma))
             rows.append(row)
@@ -353,30 +356,30 @@ def _ms(value: float | None) -> str:
 
 def decode_table(rows: list[DecodeRow]) -> str:
     """The bench's Markdown table: measured rows (real acceptance), then projected ones (random weights)."""
-    lines = ["| shape | device | path | method | γ | τ | α | round ms | draft / verify / rest ms | bare draft + verify ms | "
-             "engine overhead | tokens/s (AR) | speedup end to end | per round | Leviathan predicted | "
-             "per round ÷ predicted |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | device | path | method | γ | τ | α | round ms | draft / verify / rest ms | "
+             "bare draft + verify ms (n) | engine overhead | tokens/s (AR) | speedup end to end | per round | "
+             "Leviathan predicted | per round ÷ predicted |", "|---" * 16 + "|"]
     for r in rows:
         if r.shape != "tiny":  # random weights: in the projected table below
             continue
         ratio = None if r.predicted is None else r.steady_speedup / r.predicted
         lines.append(f"| {r.shape} | {r.device} | {r.path} | {r.method} | {r.gamma} | {r.tau:.2f} | "
                      f"{'—' if r.alpha is None else f'{r.alpha:.2f}'} | {r.round_ms:.3f} | {r.draft_ms:.3f} / "
-                     f"{r.verify_ms:.3f} / {r.rest_ms:.3f} | {_ms(r.bare_draft_ms)} + {r.bare_verify_ms:.3f} | "
-                     f"{_x(r.overhead)} | {r.tokens_per_s:.1f} ({r.ar_tokens_per_s:.1f}) | {r.speedup:.2f}× | "
-                     f"{r.steady_speedup:.2f}× | {_x(r.predicted)} | {_x(ratio)} |")
+                     f"{r.verify_ms:.3f} / {r.rest_ms:.3f} | {_ms(r.bare_draft_ms)} + {r.bare_verify_ms:.3f} "
+                     f"(n {r.bare_samples}) | {_x(r.overhead)} | {r.tokens_per_s:.1f} ({r.ar_tokens_per_s:.1f}) | "
+                     f"{r.speedup:.2f}× | {r.steady_speedup:.2f}× | {_x(r.predicted)} | {_x(ratio)} |")
     projected = [r for r in rows if r.shape != "tiny"]
     if projected:
         lines += ["", "Random weights (acceptance meaningless): time per round, and the speedup **projected** for the "
                   "acceptance measured on the kit (same method and γ) over this shape's measured round and bare "
                   "one-token forward.", "",
-                  "| shape | device | path | method | γ | round ms | draft / verify / rest ms | bare draft + verify ms | "
-                  "engine overhead | bare AR forward ms | α (kit) | projected speedup |",
+                  "| shape | device | path | method | γ | round ms | draft / verify / rest ms | "
+                  "bare draft + verify ms (n) | engine overhead | bare AR forward ms | α (kit) | projected speedup |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in projected:
             lines.append(f"| {r.shape} | {r.device} | {r.path} | {r.method} | {r.gamma} | {r.round_ms:.3f} | "
                          f"{r.draft_ms:.3f} / {r.verify_ms:.3f} / {r.rest_ms:.3f} | {_ms(r.bare_draft_ms)} + "
-                         f"{r.bare_verify_ms:.3f} | {_x(r.overhead)} | {r.bare_ar_ms:.3f} | "
+                         f"{r.bare_verify_ms:.3f} (n {r.bare_samples}) | {_x(r.overhead)} | {r.bare_ar_ms:.3f} | "
                          f"{'—' if r.alpha_used is None else f'{r.alpha_used:.2f}'} | "
                          f"{'— (no kit row)' if r.projected is None else f'{r.projected:.2f}× (projected)'} |")
     return "\n".join(lines)
