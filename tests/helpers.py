@@ -7,6 +7,7 @@ EAGLE-3 head and the DynaSpec router.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -247,9 +248,21 @@ def offline_hub(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
 
-def hub_cache(root: Path, name: str, commits: dict[str, Path]) -> None:
-    """A Hugging Face cache entry as a download leaves it: refs/main -> commit, snapshots/<commit>/ files."""
+def hub_cache(root: Path, name: str, commits: dict[str, Path], *, blobs: bool = False) -> None:
+    """A Hugging Face cache entry as a download leaves it: refs/main -> commit, snapshots/<commit>/ files; with
+    ``blobs``, each file in ``blobs/`` under its sha256 (safetensors, as Git LFS names them) or its git object id (the
+    rest) and the snapshot's entry a relative link to it."""
     repo = root / f"models--{name.replace('/', '--')}"
     for commit, files in commits.items():
         shutil.copytree(files, repo / "snapshots" / commit)
+        if not blobs:
+            continue
+        (repo / "blobs").mkdir(exist_ok=True)
+        for file in sorted(p for p in (repo / "snapshots" / commit).rglob("*") if p.is_file()):
+            data = file.read_bytes()
+            lfs = file.suffix == ".safetensors"
+            blob = (hashlib.sha256(data) if lfs else hashlib.sha1(b"blob %d\0" % len(data) + data)).hexdigest()
+            (repo / "blobs" / blob).write_bytes(data)
+            file.unlink()
+            file.symlink_to(Path(*[".."] * (len(file.relative_to(repo).parts) - 1), "blobs", blob))
     (repo / "refs").mkdir(parents=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.checksums import StatCache
 from pipeline.data.sources import load_conversations
 from pipeline.errors import DrafterError
 from pipeline.models import loading
@@ -270,3 +271,33 @@ def test_a_hub_dataset_datasets_cached_is_read_at_once_without_the_hub_and_only_
     [answer] = done.stdout.split("\x1e")[:-1]
     assert answer.startswith("refused datasets' own cache holds another copy of 'org/chats'")
     assert f"the hub did not give commit {other[:12]}; datasets' latest cached copy is of {commit[:12]}" in answer
+
+
+def test_a_cached_snapshot_whose_weights_changed_on_disk_is_refused_naming_the_blob(
+        tmp_path: Path, tiny_kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Artifact ids name a hub model by its commit alone: weights changed in the cache after the download (a flipped
+    bit on shared storage, a file converted in place) still parse, so every stage published under the commit's ids what
+    other weights computed, exit 0. Each safetensors blob the snapshot links is now checked against its name, the
+    sha256 the hub gave it: once, then a stat per load."""
+    cache, commit = tmp_path / "hub", "5" * 40
+    hub_cache(cache, "org/rot", {commit: tiny_kit.path("target")}, blobs=True)
+    offline_hub(cache, monkeypatch)
+    monkeypatch.setenv("DRAFTER_CACHE", str(tmp_path / "drafter"))  # the weights' stat cache, fresh
+    weights = cache / "models--org--rot" / "snapshots" / commit / "model.safetensors"
+    blob = weights.resolve()
+    assert weights.is_symlink() and len(blob.name) == 64
+    stats = StatCache(tmp_path / "stat.json")
+    loading.check_snapshot_blobs("org/rot", commit, loading.WEIGHT_FILES, stats)
+    loading.check_snapshot_blobs("org/rot", commit, loading.WEIGHT_FILES, stats)
+    assert stats.hashed == 1  # the second load only stats the blob
+    assert type(loading.load_model("org/rot", commit)).__name__ == "LlamaForCausalLM"
+
+    data = bytearray(blob.read_bytes())
+    data[-7] ^= 0x01  # one bit of the last weight: the file still parses and loads
+    blob.write_bytes(bytes(data))
+    with pytest.raises(DrafterError, match="The cached file model.safetensors of 'org/rot' at commit 5{40} is not"):
+        loading.check_snapshot_blobs("org/rot", commit, loading.WEIGHT_FILES, stats)
+    with pytest.raises(DrafterError, match="is not the file the hub served") as err:
+        loading.load_model("org/rot", commit)
+    assert blob.name in err.value.expected and f"hf download org/rot --revision {commit} --force-download" in err.value.fix
+    assert type(loading.load_tokenizer("org/rot", commit)).__name__  # the tokenizer reads none of the weights

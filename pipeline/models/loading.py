@@ -15,6 +15,7 @@ files are checked against the hashes recorded at build time whenever they are lo
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -74,16 +75,19 @@ def _load_revision(ref: ModelRef) -> str | None:
     return pinned_commit(ref.name, ref.revision)
 
 
-def _pretrained(load: Callable[..., Any], ref: ModelRef, pinned: str | None, **kwargs: Any) -> Any:
+def _pretrained(load: Callable[..., Any], ref: ModelRef, pinned: str | None, *,
+                files: tuple[str, ...] = (), **kwargs: Any) -> Any:
     """``load(location, ...)`` (a ``from_pretrained``): a local directory as it is; a hub model at commit ``pinned``,
     from the local Hugging Face cache without a network call where the cache holds that commit's snapshot, else (or
     where the snapshot lacks a file) from the hub once it has answered (:func:`~pipeline.hub.require_hub`). A cache
     that lacks a file on a machine without the hub raises the cache's own error: a generation config the model never
-    had stays absent there too."""
+    had stays absent there too. The snapshot's ``files`` (glob patterns) are checked against their blobs' sha256
+    (:func:`check_snapshot_blobs`) before they load."""
     if pinned is None:
         return load(ref.location, **kwargs)
     missing: OSError | None = None
     if cached_snapshot(ref.name, pinned):
+        check_snapshot_blobs(ref.name, pinned, files)
         try:
             return load(ref.location, revision=pinned, local_files_only=True, **kwargs)
         except OSError as err:  # a partial download: the rest from the hub
@@ -94,7 +98,41 @@ def _pretrained(load: Callable[..., Any], ref: ModelRef, pinned: str | None, **k
         if missing is not None:
             raise missing from None
         raise
-    return load(ref.location, revision=pinned, **kwargs)
+    loaded = load(ref.location, revision=pinned, **kwargs)
+    check_snapshot_blobs(ref.name, pinned, files)  # what the download left (hashed once: a stat on every later load)
+    return loaded
+
+
+SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+"""A Hugging Face cache blob named by its sha256: a Git LFS file's (every safetensors file; git's own small files are
+named by their 40-hex git object id)."""
+
+
+def check_snapshot_blobs(name: str, commit: str, files: tuple[str, ...], cache: StatCache | None = None) -> None:
+    """Refuse a cached snapshot of ``name`` at ``commit`` whose files matching ``files`` do not hash to the names of the
+    blobs they link to. Artifact ids name a hub model by its commit alone, so weights changed on disk after the
+    download (a flipped bit on shared storage, a file edited or converted in place) still parse and would publish
+    every stage's output under the commit's ids. Each blob is hashed once per machine (a stat after: the weights'
+    :class:`~pipeline.checksums.StatCache`).
+
+    Raises:
+        DrafterError: A blob's bytes do not hash to its name.
+    """
+    snapshot = snapshot_dir(name, commit)
+    linked = sorted({f for pattern in files for f in snapshot.glob(pattern) if f.is_symlink() and f.is_file()})
+    blobs = [(f, f.resolve()) for f in linked if SHA256_NAME.fullmatch(f.resolve().name)]
+    if not blobs:
+        return
+    cache = cache or weights_stat_cache()
+    with heartbeat(f"checking the sha256 of {name}'s cached files (once; a stat per file after)"):
+        for file, blob in blobs:
+            if (digest := cache.sha256(blob)) != blob.name:
+                raise DrafterError(
+                    f"The cached file {file.name} of {name!r} at commit {commit} is not the file the hub served.",
+                    expected=f"bytes whose sha256 is {blob.name} (the blob's name: the hub's sha256 of that file)",
+                    found=f"sha256 {digest} in {blob} (changed on disk after the download)",
+                    fix=f"Download it again: `hf download {name} --revision {commit} --force-download` (or delete "
+                        f"{snapshot_dir(name, commit)} and load it again).")
 
 
 def _hub_error(ref: ModelRef, err: Exception, pinned: str | None = None) -> DrafterError:
@@ -133,7 +171,8 @@ def load_tokenizer(name: str, revision: str | None = None, *, trust_remote_code:
     ref = resolve_ref(name, revision)
     pinned = _load_revision(ref)  # outside the try: its error says to pin a commit
     try:
-        return _pretrained(AutoTokenizer.from_pretrained, ref, pinned, trust_remote_code=trust_remote_code)
+        return _pretrained(AutoTokenizer.from_pretrained, ref, pinned, files=LOADING_FILES,
+                           trust_remote_code=trust_remote_code)
     except DrafterError:
         raise
     except Exception as err:  # noqa: BLE001 - a damaged file raises TypeError, KeyError, tokenizers' Exception...
@@ -241,7 +280,7 @@ def load_model(name: str, revision: str | None = None, *, dtype: str = "float32"
     try:
         # a download (the hub's own bar is off with transformers') or a multi-GB load: a line every 30 s
         with heartbeat(f"loading {name} ({dtype})"):
-            model = _pretrained(AutoModelForCausalLM.from_pretrained, ref, pinned,
+            model = _pretrained(AutoModelForCausalLM.from_pretrained, ref, pinned, files=WEIGHT_FILES + LOADING_FILES,
                                 dtype=getattr(torch, _DTYPES[dtype]), trust_remote_code=trust_remote_code,
                                 use_safetensors=True)
     except DrafterError:
