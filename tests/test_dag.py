@@ -399,3 +399,13 @@ def test_a_launch_runs_at_most_one_stage_on_several_ranks(tmp_path: Path) -> Non
         with pytest.raises(DrafterError, match="at most one stage on several ranks per launch"):
             check_one_multi_rank_stage(small_cfg(tmp_path), needed, srun)
     check_one_multi_rank_stage(cfg, ["generate", "count", "estimate_rdk"], Launch.from_environ({"LOCAL_RANK": "1"}))
+
+
+def test_the_built_in_defaults_plan_where_no_config_file_is_at_hand(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``drafter plan`` (or ``run``) started outside the repository has no ``configs/tiny.yaml`` and plans the built-in
+    defaults, "the same tiny setup". They named a ``top_k_128`` shortlist count's defaults did not build, so every
+    command refused them ("evaluate.shortlists names shortlists count will not build")."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["plan", f"workdir={tmp_path / 'work'}"]) == 0, capsys.readouterr().err
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}"])
+    assert set(cfg.evaluate.shortlists) | {cfg.evaluate.dynaspec_match} <= set(cfg.count.shortlist_names())

@@ -94,7 +94,7 @@ class CountConfig:
     calibration: str | None = input_override()
     """Count this calibration artifact directory instead of the one ``generate`` builds for this config
     (its artifact id, not this path, enters the count id)."""
-    top_k: list[int] = field(default_factory=lambda: [256, 512, 1024])
+    top_k: list[int] = field(default_factory=lambda: [128, 256, 512, 1024])
     """Shortlists of the k most frequent tokens (FR-Spec), one per k."""
     top_p: list[float] = field(default_factory=lambda: [0.9, 0.95, 0.99])
     """Shortlists of the fewest tokens covering this share of the counted mass (VocabTrim)."""
