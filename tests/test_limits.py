@@ -192,10 +192,11 @@ def test_the_recipe_context_is_the_built_kits(tiny_kit) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
-def test_every_shipped_yaml_fits_its_models(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_shipped_yaml_fits_its_models(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            tiny_kit) -> None:
     """Every stage of every shipped YAML passes the plan-time checks. The hub models' configs come from a Hugging Face
     cache holding their published model_type and max_position_embeddings, read offline through the real loaders
-    (the hub is not reachable from tests)."""
+    (the hub is not reachable from tests), beside the kit's tokenizer (its chat template's overhead is checked)."""
     published = {"meta-llama/Meta-Llama-3-8B-Instruct": ("llama", 8192),
                  "meta-llama/Llama-3.2-1B-Instruct": ("llama", 131072), "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", 32768)}
     for model, (model_type, positions) in published.items():
@@ -203,6 +204,9 @@ def test_every_shipped_yaml_fits_its_models(name: str, tmp_path: Path, monkeypat
         files.mkdir(parents=True)
         (files / "config.json").write_text(json.dumps({"model_type": model_type,
                                                        "max_position_embeddings": positions}))
+        for tokenizer_file in tiny_kit.path("target").iterdir():
+            if tokenizer_file.name not in ("config.json", "model.safetensors", "generation_config.json"):
+                shutil.copy(tokenizer_file, files / tokenizer_file.name)
         hub_cache(tmp_path / "hub", model, {"c" * 40: files})
         (tmp_path / "hub" / f"models--{model.replace('/', '--')}" / "refs" / "main").write_text("c" * 40)
     offline_hub(tmp_path / "hub", monkeypatch)
@@ -254,3 +258,21 @@ def test_chat_with_nothing_held_out_is_refused_at_plan_and_a_short_held_out_shar
     assert 0 < len(prompts["chat"]) < 40
     assert said == [f"evaluate: {len(prompts['chat'])} chat prompts, not evaluate.prompts_per_task=40: the held-out "
                     "share holds no more (raise generate.heldout_fraction for more)"]
+
+
+def test_a_prompt_budget_the_chat_template_fills_is_refused_at_plan_time(tmp_path: Path, tiny_kit) -> None:
+    """evaluate.max_prompt_tokens at or below the chat template's own tokens (12 around a user turn for the kit's
+    ChatML) was refused only when evaluate encoded its prompts, after every trainer had run. plan now refuses it
+    where it loads the tokenizer already (a local or hub one; a tiny-kit ref is never loaded to plan: its stages
+    check), for generate's prompts too, but not for generate.kind=raw, which templates none."""
+    target = tiny_kit.path("target")  # the kit's target as a local checkpoint
+    base = (f"target.model={target}", "evaluate.methods=[full]")
+    for key, stage in (("evaluate.max_prompt_tokens", "evaluate"), ("generate.max_prompt_tokens", "generate")):
+        with pytest.raises(DrafterError, match=rf"{key}=12 leaves no room for the user's text under .*chat template"):
+            plan(small_cfg(tmp_path, *base, f"{key}=12"), [stage])
+    with pytest.raises(DrafterError, match="leaves no room") as err:
+        plan(small_cfg(tmp_path, *base, "evaluate.max_prompt_tokens=4"), ["evaluate"])
+    assert "of at least 13" in err.value.expected
+    plan(small_cfg(tmp_path, *base, "evaluate.max_prompt_tokens=13", "generate.max_prompt_tokens=13"), ["evaluate"])
+    plan(small_cfg(tmp_path, *base, "generate.kind=raw", "generate.max_prompt_tokens=12"), ["generate"])
+    plan(small_cfg(tmp_path, *base, "evaluate.max_prompt_tokens=12"), ["count"])  # evaluate not planned

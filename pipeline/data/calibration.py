@@ -64,6 +64,18 @@ def prompt_digests(convs: Iterable[Conversation]) -> list[str]:
     return sorted({prompt_digest(m) for c in convs if (m := first_prompt(c)) is not None})
 
 
+def template_overhead(tokenizer: Any) -> int | None:
+    """Tokens the chat template puts around one user turn of one token, generation prompt and any default system
+    prompt included: a ``max_prompt_tokens`` at or below it leaves no room for the user's text
+    (:func:`encode_prompt` refuses it when it meets a prompt; ``plan`` before any stage runs). None where the
+    tokenizer has no chat template (the stage that renders prompts says so)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = "x"
+    rendered = _template(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+    return len(rendered) - len(tokenizer.encode(text, add_special_tokens=False))
+
+
 def encode_prompt(tokenizer: Any, messages: list[dict[str, str]], max_tokens: int,
                   setting: str = "max_prompt_tokens") -> list[int]:
     """Token ids of ``messages`` under the chat template with the generation prompt, at most

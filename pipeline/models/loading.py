@@ -24,6 +24,7 @@ from typing import Any
 
 from pipeline.cache import default_cache_dir
 from pipeline.checksums import StatCache, tree_digest
+from pipeline.data.calibration import template_overhead
 from pipeline.errors import DrafterError
 from pipeline.hub import cached_snapshot, pinned_commit, require_hub, snapshot_dir
 from pipeline.progress import heartbeat
@@ -419,11 +420,32 @@ def _stat_signature(name: str | None) -> tuple:
 
 
 @lru_cache(maxsize=16)
+def _tokenizer_facts(name: str, revision: str | None, trust: bool, _signature: tuple) -> tuple[str, int, int | None]:
+    """A tokenizer's vocabulary hash, its size and its chat template's overhead (:func:`template_overhead`), from one
+    load a process (``_signature``: its directory's files, for a local one)."""
+    tok = load_tokenizer(name, revision, trust_remote_code=trust)
+    try:
+        overhead = template_overhead(tok)
+    except Exception:  # noqa: BLE001 - a template that cannot render one user turn: the stages that render say why
+        overhead = None
+    return vocab_hash(tok), len(tok), overhead
+
+
+def prompt_template_overhead(name: str, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
+    """The chat template overhead of tokenizer ``name`` (:func:`~pipeline.data.calibration.template_overhead`), from
+    the load :func:`fingerprint` made already; None for a tiny-kit ref (planning never loads a kit: its stages check
+    their prompts themselves) or a tokenizer without a chat template."""
+    if name.startswith(TINY_PREFIX):
+        return None
+    return _tokenizer_facts(name, revision, trust_remote_code, _stat_signature(name))[2]
+
+
+@lru_cache(maxsize=16)
 def _fingerprint_cached(name: str, revision: str | None, tokenizer_name: str | None, trust: bool,
                         _signature: tuple) -> tuple:
     ref = resolve_ref(name, revision)
-    tok = load_tokenizer(tokenizer_name or name, revision, trust_remote_code=trust)
-    items = [("model", ref.name), ("revision", ref.revision), ("vocab_hash", vocab_hash(tok)), ("vocab_size", len(tok))]
+    vocab, size, _ = _tokenizer_facts(tokenizer_name or name, revision, trust, _stat_signature(tokenizer_name or name))
+    items = [("model", ref.name), ("revision", ref.revision), ("vocab_hash", vocab), ("vocab_size", size)]
     if (weights := weights_identity(ref)) is not None:
         items.append(("weights", weights))
     if (files := files_identity(ref, resolve_ref(tokenizer_name or name, revision))) is not None:

@@ -38,6 +38,10 @@ What each stage must fit, in positions of the model that reads them:
   of the artifact ``evaluate.eagle3`` names.
 * ``evaluate`` with DFlash: every γ must be at most ``block_size − 1`` (one block's drafts), from
   ``train_dflash.block_size`` or the manifest of the artifact ``evaluate.dflash`` names.
+* ``generate`` (but ``kind: raw``) and ``evaluate``: ``max_prompt_tokens`` must leave room for a token of the user's
+  text under the target tokenizer's chat template (:func:`check_prompt_room`). The stage's own encoding refuses it
+  too, but evaluate encodes its prompts after every trainer has run. A tiny-kit tokenizer is not checked here (planning
+  never loads a kit), only by the stages.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from pipeline.engine.inputs import FrequencyInputs, RoutedInputs, ShortlistInput
 from pipeline.engine.methods import methods_reading, methods_with, models_read, stages_read
 from pipeline.errors import DrafterError
 from pipeline.models.context import context_length, depth, embedding_rows, tokenizer_too_large
-from pipeline.models.loading import TINY_PREFIX
+from pipeline.models.loading import TINY_PREFIX, prompt_template_overhead
 from pipeline.models.loading import fingerprint as model_fingerprint
 
 
@@ -294,6 +298,25 @@ def check_tokenizer_fits(cfg: PipelineConfig, tokenizer_size: int | None) -> Non
         raise tokenizer_too_large(cfg.target.tokenizer, cfg.target.model, tokenizer_size, rows)
 
 
+def check_prompt_room(cfg: PipelineConfig, stages: Collection[str]) -> None:
+    """Refuse a ``generate.max_prompt_tokens`` (a ``kind`` that templates prompts) or ``evaluate.max_prompt_tokens``
+    that the target tokenizer's chat template fills by itself: no prompt could hold a token of the user's text."""
+    settings = ([("generate.max_prompt_tokens", cfg.generate.max_prompt_tokens)]
+                if "generate" in stages and cfg.generate.kind != "raw" else [])
+    settings += [("evaluate.max_prompt_tokens", cfg.evaluate.max_prompt_tokens)] if "evaluate" in stages else []
+    name = cfg.target.tokenizer or cfg.target.model
+    if not settings or (overhead := prompt_template_overhead(name, cfg.target.revision,
+                                                             cfg.target.trust_remote_code)) is None:
+        return
+    for key, value in settings:
+        if value <= overhead:
+            raise DrafterError(f"{key}={value} leaves no room for the user's text under {name}'s chat template.",
+                               expected=f"{key} of at least {overhead + 1}: the template's {overhead} tokens around a "
+                                        "user turn and one token of its text",
+                               found=f"{key}={value}",
+                               fix=f"Raise {key} to well above {overhead} (the default is 128).")
+
+
 def check_settings(cfg: PipelineConfig, stages: Collection[str], fingerprint: dict) -> None:
     """Refuse settings that do not fit the models of ``stages`` (the stages a plan will build or reuse), or a
     tokenizer that does not fit the target (its ``fingerprint`` holds the tokenizer's size).
@@ -304,6 +327,7 @@ def check_settings(cfg: PipelineConfig, stages: Collection[str], fingerprint: di
             with more ids than the target's embedding.
     """
     check_tokenizer_fits(cfg, fingerprint.get("vocab_size"))
+    check_prompt_room(cfg, stages)
     for name in stages:
         if name in _CHECKS:
             _CHECKS[name](cfg)
