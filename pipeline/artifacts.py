@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -76,6 +77,20 @@ def artifact_id(stage: str, config: Any, inputs: list[str], fingerprint: dict | 
     payload = canonical_json({"stage": stage, "config": config, "inputs": sorted(inputs),
                               "fingerprint": fingerprint, "schema": SCHEMA_VERSION})
     return f"{stage}-{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
+
+
+ARTIFACT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*-[0-9a-f]{16}")  # what artifact_id makes: a plain name
+
+
+def check_artifact_id(aid: object, where: str, fix: str) -> str:
+    """``aid``, read from ``where`` (a manifest, a ``bundle.json``), unless it is no :data:`ARTIFACT_ID`: an id is
+    joined to a directory (a store, a bundle's ``components/``, ``lineage/``); ``../x`` or ``/x`` would leave it."""
+    if not isinstance(aid, str) or not ARTIFACT_ID.fullmatch(aid):
+        raise DrafterError(f"{where} names an artifact by {str(aid)[:120]!r}, which is not an artifact id: it would "
+                           "name a directory outside the one it is read in.",
+                           expected="an id <stage>-<16 hex digits>, a plain directory name",
+                           found=repr(aid)[:120], fix=fix)
+    return aid
 
 
 @dataclass
@@ -228,6 +243,9 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict:
                            expected=f"{MANIFEST_DIGEST} {manifest.get(MANIFEST_DIGEST)}",
                            found=f"{MANIFEST_DIGEST} {whole}",
                            fix=f"Do not edit manifests; nothing in this artifact can be trusted. {_redo(path)}")
+    for aid in [manifest.get("id"), *list(manifest.get("inputs") or [])]:
+        check_artifact_id(aid, str(manifest_path), f"Do not edit manifests; nothing in this artifact can be trusted. "
+                                                   f"{_redo(path)}")
     derived = artifact_id(str(manifest.get("stage")), manifest.get("config"), list(manifest.get("inputs") or []),
                           manifest.get("fingerprint"))
     if manifest.get("id") != derived:
@@ -270,6 +288,7 @@ def upstream_manifests(path: Path, store: Path | None = None) -> Iterator[tuple[
             if aid in seen:
                 continue
             seen.add(aid)
+            check_artifact_id(aid, f"{here / MANIFEST}", _redo(here))  # before it is joined to any directory
             places = [here.parent / aid, here.parent.parent / LINEAGE / aid] + ([store / aid] if store else [])
             for where in places:
                 try:
@@ -364,6 +383,8 @@ class ArtifactWriter:
                                expected="the files the stage wrote", found="no files",
                                fix="Rerun the stage; if it happens again, check that no other process on another "
                                    "machine with the same host name cleans this store's temporary directories.")
+        for aid in (self.id, *self.meta["inputs"]):  # never published under a manifest read_manifest refuses
+            check_artifact_id(aid, f"The writer of {self.id!r}", "Pass ids artifact_id() made. Nothing was published.")
         manifest = {"id": self.id, "schema_version": SCHEMA_VERSION, **self.meta, "files": files,
                     "metrics": metrics or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     **(extra or {})}

@@ -1,5 +1,5 @@
-"""What several test modules share: the small configs of the test kit, synthetic evaluation results and a Hugging
-Face cache entry (no test module imports another).
+"""What several test modules share: the small configs of the test kit, synthetic evaluation results, a Hugging
+Face cache entry and an artifact sealed by hand (no test module imports another).
 
 ``SMALL`` makes every stage quick on the ``test`` tiny kit; ``TRAIN`` and ``ROUTER`` add short training runs of the
 EAGLE-3 head and the DynaSpec router.
@@ -8,6 +8,7 @@ EAGLE-3 head and the DynaSpec router.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from pipeline.artifacts import SCHEMA_VERSION, artifact_id, seal_manifest, sha256_file
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.evaluation.results import EvalRow, EvaluationResults, LosslessCheck, decide_gates
 
@@ -266,3 +268,18 @@ def hub_cache(root: Path, name: str, commits: dict[str, Path], *, blobs: bool = 
             file.unlink()
             file.symlink_to(Path(*[".."] * (len(file.relative_to(repo).parts) - 1), "blobs", blob))
     (repo / "refs").mkdir(parents=True)
+
+
+def hand_sealed(directory: Path, stage: str, inputs: list[str], fingerprint: dict, payload: bool = True) -> str:
+    """An artifact written by hand at ``directory / <its id>`` (wherever a stage name such as ``../x`` puts it), with
+    one payload or none, its checksums and id recomputed as whoever can write a store can; returns its id."""
+    aid = artifact_id(stage, {}, inputs, fingerprint)
+    (directory / aid).mkdir(parents=True)
+    files = {}
+    if payload:
+        (directory / aid / "a.json").write_text("{}")
+        files = {"a.json": {"sha256": sha256_file(directory / aid / "a.json"), "bytes": 2}}
+    (directory / aid / "manifest.json").write_text(json.dumps(seal_manifest({
+        "id": aid, "schema_version": SCHEMA_VERSION, "kind": "calibration", "stage": stage, "config": {},
+        "inputs": inputs, "fingerprint": fingerprint, "files": files, "metrics": {}})))
+    return aid

@@ -16,12 +16,15 @@ from pipeline.artifacts import (
     artifact_id,
     check_fingerprint,
     load_artifact,
+    read_manifest,
     seal_manifest,
     sha256_file,
+    upstream_manifests,
 )
 from pipeline.checksums import temp_sibling
 from pipeline.errors import DrafterError
 from pipeline.temporaries import FOREIGN_TMP_MAX_AGE_S, temp_owner
+from tests.helpers import hand_sealed
 
 FP = {"model": "tiny:test/target", "revision": "abc", "vocab_hash": "v1"}
 
@@ -275,3 +278,29 @@ def test_two_writers_of_one_file_never_share_a_temporary_file(tmp_path: Path) ->
     assert len(names) == 64
     for name in names:
         assert name.parent == tmp_path and name.name.startswith(f".{target.name}.tmp-{socket.gethostname()}-")
+
+
+def test_an_artifact_id_that_is_a_path_is_refused_before_anything_outside_is_read(tmp_path: Path) -> None:
+    """A manifest whose stage, so its id, or one of its inputs was ``../../outside/x`` or an absolute path, checksums
+    and id recomputed: read_manifest took it, and upstream_manifests read the manifest of the directory outside the
+    store the input named (a bundle then wrote its copy there too). An id is a plain ``<stage>-<16 hex>`` now,
+    checked wherever one is read, and a writer publishes none that is not."""
+    store = ArtifactStore(tmp_path / "a" / "store")
+    outside = hand_sealed(store.root, "../../outside/x", [], FP)
+    absolute = hand_sealed(store.root, str(tmp_path / "elsewhere" / "y"), [], FP)
+    assert (tmp_path / "outside").is_dir() and (tmp_path / "elsewhere").is_dir()  # what those ids name
+    for bad in (outside, absolute):
+        with pytest.raises(DrafterError, match=r"names an artifact by .*, which is not an artifact id") as err:
+            read_manifest(store.root / bad)
+        assert err.value.found == repr(bad) and "Do not edit manifests" in err.value.fix
+        naming = store.root / hand_sealed(store.root, "count", [bad], FP)
+        with pytest.raises(DrafterError, match=r"not an artifact id(.|\n)*Delete .* and rerun") as err:
+            list(upstream_manifests(naming))
+        assert str(naming / "manifest.json") in err.value.problem
+        writer = store.writer(artifact_id("count", {"k": 2}, [bad], FP), kind="token_counts", stage="count",
+                              config={"k": 2}, inputs=[bad], fingerprint=FP)
+        (writer.tmp / "a.json").write_text("{}")
+        with pytest.raises(DrafterError, match=r"not an artifact id(.|\n)*Nothing was published"):
+            writer.commit()
+        writer.abort()
+        assert not store.path(writer.id).exists()

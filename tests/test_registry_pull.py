@@ -17,12 +17,15 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from pipeline.artifacts import Artifact
 from pipeline.errors import DrafterError
 from pipeline.models.loading import fingerprint
 from pipeline.registry import bundle_sha256, pull, read_bundle_json, register, registered_name, verify_bundle
+from pipeline.registry.bundle import write_bundle
 from pipeline.temporaries import temp_name
+from tests.helpers import hand_sealed
 from tests.mlflow_server import MlflowServer
-from tests.registry_support import make_bundle, make_components, registry_cfg, stored_copy
+from tests.registry_support import FP, make_bundle, make_components, registry_cfg, stored_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "tiny:test/target"
@@ -257,3 +260,52 @@ def test_a_pulled_bundle_is_on_the_disk_before_its_name_is(tmp_path: Path, mlflo
     before = {path.name for path, renamed in flushed if not renamed}
     assert {p.name for p in to.rglob("*")} <= before and len(before) > 3
     assert flushed[-1] == (to.parent, True)
+
+
+def test_a_component_id_that_is_a_path_is_refused_by_the_pull(tmp_path: Path, mlflow_server: MlflowServer) -> None:
+    """verify_bundle opened ``components/<id>`` for each id bundle.json names: an absolute path (or ``../..``) there
+    opened a sound artifact outside the bundle, and a pull of such a version (its bundle-sha256 tag set to match)
+    verified and published a bundle holding nothing of that component. An id that is no plain
+    ``<stage>-<16 hex>`` is refused before anything is opened."""
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-id-path", "drafter")
+    result = register(make_bundle(name, make_components(tmp_path), 2.0), cfg, tmp_path / "work")
+    stored = stored_copy(mlflow_server, result.source)
+    registered = json.loads((stored / "bundle.json").read_text())
+    bundle = tmp_path / "copy" / "bundle"
+    shutil.copytree(stored, bundle)
+    # sound artifacts (no payload: nothing for bundle.json to list) where their ids say, outside the bundle
+    absolute = hand_sealed(tmp_path, str(tmp_path / "elsewhere" / "evil"), [], FP, payload=False)
+    relative = hand_sealed(bundle / "components", "../../outside/evil", [], FP, payload=False)
+    assert Path(absolute).is_dir() and (tmp_path / "copy" / "outside" / relative.split("/")[-1]).is_dir()
+
+    def naming(evil: str) -> dict:
+        component = {"id": evil, "kind": "drafter", "stage": evil.rsplit("-", 1)[0], "fingerprint": FP}
+        return {**registered, "components": [*registered["components"], component]}
+
+    for evil in (absolute, relative):
+        (bundle / "bundle.json").write_text(json.dumps(naming(evil)))
+        with pytest.raises(DrafterError, match=r"bundle.json of .* names an artifact by .*, which is not an artifact"):
+            verify_bundle(bundle)
+    # the same through the registry, as a pull meets it
+    (stored / "bundle.json").write_text(json.dumps(naming(absolute)))
+    MlflowClient(tracking_uri=cfg.tracking_uri).set_model_version_tag(
+        name, str(result.version), "drafter.bundle_sha256", bundle_sha256(naming(absolute)))
+    to = tmp_path / "pulled"
+    with pytest.raises(DrafterError, match=r"Refusing .* version 1: bundle.json of the bundle names") as err:
+        pull(f"{name}@champion", to, cfg, tmp_path / "work")
+    assert err.value.found == repr(absolute) and "tampered" in err.value.fix and not to.exists()
+
+
+def test_a_bundle_writes_nothing_outside_itself_for_an_input_id_that_is_a_path(tmp_path: Path) -> None:
+    """write_bundle copies the manifest of each artifact a component was built from to ``lineage/<its id>/``: an
+    input id ``../../../outside/x`` in a component's manifest (sealed by hand) read a manifest outside the store and
+    wrote its copy outside the bundle. The component's copy is refused as it is verified; nothing is written."""
+    store = tmp_path / "a" / "b" / "store"
+    upstream = hand_sealed(store, "../../../outside/x", [], FP)
+    assert (tmp_path / "outside").is_dir()
+    component = hand_sealed(store, "count", [upstream], FP)
+    artifact = Artifact(store / component, json.loads((store / component / "manifest.json").read_text()))
+    dest = tmp_path / "r1" / "r2" / "bundle"
+    with pytest.raises(DrafterError, match=r"names an artifact by '\.\./\.\./\.\./outside/x-.*not an artifact id"):
+        write_bundle(make_bundle("drafter-org-target-x", [artifact], 2.0), dest)
+    assert [p for p in (tmp_path / "r1").rglob("*") if p.name != "r2"] == []

@@ -28,6 +28,7 @@ from pipeline.artifacts import (
     MANIFEST,
     Artifact,
     canonical_json,
+    check_artifact_id,
     fingerprint_error,
     fingerprint_mismatch,
     fsync_path,
@@ -42,6 +43,7 @@ from pipeline.errors import DrafterError
 BUNDLE_JSON = "bundle.json"
 BUNDLE_FORMAT = "drafter-bundle"
 BUNDLE_SCHEMA = 1
+TAMPERED = "Treat the registry copy as tampered with; re-register the bundle."
 _MAX_NAME = 200  # far below MLflow's limits, short enough to type after `drafter pull`
 
 
@@ -140,7 +142,7 @@ def write_bundle(bundle: Bundle, directory: Path) -> Path:
         files: dict[str, dict] = {}
         components = []
         for artifact in sorted(bundle.artifacts, key=lambda a: a.id):
-            dest = tmp / "components" / artifact.id
+            dest = tmp / "components" / check_artifact_id(artifact.id, f"Artifact {artifact.path}", _rebuild(artifact))
             shutil.copytree(artifact.path, dest)
             # Verifying the copy proves source and copy both match the manifest: one hashing pass.
             copy = load_artifact(dest, verify=True)
@@ -161,7 +163,8 @@ def write_bundle(bundle: Bundle, directory: Path) -> Path:
                 if manifest["id"] in ids:
                     continue
                 ids.add(manifest["id"])
-                dest = tmp / LINEAGE / manifest["id"] / MANIFEST
+                dest = tmp / LINEAGE / check_artifact_id(manifest["id"], f"{where / MANIFEST}", _rebuild(artifact))
+                dest = dest / MANIFEST
                 dest.parent.mkdir(parents=True)
                 shutil.copyfile(where / MANIFEST, dest)
                 files[dest.relative_to(tmp).as_posix()] = _file_entry(dest)
@@ -188,6 +191,11 @@ def write_bundle(bundle: Bundle, directory: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return directory
+
+
+def _rebuild(artifact: Artifact) -> str:
+    return (f"Treat the artifact as corrupt or tampered: delete {artifact.path}, rerun its stage "
+            f"({artifact.manifest.get('stage')}) and then evaluate.")
 
 
 def _file_entry(path: Path) -> dict:
@@ -299,8 +307,11 @@ def verify_bundle(
             f"{BUNDLE_JSON} of {path} is not the one that was registered.",
             expected=f"bundle sha256 {sha256}",
             found=f"bundle sha256 {found}",
-            fix="Treat the registry copy as tampered with; re-register the bundle.",
+            fix=TAMPERED,
         )
+    for component in document["components"]:  # each names its directory, components/<id>: never a path out
+        check_artifact_id(component.get("id") if isinstance(component, dict) else component,
+                          f"{BUNDLE_JSON} of {path}", TAMPERED)
     listed = document["files"]
     refuse_unsafe(listed, f"bundle {path}")
     present = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {BUNDLE_JSON}
@@ -310,7 +321,7 @@ def verify_bundle(
             f"Bundle {path} does not match its {BUNDLE_JSON}.",
             expected=f"exactly the {len(listed)} files listed",
             found=(f"missing {missing} " if missing else "") + (f"unlisted {extra}" if extra else ""),
-            fix="Treat the registry copy as tampered with; re-register the bundle.",
+            fix=TAMPERED,
         )
     components = {component["id"] for component in document["components"]}
     for rel, meta in sorted(listed.items()):
@@ -327,7 +338,7 @@ def verify_bundle(
                     f"Bundle file {rel!r} disagrees with {BUNDLE_JSON}.",
                     expected=f"sha256 {listed[rel]['sha256']}",
                     found=f"sha256 {meta['sha256']}",
-                    fix="Treat the registry copy as tampered with; re-register the bundle.",
+                    fix=TAMPERED,
                 )
         _check_same(document["fingerprint"], artifact.fingerprint, f"component {artifact.id}", rel_only=False)
     if fingerprint is not None:
@@ -348,7 +359,7 @@ def _check_file(root: Path, rel: str, expected: str) -> None:
             f"Bundle file {rel!r} was modified after it was registered.",
             expected=f"sha256 {expected}",
             found=f"sha256 {found}",
-            fix="Treat the registry copy as tampered with; re-register the bundle.",
+            fix=TAMPERED,
         )
 
 
@@ -360,14 +371,14 @@ def _load_component(root: Path, artifact_id: str) -> Artifact:
             f"Bundle component {artifact_id} failed verification: {err.problem}",
             expected=err.expected,
             found=err.found,
-            fix="Treat the registry copy as tampered with; re-register the bundle.",
+            fix=TAMPERED,
         ) from err
     if artifact.id != artifact_id:
         raise DrafterError(
             f"Bundle component directory {artifact_id} holds another artifact.",
             expected=artifact_id,
             found=artifact.id,
-            fix="Treat the registry copy as tampered with; re-register the bundle.",
+            fix=TAMPERED,
         )
     return artifact
 
