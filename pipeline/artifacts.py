@@ -33,6 +33,7 @@ from typing import Any
 from pipeline.checksums import (  # noqa: F401 - sha256_file and write_json_atomic re-exported for the stages
     fsync_path,
     sha256_file,
+    symlinks_under,
     temp_sibling,
     write_json_atomic,
 )
@@ -91,6 +92,16 @@ def check_artifact_id(aid: object, where: str, fix: str) -> str:
                            expected="an id <stage>-<16 hex digits>, a plain directory name",
                            found=repr(aid)[:120], fix=fix)
     return aid
+
+
+def refuse_symlinks(root: Path, what: str, fix: str) -> None:
+    """Refuse ``root`` (an artifact, a bundle: ``what``) holding a symbolic link: hashed or copied, a link is followed
+    to what it points at, anywhere."""
+    if links := symlinks_under(root):
+        shown = ", ".join(f"{rel} -> {os.readlink(root / rel)}" for rel in links[:5]) + " …" * (len(links) > 5)
+        raise DrafterError(f"{what} holds a symbolic link ({links[0]}): it was tampered with or put together by hand, "
+                           "and a link reads whatever it points at, outside it.",
+                           expected="regular files and folders only", found=shown, fix=fix)
 
 
 @dataclass
@@ -217,6 +228,10 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict:
                            found="a file" if path.exists() else "nothing there",
                            fix="Pass the directory a stage wrote: <workdir>/artifacts/<artifact id> (`drafter status` "
                                "lists a config's artifact ids); check the path for typos.")
+    if manifest_path.is_symlink():
+        raise DrafterError(f"{manifest_path} is a symbolic link: nothing in this artifact can be trusted.",
+                           expected="a regular file", found=f"a link to {os.readlink(manifest_path)}",
+                           fix=f"Treat the artifact as tampered with. {_redo(path)}")
     if not manifest_path.is_file():
         raise DrafterError(f"{path} is not an artifact: it has no {MANIFEST}.",
                            fix=f"Pass the directory a stage wrote (under <workdir>/artifacts/). If a stage wrote "
@@ -305,6 +320,8 @@ def verify_payloads(artifact: Artifact) -> None:
     """Recompute every payload's sha256 and refuse any change, addition or removal."""
     listed = artifact.manifest["files"]
     refuse_unsafe(listed, f"artifact {artifact.id} at {artifact.path}")
+    refuse_symlinks(artifact.path, f"Artifact {artifact.id} at {artifact.path}",
+                    f"Treat the artifact as corrupt or tampered. {_redo(artifact.path)}")
     present = {str(p.relative_to(artifact.path)) for p in artifact.path.rglob("*")
                if p.is_file() and p != artifact.path / MANIFEST}  # a manifest.json deeper down is a payload
     missing = sorted(set(listed) - present)
@@ -371,6 +388,9 @@ class ArtifactWriter:
 
     def commit(self, metrics: dict | None = None, extra: dict | None = None) -> Artifact:
         """Hash the payloads, write the manifest, fsync, and rename into place."""
+        refuse_symlinks(self.tmp, f"Refusing to publish artifact {self.id}: its temporary directory {self.tmp}",
+                        "Write each payload into the artifact as a file of its own (copy it, or hard-link it on the "
+                        "same filesystem), never as a link. Nothing was published.")
         files = {}
         for path in sorted(p for p in self.tmp.rglob("*") if p.is_file()):
             rel = str(path.relative_to(self.tmp))

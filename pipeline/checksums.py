@@ -64,6 +64,15 @@ def sha256_file(path: str | Path, chunk: int = CHUNK) -> str:
     return digest.hexdigest()
 
 
+def symlinks_under(root: str | Path) -> list[str]:
+    """Every symbolic link under ``root`` (to a file, a folder or nothing; ``root`` itself aside), as sorted
+    ``/``-separated names relative to it. A linked folder is listed, never entered."""
+    root = Path(root)
+    return sorted((Path(here) / name).relative_to(root).as_posix()
+                  for here, folders, files in os.walk(root) for name in folders + files
+                  if (Path(here) / name).is_symlink())
+
+
 def tree_digest(files: dict[str, str]) -> str:
     """One digest over ``{relative name: sha256}`` (order-free): names and contents both count."""
     payload = json.dumps(sorted(files.items()), separators=(",", ":"))

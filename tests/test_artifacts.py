@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -304,3 +305,32 @@ def test_an_artifact_id_that_is_a_path_is_refused_before_anything_outside_is_rea
             writer.commit()
         writer.abort()
         assert not store.path(writer.id).exists()
+
+
+def test_a_symbolic_link_in_an_artifact_is_refused_when_it_is_published_or_verified(tmp_path: Path) -> None:
+    """A payload written as a symbolic link to a file outside the artifact was hashed through the link, published and
+    verified every time after; a payload, a folder or the manifest replaced by a link to a copy of itself (the same
+    sha256) verified too. A link anywhere in an artifact is refused, naming it and where it points."""
+    secret = tmp_path / "outside" / "secret.json"
+    secret.parent.mkdir()
+    secret.write_text('{"k": 1}')
+    store = ArtifactStore(tmp_path / "store")
+    writer = store.writer(artifact_id("count", {}, [], FP), kind="token_counts", stage="count", config={}, inputs=[],
+                          fingerprint=FP)
+    os.symlink(secret, writer.tmp / "counts.json")
+    with pytest.raises(DrafterError, match=r"holds a symbolic link \(counts.json\)(.|\n)*Nothing was published") as err:
+        writer.commit()
+    assert err.value.found == f"counts.json -> {secret}"
+    writer.abort()
+    assert store.get(writer.id) is None
+    art = _make(store)
+    for name in ("info.json", "sub", "manifest.json"):
+        original, copy = art.path / name, tmp_path / "outside" / name
+        shutil.move(original, copy)
+        original.symlink_to(copy)
+        with pytest.raises(DrafterError, match="symbolic link") as err:
+            load_artifact(art.path)
+        assert name in err.value.problem and str(copy) in err.value.found and "tampered" in err.value.fix
+        original.unlink()
+        shutil.move(copy, original)
+    assert load_artifact(art.path).id == art.id

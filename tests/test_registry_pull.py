@@ -309,3 +309,28 @@ def test_a_bundle_writes_nothing_outside_itself_for_an_input_id_that_is_a_path(t
     with pytest.raises(DrafterError, match=r"names an artifact by '\.\./\.\./\.\./outside/x-.*not an artifact id"):
         write_bundle(make_bundle("drafter-org-target-x", [artifact], 2.0), dest)
     assert [p for p in (tmp_path / "r1").rglob("*") if p.name != "r2"] == []
+
+
+def test_a_symbolic_link_in_a_bundle_or_its_components_is_refused(tmp_path: Path) -> None:
+    """A bundle file or folder replaced by a symbolic link (to a copy elsewhere, the same sha256) was followed, hashed
+    and accepted by verify_bundle; a component artifact holding a link was copied into a bundle as the file it pointed
+    at. Each is refused as tampering, naming the link."""
+    components = make_components(tmp_path)
+    bundle = write_bundle(make_bundle("drafter-org-target-links", components, 2.0), tmp_path / "bundle")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for rel in (f"components/{components[1].id}/weights.safetensors", f"components/{components[0].id}"):
+        shutil.move(bundle / rel, outside / "moved")
+        (bundle / rel).symlink_to(outside / "moved")
+        with pytest.raises(DrafterError, match=rf"Bundle .* holds a symbolic link \({rel}\)") as err:
+            verify_bundle(bundle)
+        assert err.value.found == f"{rel} -> {outside / 'moved'}" and "tampered" in err.value.fix
+        (bundle / rel).unlink()
+        shutil.move(outside / "moved", bundle / rel)
+    assert verify_bundle(bundle)["name"] == "drafter-org-target-links"
+    info = components[0].path / "info.json"
+    shutil.move(info, outside / "info.json")
+    info.symlink_to(outside / "info.json")
+    with pytest.raises(DrafterError, match=rf"Artifact {components[0].id} at .* holds a symbolic link \(info\.json"):
+        write_bundle(make_bundle("drafter-org-target-links", components, 2.0), tmp_path / "again")
+    assert not (tmp_path / "again").exists()

@@ -33,6 +33,7 @@ from pipeline.artifacts import (
     fingerprint_mismatch,
     fsync_path,
     load_artifact,
+    refuse_symlinks,
     refuse_unsafe,
     sha256_file,
     upstream_manifests,
@@ -143,7 +144,8 @@ def write_bundle(bundle: Bundle, directory: Path) -> Path:
         components = []
         for artifact in sorted(bundle.artifacts, key=lambda a: a.id):
             dest = tmp / "components" / check_artifact_id(artifact.id, f"Artifact {artifact.path}", _rebuild(artifact))
-            shutil.copytree(artifact.path, dest)
+            refuse_symlinks(artifact.path, f"Artifact {artifact.id} at {artifact.path}", _rebuild(artifact))
+            shutil.copytree(artifact.path, dest, symlinks=True)  # a link made since is copied as one, then refused
             # Verifying the copy proves source and copy both match the manifest: one hashing pass.
             copy = load_artifact(dest, verify=True)
             for name, meta in copy.manifest["files"].items():
@@ -169,7 +171,8 @@ def write_bundle(bundle: Bundle, directory: Path) -> Path:
                 shutil.copyfile(where / MANIFEST, dest)
                 files[dest.relative_to(tmp).as_posix()] = _file_entry(dest)
         if bundle.report is not None:
-            shutil.copytree(bundle.report, tmp / "report")
+            refuse_symlinks(Path(bundle.report), f"Report {bundle.report}", "Copy the files it links to into it.")
+            shutil.copytree(bundle.report, tmp / "report", symlinks=True)
             for path in sorted(p for p in (tmp / "report").rglob("*") if p.is_file()):
                 rel = path.relative_to(tmp).as_posix()
                 refuse_unsafe([rel], f"to bundle report file {rel!r}")
@@ -301,6 +304,7 @@ def verify_bundle(
         DrafterError: naming the file (or fingerprint key) with the expected and found values.
     """
     path = Path(path)
+    refuse_symlinks(path, f"Bundle {path}", TAMPERED)
     document = read_bundle_json(path)
     if sha256 is not None and (found := bundle_sha256(document)) != sha256:
         raise DrafterError(
