@@ -300,11 +300,13 @@ def _empty_store() -> Path:
     record = folder / f"empty-{mlflow.__version__}.json"
     try:
         known = json.loads(record.read_text())
-        path = folder / known["file"]
-        if sha256_file(path) == known["sha256"]:
+        digest = str(known["sha256"])
+        path = folder / f"empty-{mlflow.__version__}-{digest[:16]}.db"  # as made below: the record names no path
+        if (re.fullmatch("[0-9a-f]{64}", digest) and known["file"] == path.name and not path.is_symlink()
+                and sha256_file(path) == digest):
             return path
     except (OSError, ValueError, KeyError, TypeError):
-        pass  # not made yet, or altered: made again
+        pass  # not made yet, or altered (a name or a link this code never makes): made again
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".empty-{uuid.uuid4().hex}.tmp"
     engine = sqlalchemy.create_engine(f"sqlite:///{tmp}")

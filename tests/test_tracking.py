@@ -1,6 +1,7 @@
 """MLflow tracking against a real ``mlflow server`` on 127.0.0.1: a stage run is readable through the
 client; a dead server fails fast and clearly; a server that dies mid-stage loses nothing."""
 
+import hashlib
 import json
 import os
 import time
@@ -23,6 +24,7 @@ from pipeline.tracking import (
     flatten,
     http_limits,
     redact,
+    seed_local_store,
     tracking_uri,
 )
 from tests.mlflow_server import MlflowServer, free_port
@@ -222,6 +224,27 @@ def test_a_new_local_store_starts_from_the_empty_one_mlflow_made_once(tmp_path: 
     assert _stage(cfg, []) is not None
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'w' / 'mlflow.db'}")
     assert len(client.search_runs([client.get_experiment_by_name("local").experiment_id])) == 1
+
+
+def test_a_record_naming_a_file_outside_the_cache_never_becomes_a_new_store(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``<cache>/mlflow/empty-<version>.json`` names the empty store a new workdir's mlflow.db is copied from: a name
+    there that was a path (absolute, or ``../``) was read, and copied in as the new store when its sha256 matched the
+    record's. The file is the one the recorded sha256 names in that folder, as the pipeline makes them; any other
+    record makes the empty store again."""
+    monkeypatch.setenv("DRAFTER_CACHE", str(tmp_path / "cache"))
+    outside = tmp_path / "not-in-the-cache.db"
+    outside.write_bytes(b"bytes chosen by whoever wrote the record")
+    record = tmp_path / "cache" / "mlflow" / f"empty-{mlflow.__version__}.json"
+    record.parent.mkdir(parents=True)
+    for n, name in enumerate((str(outside), "../../not-in-the-cache.db")):
+        record.write_text(json.dumps({"file": name, "sha256": hashlib.sha256(outside.read_bytes()).hexdigest()}))
+        (tmp_path / f"w{n}").mkdir()
+        seed_local_store(uri := f"sqlite:///{tmp_path / f'w{n}' / 'mlflow.db'}")
+        assert (tmp_path / f"w{n}" / "mlflow.db").read_bytes() != outside.read_bytes()
+        assert _schema(uri)["experiments"] == 1  # MLflow's own empty store, made again
+        remade = json.loads(record.read_text())["file"]
+        assert remade.startswith(f"empty-{mlflow.__version__}-") and (record.parent / remade).is_file()
 
 
 def test_helpers() -> None:
