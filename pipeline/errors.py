@@ -13,10 +13,13 @@ import urllib.parse
 
 CREDENTIAL_VARIABLES = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 """Environment variables whose values are secrets: never printed, logged or put in an error."""
-USERINFO = re.compile(r"(?<!/)//(?!/)\S*@")
-"""A URL's ``//user:password@``: from the ``//`` of an authority up to the last ``@`` before white space. A password
-may hold ``@``, ``/``, ``?`` or ``#`` unencoded (where urllib would end the authority and show the rest as a path), so
-this hides too much rather than too little (an ``@`` later in a path); ``sqlite:////a@b`` has no authority."""
+USERINFO = re.compile(r"(?<!/)//(?!/)(?:\S*@|[^\s/?#@]*(?:[^\S\r\n]+[^\s@]+){0,15}[^\S\r\n]+\S*@)")
+"""A URL's ``//user:password@``: from the ``//`` of an authority up to its last ``@``. A password may hold ``@``, ``/``,
+``?`` or ``#`` unencoded (where urllib would end the authority and show the rest as a path), so this hides too much
+rather than too little (an ``@`` later in a path); ``sqlite:////a@b`` has no authority. White space ends a URL quoted
+in a message, unless the first word after ``//`` holds none of ``@/?#``: then the user info holds a password with
+spaces (``//alice:hunter 2@host``) and runs to the last ``@`` of the next word on the line that holds one, within 16
+words (so a long line of many URLs is still read in linear time)."""
 _SHORTEST_SECRET = 4  # a shorter value would hide ordinary words; no real password or token is that short
 
 
@@ -52,6 +55,27 @@ def credentials_in_uri(origin: str, why: str) -> DrafterError:
         found="user info in the URI (not shown)",
         fix="Remove user:password@ from the URI and export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
             "MLFLOW_TRACKING_TOKEN) instead. (An @ in the URI's path: write it as %40.)")
+
+
+SERVER_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://(?!/)")
+"""A URI with an authority (``https://host…``; ``sqlite:///path`` and ``file:///path`` have none)."""
+
+
+def refuse_secrets_in_uri(uri: str, origin: str, why: str) -> None:
+    """Refuse a tracking URI holding user info (:func:`credentials_in_uri`), or white space after a ``scheme://``
+    (no URL holds any, and one there may be a password's), without showing it (``origin``: where it came from;
+    ``why``: where it would show). A local store's path may hold a space."""
+    if userinfo(uri):
+        raise credentials_in_uri(origin, why)
+    if SERVER_URI.match(uri) and (space := re.search(r"\s", uri)):
+        raise DrafterError(
+            f"{origin} holds white space, which a server URI never does (it is not shown: the space may be part "
+            "of a password).",
+            expected="a tracking URI without white space, e.g. https://mlflow.example.com (in a path, write a space "
+                     "as %20)",
+            found=f"{space[0]!r} at character {space.start() + 1} of {len(uri)} (the URI is not shown)",
+            fix="Remove the white space. Credentials come from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD / "
+                "MLFLOW_TRACKING_TOKEN only, never from the URI.")
 
 
 def redact(uri: str) -> str:

@@ -36,10 +36,9 @@ from pipeline.checksums import sha256_file
 from pipeline.config.sections import MlflowConfig
 from pipeline.errors import (  # redact: re-exported for the CLI and the registry
     DrafterError,
-    credentials_in_uri,
     redact,
+    refuse_secrets_in_uri,
     scrub,
-    userinfo,
 )
 from pipeline.progress import heartbeat
 from pipeline.runlog import flatten
@@ -92,14 +91,15 @@ def _check_uri(uri: str, origin: str) -> Path | None:
             found=found,
             fix=f"Fix {origin}, or unset it to use the pipeline's <workdir>/mlflow.db.")
 
+    # first, as the errors below show the URI: urllib would read user info as a host name and report the server
+    # unreachable, and white space (a line break, a tab) can hide a password from the pattern that redacts it
+    refuse_secrets_in_uri(uri, origin, "A URI is logged, printed in errors and recorded beside the runs")
     try:
         uri.encode("utf-8")
     except UnicodeEncodeError:
         raise refuse("bytes that are not UTF-8 text in the URI") from None
     if _CONTROL.search(uri):
         raise refuse(f"a control character {_CONTROL.search(uri)[0]!r} in the URI")  # type: ignore[index]
-    if userinfo(uri):  # urllib would read it as a host name and report the server unreachable
-        raise credentials_in_uri(origin, "A URI is logged, printed in errors and recorded beside the runs")
     try:
         parts = urllib.parse.urlsplit(uri)
         port = parts.port

@@ -13,7 +13,7 @@ import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from jobs.cli import build_parser
+from jobs.cli import build_parser, main
 from pipeline.config.schema import describe, field_docs, to_dict
 from pipeline.config.sections import PipelineConfig, load_config
 from pipeline.config.stages import CountConfig, EvaluateConfig, GenerateConfig
@@ -166,7 +166,7 @@ def test_rdk_keep_fractions_that_name_one_level_are_refused(fractions: str) -> N
 
 @pytest.mark.parametrize("uri", ["https://alice:s3cret@mlflow.example.com", "http://alice@127.0.0.1:5000/x",
                                  "http://alice:s3cret/Et+tok@127.0.0.1:5999", "http://alice:s3cret?x@host",
-                                 "http://alice:s3cret#x@host"])
+                                 "http://alice:s3cret#x@host", "https://alice:s3cret 2@mlflow.example.com"])
 def test_credentials_in_the_configs_tracking_uri_are_refused_without_printing_them(uri: str, tmp_path: Path) -> None:
     """A tracking URI with user info was accepted from a config, printed by `drafter config` and copied into every
     submitted job's directory. Credentials come from the environment only; the error does not repeat them."""
@@ -179,6 +179,18 @@ def test_credentials_in_the_configs_tracking_uri_are_refused_without_printing_th
     assert load_config(None, ["mlflow.tracking_uri=https://mlflow.example.com:443/a%40b"]).mlflow.tracking_uri
     with pytest.raises(DrafterError, match="write it as %40"):  # an @ after a "/": a password holding "/" looks alike
         load_config(None, ["mlflow.tracking_uri=https://mlflow.example.com:443/a@b"])
+
+
+def test_drafter_config_never_prints_a_password_with_a_space(capsys: pytest.CaptureFixture) -> None:
+    """`drafter config "mlflow.tracking_uri=https://alice:hunter 2@mlflow.example.com"` printed the config, password
+    and all: the user info pattern stopped at the space. Refused as credentials now, and a server URI holding any
+    other white space is refused without showing it."""
+    assert main(["config", "mlflow.tracking_uri=https://alice:hunter 2@mlflow.example.com"]) == 2
+    out, err = capsys.readouterr()
+    assert "holds credentials" in err and "hunter" not in out + err and "alice" not in out + err
+    assert main(["config", "mlflow.tracking_uri=https://tracking.corp.internal/my runs"]) == 2
+    out, err = capsys.readouterr()
+    assert "holds white space" in err and "corp" not in out + err
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:

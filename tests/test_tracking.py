@@ -257,6 +257,35 @@ def test_helpers() -> None:
     assert redact("sqlite:////home/a@b/mlflow.db") == "sqlite:////home/a@b/mlflow.db"  # a path, no authority
 
 
+def test_a_password_with_a_space_is_hidden_and_white_space_in_a_server_uri_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``https://alice:hunter 2@host``: the user info pattern stopped at white space, so redact() and every error
+    showed that URI whole and $MLFLOW_TRACKING_URI was taken as one without credentials. The user info runs to the
+    authority's last ``@`` (a URL quoted in a message is still cut at the white space after its path); the URI is
+    refused as credentials, and other white space in a server URI is refused without showing the URI. A local
+    store's path may hold a space."""
+    uri = "https://alice:hunter 2@mlflow.example.com"
+    assert redact(uri) == "https://***@mlflow.example.com"
+    assert redact("https://alice:hunter\t2@host:5000/x") == "https://***@host:5000/x"
+    assert scrub(f"GET {uri}/api failed; try http://host/x?q=a b@c") == (
+        "GET https://***@mlflow.example.com/api failed; try http://host/x?q=a b@c")
+    cfg = load_config(None, [f"workdir={tmp_path}"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(DrafterError, match=r"MLFLOW_TRACKING_URI holds credentials(.|\n)*not shown") as err:
+        tracking_uri(cfg.mlflow, cfg.workdir_path)
+    assert "hunter" not in str(err.value) and "alice" not in str(err.value)
+    for server in ("https://tracking.corp.internal/my runs", "http://tracking.corp.internal:5000 ",
+                   "https://tracking.corp.internal\n/x"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+        with pytest.raises(DrafterError, match="MLFLOW_TRACKING_URI holds white space") as err:
+            tracking_uri(cfg.mlflow, cfg.workdir_path)
+        assert "corp" not in str(err.value) and "MLFLOW_TRACKING_PASSWORD" in err.value.fix
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    (tmp_path / "my runs").mkdir()
+    local = f"sqlite:///{tmp_path / 'my runs' / 'mlflow.db'}"
+    assert tracking_uri(MlflowConfig(tracking_uri=local), tmp_path / "work") == local
+
+
 @pytest.mark.parametrize("password", ["s3cr/Et+tok", "1234/secret", "pa?ss-word", "pa#ss-word"])
 def test_a_password_urllib_would_cut_short_is_hidden_whole_and_refused_from_the_environment(
         password: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,7 @@ from pipeline.config.stages import (
     TrainDrafterConfig,
     TrainRouterConfig,
 )
-from pipeline.errors import credentials_in_uri, userinfo
+from pipeline.errors import refuse_secrets_in_uri
 
 
 @dataclass
@@ -70,10 +70,9 @@ class MlflowConfig:
     """Seconds per attempt to reach a tracking server."""
 
     def __post_init__(self) -> None:
-        if self.tracking_uri and userinfo(self.tracking_uri):
-            # the config is printed (drafter config) and copied beside every submitted job
-            raise credentials_in_uri("mlflow.tracking_uri", "A config file is printed by `drafter config` and copied "
-                                                            "beside every submitted job")
+        if self.tracking_uri:  # the config is printed (drafter config) and copied beside every submitted job
+            refuse_secrets_in_uri(self.tracking_uri, "mlflow.tracking_uri",
+                                  "A config file is printed by `drafter config` and copied beside every submitted job")
         check_value(self.retries >= 1, "mlflow.retries", "an integer >= 1", self.retries)
         check_value(self.timeout_s > 0, "mlflow.timeout_s", "a positive number", self.timeout_s)
 
