@@ -10,6 +10,8 @@ mtimes, so this is the trade every build tool with a stat cache makes.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -37,6 +39,29 @@ def fsync_path(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def exchange_paths(a: str | Path, b: str | Path) -> bool:
+    """Swap two existing paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``): a directory that replaces another
+    is never missing in between, whenever the process dies. False where the C library or the filesystem cannot
+    (another OS, an NFS mount): nothing was moved, the caller renames in two steps.
+
+    Raises:
+        OSError: The kernel refused for another reason (a missing path, no permission).
+    """
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
 def write_json_atomic(path: Path, obj: object) -> None:

@@ -334,3 +334,29 @@ def test_a_symbolic_link_in_a_bundle_or_its_components_is_refused(tmp_path: Path
     with pytest.raises(DrafterError, match=rf"Artifact {components[0].id} at .* holds a symbolic link \(info\.json"):
         write_bundle(make_bundle("drafter-org-target-links", components, 2.0), tmp_path / "again")
     assert not (tmp_path / "again").exists()
+
+
+def test_a_bundle_replacing_an_earlier_one_is_swapped_in_one_step(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bundle written (or pulled) over an earlier one moved the earlier one aside, then renamed the new one in: a
+    process killed between the two renames left the destination missing, its bundle hidden in ``.NAME.old-*``. The
+    two now swap in one step (renameat2's exchange), so a kill at any point leaves a whole bundle there. The kill is
+    a rename that fails once the earlier bundle has gone: the swap makes no rename."""
+    from pipeline.registry import bundle as bundles
+
+    dest = tmp_path / "bundle"
+    write_bundle(make_bundle("drafter-x", make_components(tmp_path / "one"), 2.0), dest)
+    real = os.rename
+
+    def killed_midway(src, dst, *args, **kwargs):
+        if Path(src).name.startswith(f".{dest.name}.old-"):
+            return real(src, dst, *args, **kwargs)
+        if Path(dst) == dest:
+            raise OSError("killed between the renames")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(bundles.os, "rename", killed_midway)
+    write_bundle(make_bundle("drafter-x", make_components(tmp_path / "two", seed=1), 3.0), dest)
+    verify_bundle(dest)
+    assert read_bundle_json(dest)["metrics"]["tau"] == 3.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "one", "two"]  # the earlier one removed

@@ -39,6 +39,7 @@ from pipeline.artifacts import (
     upstream_manifests,
     write_json_atomic,
 )
+from pipeline.checksums import exchange_paths
 from pipeline.errors import DrafterError
 
 BUNDLE_JSON = "bundle.json"
@@ -206,9 +207,10 @@ def _file_entry(path: Path) -> dict:
 
 
 def publish_dir(tmp: Path, final: Path) -> None:
-    """Rename a finished directory into place; an older bundle there is swapped out, anything else refused. Its files
-    and folders reach the disk before the rename, and the rename after it: a crash never leaves a verified bundle's
-    name on empty files."""
+    """Rename a finished directory into place; an older bundle there is swapped out in one step where the filesystem
+    can (:func:`~pipeline.checksums.exchange_paths`), anything else refused. Its files and folders reach the disk
+    before the rename, and the rename after it: a crash never leaves a verified bundle's name on empty files, nor
+    the name without a bundle."""
     for path in sorted(tmp.rglob("*"), key=lambda p: len(p.parts), reverse=True):
         fsync_path(path)
     fsync_path(tmp)
@@ -228,8 +230,11 @@ def _rename_into_place(tmp: Path, final: Path) -> None:
                     found=", ".join(unlisted[:5]) + (" …" if len(unlisted) > 5 else ""),
                     fix="Move those files out of it, or choose another destination.",
                 )
+            if exchange_paths(tmp, final):  # one step: the destination always holds a whole bundle
+                shutil.rmtree(tmp, ignore_errors=True)  # the earlier one, swapped out
+                return
             old = final.parent / f".{final.name}.old-{os.getpid()}-{time.monotonic_ns()}"
-            os.rename(final, old)
+            os.rename(final, old)  # a filesystem without the swap: a crash here leaves the old bundle in `old`
             os.rename(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
             return
