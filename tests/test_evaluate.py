@@ -185,6 +185,11 @@ def test_the_chi_square_pools_thin_bins_and_one_bin_tests_nothing() -> None:
     assert chi_square_first_token(skewed, p)[0] < 1e-10
     flat = np.full(10, 0.1)
     assert chi_square_first_token(np.array([4, 0, 0, 0, 0, 0, 0, 0, 0, 0]), flat) == (1.0, 1)  # all pooled
+    # an emitted token the target gives 0: the thin tail expecting nothing had its bin dropped, so these counts (the
+    # fitting ones above, one draw moved to the last, impossible token) scored p = 0.82 as a fit
+    impossible = np.array([46, 33, 9, 7, 3, 1, 1])
+    assert chi_square_first_token(impossible, p) == (0.0, 5)
+    assert chi_square_first_token(np.array([49, 1]), np.array([1.0, 0.0]))[0] == 0.0  # one bin would read p = 1
 
 
 class UniformQ:

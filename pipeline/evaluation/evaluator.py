@@ -49,7 +49,9 @@ Cells = dict[str, tuple[bool, list[tuple[Configuration, int]]]]
 
 
 def chi_square_first_token(counts: np.ndarray, p: np.ndarray) -> tuple[float, int]:
-    """p-value of counts ~ Multinomial(n, p): bins with expected count >= 5, the rest pooled."""
+    """p-value of counts ~ Multinomial(n, p): bins with expected count >= 5, the rest pooled. A token emitted where
+    ``p`` is 0 gives 0.0 whatever the rest says: the pooled tail had dropped such a token's bin when the tail expected
+    nothing, so a law that emitted an impossible token could score as a fit."""
     from scipy.stats import chisquare
 
     n = counts.sum()
@@ -59,6 +61,8 @@ def chi_square_first_token(counts: np.ndarray, p: np.ndarray) -> tuple[float, in
     exp = np.append(expected[big], expected[~big].sum())
     keep = exp > 0
     obs, exp = obs[keep], exp[keep]
+    if counts[p <= 0].sum() > 0:
+        return 0.0, int(obs.size)
     if obs.size < 2:
         return 1.0, int(obs.size)
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue), int(obs.size)
