@@ -112,6 +112,17 @@ def test_register_moves_candidate_and_champion_by_primary_metric(
                              "'n/a'); pass promote=True to replace it")
 
 
+def test_a_version_that_only_ties_the_champion_does_not_take_it(tmp_path: Path, mlflow_server: MlflowServer) -> None:
+    """@champion moves only to a version that beats it: another bundle with the same primary metric (other weights,
+    the same tau) becomes the candidate, and the champion stays where it was."""
+    cfg, name = registry_cfg(mlflow_server.uri), registered_name("org/target-tie", "drafter")
+    register(make_bundle(name, make_components(tmp_path / "one"), 2.0), cfg, tmp_path / "work")
+    tied = register(make_bundle(name, make_components(tmp_path / "two", seed=1), 2.0), cfg, tmp_path / "work")
+    assert (tied.version, tied.reused, tied.promoted) == (2, False, False)
+    assert tied.reason == "tau 2 does not beat champion version 1 (2)"
+    assert _aliases(mlflow_server, name) == {"candidate": "2", "champion": "1"}
+
+
 def test_champion_moves_to_a_version_built_for_the_new_weights_of_the_same_target(
     tmp_path: Path, mlflow_server: MlflowServer
 ) -> None:

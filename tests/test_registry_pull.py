@@ -2,7 +2,8 @@
 directory other than the store's, names the store only by its config (workdir, mlflow.tracking_uri or a --config
 file); MLflow's own defaults (./mlflow.db, ./mlruns) are never opened or created there. Tampered bundles are refused
 on this path too, and the line says which target was (or was not) checked. Then pull's refusals through the API
-(a tampered payload, an edited or corrupt bundle.json, a garbled fingerprint tag, an unlisted file or a pickle) and
+(a tampered payload, an edited or corrupt bundle.json, a garbled fingerprint tag, an unlisted file or a pickle),
+verify_bundle's refusal of a component without a fingerprint or of a listed hash unlike its component's manifest, and
 what a killed registration or pull leaves for the next one to remove."""
 
 from __future__ import annotations
@@ -186,6 +187,14 @@ def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server
         pull(f"{name}@champion", to, cfg, tmp_path / "work")
     assert result.bundle_sha256 in str(err.value)
     assert not to.exists()
+    # ... and with the version's bundle-sha256 tag deleted as well: a missing tag is no hash to skip (read as "no
+    # check", the edited metrics would pull), it is refused
+    client = MlflowClient(tracking_uri=cfg.tracking_uri)
+    client.delete_model_version_tag(name, str(result.version), "drafter.bundle_sha256")
+    with pytest.raises(DrafterError, match="bundle.json of the bundle is not the one that was registered") as err:
+        pull(f"{name}@champion", to, cfg, tmp_path / "work")
+    assert err.value.expected == "bundle sha256 (missing tag)" and not to.exists()
+    client.set_model_version_tag(name, str(result.version), "drafter.bundle_sha256", result.bundle_sha256)
     # a file added: refused saying what to do, and naming the version, not the deleted download folder (it had
     # neither)
     (stored / "bundle.json").write_text(registered)
@@ -202,12 +211,12 @@ def test_pull_refuses_tampering_and_leaves_nothing(tmp_path: Path, mlflow_server
             pull(f"{name}@champion", to, cfg, tmp_path / "work")
         assert "again" in err.value.fix and not to.exists()
 
-    # the fingerprint tag garbled or removed: refused, not read as an empty fingerprint that checks nothing
+    # the fingerprint tag garbled, emptied ("{}": JSON, but no fingerprint) or removed: refused, not read as an empty
+    # fingerprint that checks nothing
     (stored / "bundle.json").write_text(registered)
-    client = MlflowClient(tracking_uri=cfg.tracking_uri)
     version = client.get_model_version_by_alias(name, "champion").version
     pull(f"{name}@champion", tmp_path / "intact", cfg, tmp_path / "work")  # the bundle as registered pulls
-    for garble in ("{not json", None):
+    for garble in ("{not json", "{}", None):
         if garble is None:
             client.delete_model_version_tag(name, version, "drafter.fingerprint")
         else:
@@ -360,3 +369,36 @@ def test_a_bundle_replacing_an_earlier_one_is_swapped_in_one_step(tmp_path: Path
     verify_bundle(dest)
     assert read_bundle_json(dest)["metrics"]["tau"] == 3.0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "one", "two"]  # the earlier one removed
+
+
+def test_a_component_without_a_target_fingerprint_is_refused(tmp_path: Path) -> None:
+    """A component whose manifest records no fingerprint (a stage that stamped none, or a manifest sealed by hand)
+    could be read as one that agrees with every target: registration and verification compare it with the bundle's
+    fingerprint key by key, and a missing fingerprint differs on every key the bundle names."""
+    from pipeline.registry.bundle import check_registrable
+
+    bare = make_components(tmp_path / "bare", fp=None)[1]
+    assert bare.fingerprint is None
+    bundle = make_bundle("drafter-org-target-bare", [*make_components(tmp_path), bare], 2.0)
+    with pytest.raises(DrafterError, match=rf"target fingerprint of component {bare.id} \(drafter\) does not match"):
+        check_registrable(bundle)
+    written = write_bundle(bundle, tmp_path / "bundle")  # a bundle written without the registration's check
+    with pytest.raises(DrafterError, match=rf"target fingerprint of component {bare.id} does not match") as err:
+        verify_bundle(written)
+    assert "model=org/target" in err.value.expected and "model=None" in err.value.found
+
+
+def test_a_payload_hash_in_bundle_json_unlike_its_components_manifest_is_refused(tmp_path: Path) -> None:
+    """A component's payloads are hashed once, against the component's own manifest; bundle.json lists them too. An
+    entry of bundle.json edited to another sha256 (the rest of the bundle sound, no registry tag to check the
+    bundle's own hash against) must be refused, or bundle.json and what it ships disagree unseen."""
+    components = make_components(tmp_path)
+    bundle = write_bundle(make_bundle("drafter-org-target-listed", components, 2.0), tmp_path / "bundle")
+    document = json.loads((bundle / "bundle.json").read_text())
+    rel = f"components/{components[1].id}/weights.safetensors"
+    real = document["files"][rel]["sha256"]
+    document["files"][rel]["sha256"] = "0" * 64
+    (bundle / "bundle.json").write_text(json.dumps(document))
+    with pytest.raises(DrafterError, match=f"Bundle file '{rel}' disagrees with bundle.json") as err:
+        verify_bundle(bundle)
+    assert (err.value.expected, err.value.found) == ("sha256 " + "0" * 64, f"sha256 {real}")
