@@ -158,6 +158,43 @@ def test_a_gate_over_tasks_needs_every_tasks_figure_finite_and_at_least_one_chec
     assert not none.passed and not none.checks["lossless"].passed
 
 
+def test_a_configuration_exactly_at_its_floors_passes_its_gates() -> None:
+    """The gates are minimums: a chosen configuration whose mean τ equals gate_tau_min, and whose speed metric equals
+    gate_speed_min, passes both (a strict comparison failed it); a hair above either floor fails."""
+    from tests.helpers import report_row
+
+    ok = [LosslessCheck("greedy_equal[chat/shortlist/A/γ=3]", True, "8/8")]
+    rows = [EvalRow(**report_row(t, "shortlist", 2.0, 0.6, shortlist=("A", 8))) for t in ("chat", "code")]
+    assert {(r.tau, r.speedup) for r in rows} == {(2.0, 1.6)}  # report_row's speedup is 0.8 τ
+    gates = decide_gates(rows, ok, speed_metric="speedup", tau_min=2.0, speed_min=1.6)
+    assert (gates.chosen.tau, gates.chosen.speedup) == (2.0, 1.6)
+    assert gates.passed and gates.checks["tau_min"].passed and gates.checks["speedup_min"].passed
+    assert not decide_gates(rows, ok, speed_metric="speedup", tau_min=2.0 + 1e-9, speed_min=1.6).passed
+    assert not decide_gates(rows, ok, speed_metric="speedup", tau_min=2.0, speed_min=1.6 + 1e-9).passed
+
+
+def test_the_speed_metric_ranks_candidates_before_tau() -> None:
+    """The chosen configuration is the one with the highest mean speed metric; τ only breaks a tie. Here the
+    configuration with the higher τ has the lower speedup (a larger shortlist: more accepted, slower drafts), so
+    the other is chosen; with equal speedups the higher τ wins."""
+    from tests.helpers import report_row
+
+    ok = [LosslessCheck("greedy_equal[chat/shortlist/A/γ=3]", True, "8/8")]
+
+    def rows(name: str, tau: float, speedup: float) -> list[EvalRow]:
+        made = [EvalRow(**report_row(t, "shortlist", tau, 0.6, shortlist=(name, 8))) for t in ("chat", "code")]
+        for row in made:
+            row.speedup = speedup
+        return made
+
+    for order in (rows("slow", 2.6, 1.2) + rows("fast", 2.0, 1.5), rows("fast", 2.0, 1.5) + rows("slow", 2.6, 1.2)):
+        chosen = decide_gates(order, ok, speed_metric="speedup", tau_min=1.0, speed_min=1.0).chosen
+        assert (chosen.shortlist, chosen.tau, chosen.speedup) == ("fast", 2.0, 1.5)
+    tied = decide_gates(rows("slow", 2.6, 1.5) + rows("fast", 2.0, 1.5), ok, speed_metric="speedup", tau_min=1.0,
+                        speed_min=1.0).chosen
+    assert tied.shortlist == "slow"
+
+
 def test_drafter_calls_are_counted_per_token_the_rounds_kept() -> None:
     """With ``evaluate.first_token=prefill`` each generation's first token comes from the target's prefill, in no
     round. Calls per token divided by every new token, so calls per token × τ (the report's drafter forwards per
