@@ -1,5 +1,6 @@
 """The report's wall-clock table across devices (issue 23, part 3): an evaluation finds the same config's
-evaluation on another device in the store and shows both devices' tokens/s and speedups side by side."""
+evaluation on another device in the store and shows both devices' tokens/s and speedups side by side. And what a
+resumed evaluation keeps of its staged pieces (only those decoded on this kind of device) and warms up."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from jobs.evaluate import other_devices
 from pipeline.artifacts import ArtifactWriter
 from pipeline.evaluation.report import write_report
 from pipeline.orchestration.dag import plan, spec
+from pipeline.staged import staged_about, write_staged_json
 from tests.helpers import (
     TIMED_ROW_FIELDS,
     compiled_shapes,
@@ -131,6 +133,31 @@ def test_a_resumed_evaluation_warms_up_and_decodes_only_the_pieces_it_lacks(tiny
 
     assert [decoded(r) for r in rows] == [decoded(r) for r in first_rows] and checks == first_checks
     assert len(checks) == 2 * 2 + 1  # two tasks × two γ greedy checks, and the configuration's first-token check
+
+
+def test_a_staged_piece_decoded_on_another_device_is_decoded_again(tiny_kit, monkeypatch, tmp_path: Path) -> None:
+    """A rerun keeps only the staged pieces decoded on this kind of device: a cell timed on a GPU is no figure of a
+    CPU evaluation. One cell's record relabelled as decoded on an H100 (and its τ set to 99) is decoded again, with
+    a line naming the piece and both devices; its row is this device's, and the piece is staged again under it."""
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    build = kit_evaluator(tmp_path, "static", "evaluate.max_new_tokens=4", "evaluate.gammas=[2]", staging=staging)
+    prompts = {"chat": [[5, 6, 7]]}
+    first_rows, _ = build(prompts).run()
+    piece = staging / "chat-0-full-g2.json"
+    staged = json.loads(piece.read_text())
+    write_staged_json(piece, {**staged, "row": {**staged["row"], "tau": 99.0}},
+                      about={"device": "NVIDIA H100 80GB HBM3"})
+    evaluator, said = build(prompts), []
+    evaluator.log = said.append
+    calls = _recorded_generations(monkeypatch)
+    rows, _ = evaluator.run()
+    here = evaluator.device_label
+    assert f"{piece.name}: decoded on NVIDIA H100 80GB HBM3, not on this {here}: decoding it again" in said, said
+    assert f"resuming an interrupted evaluation: 1 of 2 pieces kept (decoded on {here})" in said, said
+    assert calls == [("spec", [5, 6, 7], 2)] * 2  # the warm-up's replay and the timed pass of that cell alone
+    assert rows[1].tau == first_rows[1].tau != 99.0
+    assert staged_about(piece) == {"device": here}
 
 
 def test_the_timed_cells_feed_no_compiled_function_a_shape_the_warm_up_did_not(tiny_kit, monkeypatch,

@@ -220,8 +220,8 @@ class UniformQ:
 def test_the_first_token_check_fails_a_lossy_proposer_and_too_few_draws(tmp_path: Path, tiny_kit) -> None:
     """The evaluation's first-token check against a proposer that drafts uniformly and says so (lossless), one that
     always drafts the target's top token but reports a uniform q (lossy: verification accepts that token whenever it
-    is drafted, so it is emitted every time), and too few draws for two bins: it passes only the first, at 400 draws,
-    and says why the third tests nothing."""
+    is drafted, so it is emitted every time), one that never drafts, and too few draws for two bins: it passes only
+    the first, at 400 draws, and says why the others test nothing."""
     import torch
 
     from tests.helpers import kit_evaluator
@@ -237,6 +237,9 @@ def test_the_first_token_check_fails_a_lossy_proposer_and_too_few_draws(tmp_path
     lossy = evaluator.sampling_check("uniform", None, UniformQ(vocab, top, "lossy"))
     assert honest.passed and "n=400" in honest.detail, honest
     assert not lossy.passed and "first draft accepted in 400/400 draws" in lossy.detail, lossy
+    # a proposer that never drafts emits the target's own samples, which pass the chi-square: a check of nothing
+    silent = evaluator.sampling_check("uniform", None, UniformQ(vocab, top, "silent"))
+    assert not silent.passed and "first-round drafts verified: 0 (a check with none" in silent.detail, silent
     few = kit_evaluator(tmp_path / "few", "eager", "evaluate.max_new_tokens=4",
                         "evaluate.sampling_check_samples=2")({"chat": [prompt]})
     vacuous = few.sampling_check("uniform", None, UniformQ(vocab, top, "honest"))
