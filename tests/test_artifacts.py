@@ -51,6 +51,18 @@ def test_id_depends_on_stage_config_inputs_and_fingerprint() -> None:
     assert base != artifact_id("count", {"k": 1}, ["a"], {**FP, "vocab_hash": "v2"})
 
 
+def test_the_schema_version_is_part_of_every_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new manifest schema (SCHEMA_VERSION raised) gives every artifact a new id: otherwise a store written under
+    the old schema would be found under the same ids, and its artifacts refused (or misread) instead of rebuilt."""
+    import pipeline.artifacts as artifacts
+
+    base = artifact_id("count", {"k": 1}, ["a"], FP)
+    monkeypatch.setattr(artifacts, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    assert artifact_id("count", {"k": 1}, ["a"], FP) != base
+    monkeypatch.setattr(artifacts, "SCHEMA_VERSION", SCHEMA_VERSION)
+    assert artifact_id("count", {"k": 1}, ["a"], FP) == base
+
+
 def test_write_then_load_verifies(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path)
     art = _make(store)

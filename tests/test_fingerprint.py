@@ -50,6 +50,19 @@ def test_retraining_a_local_target_in_place_changes_every_id_that_reads_it(tmp_p
     assert {name for name in before if before[name] != after[name]} == READS_TARGET
 
 
+def test_retraining_the_other_tokenizer_drafter_in_place_changes_estimate_rdks_id(tmp_path: Path, tiny_kit) -> None:
+    """estimate_rdk's held-out analysis, which picks τ and the prior weight, runs evaluate.drafter_other: its
+    fingerprint is in the stage's id, so a drafter_other retrained in place (one weight moves) rebuilds estimate_rdk
+    instead of reusing a τ chosen with the old weights."""
+    other = _copy_model(tiny_kit.path("drafter_other"), tmp_path / "my-other")
+    cfg = small_cfg(tmp_path, f"evaluate.drafter_other={other}")
+    before = plan(cfg, ["estimate_rdk"])["estimate_rdk"]
+    _perturb_in_place(other)
+    after = plan(cfg, ["estimate_rdk"])["estimate_rdk"]
+    assert after.id != before.id
+    assert after.config["models"]["drafter_other"] == loading.fingerprint(str(other))
+
+
 def test_the_stat_cache_hashes_a_checkpoint_once_until_a_file_changes(tmp_path: Path, tiny_kit) -> None:
     target = _copy_model(tiny_kit.path("target"), tmp_path / "ckpt")
     cache = StatCache(tmp_path / "stat.json")

@@ -1,5 +1,6 @@
 """Staged shards (pipeline.staged): written with a checksum, trusted on resume only if they match it."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,32 @@ def test_a_write_that_fails_publishes_nothing(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="disk went away"):
         write_staged(shard, fail)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_staged_shard_is_on_the_disk_before_its_name_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """write_staged publishes a shard by renaming its temporary file: unless the file's bytes were flushed first, a
+    crash soon after could leave the shard's name (and a checksum that says it is sound) on an empty or torn file.
+    The temporary file is fsynced before the rename (the real ``os.fsync``, each call's path and each rename
+    recorded in order)."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:  # noqa: ANN001
+        events.append(("replace", f"{src} -> {dst}"))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    shard = tmp_path / "shard-00000.arrow"
+    _write(shard, b"rows" * 100)
+    published = next(i for i, (kind, what) in enumerate(events) if kind == "replace" and what.endswith(f" {shard}"))
+    tmp = events[published][1].split(" -> ")[0]
+    assert Path(tmp).parent == tmp_path and Path(tmp).name.startswith(f".{shard.name}.tmp-"), events
+    assert ("fsync", tmp) in events[:published], events
 
 
 def _input(root: Path, payload: bytes):  # noqa: ANN202 - an Artifact
