@@ -62,7 +62,7 @@ def test_every_bench_names_a_function_that_takes_its_options() -> None:
 def test_status_wait_takes_a_positive_interval(capsys: pytest.CaptureFixture) -> None:
     """``--wait 0`` (or a negative one) polled squeue back to back for as long as a job ran."""
     for value in ("0", "-5", "nan"):
-        with pytest.raises(SystemExit) as exited:
+        with pytest.raises(SystemExit, match="^2$") as exited:  # argparse's usage error
             build_parser().parse_args(["status", "--wait", value])
         assert exited.value.code == 2 and "expected a positive number of seconds" in capsys.readouterr().err
     assert build_parser().parse_args(["status", "--wait", "30"]).wait == 30.0
@@ -71,7 +71,7 @@ def test_status_wait_takes_a_positive_interval(capsys: pytest.CaptureFixture) ->
 def test_bench_steps_must_time_something(capsys: pytest.CaptureFixture) -> None:
     """``--steps 0`` timed nothing and printed NaN medians (and speedups) with exit 0."""
     for value in ("0", "-3", "2.5"):
-        with pytest.raises(SystemExit) as exited:
+        with pytest.raises(SystemExit, match="^2$") as exited:  # argparse's usage error
             build_parser().parse_args(["bench", "decode", "--steps", value])
         assert exited.value.code == 2 and "expected a positive number of timed steps" in capsys.readouterr().err
     assert build_parser().parse_args(["bench", "decode", "--steps", "3"]).steps == 3

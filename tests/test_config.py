@@ -74,7 +74,7 @@ def test_dotted_overrides_with_yaml_values() -> None:
 def test_unknown_key_names_the_key_and_the_valid_ones(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("generate:\n  max_new_tokenz: 5\n")
-    with pytest.raises(DrafterError) as err:
+    with pytest.raises(DrafterError, match=r"Unknown config key 'generate\.max_new_tokenz'") as err:
         load_config(path)
     msg = str(err.value)
     assert "generate.max_new_tokenz" in msg and "max_new_tokens" in msg
@@ -226,7 +226,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def test_malformed_yaml_file_names_the_line(tmp_path: Path) -> None:
     path = tmp_path / "broken.yaml"
     path.write_text("generate:\n  limit: 5\n count: [1, 2\n")
-    with pytest.raises(DrafterError) as err:
+    with pytest.raises(DrafterError, match=r"Config file '.*broken\.yaml' is not valid YAML") as err:
         load_config(path)
     assert "broken.yaml" in str(err.value) and "line 3" in str(err.value)
 

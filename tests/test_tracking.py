@@ -136,7 +136,7 @@ def test_server_dying_mid_stage_keeps_the_artifact_and_rerun_only_logs(tmp_path:
     cfg = _cfg(tmp_path, server.uri)
     calls: list = []
     try:
-        with pytest.raises(DrafterError) as err:
+        with pytest.raises(DrafterError, match="The artifact is safe at ") as err:
             _stage(cfg, calls, on_build=server.stop)
         stored = list((tmp_path / "work" / "artifacts").glob("count-*"))
         stored = [p for p in stored if p.is_dir()]
