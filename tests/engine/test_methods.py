@@ -168,7 +168,7 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     "pipeline/config/method_names.py": (frozenset(METHOD_NAMES),
                                         "the leaf list of names the config layer validates against; the registry "
                                         "checks itself against it when it is built"),
-    "jobs/cli.py": (frozenset({"rdk"}), "`drafter bench rdk`, a benchmark's name on the command line"),
+    "jobs/benches.py": (frozenset({"rdk"}), "`drafter bench rdk`, a benchmark's name on the command line"),
     "jobs/estimate_rdk.py": (frozenset({"tli", "rdk", "rdk_taylor"}),
                              "keys of rdk.json's held-out α figures (estimate_rdk's artifact format)"),
     "pipeline/rdk/prior.py": (frozenset({"tli", "rdk", "rdk_taylor"}),

@@ -124,7 +124,9 @@ def test_graph_path_traces_whole_and_equals_autoregressive(method: str, kit, pro
     compiles = capsys.readouterr().err
     fresh = sorted(f"compiling {c.what} for inputs {', '.join('x'.join(map(str, d)) or 'scalar' for d in shape)}"
                    for c, shapes in compiled_shapes().items() for shape in shapes - before.get(c, frozenset()))
-    assert fresh and sorted(re.findall(r"\] (compiling .+): still running", compiles)) == fresh, (fresh, compiles)
+    # every fresh shape announced once, none announced that is not fresh; a method whose every shape an earlier
+    # method's kept session compiled (dynaspec after full, on some kits' lengths) announces nothing
+    assert sorted(re.findall(r"\] (compiling .+): still running", compiles)) == fresh, (fresh, compiles)
     assert "the target's forward" in compiles or any(c.what == "the target's forward" for c in before)
     traced.clear()
     assert len(prompts[1]) != len(prompts[0])  # every round of the second generation is at other positions
@@ -187,8 +189,10 @@ def test_one_host_read_per_round(method: str, path: str, kit, proposers, prompts
         # the routed head's CPU default (per-block views) reads the chosen clusters on the host by design; a GPU
         # runs the kernel or the torch path, which reads nothing
         monkeypatch.setattr(routed, "mode", "torch")
+    # no stop id: a sampled generation that met EOS within a few tokens (3 on a kit trained on another CPU) ran too few
+    # rounds to count
     result = generate_speculative(target, proposers[method], prompts[1], NEW_TOKENS, GAMMA, SAMPLED,
-                                  torch.Generator().manual_seed(2), tokenizer.eos_token_id, DecodeOptions(path))
+                                  torch.Generator().manual_seed(2), None, DecodeOptions(path))
     assert len(per_round) == len(result.accepted_per_round) > 3
     # the first round may warm up per-budget caches (PA-FR decides its kept rows once per budget)
     assert all(len(reads) == 1 for reads in per_round[1:]), [r for r in per_round if len(r) != 1][:2]
