@@ -121,7 +121,7 @@ def check_snapshot_blobs(name: str, commit: str, files: tuple[str, ...], cache: 
     """
     snapshot = snapshot_dir(name, commit)
     linked = sorted({f for pattern in files for f in snapshot.glob(pattern) if f.is_symlink() and f.is_file()})
-    blobs = [(f, f.resolve()) for f in linked if SHA256_NAME.fullmatch(f.resolve().name)]
+    blobs = [(f, blob) for f in linked if SHA256_NAME.fullmatch((blob := f.resolve()).name)]
     if not blobs:
         return
     cache = cache or weights_stat_cache()
@@ -133,7 +133,7 @@ def check_snapshot_blobs(name: str, commit: str, files: tuple[str, ...], cache: 
                     expected=f"bytes whose sha256 is {blob.name} (the blob's name: the hub's sha256 of that file)",
                     found=f"sha256 {digest} in {blob} (changed on disk after the download)",
                     fix=f"Download it again: `hf download {name} --revision {commit} --force-download` (or delete "
-                        f"{snapshot_dir(name, commit)} and load it again).")
+                        f"{snapshot} and load it again).")
 
 
 def _hub_error(ref: ModelRef, err: Exception, pinned: str | None = None) -> DrafterError:
