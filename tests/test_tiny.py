@@ -231,6 +231,15 @@ def test_second_build_is_a_cache_hit(tiny_kit: Any) -> None:
 REAL_RECIPE = recipe.build_into
 
 
+@pytest.fixture(scope="module")
+def small_kit(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One uninterrupted build of :func:`tests.helpers.small_kit_profile`, the reference the determinism and resume
+    tests compare their own builds with (one build fewer each)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(PROFILES, "determinism", small_kit_profile())
+        return build_kit("determinism", tmp_path_factory.mktemp("small-kit"), log=lambda _l: None)
+
+
 class CountedRecipe:
     """The real recipe, counted; ``pause`` holds it back until set, ``interrupt`` raises once it has written the
     kit into the build's temporary directory (before the build renames it into place)."""
@@ -379,16 +388,17 @@ def test_a_float32_kit_is_another_kit_built_without_autocast(tmp_path: Path, mon
 
 
 @pytest.mark.slow
-def test_build_is_deterministic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_build_is_deterministic(small_kit: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two builds of one profile give byte-identical tokenizers and weights (the profile:
     :func:`tests.helpers.small_kit_profile`)."""
     import hashlib
 
     monkeypatch.setitem(PROFILES, "determinism", small_kit_profile())
-    first, again = (build_kit("determinism", tmp_path / name, log=lambda _l: None) for name in ("a", "b"))
+    again = build_kit("determinism", tmp_path, log=lambda _l: None)
+    assert again.root != small_kit.root  # another cache: built again, not found
     for role in ROLES:
         for name in ("model.safetensors", "tokenizer.json"):
-            digests = {hashlib.sha256((kit.path(role) / name).read_bytes()).hexdigest() for kit in (first, again)}
+            digests = {hashlib.sha256((kit.path(role) / name).read_bytes()).hexdigest() for kit in (small_kit, again)}
             assert len(digests) == 1, f"{role}/{name} differs between two builds"
 
 
@@ -401,7 +411,7 @@ def _kit_digests(root: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_a_build_killed_after_the_target_answered_resumes_there_to_the_bytes_of_an_uninterrupted_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        small_kit: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A kit build killed with SIGKILL (no cleanup runs) once the target has trained and written its answers keeps
     those phases, and the next build resumes after them: every file of the kit, and the report but for its build
     time, equal an uninterrupted build's. Before, an interrupted build started again from nothing: on the default
@@ -413,7 +423,7 @@ def test_a_build_killed_after_the_target_answered_resumes_there_to_the_bytes_of_
     import time
 
     monkeypatch.setitem(PROFILES, "determinism", small_kit_profile())
-    clean = build_kit("determinism", tmp_path / "clean", log=lambda _l: None)
+    clean = small_kit
     tiny = tmp_path / "killed" / "tiny"
     kept = tiny / f".determinism-{kit_hash('determinism')}.partial"
     script = ("import sys, torch; from pipeline.tiny import PROFILES, build_kit; "

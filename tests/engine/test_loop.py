@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.engine.loop import generate_autoregressive, generate_speculative
+from pipeline.engine.loop import first_rounds, generate_autoregressive, generate_speculative
 from pipeline.engine.methods import build_proposer
 from pipeline.engine.proposers import FullHeadProposer, Proposal, ShortlistProposer
 from pipeline.engine.sampling import SamplingParams, standardise
@@ -249,16 +249,13 @@ def _target_distribution(target: torch.nn.Module, ids: list[int], params: Sampli
 def _first_token_counts(kind: str, params: SamplingParams, samples: int, fixtures: tuple) -> tuple:
     target, drafter, tied_drafter, shortlist, prompt = fixtures
     proposer = _proposer(kind, drafter, tied_drafter, shortlist)
-    generator = torch.Generator().manual_seed(42)
-    every_token = list(range(target.config.vocab_size))
     counts = torch.zeros(target.config.vocab_size, dtype=torch.float64)
     rejected = 0
-    for _ in range(samples):
-        # Treating every token as EOS ends the call after exactly one speculation round.
-        result = generate_speculative(target, proposer, prompt, 3, 2, params, generator, every_token)
-        assert len(result.accepted_per_round) == 1
-        counts[result.tokens[0]] += 1
-        rejected += result.accepted_per_round[0] == 0
+    # the loop's first round, repeated after one prefill (first_rounds; that it is the loop's first round, draw for
+    # draw, is test_every_method.py::test_first_rounds_repeat_the_loops_first_round_after_one_prefill)
+    for step in first_rounds(target, proposer, prompt, 2, params, torch.Generator().manual_seed(42), samples):
+        counts[step.emitted[0]] += 1
+        rejected += step.accepted == 0
     return counts, rejected
 
 
@@ -273,11 +270,11 @@ def _first_token_counts(kind: str, params: SamplingParams, samples: int, fixture
 def test_first_token_law_matches_target(
     kind: str, params: SamplingParams, samples: int, target, drafter, tied_drafter, shortlist, prompts
 ) -> None:
-    """Repeated one-round speculation (gamma = 2) at a fixed context through the real loop: each
+    """Repeated first rounds of speculation (gamma = 2) at a fixed context, after one prefill (``first_rounds``): each
     token's count of first emissions is within 6 sigma (Bernstein, ``conftest.assert_counts_match``) of
     samples * p, and tokens the target's top-k / top-p removed never appear. Sample sizes (1,000-2,000)
-    are in the parametrisation. Each sample is a whole loop call (~20 ms here); the verifier's own law is tested
-    at n = 200,000 in test_verify.py and in the proposer tests."""
+    are in the parametrisation. The verifier's own law is tested at n = 200,000 in test_verify.py and in the
+    proposer tests."""
     prompt = prompts[2]
     p = _target_distribution(target, prompt, params)[-1]
     counts, rejected = _first_token_counts(
