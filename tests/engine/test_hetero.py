@@ -23,7 +23,7 @@ from pipeline.engine.hetero import (
     tli_draft_distribution,
     union_draft_distribution,
 )
-from pipeline.engine.loop import generate_autoregressive, generate_speculative
+from pipeline.engine.loop import first_rounds, generate_autoregressive, generate_speculative
 from pipeline.engine.methods import build_proposer
 from pipeline.engine.sampling import SamplingParams, sample, standardise
 from pipeline.engine.session import TargetState
@@ -396,7 +396,7 @@ _CHI2_7_BOUND = 40.0
 def test_sampled_first_token_follows_the_target(
     method, target_model, copied_drafter, tok_drafter, tok_target, vmap, prompt_ids
 ) -> None:
-    """500 generations of 2 tokens at temperature 1, top-k 8 (so p has zeros): the first emitted token
+    """500 first rounds at γ = 1 after one prefill, at temperature 1, top-k 8 (so p has zeros): the first emitted token
     never has p = 0, and its counts (tokens with n·p < 5 pooled into one bin, at least three bins) give χ²
     (≤ 7 d.o.f.) below 40 against p from one plain target forward; over a tenth of the first drafts accepted and
     over a tenth rejected."""
@@ -409,11 +409,10 @@ def test_sampled_first_token_follows_the_target(
     gen = torch.Generator().manual_seed(6)
     n = 500
     firsts, accepted, rejected = [], 0, 0
-    for _ in range(n):
-        result = generate_speculative(target_model, proposer, ids, 2, 1, params, gen)
-        firsts.append(result.tokens[0])
-        accepted += result.accepted_per_round[0]
-        rejected += result.accepted_per_round[0] < result.drafted_per_round[0]
+    for step in first_rounds(target_model, proposer, ids, 1, params, gen, n):  # the loop's first round, n times
+        firsts.append(step.emitted[0])
+        accepted += step.accepted
+        rejected += step.accepted < step.drafted
     counts = torch.bincount(torch.tensor(firsts), minlength=p.numel()).to(torch.float64)
     assert counts[p == 0].sum() == 0
     big, small = n * p >= 5, (p > 0) & (n * p < 5)

@@ -155,18 +155,15 @@ def test_rounds_without_drafts_sample_from_the_target(
 
 
 def test_rounds_without_drafts_emit_the_targets_law(target, prompts) -> None:
-    """One zero-draft round per call (every token ends the sequence) at temperature 0.8, top-p 0.9: 1,000
-    first tokens within 6 sigma (Bernstein, ``conftest.assert_counts_match``) of 1000 * p, none outside
-    the nucleus."""
+    """Zero-draft first rounds after one prefill (``first_rounds``) at temperature 0.8, top-p 0.9: 1,000 first
+    tokens within 6 sigma (Bernstein, ``conftest.assert_counts_match``) of 1000 * p, none outside the nucleus."""
     params, samples = SamplingParams(temperature=0.8, top_p=0.9), 1000
     p = _target_distribution(target, prompts[0], params)[-1]
     proposer = _Fixed(Proposal([], torch.zeros(0, 300, dtype=torch.float64)))
-    generator = torch.Generator().manual_seed(5)
     counts = torch.zeros(300, dtype=torch.float64)
-    for _ in range(samples):
-        result = generate_speculative(target, proposer, prompts[0], 3, 2, params, generator, list(range(300)))
-        assert result.drafted_per_round == [0]
-        counts[result.tokens[0]] += 1
+    for step in first_rounds(target, proposer, prompts[0], 2, params, torch.Generator().manual_seed(5), samples):
+        assert step.drafted == 0
+        counts[step.emitted[0]] += 1
     assert_counts_match(counts, p, samples, "first token after a zero-draft round")
 
 
