@@ -40,7 +40,7 @@ class TinyKit:
     Attributes:
         root: The kit directory, ``<cache>/tiny/<profile>-<hash>``.
         profile: Profile name.
-        kit_hash: Content hash of the profile spec, kit code version and data identity.
+        kit_hash: Content hash of the profile spec, the kit's code and the data identity.
         report: Contents of ``report.json``: losses, top-1 probabilities, agreement, parameter
             counts, build seconds and the data report.
     """

@@ -30,10 +30,8 @@ trained weights and the target's answers, and the next build of the same kit res
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,7 +45,7 @@ from pipeline.progress import heartbeat
 from pipeline.staged import staged_about, staged_ok, write_staged, write_staged_json
 from pipeline.tiny import corpus
 from pipeline.tiny.crossvocab import aligned_agreement, aligned_distill_loss, aligned_rows, shared_tokens
-from pipeline.tiny.spec import ProfileSpec
+from pipeline.tiny.spec import ProfileSpec, kit_code_digest
 from pipeline.tiny.text_tokenizers import byte_tokenizer, train_tokenizer
 from pipeline.tiny.train import (
     build_model,
@@ -124,24 +122,19 @@ def _save(model: Any, tokenizer: Any, out_dir: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-_RECIPE_MODULES = ("pipeline.data.sources", "pipeline.tiny.corpus", "pipeline.tiny.crossvocab", "pipeline.tiny.spec",
-                   "pipeline.tiny.text_tokenizers", "pipeline.tiny.train")
 PHASES = ("target", "answers", "drafter", "drafter_other", "drafter_bytes")
 """What a build keeps as it goes, in order: each model's trained weights, and the target's answers."""
 
 
 def _conditions(bf16: bool) -> dict:
     """What a kit's bytes depend on beyond its recipe (which names the kit's directory): the libraries, torch's
-    threads (the kernels' summation order), mixed precision, and the code the recipe runs (this module and the
-    modules it draws data, tokenizers and training from; not the build's bookkeeping)."""
+    threads (the kernels' summation order), mixed precision, and the code the recipe runs
+    (:func:`~pipeline.tiny.spec.kit_code_digest`, also in the kit's hash)."""
     import tokenizers
     import transformers
 
-    code = hashlib.sha256()
-    for name in (__name__, *_RECIPE_MODULES):  # imported with this module
-        code.update(name.encode() + b"\0" + Path(sys.modules[name].__file__).read_bytes())
     return {"torch": torch.__version__, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-            "threads": torch.get_num_threads(), "bf16": bf16, "code": code.hexdigest()}
+            "threads": torch.get_num_threads(), "bf16": bf16, "code": kit_code_digest()}
 
 
 class Phases:

@@ -1,24 +1,33 @@
 """Build profiles of the tiny-model kit, its content hash, and where kits are cached.
 
 A profile fixes everything a build does (data, tokenizer sizes, model sizes, step counts, seeds), so a
-kit is a pure function of (profile spec, kit code version, packaged data identity); :func:`kit_hash`
-hashes exactly that, and kits live under ``<cache>/tiny/<profile>-<hash>``. Bump
-:data:`KIT_CODE_VERSION` whenever a change to the kit's code changes what a build produces.
+kit is a pure function of (profile spec, the kit's code, packaged data identity); :func:`kit_hash`
+hashes exactly that, and kits live under ``<cache>/tiny/<profile>-<hash>``. The code enters as a digest of
+:data:`KIT_CODE_MODULES` without their docstrings and comments (:func:`kit_code_digest`): any change to what a
+build runs names another kit, so a kit cached by older code is never taken for the new one, and an edit to the
+prose alone keeps the cached kit.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.data.sources import SHAREGPT_PACKAGE, SHAREGPT_RESOURCE
 from pipeline.errors import DrafterError
 
-# 3: the byte-level drafter (role drafter_bytes). 4: bfloat16 autocast where the CPU has native bf16.
-KIT_CODE_VERSION = "4"
+KIT_CODE_MODULES = ("pipeline.data.records", "pipeline.data.sources", "pipeline.tiny.corpus", "pipeline.tiny.crossvocab",
+                    "pipeline.tiny.recipe", "pipeline.tiny.spec", "pipeline.tiny.text_tokenizers", "pipeline.tiny.train",
+                    "pipeline.vocab.tokens")
+"""The code a build runs: the recipe and the modules it draws data, tokenizers, training and token meanings from
+(not the cache's bookkeeping in :mod:`pipeline.tiny.build`)."""
 ROLES = ("target", "drafter", "drafter_other", "drafter_bytes")
 ROLE_TOKENIZERS = {"target": "bytelevel", "drafter": "bytelevel", "drafter_other": "metaspace",
                    "drafter_bytes": "bytes"}
@@ -193,13 +202,37 @@ def data_identity() -> dict[str, str | int]:
     return identity
 
 
+class _NoProse(ast.NodeTransformer):
+    """Drops every statement that is a bare string (docstrings, attribute notes); comments never reach the tree."""
+
+    def visit_Expr(self, node: ast.Expr) -> ast.Expr | None:
+        return None if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str) else node
+
+
+def code_without_prose(source: str) -> str:
+    """The syntax tree of ``source`` without its docstrings and comments, as text: equal for two sources that differ
+    in prose and layout alone."""
+    return ast.dump(_NoProse().visit(ast.parse(source)))
+
+
+@functools.cache
+def kit_code_digest() -> str:
+    """sha256 of :data:`KIT_CODE_MODULES`' code without prose (:func:`code_without_prose`), read from their files
+    (nothing is imported: the recipe pulls in torch)."""
+    digest = hashlib.sha256()
+    for name in KIT_CODE_MODULES:
+        origin = importlib.util.find_spec(name).origin
+        digest.update(name.encode() + b"\0" + code_without_prose(Path(origin).read_text(encoding="utf-8")).encode())
+    return digest.hexdigest()
+
+
 def kit_hash(profile: str) -> str:
-    """Content hash of (profile spec, kit code version, packaged data identity), 12 hex characters.
+    """Content hash of (profile spec, the kit's code digest, packaged data identity), 12 hex characters.
 
     Raises:
         DrafterError: Unknown profile.
     """
     spec = get_profile(profile)
-    payload = {"spec": dataclasses.asdict(spec), "code": KIT_CODE_VERSION, "data": data_identity()}
+    payload = {"spec": dataclasses.asdict(spec), "code": kit_code_digest(), "data": data_identity()}
     blob = json.dumps(payload, sort_keys=True).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:12]
