@@ -19,6 +19,11 @@ import pytest
 # at each parallel region's end for up to ~1 ms, on a machine whose cores the other workers want. Measured over
 # tests/test_faults.py, test_stages.py and test_dag.py with three workers: 159 s against 167 (two runs each).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Hugging Face tokenizers encode a batch on a thread pool of their own unless this says false (read at each call). The
+# xdist workers already fill the cores, and the batches the engine encodes are small (SLEM's and SLRS's drafted
+# strings, tens to hundreds of short texts): measured under a running test suite on the 2-core CI machine, a batch of
+# ten took 585 us on the pool and 210 us without it. Tests of the encoding's results are unaffected (the same ids).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # --- tiny-model kit --------------------------------------------------------------------------------
 # The `test` profile of the tiny-model kit (two tokenizers, a trained tiny target, two distilled
@@ -86,26 +91,71 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # --- order of the test files, and the kit built beside them under xdist ----------------------------
 # Under xdist (--dist loadfile --no-loadscope-reorder, pyproject.toml) the workers take whole files in the
 # order below: first the files that never touch the tiny kit, while the controller builds the kit in a
-# background process (pytest_sessionstart), then the kit's users. Within each group the heavier files go
-# first (tests marked slow or slurm weigh as 50 ordinary ones), so the last files handed out are short
-# ones and neither worker idles at the end while the other finishes a long one. Before, both workers
-# reached a kit test first and one waited the whole build (~4 min) on the other.
+# background process (pytest_sessionstart), then the kit's users (one group when the kit is already built).
+# Before, both workers reached a kit test first and one waited the whole build (~4 min) on the other.
+# Within each group the longest files go first
+# (their seconds in the last recorded run, FILE_SECONDS), so the last files handed out are short and no
+# worker idles at the end while another finishes a long one: ordered by test count instead, a worker
+# finished a 4-minute file alone. A file the record lacks is estimated from its tests (slow or slurm ones
+# at _HEAVY seconds, others at one). Record again after adding or much changing tests:
+#     DRAFTER_RECORD_FILE_SECONDS=1 make test
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
 _HEAVY = 50
 _PREBUILD = pytest.StashKey[subprocess.Popen]()
 
 
-def _files_in_run_order(items: list[pytest.Item]) -> list[pytest.Item]:
+def _recorded_seconds() -> dict[str, float]:
+    import json
+
+    try:
+        return {str(k): float(v) for k, v in json.loads(FILE_SECONDS.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}  # no record (or not one we can read): the estimate orders every file
+
+
+def _files_in_run_order(items: list[pytest.Item], recorded: dict[str, float] | None = None,
+                        kit_built: bool | None = None) -> list[pytest.Item]:
+    """``items`` file by file in run order; ``recorded`` (default: FILE_SECONDS) and ``kit_built`` (default: whether
+    the `test` kit is in the cache; then nothing waits for it and the kit's users need not go last) for tests."""
     by_file: dict[str, list[pytest.Item]] = {}
     for item in items:
         by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    seconds = _recorded_seconds() if recorded is None else recorded
+    if kit_built is None:
+        from pipeline.tiny import kit_status  # deferred: pulls in the kit's code
 
-    def key(name: str) -> tuple[bool, int, str]:
+        kit_built = kit_status("test")[2]
+
+    def key(name: str) -> tuple[bool, float, str]:
         tests = by_file[name]
         kit = any("tiny_kit" in getattr(t, "fixturenames", ()) for t in tests)
-        weight = sum(_HEAVY if t.get_closest_marker("slow") or t.get_closest_marker("slurm") else 1 for t in tests)
-        return kit, -weight, name
+        estimate = sum(_HEAVY if t.get_closest_marker("slow") or t.get_closest_marker("slurm") else 1 for t in tests)
+        return kit and not kit_built, -seconds.get(name, estimate), name
 
     return [item for name in sorted(by_file, key=key) for item in by_file[name]]
+
+
+_RECORDED: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With DRAFTER_RECORD_FILE_SECONDS set, sum each file's setup, call and teardown seconds (under xdist the
+    controller gets every worker's reports and writes the sums)."""
+    if os.environ.get("DRAFTER_RECORD_FILE_SECONDS"):
+        name = report.nodeid.split("::", 1)[0]
+        _RECORDED[name] = _RECORDED.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Write the recorded sums into FILE_SECONDS (atomically; files this run did not run keep their record) when the
+    whole run passed; a worker writes nothing."""
+    import json
+
+    if _RECORDED and exitstatus == 0 and not hasattr(session.config, "workerinput"):
+        merged = _recorded_seconds() | {k: round(v, 1) for k, v in _RECORDED.items()}
+        part = FILE_SECONDS.with_suffix(".json.partial")
+        part.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
+        part.replace(FILE_SECONDS)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

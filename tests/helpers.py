@@ -80,14 +80,17 @@ TIMED_ROW_FIELDS = ("tokens_per_s", "speedup", "predicted_speedup", "ttft_ms", "
 
 def small_kit_profile() -> Any:
     """The `test` kit profile with a twentieth of its data and steps, named `determinism`: the same code path
-    (tokenizers, every model's training, the target's answers, mixed precision) in ~10 s per build instead of
-    ~2.5 min. Register it in ``pipeline.tiny.PROFILES`` (a subprocess too) to build it."""
+    (tokenizers, every model's training, the target's answers, the held-out measures, mixed precision) in ~10 s per
+    build on a quiet machine instead of ~2.5 min. Register it in ``pipeline.tiny.PROFILES`` (a subprocess too) to build
+    it. Its target answers with half the test kit's new tokens and it is measured on a fifth of the held-out chats:
+    under a running test suite those two phases took 17 of its 37 s at the test kit's lengths."""
     import dataclasses
 
     from pipeline.tiny import PROFILES
 
-    return dataclasses.replace(PROFILES["test"], name="determinism", train_conversations=75, target_steps=40,
-                               drafter_steps=25, other_steps=40, byte_steps=25, gen_prompts=8)
+    return dataclasses.replace(PROFILES["test"], name="determinism", train_conversations=75, eval_conversations=12,
+                               target_steps=40, drafter_steps=25, other_steps=40, byte_steps=25, gen_prompts=8,
+                               gen_new_tokens=32)
 
 
 DEVICE_METHODS = ("full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "pruned", "rdk", "rdk_taylor", "rdk_prior",
@@ -95,6 +98,15 @@ DEVICE_METHODS = ("full", "shortlist", "pa_fr", "dynaspec", "dynaspec_pa", "prun
 """Methods whose drafts stay on the device (the others read their text: string-level and cross-tokenizer): the ones
 the static decode path runs; and DFlash with its own draft-vocabulary head (``tests/engine``'s ``proposers`` fixture's
 ``dflash_draft_head``)."""
+STATIC_FAMILIES = ("full", "dynaspec", "eagle3", "dflash", "dflash_draft_head")
+"""One device-drafting method per way of drafting on the static path, where the static-path law tests run: a drafter
+session under the full head and under the routed head (a fixed-capacity shortlist chosen on the device), EAGLE-3's
+chain, DFlash's block under the target's head and under its own. What the static path changes is where the caches live
+(the target's session, the drafter session :class:`~pipeline.engine.proposers.SessionProposer` prepares for every
+other device method, EAGLE-3's and DFlash's own buffers); the heads that turn a drafter row into ``q`` (shortlists,
+PA budgets, RDK) are the eager path's code, whose law every method is tested under on the eager path
+(``test_every_method.py``, ``test_position_law.py``), and every device method decodes greedily to the autoregressive
+tokens on the static path (``test_static_decode.py``)."""
 
 
 # --- evaluation results without decoding (the report and the gates) ---

@@ -187,12 +187,12 @@ def test_q_is_the_routed_law_from_scratch(kit, method: str, head: str) -> None:
 def test_greedy_equals_autoregressive(kit, method: str, head: str) -> None:
     """Every prompt, 40 new tokens, γ 1, 3 and 5: greedy speculative output is the autoregressive output
     token for token, with drafts accepted and rejected; shortlist sizes follow the budget per position.
-    Through the interpreted kernel (slow): DynaSpec-PA, whose budget changes k at every position, γ 5 on two
-    prompts."""
+    Through the interpreted kernel (slow): DynaSpec-PA, whose budget changes k at every position, γ 5 on one
+    prompt (``test_q_is_the_routed_law_from_scratch`` checks the kernel's every q row over two more generations)."""
     proposer = _proposer(kit, method, head)
     results = []
     for gamma in (5,) if head == "kernel" else (1, 3, 5):
-        for prompt in kit["prompts"][:2] if head == "kernel" else kit["prompts"]:
+        for prompt in kit["prompts"][:1] if head == "kernel" else kit["prompts"]:
             ar = generate_autoregressive(kit["target"], prompt, 40, GREEDY, torch.Generator())
             spec = generate_speculative(kit["target"], proposer, prompt, 40, gamma, GREEDY, torch.Generator())
             assert spec.tokens == ar.tokens, (method, gamma, prompt)
@@ -203,7 +203,7 @@ def test_greedy_equals_autoregressive(kit, method: str, head: str) -> None:
     assert len(sizes) == 5 and proposer.head_stats.ms_per_step() > 0
     if head == "kernel":  # the shortlist sizes are the valid lengths the kernel left on the device
         auto = _proposer(kit, method)
-        for prompt in kit["prompts"][:2]:
+        for prompt in kit["prompts"][:1]:
             generate_speculative(kit["target"], auto, prompt, 40, 5, GREEDY, torch.Generator())
         assert sizes == auto.head_stats.per_position()
     if method == "pa_fr":  # K_fr = 256, 256, 85, 64, 51 (+ EOS when it ranks below)
@@ -232,14 +232,16 @@ def _real_case(kit: dict[str, Any], proposer: Any, params: SamplingParams) -> tu
     raise AssertionError("no context exercises every path of the verifier")
 
 
-@pytest.mark.parametrize(("method", "head"), [("dynaspec_pa", "auto"), ("pa_fr", "auto"), kernel_case("dynaspec_pa")])
+@pytest.mark.parametrize(("method", "head"), [("dynaspec_pa", "auto"), ("pa_fr", "auto")])
 def test_verify_level_output_law_and_acceptance_law(kit, method: str, head: str) -> None:
     """Speculative sampling with the real rows of one γ = 3 proposal (temperature 1): over n = 200,000
     blocks (x_i ~ q_i, verified by verify_speculative), the first emitted token follows p_0 — including the
     tokens off the routed shortlist, emitted only through the residual — and the accepted count k follows
     [1-a0, a0(1-a1), a0 a1 (1-a2), a0 a1 a2], a_i = Σ min(p_i, q_i) (Leviathan et al. 2023, Thm. 3.5).
     Bound per outcome: Bernstein at e^-18 per side, |count - nπ| <= 6 + 6 sqrt(1 + nπ(1-π))
-    (conftest.assert_counts_match); a zero-probability outcome must never occur."""
+    (conftest.assert_counts_match); a zero-probability outcome must never occur. The law given (p, q) does not
+    depend on how q was computed: the interpreted kernel's rows are the torch path's to 1e-9 in
+    ``test_q_is_the_routed_law_from_scratch``, so the kernel does not run these 200,000 blocks again."""
     p, q = _real_case(kit, _proposer(kit, method, head), SamplingParams(temperature=1.0))
     gen = torch.Generator().manual_seed(5)
     n = 200_000

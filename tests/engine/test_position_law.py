@@ -1,4 +1,5 @@
-"""Every emitted position follows the target's law, for every method, on the eager and the static path.
+"""Every emitted position follows the target's law, for every method on the eager path, and on the static path for one
+method of each way it drafts (``tests.helpers.STATIC_FAMILIES``).
 
 The first-token tests (``test_every_method.py``, ``test_static_decode.py``) bin one position's draws. These decode
 whole sampled generations and test every position through :mod:`pipeline.evaluation.position_law`: each token's
@@ -31,7 +32,7 @@ from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.static import DecodeOptions
 from pipeline.engine.verify import verify_speculative
 from pipeline.evaluation.position_law import Decode, _grouped, position_law, round_offsets, sampled_decodes
-from tests.helpers import DEVICE_METHODS
+from tests.helpers import STATIC_FAMILIES
 
 GAMMA = 4
 GENERATIONS = 40
@@ -81,7 +82,7 @@ def test_every_position_follows_the_targets_nucleus_law(method: str, kit, propos
     assert_lossless(kit, decode(kit, proposers[method], prompt, NUCLEUS), NUCLEUS, method)
 
 
-@pytest.mark.parametrize("method", DEVICE_METHODS)
+@pytest.mark.parametrize("method", STATIC_FAMILIES)
 def test_every_position_follows_the_targets_law_on_the_static_path(method: str, kit, proposers, prompt) -> None:
     assert_lossless(kit, decode(kit, proposers[method], prompt, T1, DecodeOptions("static")), T1, method)
 

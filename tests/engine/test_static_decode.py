@@ -13,7 +13,9 @@ device → host read per round — checked on the CPU with the trained tiny kit.
   method whose drafts stay on the device, on both paths.
 * **Same law.** ``first_rounds`` on the static path emits the target's p at temperature 1 (chi-square over 300
   draws per method, pooled tail, at least three bins, fails below p = 1e-4), with first
-  drafts both accepted and rejected (a round that drafted nothing counts as neither).
+  drafts both accepted and rejected (a round that drafted nothing counts as neither), for one method of each way the
+  static path drafts (``tests.helpers.STATIC_FAMILIES``, which says why that covers the rest); every emitted position
+  of those on the static path: ``test_position_law.py``.
 
 The CUDA half (graphs captured for real, ``torch.cuda.set_sync_debug_mode("error")`` around the rounds) is in
 ``tests/engine/test_cuda.py``.
@@ -38,7 +40,7 @@ from pipeline.engine.methods import METHOD_NAMES
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.static import GRAPH_COMPILE, Compiled, DecodeOptions, StaticSession, resolve_path
 from pipeline.errors import DrafterError
-from tests.helpers import DEVICE_METHODS, compiled_shapes, first_token_law
+from tests.helpers import DEVICE_METHODS, STATIC_FAMILIES, compiled_shapes, first_token_law
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
@@ -208,7 +210,7 @@ def test_autoregressive_reads_the_host_once_per_token_and_once_for_its_checks(ki
     assert len(result.tokens) == 12 and len(mode.reads) == 12 + 1
 
 
-@pytest.mark.parametrize("method", DEVICE_METHODS)
+@pytest.mark.parametrize("method", STATIC_FAMILIES)
 def test_first_token_law_on_the_static_path(method: str, kit, proposers, prompts) -> None:
     target, _ = kit["target"]
     pvalue, bins, accepted, rejected = first_token_law(target, proposers[method], prompts[0], GAMMA,
