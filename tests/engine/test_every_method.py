@@ -123,10 +123,17 @@ def test_slrs_without_shared_specials_on_a_bos_only_prompt(setting: str, kit, ca
 
 
 NO_FIRST_ACCEPT_AT_T1 = {"slem_bytes"}
-"""Methods whose first draft the target never accepts in the 300 sampled first rounds below: the untrained byte
+"""Methods whose first draft the target never accepted in 300 sampled first rounds at temperature 1: the untrained byte
 drafter's strings never spell the token the target samples there. It verifies by exact match, so its first token is
 the target's own sample whichever branch runs; the exact-match accept branch's law is tested in
 ``test_verify.py::test_exact_match_verification``, and in the real loop at a lower temperature below."""
+
+
+BYTE_TRIES = {"slrs", "slem_bytes"}
+"""Methods whose sampled first-round law is left to the evaluate stage's own check in ``tests/test_evaluate.py``
+(``first_rounds`` at temperature 1, 400 draws, the same chi-square; for SLEM on bytes also the lower-temperature test
+below): a first round costs them a byte trie or a byte-by-byte string, about ten times another method's, and the
+engine test repeated that check at 300 draws. Their every emitted position: ``test_position_law.py``."""
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)
@@ -135,7 +142,7 @@ def test_first_rounds_repeat_the_loops_first_round_after_one_prefill(kit, propos
     cropped back and the proposer re-syncs to the context each time. Greedy, every draw must emit exactly what the
     decode loop's first round emits, and the proposer must draft in every round it drafts in the loop; at
     temperature 1 the first tokens are samples of the target's p (chi-square over 300 draws, pooled tail, at least
-    three bins, fails below p = 1e-4), with first drafts both accepted and rejected."""
+    three bins, fails below p = 1e-4), with first drafts both accepted and rejected (but for :data:`BYTE_TRIES`)."""
     from pipeline.engine.loop import first_rounds
 
     target, _ = kit["target"]
@@ -147,10 +154,12 @@ def test_first_rounds_repeat_the_loops_first_round_after_one_prefill(kit, propos
                           torch.Generator().manual_seed(0), 3)
     assert [r.emitted for r in rounds] == [first] * 3
     assert [r.drafted for r in rounds] == [loop.drafted_per_round[0]] * 3
+    if method in BYTE_TRIES:
+        return
     pvalue, bins, accepted, rejected = first_token_law(target, proposers[method], prompt, GAMMA, SETTINGS["t1"])
     # three bins or more (one tests nothing), and both verification branches taken: accepted and rejected drafts
     assert bins >= 3 and pvalue >= 1e-4, (method, pvalue, bins)
-    assert (0 if method in NO_FIRST_ACCEPT_AT_T1 else 1) <= accepted and rejected > 0, (method, accepted, rejected)
+    assert accepted > 0 and rejected > 0, (method, accepted, rejected)
 
 
 REPEATED = "def add(a, b):\n    return a + b\n\n" * 4 + "def add(a, b):\n    return"
