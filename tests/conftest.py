@@ -93,9 +93,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # order below: first the files that never touch the tiny kit, while the controller builds the kit in a
 # background process (pytest_sessionstart), then the kit's users (one group when the kit is already built).
 # Before, both workers reached a kit test first and one waited the whole build (~4 min) on the other.
-# Within each group the longest files go first
-# (their seconds in the last recorded run, FILE_SECONDS), so the last files handed out are short and no
-# worker idles at the end while another finishes a long one: ordered by test count instead, a worker
+# Within each group the longest files go first (their seconds in the last recorded run, FILE_SECONDS), so
+# the last files handed out are short and no worker idles at the end while another finishes a long one: ordered by test count instead, a worker
 # finished a 4-minute file alone. A file the record lacks is estimated from its tests (slow or slurm ones
 # at _HEAVY seconds, others at one). Record again after adding or much changing tests:
 #     DRAFTER_RECORD_FILE_SECONDS=1 make test

@@ -40,8 +40,10 @@ def _pipeline_imports(module: str) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("pipeline")}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeline"):
-            names = [f"{node.module}.{a.name}" for a in node.names]
-            found |= {n for n in names if importlib.util.find_spec(n)} if node.module == "pipeline.tiny" else {node.module}
+            if node.module == "pipeline.tiny":  # the package's submodules by name, its other names are not modules
+                found |= {n for n in (f"{node.module}.{a.name}" for a in node.names) if importlib.util.find_spec(n)}
+            else:
+                found.add(node.module)
     return found
 
 

@@ -1,6 +1,7 @@
 """The order the test files run in under xdist (tests/conftest.py): the files that never touch the tiny kit first,
-while the kit builds beside them (one group when it is built already); within each group the longest first, by the seconds last recorded for each file
-(tests/file_seconds.json), a file without a record estimated from its tests."""
+while the kit builds beside them (one group when it is built already); within each group the longest
+first, by the seconds last recorded for each file (tests/file_seconds.json), a file without a record estimated from
+its tests."""
 
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ def test_kit_free_files_first_then_the_longest_recorded_first() -> None:
     items = [item("a.py", kit=True), item("b.py"), item("c.py"), item("d.py", kit=True), item("e.py"),
              item("e.py"), item("e.py"), item("f.py", slow=True)]
     recorded = {"a.py": 30.0, "b.py": 5.0, "c.py": 200.0, "d.py": 90.0}
+
+    def order(seconds: dict[str, float], kit_built: bool) -> list[str]:
+        return files(conftest._files_in_run_order(items, seconds, kit_built))
+
     # e.py has no record (three ordinary tests: 3 s), f.py neither (one slow test: the heavy estimate, 50 s)
-    assert files(conftest._files_in_run_order(items, recorded, False)) == ["c.py", "f.py", "b.py", "e.py", "d.py", "a.py"]
+    assert order(recorded, False) == ["c.py", "f.py", "b.py", "e.py", "d.py", "a.py"]
     # without a record every file is estimated: e.py's three tests now outweigh b.py's and c.py's one
-    assert files(conftest._files_in_run_order(items, {}, False)) == ["f.py", "e.py", "b.py", "c.py", "a.py", "d.py"]
+    assert order({}, False) == ["f.py", "e.py", "b.py", "c.py", "a.py", "d.py"]
     assert sorted(map(id, conftest._files_in_run_order(items, recorded, False))) == sorted(map(id, items))  # all, once
     # with the kit already built nothing waits for it: one group, longest first
-    assert files(conftest._files_in_run_order(items, recorded, True)) == ["c.py", "d.py", "f.py", "a.py", "b.py", "e.py"]
+    assert order(recorded, True) == ["c.py", "d.py", "f.py", "a.py", "b.py", "e.py"]
 
 
 def test_the_record_is_read_and_an_unreadable_one_orders_by_estimate(tmp_path: Path,

@@ -23,9 +23,9 @@ from pathlib import Path
 from pipeline.data.sources import SHAREGPT_PACKAGE, SHAREGPT_RESOURCE
 from pipeline.errors import DrafterError
 
-KIT_CODE_MODULES = ("pipeline.data.records", "pipeline.data.sources", "pipeline.tiny.corpus", "pipeline.tiny.crossvocab",
-                    "pipeline.tiny.recipe", "pipeline.tiny.spec", "pipeline.tiny.text_tokenizers", "pipeline.tiny.train",
-                    "pipeline.vocab.tokens")
+KIT_CODE_MODULES = ("pipeline.data.records", "pipeline.data.sources", "pipeline.tiny.corpus",
+                    "pipeline.tiny.crossvocab", "pipeline.tiny.recipe", "pipeline.tiny.spec",
+                    "pipeline.tiny.text_tokenizers", "pipeline.tiny.train", "pipeline.vocab.tokens")
 """The code a build runs: the recipe and the modules it draws data, tokenizers, training and token meanings from
 (not the cache's bookkeeping in :mod:`pipeline.tiny.build`)."""
 ROLES = ("target", "drafter", "drafter_other", "drafter_bytes")

@@ -132,8 +132,9 @@ the target's own sample whichever branch runs; the exact-match accept branch's l
 BYTE_TRIES = {"slrs", "slem_bytes"}
 """Methods whose sampled first-round law is left to the evaluate stage's own check in ``tests/test_evaluate.py``
 (``first_rounds`` at temperature 1, 400 draws, the same chi-square, SLRS's trie there 3 bytes deep and wide; for SLEM
-on bytes also the lower-temperature test below): a first round costs them a byte trie or a byte-by-byte string, about ten times another method's, and the
-engine test repeated that check at 300 draws. Their every emitted position: ``test_position_law.py``."""
+on bytes also the lower-temperature test below): a first round costs them a byte trie or a byte-by-byte string,
+about ten times another method's, and the engine test repeated that check at 300 draws. Their every emitted position:
+``test_position_law.py``."""
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)

@@ -46,8 +46,8 @@ GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
 GAMMA = 4
 NEW_TOKENS = 20
-GRAPH_METHODS = ("full", "dynaspec", "eagle3", "dflash", "dflash_draft_head")
-"""One method per drafter family, traced whole on path graphs (tracing every method would take minutes)."""
+GRAPH_METHODS = STATIC_FAMILIES
+"""Traced whole on path graphs: one method per way of drafting (tracing every method would take minutes)."""
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
