@@ -7,16 +7,18 @@ pulls in do not match that torch and break ``import transformers``) is built onc
 ``$DRAFTER_TOOLS/speculators-0.9.0/`` (default ``~/.cache/drafter-pipeline-tools``, never inside the artifact
 cache: see tests/tool_envs.py); a stamp written after the last step marks it complete, so an
 interrupted build is redone. It is built with the uv ``make setup`` installs where present (measured here,
-2 busy cores: 68 s), else pip (pip cache warm: 116-174 s); both tests then ~50 s. If it cannot be built the
-tests fail, saying why: they are never skipped.
+2 busy cores: 68 s), else pip (pip cache warm: 116-174 s); the tests then take ~30 s together. If it cannot be
+built the tests fail, saying why: they are never skipped.
 
-Each test writes a small random-weight drafter and its target (``save_pretrained``: speculators reads the
-verifier's config, lm_head and final norm from ``speculators_config.verifier.name_or_path``), feeds fixed token ids and 3H
-features through speculators' own ``Eagle3DraftModel.forward`` (3 unrolled steps, its default attention:
-flex attention with a block mask, which needs the sequence length to be a multiple of 128 once extended
-for later steps) in a subprocess, and compares what its ``lm_head`` and final ``norm`` see, step by step,
-with :class:`Eagle3Drafter` over a :class:`TTTCache` on the same inputs. speculators' forward returns only
-argmax ids, so the per-step logits and pre-norm hidden states are taken with forward hooks.
+The EAGLE-3 tests write a small random-weight drafter and its target (``save_pretrained``: speculators reads the
+verifier's config, lm_head and final norm from ``speculators_config.verifier.name_or_path``), feed fixed token ids
+and 3H features through speculators' own ``Eagle3DraftModel.forward`` (3 unrolled steps, its default attention: flex
+attention with a block mask, which needs the sequence length to be a multiple of 128 once extended for later steps),
+and compare what its ``lm_head`` and final ``norm`` see, step by step, with :class:`Eagle3Drafter` over a
+:class:`TTTCache` on the same inputs. speculators' forward returns only argmax ids, so the per-step logits and
+pre-norm hidden states are taken with forward hooks. Every test's export is read by one interpreter in the venv
+(:data:`DRIVER`; importing speculators costs ~13 CPU-seconds a process here), and what speculators raises on one
+export fails that export's test alone, with its traceback.
 
 Tolerance: float32, ``atol = rtol = 1e-5`` on logits of size ~2. Both sides compute the same float32 graph
 with different kernels (flex attention vs our explicit softmax over the unrolled steps), so they differ by
@@ -97,6 +99,23 @@ print(json.dumps({"attn_implementation": model._attn_impl,
                   "norm_before_residual": model.config.norm_before_residual,
                   "torch": version("torch"), "transformers": version("transformers"),
                   "speculators": version("speculators")}))
+'''
+
+# Runs inside the speculators venv: every job of the JSON list argv[1] ({name, script, args}) in this one interpreter
+# as its own ``__main__`` with its own argv, its stdout captured; argv[2] gets, by name, the stdout or the traceback.
+DRIVER = r'''
+import contextlib, io, json, runpy, sys, traceback
+jobs_path, report_path = sys.argv[1:3]
+jobs, report = json.load(open(jobs_path)), {}
+for job in jobs:
+    sys.argv, out = [job["script"], *job["args"]], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(job["script"], run_name="__main__")
+        report[job["name"]] = {"stdout": out.getvalue()}
+    except BaseException:
+        report[job["name"]] = {"error": traceback.format_exc()[-4000:]}
+json.dump(report, open(report_path, "w"))
 '''
 
 
@@ -193,9 +212,10 @@ def speculators_python() -> Path:
 
 # --- the drafter and the comparison ----------------------------------------------------------------
 
-@pytest.fixture
-def setup(tmp_path: Path) -> tuple[Eagle3Drafter, LlamaConfig, Path, dict[str, torch.Tensor]]:
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Eagle3Drafter, LlamaConfig, Path, dict[str, torch.Tensor]]:
     """A random 3-layer Llama target saved for speculators, a random drafter on its embedding, inputs."""
+    tmp_path = tmp_path_factory.mktemp("eagle3")
     torch.manual_seed(0)
     target_config = LlamaConfig(hidden_size=H, intermediate_size=88, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=8, num_hidden_layers=3, vocab_size=V, rms_norm_eps=1e-6,
@@ -231,17 +251,6 @@ def ours(drafter: Eagle3Drafter, inputs: dict[str, torch.Tensor]) -> tuple[list,
     return logits, pre_norm
 
 
-def run_speculators(python: Path, mode: str, model_dir: Path, verifier: Path, inputs: dict[str, torch.Tensor],
-                    work: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    save_file({k: v.contiguous() for k, v in inputs.items()}, str(work / "inputs.safetensors"))
-    (work / "script.py").write_text(SCRIPT)
-    cmd = [str(python), str(work / "script.py"), mode, str(model_dir), str(verifier),
-           str(work / "inputs.safetensors"), str(work / "outputs.safetensors"), str(work / "converted")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_clean_env(), cwd=work)
-    assert done.returncode == 0, f"speculators could not load/run the export:\n{done.stderr[-4000:]}"
-    return load_file(work / "outputs.safetensors"), json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def compare(drafter: Eagle3Drafter, inputs: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
     logits, pre_norm = ours(drafter, inputs)
     for s in range(STEPS):
@@ -256,22 +265,20 @@ def compare(drafter: Eagle3Drafter, inputs: dict[str, torch.Tensor], theirs: dic
         assert torch.equal(theirs["state." + key], state[key.replace("layers.0.", "midlayer.")]), key
 
 
-def test_speculators_loads_and_runs_our_speculators_export(speculators_python: Path, setup, tmp_path: Path) -> None:
-    drafter, target_config, target_dir, inputs = setup
-    out = export_speculators(drafter, tmp_path / "spec", target_model=str(target_dir), target_config=target_config)
-    theirs, info = run_speculators(speculators_python, "load", out, target_dir, inputs, tmp_path)
+def test_speculators_loads_and_runs_our_speculators_export(read, setup) -> None:
+    drafter, _, _, inputs = setup
+    theirs, info = read("eagle3-speculators")
     assert info["speculators"] == "0.9.0" and info["attn_implementation"] == "simple_flex_attention"
     assert info["aux_layer_ids"] == [0, 1, 2] and info["norm_before_residual"] is False
     compare(drafter, inputs, theirs)
 
 
-def test_speculators_converts_and_runs_our_eagle3_export(speculators_python: Path, setup, tmp_path: Path) -> None:
+def test_speculators_converts_and_runs_our_eagle3_export(read, setup) -> None:
     """speculators' Eagle3Converter reads the EAGLE-3 layout (config.json fields incl. the legacy
     rope_theta, midlayer.* weights, t2d for the target vocabulary) as it reads EAGLE-repo checkpoints.
     The script then makes speculators take the embedding from the verifier explicitly (see SCRIPT)."""
-    drafter, target_config, target_dir, inputs = setup
-    out = export_eagle3(drafter, tmp_path / "eagle3", target_model=str(target_dir), target_config=target_config)
-    theirs, info = run_speculators(speculators_python, "convert", out, target_dir, inputs, tmp_path)
+    drafter, _, _, inputs = setup
+    theirs, info = read("eagle3-reference")
     assert info["speculators"] == "0.9.0" and info["aux_layer_ids"] == [0, 1, 2]
     compare(drafter, inputs, theirs)
 
@@ -320,14 +327,15 @@ print(json.dumps({"aux_hidden_state_layer_ids": list(model.target_layer_ids), "b
 DFLASH_T, DFLASH_BLOCK, DFLASH_ANCHORS = 64, 4, (3, 20, 33, 50)
 
 
-@pytest.fixture
-def dflash_setup(tmp_path: Path):
+@pytest.fixture(scope="module")
+def dflash_setup(tmp_path_factory: pytest.TempPathFactory):
     """A random 4-layer Llama target saved for speculators, a random 2-layer DFlash drafter on its embedding and
     head (norms not ones; its own attention and MLP widths, 8 query heads, 4 key/value heads and 56, where the target
     has 4, 2 and 88, so the consumer must read the drafter's shape from its config), features of its tapped layers and the anchors
     of four blocks."""
     from pipeline.drafters.dflash import DFlashConfig, DFlashDrafter
 
+    tmp_path = tmp_path_factory.mktemp("dflash")
     torch.manual_seed(0)
     target_config = LlamaConfig(hidden_size=H, intermediate_size=88, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=8, num_hidden_layers=4, vocab_size=V, rms_norm_eps=1e-6,
@@ -364,11 +372,13 @@ def dflash_ours(drafter, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
         return hidden, drafter.logits(hidden)
 
 
-def draft_head_variant(drafter, target):
-    """The same drafter with its own head over ``VD`` target ids (every 25th), its rows moved off the target's."""
+@pytest.fixture(scope="module")
+def dflash_draft_vocabulary(dflash_setup):
+    """The DFlash drafter with its own head over ``VD`` target ids (every 25th), its rows moved off the target's."""
     from pipeline.drafters.dflash import DFlashDrafter
     from pipeline.vocab.counting import eagle3_offset_maps
 
+    drafter, target = dflash_setup[:2]
     config = dataclasses.replace(drafter.config, draft_vocab_size=VD)
     variant = DFlashDrafter(config, target.model.embed_tokens, target.lm_head)
     variant.load_state_dict(drafter.state_dict(), strict=False)
@@ -402,26 +412,66 @@ def dflash_compare(drafter, target, inputs: dict[str, torch.Tensor], theirs: dic
         assert extra == {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
 
 
-def run_dflash(python: Path, mode: str, model_dir: Path, verifier: Path, inputs: dict[str, torch.Tensor],
-               work: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    save_file({k: v.contiguous() for k, v in inputs.items()}, str(work / "inputs.safetensors"))
-    (work / "dflash_script.py").write_text(DFLASH_SCRIPT)
-    cmd = [str(python), str(work / "dflash_script.py"), mode, str(model_dir), str(verifier),
-           str(work / "inputs.safetensors"), str(work / "outputs.safetensors"), str(work / "converted")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_clean_env(), cwd=work)
-    assert done.returncode == 0, f"speculators could not load/run the DFlash export:\n{done.stderr[-4000:]}"
-    return load_file(work / "outputs.safetensors"), json.loads(done.stdout.strip().splitlines()[-1])
+# --- one speculators interpreter for every test's export ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def read(speculators_python: Path, setup, dflash_setup, dflash_draft_vocabulary,
+         tmp_path_factory: pytest.TempPathFactory):
+    """Every test's export, written here and read by speculators in one :data:`DRIVER` run; ``read(name)`` gives a
+    test its tensors and the script's JSON line, or fails it with speculators' traceback for that export alone."""
+    from pipeline.drafters.dflash_export import export_reference
+    from pipeline.drafters.dflash_export import export_speculators as export_dflash_speculators
+
+    work = tmp_path_factory.mktemp("speculators")
+    drafter, target_config, target_dir, inputs = setup
+    dflash, _, dflash_config, dflash_dir, dflash_inputs = dflash_setup
+    exports = {  # name: (script, mode, export, verifier, inputs)
+        "eagle3-speculators": (SCRIPT, "load", export_speculators(drafter, work / "eagle3-speculators",
+                               target_model=str(target_dir), target_config=target_config), target_dir, inputs),
+        "eagle3-reference": (SCRIPT, "convert", export_eagle3(drafter, work / "eagle3-reference",
+                             target_model=str(target_dir), target_config=target_config), target_dir, inputs),
+        "dflash-speculators": (DFLASH_SCRIPT, "load", export_dflash_speculators(
+            dflash, work / "dflash-speculators", target_model=str(dflash_dir), target_config=dflash_config),
+            dflash_dir, dflash_inputs),
+        "dflash-draft-vocabulary": (DFLASH_SCRIPT, "load", export_dflash_speculators(
+            dflash_draft_vocabulary, work / "dflash-draft-vocabulary", target_model=str(dflash_dir),
+            target_config=dflash_config), dflash_dir, dflash_inputs),
+        "dflash-reference": (DFLASH_SCRIPT, "convert", export_reference(
+            dflash, work / "dflash-reference", target_model=str(dflash_dir), target_config=dflash_config),
+            dflash_dir, dflash_inputs),
+    }
+    jobs = []
+    for name, (script, mode, out, verifier, tensors) in exports.items():
+        job = work / f"{name}.run"
+        job.mkdir()
+        (job / "script.py").write_text(script)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(job / "inputs.safetensors"))
+        jobs.append({"name": name, "script": str(job / "script.py"),
+                     "args": [mode, str(out), str(verifier), str(job / "inputs.safetensors"),
+                              str(job / "outputs.safetensors"), str(job / "converted")]})
+    (work / "jobs.json").write_text(json.dumps(jobs))
+    (work / "driver.py").write_text(DRIVER)
+    done = subprocess.run([str(speculators_python), str(work / "driver.py"), str(work / "jobs.json"),
+                           str(work / "report.json")], capture_output=True, text=True, timeout=900, env=_clean_env(),
+                          cwd=work)
+    assert done.returncode == 0, f"the speculators interpreter failed outside any one export:\n{done.stderr[-4000:]}"
+    report = json.loads((work / "report.json").read_text())
+
+    def read(name: str) -> tuple[dict[str, torch.Tensor], dict]:
+        if "error" in report[name]:
+            pytest.fail(f"speculators could not load/run the {name} export:\n{report[name]['error']}")
+        return load_file(work / f"{name}.run" / "outputs.safetensors"), \
+            json.loads(report[name]["stdout"].strip().splitlines()[-1])
+
+    return read
 
 
-def test_speculators_loads_and_runs_our_dflash_export(speculators_python: Path, dflash_setup, tmp_path: Path) -> None:
+def test_speculators_loads_and_runs_our_dflash_export(read, dflash_setup) -> None:
     """The speculators layout: aux_hidden_state_layer_ids = reference ids + 1 (the hidden_states indices our
     drafter was trained on), B − 1 speculative tokens, no sliding window (so vLLM's causal = not
     sliding_window_non_causal never applies: no layer is a sliding one), every tensor equal, the same block outputs."""
-    from pipeline.drafters.dflash_export import export_speculators
-
-    drafter, target, target_config, target_dir, inputs = dflash_setup
-    out = export_speculators(drafter, tmp_path / "spec", target_model=str(target_dir), target_config=target_config)
-    theirs, info = run_dflash(speculators_python, "load", out, target_dir, inputs, tmp_path)
+    drafter, target, _, _, inputs = dflash_setup
+    theirs, info = read("dflash-speculators")
     assert info["speculators"] == "0.9.0" and info["use_draft_vocab"] is False
     assert info["aux_hidden_state_layer_ids"] == list(drafter.config.hidden_state_indices)
     assert info["aux_hidden_state_layer_ids"] == [i + 1 for i in drafter.config.target_layer_ids]
@@ -430,29 +480,22 @@ def test_speculators_loads_and_runs_our_dflash_export(speculators_python: Path, 
     dflash_compare(drafter, target, inputs, theirs)
 
 
-def test_speculators_loads_and_runs_our_dflash_export_with_a_draft_vocabulary(speculators_python: Path, dflash_setup,
-                                                                               tmp_path: Path) -> None:
+def test_speculators_loads_and_runs_our_dflash_export_with_a_draft_vocabulary(read, dflash_setup,
+                                                                               dflash_draft_vocabulary) -> None:
     """A drafter with its own head over 40 of the 1,000 ids (``head: draft``): speculators reads it as a
     reduced-vocabulary DFlash (use_draft_vocab), keeps our head, d2t and t2d, and gives our 40-wide logits."""
-    from pipeline.drafters.dflash_export import export_speculators
-
-    drafter, target, target_config, target_dir, inputs = dflash_setup
-    drafter = draft_head_variant(drafter, target)
-    out = export_speculators(drafter, tmp_path / "spec", target_model=str(target_dir), target_config=target_config)
-    theirs, info = run_dflash(speculators_python, "load", out, target_dir, inputs, tmp_path)
+    _, target, _, _, inputs = dflash_setup
+    drafter = dflash_draft_vocabulary
+    theirs, info = read("dflash-draft-vocabulary")
     assert info["use_draft_vocab"] is True and theirs["logits"].shape[-1] == VD
     dflash_compare(drafter, target, inputs, theirs)
 
 
-def test_speculators_converts_and_runs_our_dflash_reference_export(speculators_python: Path, dflash_setup,
-                                                                   tmp_path: Path) -> None:
+def test_speculators_converts_and_runs_our_dflash_reference_export(read, dflash_setup) -> None:
     """speculators' DFlashConverter reads the reference layout (what vLLM and SGLang load) as it reads z-lab's
     checkpoints: target_layer_ids become hidden_states indices id + 1, the weights are taken as they are."""
-    from pipeline.drafters.dflash_export import export_reference
-
-    drafter, target, target_config, target_dir, inputs = dflash_setup
-    out = export_reference(drafter, tmp_path / "ref", target_model=str(target_dir), target_config=target_config)
-    theirs, info = run_dflash(speculators_python, "convert", out, target_dir, inputs, tmp_path)
+    drafter, target, _, _, inputs = dflash_setup
+    theirs, info = read("dflash-reference")
     assert info["aux_hidden_state_layer_ids"] == list(drafter.config.hidden_state_indices)
     assert info["block_size"] == DFLASH_BLOCK and info["mask_token_id"] == V - 1
     dflash_compare(drafter, target, inputs, theirs)
