@@ -107,13 +107,30 @@ class _Node:
     """t1 once known: -1 for none, :data:`_MIXED` where leaves below disagree."""
 
 
+class _Lazy(dict):
+    """A dict that computes a missing key's value with ``make(key)`` and keeps it."""
+
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key: Any) -> Any:
+        self[key] = value = self._make(key)
+        return value
+
+
 def _select_rows(cache: Any, index: Tensor) -> Any:
     """A new ``DynamicCache`` holding rows ``index`` of ``cache`` (which is left untouched)."""
     from transformers import DynamicCache
 
     if hasattr(cache, "layers"):  # transformers 5
+        # Built from empty rows, then handed the selected ones: a cache built from them would append them to its
+        # empty tensors, copying every row a second time (half of this function's time).
         pairs = [(layer.keys, layer.values) for layer in cache.layers]
-        return DynamicCache([(k.index_select(0, index), v.index_select(0, index)) for k, v in pairs])
+        selected = DynamicCache([(k[:0, ..., :0, :], v[:0, ..., :0, :]) for k, v in pairs])
+        for layer, (k, v) in zip(selected.layers, pairs, strict=True):
+            layer.keys, layer.values = k.index_select(0, index), v.index_select(0, index)
+        return selected
     pairs = list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers 4
     return DynamicCache.from_legacy_cache(tuple((k.index_select(0, index), v.index_select(0, index))
                                                 for k, v in pairs))  # fmt: skip
@@ -332,7 +349,7 @@ class SLRSProposer(CrossVocabDrafter):
         by node, then proves node by node, and gives up (marking nothing) at the first that fails.
         """
         whole = self.prune == "calls"
-        options = {index: _continuations(nodes[index].prefix) for index, _ in grow}
+        options = _Lazy(lambda index: _continuations(nodes[index].prefix))  # "calls" mostly stops at the first nodes
         survivors = grow
         for probes in (True, False):
             passed: list[tuple[tuple[int, int], int]] = []
@@ -350,7 +367,7 @@ class SLRSProposer(CrossVocabDrafter):
 
     def _agreeing(
         self,
-        options: dict[int, tuple[str, list[str]]],
+        options: _Lazy,
         grow: list[tuple[int, int]],
         context: list[int],
         memo: dict[str, int],
