@@ -19,6 +19,7 @@ decodes stay within |z| 2.4; the residual fault gives draft-order z -6.7 to -13.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from types import SimpleNamespace
 
@@ -26,12 +27,14 @@ import pytest
 import torch
 
 import pipeline.engine.rounds as rounds_module
+from pipeline.engine.inputs import ByteInputs
 from pipeline.engine.loop import GenerationResult, generate_autoregressive
 from pipeline.engine.methods import METHOD_NAMES
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.static import DecodeOptions
 from pipeline.engine.verify import verify_speculative
 from pipeline.evaluation.position_law import Decode, _grouped, position_law, round_offsets, sampled_decodes
+from tests.engine.conftest import kit_proposer, kit_proposer_inputs
 from tests.helpers import STATIC_FAMILIES
 
 GAMMA = 4
@@ -44,7 +47,21 @@ ORDINARY = "def add(a, b):\n    return"
 EXACT_MATCH = {"slem", "slem_bytes"}
 """Methods that verify by exact match and report no q: their check has no draft-order statistic."""
 
+BYTE_TRIE = {"byte_top_k": 3, "lookahead": 3}
+"""The byte drafters' strings here (the registry's default: 4 and 4): SLRS enumerates 27 strings a drafted token
+instead of 256 (its decodes take a third of the time), SLEM on bytes drafts 3 bytes a target token. The size changes
+no code path: SLRS's psi at this size equals an independent brute force in every pruning mode (``test_slrs.py``),
+and test_evaluate.py decodes with the same trie."""
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def proposers(kit) -> dict[str, object]:
+    """``tests/engine/conftest.py``'s proposers, the byte drafters' with :data:`BYTE_TRIE`."""
+    inputs = {method: dataclasses.replace(parts, **BYTE_TRIE) if isinstance(parts, ByteInputs) else parts
+              for method, parts in kit_proposer_inputs(kit).items()}
+    return {method: kit_proposer(kit, inputs, method) for method in (*METHOD_NAMES, "dflash_draft_head")}
 
 
 @pytest.fixture(scope="module")
