@@ -339,26 +339,21 @@ def test_a_kit_cache_that_cannot_be_written_is_refused_naming_it(tmp_path: Path,
     assert f".test-{kit_hash('test')}.lock" in err.value.found
 
 
-def test_every_role_of_a_profile_resolves_to_its_built_kit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``tiny:<profile>/<role>`` resolves for every role (drafter_bytes included) to the kit it builds, once."""
-    monkeypatch.setitem(PROFILES, "determinism", small_kit_profile())
-    counted = CountedRecipe()
-    monkeypatch.setattr(recipe, "build_into", counted)
-    for role in ROLES:
-        path = resolve_tiny_ref(f"tiny:determinism/{role}", tmp_path)
-        assert path == tmp_path / "tiny" / f"determinism-{kit_hash('determinism')}" / role
-        assert (path / "config.json").is_file(), role
-    assert counted.calls == 1
-
-
-def test_a_float32_kit_is_another_kit_built_without_autocast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DRAFTER_KIT_PRECISION=float32 hands the recipe a spec without mixed precision, under its own kit hash and
+def test_every_role_resolves_to_its_built_kit_and_a_float32_kit_is_another_kit_built_without_autocast(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tiny:<profile>/<role>`` resolves for every role (drafter_bytes included) to the kit it builds, once.
+    DRAFTER_KIT_PRECISION=float32 hands the recipe a spec without mixed precision, under its own kit hash and
     directory, so it never meets the kit the CPU's own precision built; another value is refused naming the knob."""
     monkeypatch.setitem(PROFILES, "determinism", small_kit_profile())
     counted = CountedRecipe()
     monkeypatch.setattr(recipe, "build_into", counted)
     monkeypatch.delenv("DRAFTER_KIT_PRECISION", raising=False)
     auto_hash = kit_hash("determinism")
+    for role in ROLES:
+        path = resolve_tiny_ref(f"tiny:determinism/{role}", tmp_path)
+        assert path == tmp_path / "tiny" / f"determinism-{auto_hash}" / role
+        assert (path / "config.json").is_file(), role
+    assert counted.calls == 1
     auto = resolve_tiny_ref("tiny:determinism/target", tmp_path)
     monkeypatch.setenv("DRAFTER_KIT_PRECISION", "float32")
     float32 = resolve_tiny_ref("tiny:determinism/target", tmp_path)
