@@ -14,16 +14,13 @@ ARGS ?=
 # The installer: uv (installed into .venv by pip first; it resolves the same versions as pip and installs them in
 # parallel: ~1.5 min here against ~4.5 for pip) or pip. uv does not read pip's configuration: the find-links pip
 # is given in the environment (PIP_FIND_LINKS, where this machine's CPU torch wheel lies) are passed on, and if uv
-# fails (an index only pip.conf names) pip installs instead. INSTALLER=pip skips uv. uv leaves the bytecode to Python,
-# which compiles each module the first time one is imported and keeps it: compiling every installed file up front
-# (pip's way, uv's --compile-bytecode) took 88 of the 97 CPU-seconds of an install here, while the modules the
-# pipeline and its tests import compile in about one.
+# fails (an index only pip.conf names) pip installs instead. INSTALLER=pip skips uv.
 INSTALLER ?= uv
 RUNTIME := $(VENV)/.installed-run
 DEV := $(VENV)/.installed-dev
 UV_LINKS := $(foreach links,$(PIP_FIND_LINKS),--find-links $(links))
 ifeq ($(INSTALLER),uv)
-install = ($(VENV)/bin/pip install -q uv && $(VENV)/bin/uv pip install -q --python $(VENV)/bin/python $(UV_LINKS) $(1)) \
+install = ($(VENV)/bin/pip install -q uv && $(VENV)/bin/uv pip install -q --compile-bytecode --python $(VENV)/bin/python $(UV_LINKS) $(1)) \
 	|| $(VENV)/bin/pip install -q $(1)
 else
 install = $(VENV)/bin/pip install -q $(1)
