@@ -18,7 +18,9 @@ acceptance and drafter calls per target token against (methods ``slrs`` and ``sl
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from typing import Any
 
 import torch
@@ -105,18 +107,6 @@ class _Node:
     """The drafting law over ``children`` (renormalised top-k), exactly as sampled from."""
     first: int | None = None
     """t1 once known: -1 for none, :data:`_MIXED` where leaves below disagree."""
-
-
-class _Lazy(dict):
-    """A dict that computes a missing key's value with ``make(key)`` and keeps it."""
-
-    def __init__(self, make: Any) -> None:
-        super().__init__()
-        self._make = make
-
-    def __missing__(self, key: Any) -> Any:
-        self[key] = value = self._make(key)
-        return value
 
 
 def _select_rows(cache: Any, index: Tensor) -> Any:
@@ -349,7 +339,7 @@ class SLRSProposer(CrossVocabDrafter):
         by node, then proves node by node, and gives up (marking nothing) at the first that fails.
         """
         whole = self.prune == "calls"
-        options = _Lazy(lambda index: _continuations(nodes[index].prefix))  # "calls" mostly stops at the first nodes
+        options = cache(lambda index: _continuations(nodes[index].prefix))  # "calls" mostly stops at the first nodes
         survivors = grow
         for probes in (True, False):
             passed: list[tuple[tuple[int, int], int]] = []
@@ -367,7 +357,7 @@ class SLRSProposer(CrossVocabDrafter):
 
     def _agreeing(
         self,
-        options: _Lazy,
+        options: Callable[[int], tuple[str, list[str]]],
         grow: list[tuple[int, int]],
         context: list[int],
         memo: dict[str, int],
@@ -378,7 +368,7 @@ class SLRSProposer(CrossVocabDrafter):
         count = len(_PROBES)
         texts = []
         for index, _ in grow:
-            own, rest = options[index]
+            own, rest = options(index)
             texts.append([own, *(rest[:count] if probes else rest[count:])])
         firsts = self._first_tokens(context, [text for group in texts for text in group], memo)
         agreed, at = [], 0
