@@ -147,9 +147,14 @@ def kit(tiny_kit) -> dict[str, tuple[torch.nn.Module, Any]]:
 def proposers(kit) -> dict[str, Any]:
     """Every registered method's proposer, built through the registry from :func:`kit_proposer_inputs`; and under
     ``dflash_draft_head`` a DFlash proposer whose drafter has its own head over the kit shortlist (``head: draft``)."""
+    return kit_proposers(kit, kit_proposer_inputs(kit))
+
+
+def kit_proposers(kit: dict[str, tuple[torch.nn.Module, Any]], inputs: dict[str, Any]) -> dict[str, Any]:
+    """Every registered method's proposer from ``inputs`` (:func:`kit_proposer_inputs`, or a module's variation of
+    them), and ``dflash_draft_head`` (:func:`kit_proposer`)."""
     from pipeline.engine.methods import METHOD_NAMES
 
-    inputs = kit_proposer_inputs(kit)
     return {method: kit_proposer(kit, inputs, method) for method in (*METHOD_NAMES, "dflash_draft_head")}
 
 

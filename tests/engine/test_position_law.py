@@ -34,7 +34,7 @@ from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.static import DecodeOptions
 from pipeline.engine.verify import verify_speculative
 from pipeline.evaluation.position_law import Decode, _grouped, position_law, round_offsets, sampled_decodes
-from tests.engine.conftest import kit_proposer, kit_proposer_inputs
+from tests.engine.conftest import kit_proposer_inputs, kit_proposers
 from tests.helpers import STATIC_FAMILIES
 
 GAMMA = 4
@@ -61,7 +61,7 @@ def proposers(kit) -> dict[str, object]:
     """``tests/engine/conftest.py``'s proposers, the byte drafters' with :data:`BYTE_TRIE`."""
     inputs = {method: dataclasses.replace(parts, **BYTE_TRIE) if isinstance(parts, ByteInputs) else parts
               for method, parts in kit_proposer_inputs(kit).items()}
-    return {method: kit_proposer(kit, inputs, method) for method in (*METHOD_NAMES, "dflash_draft_head")}
+    return kit_proposers(kit, inputs)
 
 
 @pytest.fixture(scope="module")
