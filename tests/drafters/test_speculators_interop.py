@@ -29,13 +29,8 @@ gives differences of order 1 (``norm_before_residual: true`` in the config: 0.5 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
-import os
-import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -47,9 +42,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.cache import default_cache_dir
 from pipeline.drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTCache
 from pipeline.drafters.export import SPECULATORS_KEYS, export_eagle3, export_speculators
-from pipeline.progress import heartbeat, stamped
 from pipeline.vocab.counting import eagle3_offset_maps
-from tests.tool_envs import tool_env_dir
+from tests.tool_envs import clean_env, ensure_tool_venv, tool_env_dir
 
 pytestmark = pytest.mark.interop
 
@@ -121,28 +115,6 @@ json.dump(report, open(report_path, "w"))
 
 # --- the venv --------------------------------------------------------------------------------------
 
-def _run(cmd: list[str], what: str, timeout: float) -> subprocess.CompletedProcess:
-    """Run a build step; on failure, fail the test with the command and the end of its output."""
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_clean_env())
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"Building the speculators venv: {what} took over {timeout:.0f} s: {' '.join(cmd)}")
-    if done.returncode:
-        noise = "WARNING: Location 'file:"  # pip's notes on absent local indexes configured on this machine
-        tail = "\n".join(line for line in (done.stdout + done.stderr).splitlines() if noise not in line)[-3000:]
-        pytest.fail(f"Building the speculators venv: {what} failed (exit {done.returncode}).\n"
-                    f"command: {' '.join(cmd)}\n{tail}\n"
-                    f"It needs pip to reach PyPI; delete {_venv_dir()} to start over.")
-    return done
-
-
-def _clean_env() -> dict[str, str]:
-    """Our environment without what would leak our venv or repo into the other interpreter; offline HF."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONNOUSERSITE="1")
-    return env
-
-
 def _venv_dir() -> Path:
     return tool_env_dir(VENV_NAME)
 
@@ -163,51 +135,10 @@ def test_the_venv_lives_apart_from_the_artifact_cache(tmp_path: Path, monkeypatc
         assert not _venv_dir().is_relative_to(default_cache_dir())
 
 
-def _uv_install(python: Path) -> bool:
-    """Install the pins with the uv beside our interpreter (``make setup`` installs it: the same versions as pip,
-    in a fraction of the time), passing on pip's find-links from the environment (uv does not read pip's
-    configuration). False where there is no uv or it failed (an index only pip.conf names): pip then installs."""
-    uv = Path(sys.executable).parent / "uv"
-    if not uv.is_file():
-        return False
-    links = [arg for links in os.environ.get("PIP_FIND_LINKS", "").split() for arg in ("--find-links", links)]
-    command = [str(uv), "pip", "install", "-q", "--compile-bytecode", "--python", str(python), *links, *PINS]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, env=_clean_env())
-    if done.returncode:
-        return False
-    _run([str(uv), "pip", "uninstall", "-q", "--python", str(python), "torchvision", "torchaudio"],
-         "removing torchvision/torchaudio", 300)
-    return True
-
-
-def ensure_speculators_venv() -> Path:
-    """The venv's python, building the venv first unless a complete one (stamp present) exists."""
-    venv = _venv_dir()
-    python, stamp = venv / "bin" / "python", venv / ".complete"
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / f".{VENV_NAME}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second pytest waits for the first one's build
-        if stamp.is_file() and json.loads(stamp.read_text()).get("pins") == list(PINS) and python.exists():
-            return python
-        shutil.rmtree(venv, ignore_errors=True)  # a half-built one, from an interrupted run
-        started = time.monotonic()
-        # minutes of installing with its output captured: a line every 30 s on the terminal pytest does not capture
-        with heartbeat(f"building the speculators venv in {venv}", stamped(sys.__stderr__)):
-            _run([sys.executable, "-m", "venv", str(venv)], "creating the venv", 300)
-            if not _uv_install(python):
-                pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
-                _run([*pip, "install", "-q", *PINS], f"pip install {' '.join(PINS)}", INSTALL_TIMEOUT_S)
-                _run([*pip, "uninstall", "-y", "-q", "torchvision", "torchaudio"], "removing torchvision/torchaudio",
-                     300)
-            _run([str(python), "-c", "from speculators.models.eagle3 import Eagle3DraftModel"],
-                 "importing speculators", 300)
-        stamp.write_text(json.dumps({"pins": list(PINS), "build_seconds": round(time.monotonic() - started, 1)}))
-        return python
-
-
 @pytest.fixture(scope="module")
 def speculators_python() -> Path:
-    return ensure_speculators_venv()
+    return ensure_tool_venv(VENV_NAME, PINS, remove=("torchvision", "torchaudio"),
+                            check="from speculators.models.eagle3 import Eagle3DraftModel", timeout=INSTALL_TIMEOUT_S)
 
 
 # --- the drafter and the comparison ----------------------------------------------------------------
@@ -452,7 +383,7 @@ def read(speculators_python: Path, setup, dflash_setup, dflash_draft_vocabulary,
     (work / "jobs.json").write_text(json.dumps(jobs))
     (work / "driver.py").write_text(DRIVER)
     done = subprocess.run([str(speculators_python), str(work / "driver.py"), str(work / "jobs.json"),
-                           str(work / "report.json")], capture_output=True, text=True, timeout=900, env=_clean_env(),
+                           str(work / "report.json")], capture_output=True, text=True, timeout=900, env=clean_env(),
                           cwd=work)
     assert done.returncode == 0, f"the speculators interpreter failed outside any one export:\n{done.stderr[-4000:]}"
     report = json.loads((work / "report.json").read_text())
